@@ -1,0 +1,19 @@
+# The CPU kernels are one source compiled once per instruction set, each copy in its own namespace;
+# the backend picks the best one the running CPU supports, so a wheel built here runs on any x86-64.
+function(flashdl_cpu_isa_sources out_var)
+  set(_dir ${CMAKE_CURRENT_SOURCE_DIR}/src/cpu)
+  set(_sources ${_dir}/isa_generic.cpp)
+  set(_is_x86 OFF)
+  if(CMAKE_SYSTEM_PROCESSOR MATCHES "^(x86_64|AMD64|amd64|i[3-6]86)$")
+    set(_is_x86 ON)
+  endif()
+  if(_is_x86 AND CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
+    list(APPEND _sources ${_dir}/isa_avx2.cpp ${_dir}/isa_avx512.cpp)
+    set_source_files_properties(${_dir}/isa_avx2.cpp PROPERTIES
+      COMPILE_OPTIONS "-mavx2;-mfma;-mf16c")
+    set_source_files_properties(${_dir}/isa_avx512.cpp PROPERTIES
+      COMPILE_OPTIONS "-mavx512f;-mavx512bw;-mavx512vl;-mavx512dq;-mavx2;-mfma;-mf16c")
+    set_property(SOURCE ${_dir}/backend.cpp APPEND PROPERTY COMPILE_DEFINITIONS FLASHDL_X86_ISAS=1)
+  endif()
+  set(${out_var} ${_sources} PARENT_SCOPE)
+endfunction()

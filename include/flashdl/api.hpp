@@ -1,0 +1,59 @@
+// The public entry points. Every call validates its arguments in one place (api.cpp), picks the
+// backend from the tensors' device and the schedule from the options, and throws flashdl::Error
+// naming the bad argument. Outputs are written in place (destination passing); inputs are never
+// written.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+#include "flashdl/params.hpp"
+#include "flashdl/tensor.hpp"
+
+namespace flashdl {
+
+enum class ErrorKind : int {
+  value = 0,        // a bad shape, stride, option value: Python ValueError
+  type = 1,         // a bad dtype or array type: Python TypeError
+  unsupported = 2,  // valid request this build or device cannot serve: Python RuntimeError
+  runtime = 3,      // a failure while running (CUDA error, allocation): Python RuntimeError
+};
+
+class Error : public std::runtime_error {
+ public:
+  Error(ErrorKind kind, const std::string& what) : std::runtime_error(what), kind_(kind) {}
+  ErrorKind kind() const { return kind_; }
+
+ private:
+  ErrorKind kind_;
+};
+
+// q (batch, seqlen_q, nheads, headdim); k, v (batch, seqlen_k, nheads_kv, headdim);
+// out like q (dtype of q); lse float32 (batch, nheads, seqlen_q).
+void forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+             const TensorView& lse, const Options& options);
+
+// dq, dk, dv shaped and typed like q, k, v; out and lse as the forward returned them.
+void backward(const TensorView& dout, const TensorView& q, const TensorView& k,
+              const TensorView& v, const TensorView& out, const TensorView& lse,
+              const TensorView& dq, const TensorView& dk, const TensorView& dv,
+              const Options& options);
+
+// What this build and machine offer.
+struct BuildInfo {
+  std::string version;
+  bool cuda_compiled;
+  std::string cuda_architectures;  // e.g. "80;90", empty without CUDA
+  int cuda_device_count;           // 0 when no driver or device; never throws
+  std::string cuda_status;         // "ok", or why no device is usable
+  std::string cpu_isa;             // the vector kernels chosen at run time: avx512, avx2, generic
+  int cpu_threads;                 // threads the CPU backend uses
+  int64_t cpu_sram_bytes;          // the fa1 on-chip budget M the CPU backend uses by default
+};
+
+BuildInfo build_info();
+
+// CPU threads for later calls; 0 restores the default (FLASHDL_NUM_THREADS or the core count).
+void set_num_threads(int n);
+
+}  // namespace flashdl

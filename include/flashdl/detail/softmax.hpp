@@ -1,0 +1,75 @@
+// Online softmax in the exp2 domain, shared by the CPU and the CUDA kernels.
+// Scores arrive already multiplied by scale * log2(e), so exp(scale * s - m) = exp2(t - m2).
+#pragma once
+
+#include <cmath>
+
+#include "flashdl/detail/macros.hpp"
+
+namespace flashdl::detail {
+
+constexpr double kLog2e = 1.4426950408889634074;
+constexpr double kLn2 = 0.69314718055994530942;
+
+// The one place that guards (-inf) - (-inf): a running max of -inf (every key so far masked) is
+// replaced by 0 as the reference point, so exp2(-inf - 0) = 0 and nothing becomes NaN.
+template <typename T>
+FLASHDL_HD T softmax_reference_point(T m) {
+  return m == -INFINITY ? T(0) : m;
+}
+
+template <typename T>
+FLASHDL_HD T fast_max(T a, T b) {
+  return a > b ? a : b;
+}
+
+// Per-row state {m, l} of the online softmax (the accumulator o lives with the caller).
+template <typename T>
+struct OnlineSoftmax {
+  T m = -INFINITY;  // running max of the scaled log2-domain scores
+  T l = T(0);       // running sum of exp2(t - m)
+
+  // Step 1: a new block with row max `block_max` arrives. Returns the factor by which the
+  // accumulator and l must be multiplied, and updates m. After this call, reference() is the
+  // point to subtract from the block's scores before exp2.
+  FLASHDL_HD T rescale_factor(T block_max) {
+    const T m_new = fast_max(m, block_max);
+    const T alpha = exp2_(m - softmax_reference_point(m_new));
+    m = m_new;
+    return alpha;
+  }
+  FLASHDL_HD T reference() const { return softmax_reference_point(m); }
+
+  // Step 2: add the block's row sum of exp2(t - reference()), after rescaling by alpha.
+  FLASHDL_HD void accumulate(T alpha, T block_sum) { l = l * alpha + block_sum; }
+
+  // Step 3: the factor that normalises the accumulator; 0 for a row that saw no key.
+  FLASHDL_HD T inv_l() const { return l > T(0) ? T(1) / l : T(0); }
+
+  // Step 4: natural-log logsumexp of the scaled scores; -inf for a row that saw no key.
+  FLASHDL_HD T lse() const {
+    return l > T(0) ? (m + log2_(l)) * T(kLn2) : T(-INFINITY);
+  }
+
+  static FLASHDL_HD T exp2_(T x) { return exp2(x); }
+  static FLASHDL_HD T log2_(T x) { return log2(x); }
+};
+
+// Merges two normalised partial results over disjoint key sets: (o_a, lse_a) and (o_b, lse_b)
+// give the o and lse of the union. Returns the weights to apply to o_a and o_b.
+template <typename T>
+struct MergeWeights {
+  T wa, wb, lse;
+};
+
+template <typename T>
+FLASHDL_HD MergeWeights<T> merge_weights(T lse_a, T lse_b) {
+  const T m = fast_max(lse_a, lse_b);
+  if (m == -INFINITY) return {T(0), T(0), T(-INFINITY)};
+  const T ea = exp(lse_a - m);
+  const T eb = exp(lse_b - m);
+  const T s = ea + eb;
+  return {ea / s, eb / s, m + log(s)};
+}
+
+}  // namespace flashdl::detail

@@ -1,0 +1,79 @@
+// What a caller asks for (Options) and the one flat struct a backend receives (Params).
+#pragma once
+
+#include <cstdint>
+#include <limits>
+
+#include "flashdl/tensor.hpp"
+
+namespace flashdl {
+
+// fa1: Algorithm 1/4 of the FlashAttention paper as written. fa2: the FlashAttention-2 schedule.
+// reference: naive float64 attention that materialises the N x N matrix (the test oracle).
+enum class Schedule : int { automatic = 0, fa1 = 1, fa2 = 2, reference = 3 };
+
+const char* schedule_name(Schedule s);
+
+struct Options {
+  float softmax_scale = std::numeric_limits<float>::quiet_NaN();  // NaN: 1/sqrt(headdim)
+  bool causal = false;
+  int64_t window_left = -1;   // -1: unbounded
+  int64_t window_right = -1;  // -1: unbounded
+  Schedule schedule = Schedule::automatic;
+  float dropout_p = 0.0f;
+  uint64_t seed = 0;
+  uint64_t offset = 0;
+  bool deterministic = false;
+  void* stream = nullptr;     // cudaStream_t for CUDA work; ignored on the CPU
+  int64_t sram_bytes = 0;     // fa1 on-chip budget M in bytes; 0: from the device (CPU: L2 cache)
+  int num_threads = 0;        // CPU threads; 0: the library default
+};
+
+// One flat POD per call, filled and validated by api.cpp alone. Strides are in elements.
+struct Params {
+  DType dtype;
+  Device device;
+
+  const void* q_ptr;
+  const void* k_ptr;
+  const void* v_ptr;
+  void* o_ptr;
+  float* lse_ptr;
+
+  // backward only (null in the forward)
+  const void* do_ptr;
+  void* dq_ptr;
+  void* dk_ptr;
+  void* dv_ptr;
+
+  int64_t batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim;
+  int64_t h_h_k_ratio;  // nheads / nheads_kv
+
+  int64_t q_batch_stride, q_row_stride, q_head_stride;
+  int64_t k_batch_stride, k_row_stride, k_head_stride;
+  int64_t v_batch_stride, v_row_stride, v_head_stride;
+  int64_t o_batch_stride, o_row_stride, o_head_stride;
+  int64_t lse_batch_stride, lse_head_stride, lse_row_stride;
+  int64_t do_batch_stride, do_row_stride, do_head_stride;
+  int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
+  int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
+  int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
+
+  float scale_softmax;       // applied to QK^T
+  float scale_softmax_log2;  // scale_softmax * log2(e): the kernels work in the exp2 domain
+
+  // Visibility window, resolved: causal is (left, 0). -1 = unbounded.
+  bool is_causal;
+  int64_t window_left, window_right;
+
+  float p_dropout;  // probability of dropping
+  uint64_t seed, offset;
+
+  Schedule schedule;  // never automatic here: api.cpp resolves it
+  bool deterministic;
+  void* stream;
+  int64_t sram_bytes;
+  int num_threads;
+};
+
+}  // namespace flashdl

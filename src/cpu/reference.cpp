@@ -1,0 +1,171 @@
+// The test oracle: naive attention in float64 that materialises the N x N score matrix.
+// Backward recomputes everything from q, k, v and dout (it ignores out and lse), so it is the exact
+// gradient of the forward, not of whatever a schedule saved.
+#include <cmath>
+#include <vector>
+
+#include "cpu/convert.hpp"
+#include "cpu/schedules.hpp"
+#include "cpu/threads.hpp"
+#include "flashdl/detail/mask.hpp"
+#include "flashdl/detail/philox.hpp"
+
+namespace flashdl::cpu {
+
+namespace {
+
+using detail::Mask;
+
+struct Head {
+  const Params& p;
+  int64_t b, h;
+  int64_t hk() const { return h / p.h_h_k_ratio; }
+  double q(int64_t i, int64_t c) const {
+    return load_as_double(p.q_ptr, p.dtype,
+                          b * p.q_batch_stride + i * p.q_row_stride + h * p.q_head_stride + c);
+  }
+  double k(int64_t j, int64_t c) const {
+    return load_as_double(p.k_ptr, p.dtype,
+                          b * p.k_batch_stride + j * p.k_row_stride + hk() * p.k_head_stride + c);
+  }
+  double v(int64_t j, int64_t c) const {
+    return load_as_double(p.v_ptr, p.dtype,
+                          b * p.v_batch_stride + j * p.v_row_stride + hk() * p.v_head_stride + c);
+  }
+  double dout(int64_t i, int64_t c) const {
+    return load_as_double(p.do_ptr, p.dtype,
+                          b * p.do_batch_stride + i * p.do_row_stride + h * p.do_head_stride + c);
+  }
+  // Dropout multiplier of element (i, j): 0 or 1 / (1 - p).
+  double keep_scale(int64_t i, int64_t j) const {
+    if (p.p_dropout <= 0.0f) return 1.0;
+    const bool keep = detail::dropout_keep(p.p_dropout, p.seed, p.offset,
+                                           static_cast<uint64_t>(b * p.nheads + h), i, j);
+    return keep ? 1.0 / (1.0 - static_cast<double>(p.p_dropout)) : 0.0;
+  }
+};
+
+// P (row-normalised probabilities, 0 where masked) and the natural-log lse of each row.
+void softmax_rows(const Params& p, const Head& hd, std::vector<double>& P, std::vector<double>& lse) {
+  const int64_t sq = p.seqlen_q, sk = p.seqlen_k, d = p.headdim;
+  const Mask mask{sq, sk, p.window_left, p.window_right};
+  const double scale = p.scale_softmax;
+  P.assign(sq * sk, 0.0);
+  lse.assign(sq, -INFINITY);
+  std::vector<double> kd(sk * d);
+  for (int64_t j = 0; j < sk; ++j)
+    for (int64_t c = 0; c < d; ++c) kd[j * d + c] = hd.k(j, c);
+  std::vector<double> qi(d);
+  for (int64_t i = 0; i < sq; ++i) {
+    for (int64_t c = 0; c < d; ++c) qi[c] = hd.q(i, c);
+    double m = -INFINITY;
+    double* row = &P[i * sk];
+    for (int64_t j = 0; j < sk; ++j) {
+      if (!mask.visible(i, j)) {
+        row[j] = -INFINITY;
+        continue;
+      }
+      double s = 0;
+      for (int64_t c = 0; c < d; ++c) s += qi[c] * kd[j * d + c];
+      row[j] = s * scale;
+      m = std::fmax(m, row[j]);
+    }
+    if (m == -INFINITY) {  // no visible key: P = 0, lse = -inf
+      for (int64_t j = 0; j < sk; ++j) row[j] = 0.0;
+      continue;
+    }
+    double l = 0;
+    for (int64_t j = 0; j < sk; ++j) l += (row[j] = std::exp(row[j] - m));
+    for (int64_t j = 0; j < sk; ++j) row[j] /= l;
+    lse[i] = m + std::log(l);
+  }
+}
+
+}  // namespace
+
+void reference_forward(const Params& p, int threads) {
+  parallel_for(p.batch * p.nheads, threads, [&](int64_t begin, int64_t end, int) {
+    std::vector<double> P, lse, acc(p.headdim);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const Head hd{p, bh / p.nheads, bh % p.nheads};
+      softmax_rows(p, hd, P, lse);
+      for (int64_t i = 0; i < p.seqlen_q; ++i) {
+        std::fill(acc.begin(), acc.end(), 0.0);
+        for (int64_t j = 0; j < p.seqlen_k; ++j) {
+          const double w = P[i * p.seqlen_k + j] * hd.keep_scale(i, j);
+          if (w == 0.0) continue;
+          for (int64_t c = 0; c < p.headdim; ++c) acc[c] += w * hd.v(j, c);
+        }
+        const int64_t o = hd.b * p.o_batch_stride + i * p.o_row_stride + hd.h * p.o_head_stride;
+        for (int64_t c = 0; c < p.headdim; ++c) store_from_double(p.o_ptr, p.dtype, o + c, acc[c]);
+        p.lse_ptr[hd.b * p.lse_batch_stride + hd.h * p.lse_head_stride + i * p.lse_row_stride] =
+            static_cast<float>(lse[i]);
+      }
+    }
+  });
+}
+
+void reference_backward(const Params& p, int threads) {
+  const int64_t sq = p.seqlen_q, sk = p.seqlen_k, d = p.headdim;
+  // One task per (batch, kv head): dk and dv sum over the query heads of the group.
+  parallel_for(p.batch * p.nheads_kv, threads, [&](int64_t begin, int64_t end, int) {
+    std::vector<double> P, lse, dP(sq * sk), dk(sk * d), dv(sk * d), dq(sq * d), dO(sq * d), D(sq);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / p.nheads_kv, hk = task % p.nheads_kv;
+      std::fill(dk.begin(), dk.end(), 0.0);
+      std::fill(dv.begin(), dv.end(), 0.0);
+      for (int64_t h = hk * p.h_h_k_ratio; h < (hk + 1) * p.h_h_k_ratio; ++h) {
+        const Head hd{p, b, h};
+        softmax_rows(p, hd, P, lse);
+        for (int64_t i = 0; i < sq; ++i)
+          for (int64_t c = 0; c < d; ++c) dO[i * d + c] = hd.dout(i, c);
+        // dV = (P * Z)^T dO;  dP = (dO V^T) * Z;  D = rowsum(P * dP)
+        for (int64_t i = 0; i < sq; ++i) {
+          D[i] = 0;
+          for (int64_t j = 0; j < sk; ++j) {
+            const double pij = P[i * sk + j];
+            if (pij == 0.0) {
+              dP[i * sk + j] = 0;
+              continue;
+            }
+            const double z = hd.keep_scale(i, j);
+            double dpd = 0;
+            for (int64_t c = 0; c < d; ++c) {
+              const double vjc = hd.v(j, c);
+              dv[j * d + c] += pij * z * dO[i * d + c];
+              dpd += dO[i * d + c] * vjc;
+            }
+            dP[i * sk + j] = dpd * z;
+            D[i] += pij * dP[i * sk + j];
+          }
+        }
+        // dS = P * (dP - D);  dQ = scale dS K;  dK = scale dS^T Q
+        std::fill(dq.begin(), dq.end(), 0.0);
+        for (int64_t i = 0; i < sq; ++i)
+          for (int64_t j = 0; j < sk; ++j) {
+            const double pij = P[i * sk + j];
+            if (pij == 0.0) continue;
+            const double ds = pij * (dP[i * sk + j] - D[i]) * p.scale_softmax;
+            for (int64_t c = 0; c < d; ++c) {
+              dq[i * d + c] += ds * hd.k(j, c);
+              dk[j * d + c] += ds * hd.q(i, c);
+            }
+          }
+        for (int64_t i = 0; i < sq; ++i) {
+          const int64_t o = b * p.dq_batch_stride + i * p.dq_row_stride + h * p.dq_head_stride;
+          for (int64_t c = 0; c < d; ++c) store_from_double(p.dq_ptr, p.dtype, o + c, dq[i * d + c]);
+        }
+      }
+      for (int64_t j = 0; j < sk; ++j) {
+        const int64_t ok = b * p.dk_batch_stride + j * p.dk_row_stride + hk * p.dk_head_stride;
+        const int64_t ov = b * p.dv_batch_stride + j * p.dv_row_stride + hk * p.dv_head_stride;
+        for (int64_t c = 0; c < d; ++c) {
+          store_from_double(p.dk_ptr, p.dtype, ok + c, dk[j * d + c]);
+          store_from_double(p.dv_ptr, p.dtype, ov + c, dv[j * d + c]);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace flashdl::cpu

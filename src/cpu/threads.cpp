@@ -1,0 +1,124 @@
+#include "cpu/threads.hpp"
+
+#include <condition_variable>
+#include <cstdlib>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace flashdl::cpu {
+
+namespace {
+
+class Pool {
+ public:
+  ~Pool() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& w : workers_) w.join();
+  }
+
+  void run(int64_t n, int threads,
+           const std::function<void(int64_t, int64_t, int)>& fn) {
+    std::lock_guard<std::mutex> serial(run_mu_);  // one parallel region at a time
+    ensure_workers(threads - 1);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      fn_ = &fn;
+      n_ = n;
+      threads_ = threads;
+      pending_ = threads - 1;
+      error_ = nullptr;
+      ++generation_;
+    }
+    cv_.notify_all();
+    run_slice(0);
+    std::unique_lock<std::mutex> lock(mu_);
+    done_cv_.wait(lock, [&] { return pending_ == 0; });
+    fn_ = nullptr;
+    if (error_) std::rethrow_exception(error_);
+  }
+
+ private:
+  void ensure_workers(int count) {
+    while (static_cast<int>(workers_.size()) < count) {
+      const int index = static_cast<int>(workers_.size()) + 1;
+      workers_.emplace_back([this, index] { worker(index); });
+    }
+  }
+
+  void run_slice(int t) {
+    int64_t b, e;
+    static_slice(n_, threads_, t, b, e);
+    if (b >= e) return;
+    try {
+      (*fn_)(b, e, t);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!error_) error_ = std::current_exception();
+    }
+  }
+
+  void worker(int index) {
+    uint64_t seen = 0;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
+        if (stop_) return;
+        seen = generation_;
+        if (index >= threads_) continue;  // not part of this region
+      }
+      run_slice(index);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (--pending_ == 0) done_cv_.notify_one();
+      }
+    }
+  }
+
+  std::mutex run_mu_;
+  std::mutex mu_;
+  std::condition_variable cv_, done_cv_;
+  std::vector<std::thread> workers_;
+  const std::function<void(int64_t, int64_t, int)>* fn_ = nullptr;
+  int64_t n_ = 0;
+  int threads_ = 1;
+  int pending_ = 0;
+  uint64_t generation_ = 0;
+  bool stop_ = false;
+  std::exception_ptr error_;
+};
+
+Pool& pool() {
+  static Pool* p = new Pool();  // never destroyed: workers may outlive static destruction order
+  return *p;
+}
+
+}  // namespace
+
+int default_num_threads() {
+  if (const char* env = std::getenv("FLASHDL_NUM_THREADS")) {
+    const int n = std::atoi(env);
+    if (n > 0) return n;
+  }
+  const unsigned hw = std::thread::hardware_concurrency();
+  return hw > 0 ? static_cast<int>(hw) : 1;
+}
+
+void parallel_for(int64_t n, int threads,
+                  const std::function<void(int64_t, int64_t, int)>& fn) {
+  if (n <= 0) return;
+  if (threads > n) threads = static_cast<int>(n);
+  if (threads <= 1) {
+    fn(0, n, 0);
+    return;
+  }
+  pool().run(n, threads, fn);
+}
+
+}  // namespace flashdl::cpu

@@ -1,0 +1,21 @@
+// The CUDA half of backend.hpp in a build without the CUDA backend.
+#include "backend.hpp"
+#include "flashdl/api.hpp"
+
+namespace flashdl::cuda {
+
+bool compiled() { return false; }
+std::string architectures() { return ""; }
+int device_count(std::string* status) {
+  if (status) *status = "flashdl was built without the CUDA backend";
+  return 0;
+}
+
+[[noreturn]] static void not_built() {
+  throw Error(ErrorKind::unsupported, "q: a CUDA array was given but flashdl was built without "
+                                      "the CUDA backend (rebuild with FLASHDL_CUDA=ON)");
+}
+void forward(const Params&) { not_built(); }
+void backward(const Params&) { not_built(); }
+
+}  // namespace flashdl::cuda
