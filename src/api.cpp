@@ -27,6 +27,13 @@ const char* schedule_name(Schedule s) {
   return "unknown schedule";
 }
 
+Schedule parse_schedule(const std::string& name) {
+  for (Schedule s : {Schedule::automatic, Schedule::fa1, Schedule::fa2, Schedule::reference})
+    if (name == schedule_name(s)) return s;
+  throw Error(ErrorKind::value,
+              "schedule: expected 'auto', 'fa1', 'fa2' or 'reference', got '" + name + "'");
+}
+
 namespace {
 
 std::string shape_str(const TensorView& t) {

@@ -39,6 +39,9 @@ void backward(const TensorView& dout, const TensorView& q, const TensorView& k,
               const TensorView& dq, const TensorView& dk, const TensorView& dv,
               const Options& options);
 
+// "auto", "fa1", "fa2" or "reference"; anything else throws Error(value) naming `schedule`.
+Schedule parse_schedule(const std::string& name);
+
 // What this build and machine offer.
 struct BuildInfo {
   std::string version;
