@@ -10,9 +10,9 @@ function(flashdl_cpu_isa_sources out_var)
   if(_is_x86 AND CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
     list(APPEND _sources ${_dir}/isa_avx2.cpp ${_dir}/isa_avx512.cpp)
     set_source_files_properties(${_dir}/isa_avx2.cpp PROPERTIES
-      COMPILE_OPTIONS "-mavx2;-mfma;-mf16c")
+      COMPILE_OPTIONS "-mavx2;-mfma;-mf16c;-ffp-contract=fast")
     set_source_files_properties(${_dir}/isa_avx512.cpp PROPERTIES
-      COMPILE_OPTIONS "-mavx512f;-mavx512bw;-mavx512vl;-mavx512dq;-mavx2;-mfma;-mf16c")
+      COMPILE_OPTIONS "-mavx512f;-mavx512bw;-mavx512vl;-mavx512dq;-mavx2;-mfma;-mf16c;-ffp-contract=fast")
     set_property(SOURCE ${_dir}/backend.cpp APPEND PROPERTY COMPILE_DEFINITIONS FLASHDL_X86_ISAS=1)
   endif()
   set(${out_var} ${_sources} PARENT_SCOPE)

@@ -1,0 +1,220 @@
+// The FlashAttention-2 schedule on the CPU.
+// Forward: a task is one Q block of one head; the inner loop walks its visible K/V blocks keeping
+// an unnormalised accumulator, normalised once at the end; lse is saved.
+// Backward: a task is one K/V block of one kv head; dK and dV stay in the thread's buffers, dQ is
+// accumulated in per-thread partial sums over the thread's static slice and reduced in thread
+// order, so results are bitwise reproducible for a given thread count.
+
+// Measured on a 2-core AVX2 machine (benchmarks/results/cpu_tuning.md).
+inline int64_t fa2_block_rows() { return 48; }
+inline int64_t fa2_block_cols() { return 96; }
+
+// K^T (d x nkb*Bcp) and V (nkb*Bcp x dp) of one (batch, kv head), each K/V block padded to Bcp.
+template <typename T>
+struct PackedKV {
+  Buffer<T> Kt, V, scratch;
+  int64_t key = -1;
+  int64_t ldkt = 0;
+
+  void pack(const Params& p, const Geometry<T>& g, int64_t b, int64_t hk) {
+    const int64_t k = b * p.nheads_kv + hk;
+    if (k == key) return;
+    key = k;
+    ldkt = g.nkb * g.Bcp;
+    T* kt = Kt.get(g.d * ldkt);
+    T* v = V.get(ldkt * g.dp);
+    T* tmp = scratch.get(g.dp);
+    for (int64_t kb = 0; kb < g.nkb; ++kb) {
+      const int64_t j0 = kb * g.Bc, cols = std::min(g.Bc, p.seqlen_k - j0);
+      // Transposed block: row c of kt holds column c of this K block at [kb*Bcp, (kb+1)*Bcp).
+      for (int64_t c = 0; c < g.d; ++c)
+        std::fill(kt + c * ldkt + kb * g.Bcp + cols, kt + c * ldkt + (kb + 1) * g.Bcp, T(0));
+      for (int64_t j = 0; j < cols; ++j) {
+        convert_row_in(element(p.k_ptr, p.dtype, k_offset(p, b, j0 + j, hk)), p.dtype, g.d, tmp);
+        for (int64_t c = 0; c < g.d; ++c) kt[c * ldkt + kb * g.Bcp + j] = tmp[c];
+      }
+      load_rows(element(p.v_ptr, p.dtype, v_offset(p, b, j0, hk)), p.dtype, p.v_row_stride, cols,
+                g.d, v + kb * g.Bcp * g.dp, g.dp, g.Bcp);
+    }
+  }
+};
+
+template <typename T>
+void fa2_forward_impl(const Params& p, int threads) {
+  const Geometry<T> g = make_geometry<T>(p, fa2_block_rows(), fa2_block_cols());
+  const Mask mask = mask_of(p);
+  const bool zigzag = mask_limits(p);
+  parallel_for(p.batch * p.nheads * g.nqb, threads, [&](int64_t begin, int64_t end, int) {
+    PackedKV<T> kv;
+    Buffer<T> qbuf, sbuf, obuf, mbuf;
+    T* Q = qbuf.get(g.Brp * g.dp);
+    T* S = sbuf.get(g.Brp * g.Bcp);
+    T* O = obuf.get(g.Brp * g.dp);
+    T* row_max = mbuf.get(g.Brp);
+    std::vector<detail::OnlineSoftmax<T>> sm(static_cast<size_t>(g.Brp));
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / g.nqb;
+      const int64_t b = bh / p.nheads, h = bh % p.nheads, hk = h / p.h_h_k_ratio;
+      const int64_t qb = block_order(task % g.nqb, g.nqb, zigzag);
+      const int64_t i0 = qb * g.Br, rows = std::min(g.Br, p.seqlen_q - i0);
+      const int64_t j_begin = mask.block_col_begin(i0), j_end = mask.block_col_end(i0 + rows);
+
+      std::fill(O, O + g.Brp * g.dp, T(0));
+      std::fill(sm.begin(), sm.end(), detail::OnlineSoftmax<T>{});
+      if (j_begin < j_end) {
+        kv.pack(p, g, b, hk);
+        load_rows(element(p.q_ptr, p.dtype, q_offset(p, b, i0, h)), p.dtype, p.q_row_stride, rows,
+                  g.d, Q, g.dp, g.Brp);
+        for (int64_t kb = j_begin / g.Bc; kb * g.Bc < j_end; ++kb) {
+          const int64_t j0 = kb * g.Bc, cols = std::min(g.Bc, p.seqlen_k - j0);
+          masked_scores(g, mask, Q, kv.Kt.data.data() + kb * g.Bcp, kv.ldkt, S, i0, rows, j0, cols,
+                        row_max);
+          for (int64_t r = 0; r < rows; ++r) {
+            const T alpha = sm[r].rescale_factor(row_max[r]);
+            sm[r].accumulate(alpha, row_exp2_sum(S + r * g.Bcp, g.Bcp, sm[r].reference()));
+            if (alpha != T(1)) row_scale(O + r * g.dp, g.dp, alpha);
+          }
+          for (int64_t r = rows; r < g.Brp; ++r) std::fill(S + r * g.Bcp, S + (r + 1) * g.Bcp, T(0));
+          if (p.p_dropout > 0.0f) apply_dropout(g, p, b, h, i0, rows, j0, cols, S);
+          gemm<T, false, true>(g.Brp, g.dp, g.Bcp, S, g.Bcp, kv.V.data.data() + kb * g.Bcp * g.dp,
+                               g.dp, O, g.dp);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        convert_row_out(O + r * g.dp, sm[r].inv_l(), g.d,
+                        element(p.o_ptr, p.dtype, o_offset(p, b, i0 + r, h)), p.dtype);
+        lse_at(p, b, h, i0 + r) = static_cast<float>(sm[r].lse());
+      }
+    }
+  });
+}
+
+// Q and dO converted to T and padded, with lse in the exp2 domain and D = rowsum(dO * O), for every
+// (batch, head): the backward pass's preprocessing. Each head holds rows_alloc >= (nqb-1)*Br + Brp
+// rows so any block may read a full padded tile.
+template <typename T>
+struct BackwardInputs {
+  std::vector<T> Q, dO, L2, D;
+  int64_t rows_alloc;
+
+  T* q(int64_t bh, int64_t i) { return Q.data() + (bh * rows_alloc + i) * dp_; }
+  T* dout(int64_t bh, int64_t i) { return dO.data() + (bh * rows_alloc + i) * dp_; }
+  T* l2(int64_t bh, int64_t i) { return L2.data() + bh * rows_alloc + i; }
+  T* d(int64_t bh, int64_t i) { return D.data() + bh * rows_alloc + i; }
+  int64_t dp_ = 0;
+};
+
+template <typename T>
+void prepare_backward_inputs(const Params& p, const Geometry<T>& g, int threads,
+                             BackwardInputs<T>& in) {
+  in.dp_ = g.dp;
+  in.rows_alloc = std::max<int64_t>(g.nqb - 1, 0) * g.Br + g.Brp;
+  const int64_t nbh = p.batch * p.nheads;
+  in.Q.assign(static_cast<size_t>(nbh * in.rows_alloc * g.dp), T(0));
+  in.dO.assign(in.Q.size(), T(0));
+  in.L2.assign(static_cast<size_t>(nbh * in.rows_alloc), T(0));
+  in.D.assign(in.L2.size(), T(0));
+  parallel_for(nbh * g.nqb, threads, [&](int64_t begin, int64_t end, int) {
+    Buffer<T> obuf;
+    T* O = obuf.get(g.dp);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / g.nqb, b = bh / p.nheads, h = bh % p.nheads;
+      const int64_t i0 = (task % g.nqb) * g.Br, rows = std::min(g.Br, p.seqlen_q - i0);
+      load_rows(element(p.q_ptr, p.dtype, q_offset(p, b, i0, h)), p.dtype, p.q_row_stride, rows,
+                g.d, in.q(bh, i0), g.dp, rows);
+      load_rows(element(p.do_ptr, p.dtype, do_offset(p, b, i0, h)), p.dtype, p.do_row_stride, rows,
+                g.d, in.dout(bh, i0), g.dp, rows);
+      for (int64_t r = 0; r < rows; ++r) {
+        load_rows(element(p.o_ptr, p.dtype, o_offset(p, b, i0 + r, h)), p.dtype, 0, 1, g.d, O,
+                  g.dp, 1);
+        *in.d(bh, i0 + r) = row_dot(in.dout(bh, i0 + r), O, g.dp);
+        *in.l2(bh, i0 + r) = static_cast<T>(lse_at(p, b, h, i0 + r)) * static_cast<T>(detail::kLog2e);
+      }
+    }
+  });
+}
+
+template <typename T>
+void fa2_backward_impl(const Params& p, int threads) {
+  const Geometry<T> g = make_geometry<T>(p, fa2_block_rows(), fa2_block_cols());
+  const Mask mask = mask_of(p);
+  const bool zigzag = mask_limits(p);
+  BackwardInputs<T> in;
+  prepare_backward_inputs(p, g, threads, in);
+
+  const int64_t group = p.h_h_k_ratio;
+  const int64_t nbhk = p.batch * p.nheads_kv;
+  const int64_t ntasks = nbhk * g.nkb;
+  const int nthreads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, ntasks)));
+  // dQ partial sums: thread t covers the (batch, kv head) pairs its static slice touches.
+  std::vector<std::vector<T>> dq_part(static_cast<size_t>(nthreads));
+  std::vector<int64_t> first_bhk(static_cast<size_t>(nthreads), 0), last_bhk(nthreads, -1);
+  const int64_t head_elems = in.rows_alloc * g.dp;
+  parallel_for(ntasks, nthreads, [&](int64_t begin, int64_t end, int t) {
+    first_bhk[t] = begin / g.nkb;
+    last_bhk[t] = (end - 1) / g.nkb;
+    std::vector<T>& part = dq_part[t];
+    part.assign(static_cast<size_t>((last_bhk[t] - first_bhk[t] + 1) * group * head_elems), T(0));
+    KeyBlock<T> kb_bufs;
+    Buffer<T> dk_buf, dv_buf;
+    BackwardScratch<T> scratch;
+    T* dK = dk_buf.get(g.Bcp * g.dp);
+    T* dV = dv_buf.get(g.Bcp * g.dp);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bhk = task / g.nkb, b = bhk / p.nheads_kv, hk = bhk % p.nheads_kv;
+      const int64_t kb = block_order(task % g.nkb, g.nkb, zigzag);
+      const int64_t j0 = kb * g.Bc, cols = std::min(g.Bc, p.seqlen_k - j0);
+      std::fill(dK, dK + g.Bcp * g.dp, T(0));
+      std::fill(dV, dV + g.Bcp * g.dp, T(0));
+      const int64_t i_begin = mask.row_begin(j0), i_end = mask.row_end(j0 + cols - 1);
+      if (i_begin < i_end) {
+        kb_bufs.load(p, g, b, hk, j0, cols);
+        for (int64_t hg = 0; hg < group; ++hg) {
+          const int64_t h = hk * group + hg, bh = b * p.nheads + h;
+          T* dq_head = part.data() + ((bhk - first_bhk[t]) * group + hg) * head_elems;
+          for (int64_t qb = i_begin / g.Br; qb * g.Br < i_end; ++qb) {
+            const int64_t i0 = qb * g.Br, rows = std::min(g.Br, p.seqlen_q - i0);
+            backward_block(g, p, mask, b, h, i0, rows, j0, cols, in.q(bh, i0), in.dout(bh, i0),
+                           in.l2(bh, i0), in.d(bh, i0), kb_bufs.K.data.data(),
+                           kb_bufs.Kt.data.data(), kb_bufs.Vt.data.data(), dK, dV,
+                           dq_head + i0 * g.dp, scratch);
+          }
+        }
+      }
+      store_key_grads(p, g, b, hk, j0, cols, dK, dV);
+    }
+  });
+
+  // dQ = scale * (sum of the partials in thread order).
+  parallel_for(p.batch * p.nheads, threads, [&](int64_t begin, int64_t end, int) {
+    Buffer<T> acc_buf;
+    T* acc = acc_buf.get(g.dp);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / p.nheads, h = bh % p.nheads;
+      const int64_t bhk = b * p.nheads_kv + h / group, hg = h % group;
+      for (int64_t i = 0; i < p.seqlen_q; ++i) {
+        std::fill(acc, acc + g.dp, T(0));
+        for (int t = 0; t < nthreads; ++t) {
+          if (bhk < first_bhk[t] || bhk > last_bhk[t]) continue;
+          const T* src = dq_part[t].data() + ((bhk - first_bhk[t]) * group + hg) * head_elems +
+                         i * g.dp;
+          row_axpby(acc, src, g.dp, T(1), T(1));
+        }
+        convert_row_out(acc, static_cast<T>(p.scale_softmax), g.d,
+                        element(p.dq_ptr, p.dtype,
+                                b * p.dq_batch_stride + i * p.dq_row_stride + h * p.dq_head_stride),
+                        p.dtype);
+      }
+    }
+  });
+}
+
+inline void fa2_forward(const Params& p, int threads) {
+  if (p.dtype == DType::float64) return fa2_forward_impl<double>(p, threads);
+  fa2_forward_impl<float>(p, threads);
+}
+
+inline void fa2_backward(const Params& p, int threads) {
+  if (p.dtype == DType::float64) return fa2_backward_impl<double>(p, threads);
+  fa2_backward_impl<float>(p, threads);
+}

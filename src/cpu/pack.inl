@@ -1,0 +1,124 @@
+// Moving rows between the caller's arrays (any storage dtype, any row stride) and the float or
+// double working buffers of the schedules. Padding is always written as zeros.
+
+// dst[0..n) = src[0..n) converted from dtype dt.
+template <typename T>
+inline void convert_row_in(const void* src, DType dt, int64_t n, T* dst) {
+  switch (dt) {
+    case DType::float32: {
+      const float* s = static_cast<const float*>(src);
+      for (int64_t c = 0; c < n; ++c) dst[c] = static_cast<T>(s[c]);
+      return;
+    }
+    case DType::float64: {
+      const double* s = static_cast<const double*>(src);
+      for (int64_t c = 0; c < n; ++c) dst[c] = static_cast<T>(s[c]);
+      return;
+    }
+    case DType::bfloat16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src);
+      for (int64_t c = 0; c < n; ++c) dst[c] = static_cast<T>(bf16_to_float(s[c]));
+      return;
+    }
+    case DType::float16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src);
+      int64_t c = 0;
+#if defined(__F16C__) && defined(__AVX__)
+      if constexpr (std::is_same_v<T, float>) {
+        for (; c + 8 <= n; c += 8)
+          _mm256_storeu_ps(dst + c, _mm256_cvtph_ps(_mm_loadu_si128(
+                                        reinterpret_cast<const __m128i*>(s + c))));
+      }
+#endif
+      for (; c < n; ++c) dst[c] = static_cast<T>(fp16_to_float(s[c]));
+      return;
+    }
+    default: return;
+  }
+}
+
+// dst[0..n) (dtype dt) = src[0..n) * a.
+template <typename T>
+inline void convert_row_out(const T* src, T a, int64_t n, void* dst, DType dt) {
+  switch (dt) {
+    case DType::float32: {
+      float* d = static_cast<float*>(dst);
+      for (int64_t c = 0; c < n; ++c) d[c] = static_cast<float>(src[c] * a);
+      return;
+    }
+    case DType::float64: {
+      double* d = static_cast<double*>(dst);
+      for (int64_t c = 0; c < n; ++c) d[c] = static_cast<double>(src[c] * a);
+      return;
+    }
+    case DType::bfloat16: {
+      uint16_t* d = static_cast<uint16_t*>(dst);
+      for (int64_t c = 0; c < n; ++c) d[c] = float_to_bf16(static_cast<float>(src[c] * a));
+      return;
+    }
+    case DType::float16: {
+      uint16_t* d = static_cast<uint16_t*>(dst);
+      int64_t c = 0;
+#if defined(__F16C__) && defined(__AVX__)
+      if constexpr (std::is_same_v<T, float>) {
+        const __m256 va = _mm256_set1_ps(a);
+        for (; c + 8 <= n; c += 8)
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(d + c),
+                           _mm256_cvtps_ph(_mm256_mul_ps(_mm256_loadu_ps(src + c), va),
+                                           _MM_FROUND_TO_NEAREST_INT));
+      }
+#endif
+      for (; c < n; ++c) d[c] = float_to_fp16(static_cast<float>(src[c] * a));
+      return;
+    }
+    default: return;
+  }
+}
+
+inline const void* element(const void* base, DType dt, int64_t offset) {
+  return static_cast<const char*>(base) + offset * static_cast<int64_t>(dtype_size(dt));
+}
+inline void* element(void* base, DType dt, int64_t offset) {
+  return static_cast<char*>(base) + offset * static_cast<int64_t>(dtype_size(dt));
+}
+
+// Rows [0, rows) of a strided source into dst (ld columns, `cols` used), zero-filling columns
+// [cols, ld) and rows [rows, rows_pad).
+template <typename T>
+void load_rows(const void* src, DType dt, int64_t row_stride, int64_t rows, int64_t cols, T* dst,
+               int64_t ld, int64_t rows_pad) {
+  for (int64_t r = 0; r < rows; ++r) {
+    convert_row_in(element(src, dt, r * row_stride), dt, cols, dst + r * ld);
+    std::fill(dst + r * ld + cols, dst + (r + 1) * ld, T(0));
+  }
+  std::fill(dst + rows * ld, dst + rows_pad * ld, T(0));
+}
+
+// The transpose: dst[c * ld + r] = src row r, column c, for c < cols; zeros for r in [rows, ld).
+template <typename T>
+void load_rows_transposed(const void* src, DType dt, int64_t row_stride, int64_t rows, int64_t cols,
+                          T* dst, int64_t ld, T* scratch) {
+  for (int64_t c = 0; c < cols; ++c) std::fill(dst + c * ld + rows, dst + (c + 1) * ld, T(0));
+  for (int64_t r = 0; r < rows; ++r) {
+    convert_row_in(element(src, dt, r * row_stride), dt, cols, scratch);
+    for (int64_t c = 0; c < cols; ++c) dst[c * ld + r] = scratch[c];
+  }
+}
+
+// Rows of a working buffer, times a, into a strided destination of dtype dt.
+template <typename T>
+void store_rows(const T* src, int64_t ld, int64_t rows, int64_t cols, T a, void* dst, DType dt,
+                int64_t row_stride) {
+  for (int64_t r = 0; r < rows; ++r)
+    convert_row_out(src + r * ld, a, cols, element(dst, dt, r * row_stride), dt);
+}
+
+// A working buffer that lives as long as the thread's share of a call.
+template <typename T>
+struct Buffer {
+  std::vector<T> data;
+  T* get(int64_t n) {
+    if (static_cast<int64_t>(data.size()) < n) data.resize(static_cast<size_t>(n));
+    return data.data();
+  }
+};

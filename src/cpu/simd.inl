@@ -1,0 +1,146 @@
+// Portable SIMD on GCC/Clang vector extensions. Included inside an instruction-set namespace by
+// kernels.inl; FLASHDL_VEC_BYTES (16, 32 or 64) is the vector width that set compiles for.
+
+template <typename T>
+struct Simd {
+  typedef T vec __attribute__((vector_size(FLASHDL_VEC_BYTES)));
+  static constexpr int W = FLASHDL_VEC_BYTES / static_cast<int>(sizeof(T));
+};
+
+template <typename T>
+using vec_t = typename Simd<T>::vec;
+
+template <typename T>
+inline vec_t<T> vload(const T* p) {
+  vec_t<T> v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+template <typename T>
+inline void vstore(T* p, vec_t<T> v) {
+  __builtin_memcpy(p, &v, sizeof(v));
+}
+
+template <typename T>
+inline vec_t<T> vset1(T x) {
+  return vec_t<T>{} + x;
+}
+
+template <typename T>
+inline vec_t<T> vmax(vec_t<T> a, vec_t<T> b) {
+  return a > b ? a : b;
+}
+
+template <typename T>
+inline T hmax(vec_t<T> v) {
+  T m = v[0];
+  for (int i = 1; i < Simd<T>::W; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+}
+
+template <typename T>
+inline T hsum(vec_t<T> v) {
+  T s = v[0];
+  for (int i = 1; i < Simd<T>::W; ++i) s += v[i];
+  return s;
+}
+
+// 2^x for float vectors: round-to-nearest split x = n + f, |f| <= 1/2, 2^f by a degree-6
+// polynomial (Cephes exp2f coefficients, relative error ~2e-7), 2^n through the exponent bits.
+// Inputs below -126 (masked scores are -inf) give exactly 0.
+inline vec_t<float> vexp2(vec_t<float> x) {
+  typedef int32_t ivec __attribute__((vector_size(FLASHDL_VEC_BYTES)));
+  const vec_t<float> lo = vset1(-126.0f), hi = vset1(127.0f);
+  vec_t<float> xc = x < lo ? lo : x;
+  xc = xc > hi ? hi : xc;
+  const vec_t<float> magic = vset1(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  const vec_t<float> t = xc + magic;
+  const vec_t<float> n = t - magic;
+  const vec_t<float> f = xc - n;
+  const ivec e = ((ivec)t - 0x4B400000 + 127) << 23;
+  vec_t<float> poly = vset1(1.535336188319500e-4f);
+  poly = poly * f + 1.339887440266574e-3f;
+  poly = poly * f + 9.618437357674640e-3f;
+  poly = poly * f + 5.550332471162809e-2f;
+  poly = poly * f + 2.402264791363012e-1f;
+  poly = poly * f + 6.931472028550421e-1f;
+  poly = poly * f + 1.0f;
+  const vec_t<float> r = poly * (vec_t<float>)e;
+  const ivec keep = ~(x < lo);
+  return (vec_t<float>)((ivec)r & keep);
+}
+
+// float64 is the gradient-checking path: exactness over speed.
+inline vec_t<double> vexp2(vec_t<double> x) {
+  vec_t<double> r;
+  for (int i = 0; i < Simd<double>::W; ++i) r[i] = std::exp2(x[i]);
+  return r;
+}
+
+// ---- row operations over n elements, n a multiple of the vector width ----------------------------
+
+// t = s * c in place; returns max(t).
+template <typename T>
+inline T row_scale_max(T* s, int64_t n, T c) {
+  constexpr int W = Simd<T>::W;
+  vec_t<T> m = vset1<T>(-INFINITY);
+  const vec_t<T> vc = vset1(c);
+  for (int64_t j = 0; j < n; j += W) {
+    const vec_t<T> t = vload(s + j) * vc;
+    vstore(s + j, t);
+    m = vmax<T>(m, t);
+  }
+  return hmax<T>(m);
+}
+
+// Same, with the scores of invisible keys (mask predicate false) set to -inf first.
+template <typename T, typename Visible>
+inline T row_scale_mask_max(T* s, int64_t n, T c, Visible&& visible) {
+  T m = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) {
+    const T t = visible(j) ? s[j] * c : T(-INFINITY);
+    s[j] = t;
+    m = t > m ? t : m;
+  }
+  return m;
+}
+
+// p = exp2(t - ref) in place; returns sum(p).
+template <typename T>
+inline T row_exp2_sum(T* s, int64_t n, T ref) {
+  constexpr int W = Simd<T>::W;
+  vec_t<T> acc = vec_t<T>{};
+  const vec_t<T> vr = vset1(ref);
+  for (int64_t j = 0; j < n; j += W) {
+    const vec_t<T> p = vexp2(vload(s + j) - vr);
+    vstore(s + j, p);
+    acc += p;
+  }
+  return hsum<T>(acc);
+}
+
+// y *= a
+template <typename T>
+inline void row_scale(T* y, int64_t n, T a) {
+  constexpr int W = Simd<T>::W;
+  const vec_t<T> va = vset1(a);
+  for (int64_t j = 0; j < n; j += W) vstore(y + j, vload(y + j) * va);
+}
+
+// y = a * y + b * x
+template <typename T>
+inline void row_axpby(T* y, const T* x, int64_t n, T a, T b) {
+  constexpr int W = Simd<T>::W;
+  const vec_t<T> va = vset1(a), vb = vset1(b);
+  for (int64_t j = 0; j < n; j += W) vstore(y + j, vload(y + j) * va + vload(x + j) * vb);
+}
+
+// sum(x * y)
+template <typename T>
+inline T row_dot(const T* x, const T* y, int64_t n) {
+  constexpr int W = Simd<T>::W;
+  vec_t<T> acc = vec_t<T>{};
+  for (int64_t j = 0; j < n; j += W) acc += vload(x + j) * vload(y + j);
+  return hsum<T>(acc);
+}
