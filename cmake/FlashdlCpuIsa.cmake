@@ -1,4 +1,5 @@
-# The CPU kernels are one source compiled once per instruction set, each copy in its own namespace;
+# The CPU kernels are one source compiled once per instruction set, each copy in its own namespace
+# with its own target pragma;
 # the backend picks the best one the running CPU supports, so a wheel built here runs on any x86-64.
 function(flashdl_cpu_isa_sources out_var)
   set(_dir ${CMAKE_CURRENT_SOURCE_DIR}/src/cpu)
@@ -9,10 +10,10 @@ function(flashdl_cpu_isa_sources out_var)
   endif()
   if(_is_x86 AND CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
     list(APPEND _sources ${_dir}/isa_avx2.cpp ${_dir}/isa_avx512.cpp)
-    set_source_files_properties(${_dir}/isa_avx2.cpp PROPERTIES
-      COMPILE_OPTIONS "-mavx2;-mfma;-mf16c;-ffp-contract=fast")
-    set_source_files_properties(${_dir}/isa_avx512.cpp PROPERTIES
-      COMPILE_OPTIONS "-mavx512f;-mavx512bw;-mavx512vl;-mavx512dq;-mavx2;-mfma;-mf16c;-ffp-contract=fast")
+    # The target is switched on by a pragma inside each file, after its headers (see
+    # kernels_deps.hpp); here only a * b + c may become one FMA instruction.
+    set_source_files_properties(${_dir}/isa_avx2.cpp ${_dir}/isa_avx512.cpp PROPERTIES
+      COMPILE_OPTIONS "-ffp-contract=fast")
     set_property(SOURCE ${_dir}/backend.cpp APPEND PROPERTY COMPILE_DEFINITIONS FLASHDL_X86_ISAS=1)
   endif()
   set(${out_var} ${_sources} PARENT_SCOPE)

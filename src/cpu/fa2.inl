@@ -6,33 +6,31 @@
 // order, so results are bitwise reproducible for a given thread count.
 
 // Measured on a 2-core AVX2 machine (benchmarks/results/cpu_tuning.md).
-inline int64_t fa2_block_rows() { return 48; }
-inline int64_t fa2_block_cols() { return 96; }
+inline int64_t fa2_block_rows() { const char* e = std::getenv("FLASHDL_TUNE_BR"); return e ? std::atoi(e) : 48; }
+inline int64_t fa2_block_cols() { const char* e = std::getenv("FLASHDL_TUNE_BC"); return e ? std::atoi(e) : 96; }
 
-// K^T (d x nkb*Bcp) and V (nkb*Bcp x dp) of one (batch, kv head), each K/V block padded to Bcp.
+// K^T and V of one (batch, kv head), block by block: block kb of K^T is d x Bcp at kb * d * Bcp,
+// block kb of V is Bcp x dp at kb * Bcp * dp, each zero-padded. Contiguous blocks keep the
+// micro-kernel's B operand in a few pages (a whole-sequence K^T row stride thrashed L1 sets).
 template <typename T>
 struct PackedKV {
   Buffer<T> Kt, V, scratch;
   int64_t key = -1;
-  int64_t ldkt = 0;
+
+  const T* kt_block(const Geometry<T>& g, int64_t kb) const { return Kt.data.data() + kb * g.d * g.Bcp; }
+  const T* v_block(const Geometry<T>& g, int64_t kb) const { return V.data.data() + kb * g.Bcp * g.dp; }
 
   void pack(const Params& p, const Geometry<T>& g, int64_t b, int64_t hk) {
     const int64_t k = b * p.nheads_kv + hk;
     if (k == key) return;
     key = k;
-    ldkt = g.nkb * g.Bcp;
-    T* kt = Kt.get(g.d * ldkt);
-    T* v = V.get(ldkt * g.dp);
-    T* tmp = scratch.get(g.dp);
+    T* kt = Kt.get(g.nkb * g.d * g.Bcp);
+    T* v = V.get(g.nkb * g.Bcp * g.dp);
     for (int64_t kb = 0; kb < g.nkb; ++kb) {
       const int64_t j0 = kb * g.Bc, cols = std::min(g.Bc, p.seqlen_k - j0);
-      // Transposed block: row c of kt holds column c of this K block at [kb*Bcp, (kb+1)*Bcp).
-      for (int64_t c = 0; c < g.d; ++c)
-        std::fill(kt + c * ldkt + kb * g.Bcp + cols, kt + c * ldkt + (kb + 1) * g.Bcp, T(0));
-      for (int64_t j = 0; j < cols; ++j) {
-        convert_row_in(element(p.k_ptr, p.dtype, k_offset(p, b, j0 + j, hk)), p.dtype, g.d, tmp);
-        for (int64_t c = 0; c < g.d; ++c) kt[c * ldkt + kb * g.Bcp + j] = tmp[c];
-      }
+      load_rows_transposed(element(p.k_ptr, p.dtype, k_offset(p, b, j0, hk)), p.dtype,
+                           p.k_row_stride, cols, g.d, kt + kb * g.d * g.Bcp, g.Bcp,
+                           scratch.get(g.dp));
       load_rows(element(p.v_ptr, p.dtype, v_offset(p, b, j0, hk)), p.dtype, p.v_row_stride, cols,
                 g.d, v + kb * g.Bcp * g.dp, g.dp, g.Bcp);
     }
@@ -67,7 +65,7 @@ void fa2_forward_impl(const Params& p, int threads) {
                   g.d, Q, g.dp, g.Brp);
         for (int64_t kb = j_begin / g.Bc; kb * g.Bc < j_end; ++kb) {
           const int64_t j0 = kb * g.Bc, cols = std::min(g.Bc, p.seqlen_k - j0);
-          masked_scores(g, mask, Q, kv.Kt.data.data() + kb * g.Bcp, kv.ldkt, S, i0, rows, j0, cols,
+          masked_scores(g, mask, Q, kv.kt_block(g, kb), g.Bcp, S, i0, rows, j0, cols,
                         row_max);
           for (int64_t r = 0; r < rows; ++r) {
             const T alpha = sm[r].rescale_factor(row_max[r]);
@@ -76,8 +74,7 @@ void fa2_forward_impl(const Params& p, int threads) {
           }
           for (int64_t r = rows; r < g.Brp; ++r) std::fill(S + r * g.Bcp, S + (r + 1) * g.Bcp, T(0));
           if (p.p_dropout > 0.0f) apply_dropout(g, p, b, h, i0, rows, j0, cols, S);
-          gemm<T, false, true>(g.Brp, g.dp, g.Bcp, S, g.Bcp, kv.V.data.data() + kb * g.Bcp * g.dp,
-                               g.dp, O, g.dp);
+          gemm<T, false, true>(g.Brp, g.dp, g.Bcp, S, g.Bcp, kv.v_block(g, kb), g.dp, O, g.dp);
         }
       }
       for (int64_t r = 0; r < rows; ++r) {

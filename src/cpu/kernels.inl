@@ -1,31 +1,9 @@
-// The CPU schedules, compiled once per instruction set: each isa_*.cpp defines FLASHDL_ISA_NS and
-// includes this file with its own compiler flags, so every copy lives in its own namespace and
-// none can be merged with another at link time.
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <numeric>
-#include <type_traits>
-#include <vector>
-
-#if defined(__AVX__) || defined(__F16C__)
-#include <immintrin.h>
-#endif
-
-#include "cpu/convert.hpp"
-#include "cpu/schedules.hpp"
-#include "cpu/threads.hpp"
-#include "flashdl/detail/mask.hpp"
-#include "flashdl/detail/philox.hpp"
-#include "flashdl/detail/softmax.hpp"
-#include "flashdl/detail/tiles.hpp"
-
-#if defined(__AVX512F__)
-#define FLASHDL_VEC_BYTES 64
-#elif defined(__AVX2__)
-#define FLASHDL_VEC_BYTES 32
-#else
-#define FLASHDL_VEC_BYTES 16
+// The CPU schedules, compiled once per instruction set. Each isa_*.cpp includes kernels_deps.hpp,
+// switches the compiler's target on (pragma), defines FLASHDL_ISA_NS, FLASHDL_VEC_BYTES and
+// FLASHDL_HAVE_F16C, and includes this file: every copy lives in its own namespace, and only the
+// functions defined here carry the wider instructions.
+#if !defined(FLASHDL_ISA_NS) || !defined(FLASHDL_VEC_BYTES) || !defined(FLASHDL_HAVE_F16C)
+#error "include kernels.inl from an isa_*.cpp that defines FLASHDL_ISA_NS, FLASHDL_VEC_BYTES, FLASHDL_HAVE_F16C"
 #endif
 
 namespace flashdl::cpu::FLASHDL_ISA_NS {

@@ -23,7 +23,7 @@ inline void convert_row_in(const void* src, DType dt, int64_t n, T* dst) {
     case DType::float16: {
       const uint16_t* s = static_cast<const uint16_t*>(src);
       int64_t c = 0;
-#if defined(__F16C__) && defined(__AVX__)
+#if FLASHDL_HAVE_F16C
       if constexpr (std::is_same_v<T, float>) {
         for (; c + 8 <= n; c += 8)
           _mm256_storeu_ps(dst + c, _mm256_cvtph_ps(_mm_loadu_si128(
@@ -59,7 +59,7 @@ inline void convert_row_out(const T* src, T a, int64_t n, void* dst, DType dt) {
     case DType::float16: {
       uint16_t* d = static_cast<uint16_t*>(dst);
       int64_t c = 0;
-#if defined(__F16C__) && defined(__AVX__)
+#if FLASHDL_HAVE_F16C
       if constexpr (std::is_same_v<T, float>) {
         const __m256 va = _mm256_set1_ps(a);
         for (; c + 8 <= n; c += 8)

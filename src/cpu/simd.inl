@@ -22,9 +22,11 @@ inline void vstore(T* p, vec_t<T> v) {
   __builtin_memcpy(p, &v, sizeof(v));
 }
 
+// A broadcast. Written as ones * x: `vec_t<T>{} + x` would add 0.0 first (an extra instruction,
+// kept for signed zeros), while multiplying by 1 folds away and leaves one broadcast.
 template <typename T>
 inline vec_t<T> vset1(T x) {
-  return vec_t<T>{} + x;
+  return (vec_t<T>{} + T(1)) * x;
 }
 
 template <typename T>

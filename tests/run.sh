@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The project's test command (README: "Run the tests"): installs flashdl with its C++ tests built in
+# the same CMake tree, runs the C++ suite with ctest, then the Python suite with pytest.
+# FLASHDL_CUDA=AUTO|ON|OFF chooses the CUDA backend; by default it is ON wherever nvcc is on PATH,
+# so a machine with the CUDA toolkit (CI's included) always compiles the kernels, GPU or not.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+BUILD_DIR=${BUILD_DIR:-build/tests}
+if [ -z "${FLASHDL_CUDA:-}" ]; then
+  if command -v nvcc >/dev/null 2>&1; then FLASHDL_CUDA=ON; else FLASHDL_CUDA=OFF; fi
+fi
+
+# Optional frameworks the suite also exercises; their tests skip when an install is impossible.
+"$PYTHON" -m pip install -q "torch==2.13.0" || echo "note: torch not installed, its tests will skip"
+"$PYTHON" -m pip install -q jax || echo "note: jax not installed, its tests will skip"
+
+"$PYTHON" -m pip install -q ".[test]" \
+  -Cbuild-dir="$BUILD_DIR" \
+  -Ccmake.define.FLASHDL_BUILD_TESTS=ON \
+  -Ccmake.define.FLASHDL_CUDA="$FLASHDL_CUDA"
+
+ctest --test-dir "$BUILD_DIR" --output-on-failure -j 2
+"$PYTHON" -m pytest tests/python -q
