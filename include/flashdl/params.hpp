@@ -15,7 +15,7 @@ enum class Schedule : int { automatic = 0, fa1 = 1, fa2 = 2, reference = 3 };
 const char* schedule_name(Schedule s);
 
 struct Options {
-  float softmax_scale = std::numeric_limits<float>::quiet_NaN();  // NaN: 1/sqrt(headdim)
+  double softmax_scale = std::numeric_limits<double>::quiet_NaN();  // NaN: 1/sqrt(headdim)
   bool causal = false;
   int64_t window_left = -1;   // -1: unbounded
   int64_t window_right = -1;  // -1: unbounded
@@ -59,8 +59,9 @@ struct Params {
   int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
   int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
 
-  float scale_softmax;       // applied to QK^T
-  float scale_softmax_log2;  // scale_softmax * log2(e): the kernels work in the exp2 domain
+  // double so the float64 path keeps its precision; float kernels round them once.
+  double scale_softmax;       // applied to QK^T
+  double scale_softmax_log2;  // scale_softmax * log2(e): the kernels work in the exp2 domain
 
   // Visibility window, resolved: causal is (left, 0). -1 = unbounded.
   bool is_causal;

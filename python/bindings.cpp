@@ -1,0 +1,210 @@
+// flashdl._ext: DLPack arrays in, flashdl::TensorView out, one call into the C++ core.
+// Validation lives in the core (src/api.cpp); this file only translates what the core cannot see:
+// DLPack dtype codes and device types, and TensorView's rank limit. No CUDA headers here.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <string>
+
+#include "flashdl/api.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+using InArray = nb::ndarray<nb::ro>;
+using OutArray = nb::ndarray<>;
+
+[[noreturn]] void fail(flashdl::ErrorKind kind, const std::string& msg) {
+  throw flashdl::Error(kind, msg);
+}
+
+std::string dlpack_dtype_str(nb::dlpack::dtype dt) {
+  using C = nb::dlpack::dtype_code;
+  std::string name;
+  switch (static_cast<C>(dt.code)) {
+    case C::Int: name = "int"; break;
+    case C::UInt: name = "uint"; break;
+    case C::Float: name = "float"; break;
+    case C::Bfloat: name = "bfloat"; break;
+    case C::Complex: name = "complex"; break;
+    case C::Bool: return "bool";
+    default: name = "dlpack-code-" + std::to_string(dt.code) + "-"; break;
+  }
+  return name + std::to_string(dt.bits) + (dt.lanes != 1 ? "x" + std::to_string(dt.lanes) : "");
+}
+
+// The float override: NumPy's ml_dtypes bfloat16 cannot cross DLPack, so it arrives as a 16-bit
+// integer view and `dtype="bfloat16"` names what it really is.
+enum class Override { none, bfloat16 };
+
+Override parse_override(const std::optional<std::string>& dtype) {
+  if (!dtype) return Override::none;
+  if (*dtype == "bfloat16") return Override::bfloat16;
+  fail(flashdl::ErrorKind::value, "dtype: expected None or 'bfloat16', got '" + *dtype + "'");
+}
+
+flashdl::DType convert_dtype(const char* name, nb::dlpack::dtype dt, Override ov, bool is_float) {
+  using C = nb::dlpack::dtype_code;
+  const auto code = static_cast<C>(dt.code);
+  if (dt.lanes == 1) {
+    if (is_float && ov == Override::bfloat16 && (code == C::UInt || code == C::Int) && dt.bits == 16)
+      return flashdl::DType::bfloat16;
+    if (code == C::Float && dt.bits == 16) return flashdl::DType::float16;
+    if (code == C::Float && dt.bits == 32) return flashdl::DType::float32;
+    if (code == C::Float && dt.bits == 64) return flashdl::DType::float64;
+    if (code == C::Bfloat && dt.bits == 16) return flashdl::DType::bfloat16;
+    if (code == C::Int && dt.bits == 32) return flashdl::DType::int32;
+    if (code == C::Bool) return flashdl::DType::boolean;
+  }
+  fail(flashdl::ErrorKind::type, std::string(name) +
+                                     ": unsupported dtype " + dlpack_dtype_str(dt) +
+                                     " (expected float16, bfloat16, float32 or float64)");
+}
+
+flashdl::Device convert_device(const char* name, int type, int id) {
+  if (type == nb::device::cpu::value || type == nb::device::cuda_host::value)
+    return {flashdl::DeviceType::cpu, 0};
+  if (type == nb::device::cuda::value || type == nb::device::cuda_managed::value)
+    return {flashdl::DeviceType::cuda, id};
+  fail(flashdl::ErrorKind::unsupported, std::string(name) + ": unsupported DLPack device type " +
+                                            std::to_string(type) +
+                                            " (flashdl runs on the CPU and on CUDA GPUs)");
+}
+
+template <typename Array>
+flashdl::TensorView to_view(const char* name, const Array& a, Override ov, bool is_float) {
+  flashdl::TensorView t;
+  // TensorView holds at most kMaxRank extents; the core reports every other rank mismatch.
+  if (a.ndim() > static_cast<size_t>(flashdl::kMaxRank))
+    fail(flashdl::ErrorKind::value, std::string(name) + ": expected an array of rank 1 to " +
+                                        std::to_string(flashdl::kMaxRank) + ", got rank " +
+                                        std::to_string(a.ndim()));
+  t.data = const_cast<void*>(static_cast<const void*>(a.data()));
+  t.dtype = convert_dtype(name, a.dtype(), ov, is_float);
+  t.device = convert_device(name, a.device_type(), a.device_id());
+  t.rank = static_cast<int>(a.ndim());
+  for (int i = 0; i < t.rank; ++i) {
+    t.shape[i] = static_cast<int64_t>(a.shape(i));
+    t.strides[i] = a.stride(i);
+  }
+  return t;
+}
+
+flashdl::Options make_options(std::optional<double> softmax_scale, bool causal, int64_t window_left,
+                              int64_t window_right, const std::string& schedule, double dropout_p,
+                              uint64_t seed, uint64_t offset, uintptr_t stream, int64_t sram_bytes,
+                              int num_threads, bool deterministic) {
+  flashdl::Options o;
+  o.softmax_scale = softmax_scale ? *softmax_scale
+                                  : std::numeric_limits<double>::quiet_NaN();
+  if (softmax_scale && std::isnan(*softmax_scale))
+    fail(flashdl::ErrorKind::value, "softmax_scale: expected a finite number or None, got nan");
+  o.causal = causal;
+  o.window_left = window_left;
+  o.window_right = window_right;
+  o.schedule = flashdl::parse_schedule(schedule);
+  o.dropout_p = static_cast<float>(dropout_p);
+  o.seed = seed;
+  o.offset = offset;
+  o.deterministic = deterministic;
+  o.stream = reinterpret_cast<void*>(stream);
+  o.sram_bytes = sram_bytes;
+  o.num_threads = num_threads;
+  return o;
+}
+
+void forward(const InArray& q, const InArray& k, const InArray& v, const OutArray& out,
+             const OutArray& lse, std::optional<std::string> dtype,
+             std::optional<double> softmax_scale, bool causal, int64_t window_left,
+             int64_t window_right, const std::string& schedule, double dropout_p, uint64_t seed,
+             uint64_t offset, uintptr_t stream, int64_t sram_bytes, int num_threads) {
+  const Override ov = parse_override(dtype);
+  const flashdl::Options o =
+      make_options(softmax_scale, causal, window_left, window_right, schedule, dropout_p, seed,
+                   offset, stream, sram_bytes, num_threads, false);
+  const auto tq = to_view("q", q, ov, true), tk = to_view("k", k, ov, true),
+             tv = to_view("v", v, ov, true), to = to_view("out", out, ov, true),
+             tl = to_view("lse", lse, Override::none, false);
+  nb::gil_scoped_release release;
+  flashdl::forward(tq, tk, tv, to, tl, o);
+}
+
+void backward(const InArray& dout, const InArray& q, const InArray& k, const InArray& v,
+              const InArray& out, const InArray& lse, const OutArray& dq, const OutArray& dk,
+              const OutArray& dv, std::optional<std::string> dtype,
+              std::optional<double> softmax_scale, bool causal, int64_t window_left,
+              int64_t window_right, const std::string& schedule, double dropout_p, uint64_t seed,
+              uint64_t offset, uintptr_t stream, int64_t sram_bytes, int num_threads,
+              bool deterministic) {
+  const Override ov = parse_override(dtype);
+  const flashdl::Options o =
+      make_options(softmax_scale, causal, window_left, window_right, schedule, dropout_p, seed,
+                   offset, stream, sram_bytes, num_threads, deterministic);
+  const auto tdo = to_view("dout", dout, ov, true), tq = to_view("q", q, ov, true),
+             tk = to_view("k", k, ov, true), tv = to_view("v", v, ov, true),
+             to = to_view("out", out, ov, true), tl = to_view("lse", lse, Override::none, false),
+             tdq = to_view("dq", dq, ov, true), tdk = to_view("dk", dk, ov, true),
+             tdv = to_view("dv", dv, ov, true);
+  nb::gil_scoped_release release;
+  flashdl::backward(tdo, tq, tk, tv, to, tl, tdq, tdk, tdv, o);
+}
+
+nb::dict build_info() {
+  const flashdl::BuildInfo b = flashdl::build_info();
+  nb::dict d;
+  d["version"] = b.version;
+  d["cuda_compiled"] = b.cuda_compiled;
+  d["cuda_architectures"] = b.cuda_architectures;
+  d["cuda_device_count"] = b.cuda_device_count;
+  d["cuda_status"] = b.cuda_status;
+  d["cpu_isa"] = b.cpu_isa;
+  d["cpu_threads"] = b.cpu_threads;
+  d["cpu_sram_bytes"] = b.cpu_sram_bytes;
+  return d;
+}
+
+void translate_error(const std::exception_ptr& p, void*) {
+  try {
+    std::rethrow_exception(p);
+  } catch (const flashdl::Error& e) {
+    PyObject* type = PyExc_RuntimeError;
+    if (e.kind() == flashdl::ErrorKind::value) type = PyExc_ValueError;
+    if (e.kind() == flashdl::ErrorKind::type) type = PyExc_TypeError;
+    PyErr_SetString(type, e.what());
+  }
+}
+
+}  // namespace
+
+NB_MODULE(_ext, m) {
+  m.doc() = "flashdl's C++ core: exact FlashAttention over DLPack arrays (destination passing).";
+  nb::register_exception_translator(translate_error);
+
+  m.def("forward", &forward, "q"_a.noconvert(), "k"_a.noconvert(), "v"_a.noconvert(),
+        "out"_a.noconvert(), "lse"_a.noconvert(), nb::kw_only(), "dtype"_a = nb::none(),
+        "softmax_scale"_a = nb::none(), "causal"_a = false, "window_left"_a = -1,
+        "window_right"_a = -1, "schedule"_a = "auto", "dropout_p"_a = 0.0, "seed"_a = 0,
+        "offset"_a = 0, "stream"_a = 0, "sram_bytes"_a = 0, "num_threads"_a = 0,
+        "Attention forward: writes out (like q) and lse (float32, (batch, nheads, seqlen_q)).");
+
+  m.def("backward", &backward, "dout"_a.noconvert(), "q"_a.noconvert(), "k"_a.noconvert(),
+        "v"_a.noconvert(), "out"_a.noconvert(), "lse"_a.noconvert(), "dq"_a.noconvert(),
+        "dk"_a.noconvert(), "dv"_a.noconvert(), nb::kw_only(), "dtype"_a = nb::none(),
+        "softmax_scale"_a = nb::none(), "causal"_a = false, "window_left"_a = -1,
+        "window_right"_a = -1, "schedule"_a = "auto", "dropout_p"_a = 0.0, "seed"_a = 0,
+        "offset"_a = 0, "stream"_a = 0, "sram_bytes"_a = 0, "num_threads"_a = 0,
+        "deterministic"_a = false,
+        "Attention backward: writes dq, dk, dv (shaped and typed like q, k, v).");
+
+  m.def("build_info", &build_info, "What this build and machine offer.");
+  m.def("set_num_threads", &flashdl::set_num_threads, "n"_a,
+        "CPU threads for later calls; 0 restores the default.");
+}

@@ -1,0 +1,27 @@
+"""flashdl: exact FlashAttention (FA-1 and FA-2 schedules) on the CPU and CUDA GPUs.
+
+    import flashdl
+    out = flashdl.attention(q, k, v, causal=True)      # NumPy, PyTorch, JAX (CPU) or CuPy arrays
+    dq, dk, dv = flashdl.attention_backward(dout, q, k, v, out, lse, causal=True)
+
+    import flashdl.torch                               # autograd: loss.backward() flows through
+    out = flashdl.torch.attention(q, k, v, causal=True)
+
+Layout (batch, seqlen, nheads, headdim). `python -m flashdl` runs a check and a comparison with
+naive attention; `flashdl.info()` says what this build and machine offer.
+"""
+
+from ._api import attention, attention_backward
+from ._info import info, set_num_threads
+
+__version__ = info()["version"]
+__all__ = ["attention", "attention_backward", "info", "set_num_threads", "__version__"]
+
+
+def __getattr__(name):
+    # flashdl.torch imports torch: load it only when asked for.
+    if name == "torch":
+        import importlib
+
+        return importlib.import_module(".torch", __name__)
+    raise AttributeError(f"module 'flashdl' has no attribute {name!r}")

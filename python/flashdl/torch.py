@@ -1,0 +1,46 @@
+"""PyTorch autograd for flashdl: flashdl.torch.attention(q, k, v) with loss.backward() support.
+
+The forward saves q, k, v, out and lse; the backward recomputes the attention matrix block by
+block (flashdl.attention_backward), as FlashAttention does, instead of storing it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._api import attention as _attention
+from ._api import attention_backward as _attention_backward
+
+__all__ = ["attention"]
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, softmax_scale, schedule, window_size):
+        opts = dict(causal=causal, softmax_scale=softmax_scale, schedule=schedule,
+                    window_size=window_size)
+        out, lse = _attention(q, k, v, return_lse=True, **opts)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.opts = opts
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        # Autograd often hands over broadcast gradients (e.g. of .sum(): every stride 0); the
+        # kernels need a contiguous last dimension.
+        if dout.dim() == 4 and dout.shape[-1] > 1 and dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        dq, dk, dv = _attention_backward(dout, q, k, v, out, lse, **ctx.opts)
+        return dq, dk, dv, None, None, None, None
+
+
+def attention(q, k, v, *, causal=False, softmax_scale=None, schedule="auto",
+              window_size=(-1, -1)):
+    """flashdl.attention for torch tensors, differentiable with respect to q, k and v.
+
+    q (batch, seqlen_q, nheads, headdim); k, v (batch, seqlen_k, nheads_kv, headdim). On CUDA
+    tensors the backward raises RuntimeError while the CUDA backward kernels are not built.
+    """
+    return _Attention.apply(q, k, v, causal, softmax_scale, schedule, window_size)

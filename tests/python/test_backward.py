@@ -1,0 +1,127 @@
+"""Backward: fa1/fa2 against the float64 reference backward and the naive algorithm in the input
+precision; central differences of the float64 forward against the analytic gradients."""
+
+import zlib
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import flashdl
+from attn_oracle import assert_rule, backward, grad_magnitude, grad_ulps, make, make_qkv
+
+SHAPES = [
+    (1, 1, 1, 1, 1, 8),
+    (2, 17, 17, 2, 2, 32),
+    (1, 29, 13, 4, 2, 64),    # seqlen_q > seqlen_k: causal empty rows, GQA
+    (1, 13, 40, 3, 1, 16),    # MQA
+    (1, 9, 11, 2, 1, 128),
+]
+
+
+def grads(dout, q, k, v, schedule, causal, window=(-1, -1)):
+    out, lse = flashdl.attention(q, k, v, causal=causal, schedule=schedule, return_lse=True,
+                                 window_size=window)
+    g = flashdl.attention_backward(dout, q, k, v, out, lse, causal=causal, schedule=schedule,
+                                   window_size=window)
+    for x, like in zip(g, (q, k, v)):
+        assert isinstance(x, np.ndarray) and x.shape == like.shape and x.dtype == like.dtype
+    return g
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("schedule", ["fa1", "fa2"])
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_matches_reference_backward(shape, dtype, schedule, causal):
+    rng = np.random.default_rng(zlib.crc32(repr((shape, dtype, causal)).encode()))
+    q, k, v = make_qkv(rng, *shape, dtype=dtype)
+    dout = make(rng, q.shape, dtype)
+    got = grads(dout, q, k, v, schedule, causal)
+    ref = grads(dout, q, k, v, "reference", causal)
+    exact = backward(dout, q, k, v, causal=causal)
+    low = backward(dout, q, k, v, causal=causal, dtype=dtype, exact=False)
+    for name, g, r, e, lo, u in zip(("dq", "dk", "dv"), got, ref, exact, low,
+                                    grad_ulps(dtype, q, k)):
+        # the reference schedule is the float64 oracle rounded to the dtype once
+        assert_rule(r, e, lo, dtype, factor=1.0, what=f"reference {name}")
+        assert_rule(g, e, lo, dtype, factor=3.0, what=name, ulps=u,
+                    magnitude=grad_magnitude(exact))
+
+
+@pytest.mark.parametrize("schedule", ["fa1", "fa2", "reference"])
+def test_window_backward(schedule):
+    rng = np.random.default_rng(11)
+    q, k, v = make_qkv(rng, 1, 15, 21, 2, 1, 16, dtype="float64")
+    dout = make(rng, q.shape, "float64")
+    for window in [(3, 1), (0, 0), (-1, 2)]:
+        got = grads(dout, q, k, v, schedule, False, window)
+        for g, e in zip(got, backward(dout, q, k, v, window=window)):
+            np.testing.assert_allclose(g, e, rtol=0, atol=F64_ATOL[schedule])
+
+
+@pytest.mark.parametrize("schedule", ["fa1", "fa2", "reference"])
+def test_empty_rows_have_zero_gradients(schedule):
+    rng = np.random.default_rng(12)
+    q, k, v = make_qkv(rng, 1, 10, 3, 2, 2, 8)
+    dout = make(rng, q.shape)
+    dq, dk, dv = grads(dout, q, k, v, schedule, causal=True)
+    assert np.all(dq[:, :7] == 0)
+    assert not any(np.isnan(x).any() for x in (dq, dk, dv))
+
+
+# float64 gradients of fa1/fa2 re-read the float32 lse (the contract), so they are ~1e-7 accurate;
+# the reference recomputes everything in float64.
+F64_ATOL = {"reference": 1e-11, "fa1": 1e-6, "fa2": 1e-6}
+
+
+def numerical_grads(f, arrays, dout, h=1e-6):
+    """Central differences of sum(f(arrays) * dout) for every element of every array."""
+    result = []
+    for a in arrays:
+        g = np.zeros_like(a)
+        for idx in np.ndindex(a.shape):
+            old = a[idx]
+            a[idx] = old + h
+            plus = np.sum(f(*arrays) * dout)
+            a[idx] = old - h
+            minus = np.sum(f(*arrays) * dout)
+            a[idx] = old
+            g[idx] = (plus - minus) / (2 * h)
+        result.append(g)
+    return result
+
+
+@pytest.mark.parametrize("schedule", ["reference", "fa1", "fa2"])
+@pytest.mark.parametrize("causal,shape", [(False, (1, 3, 4, 2, 1, 3)), (True, (1, 4, 3, 2, 2, 2)),
+                                          (True, (2, 3, 5, 2, 1, 3))])
+def test_numerical_gradients_float64(schedule, causal, shape):
+    rng = np.random.default_rng(13)
+    q, k, v = make_qkv(rng, *shape, dtype="float64")
+    dout = make(rng, q.shape, "float64")
+
+    def f(q, k, v):
+        return flashdl.attention(q, k, v, causal=causal, schedule="reference")
+
+    numeric = numerical_grads(f, [q, k, v], dout)
+    analytic = grads(dout, q, k, v, schedule, causal)
+    for name, a, n in zip(("dq", "dk", "dv"), analytic, numeric):
+        np.testing.assert_allclose(a, n, rtol=1e-6, atol=max(1e-8, F64_ATOL[schedule]),
+                                   err_msg=name)
+
+
+@given(st.integers(1, 200), st.integers(1, 200), st.integers(1, 2), st.integers(1, 3),
+       st.sampled_from([1, 16, 64, 128]), st.sampled_from([(-1, -1), (-1, 0), (9, 2)]),
+       st.sampled_from(["fa1", "fa2"]), st.sampled_from(["float32", "bfloat16"]),
+       st.integers(0, 2**32 - 1))
+def test_hypothesis_backward(sq, sk, hk, group, d, window, schedule, dtype, seed):
+    rng = np.random.default_rng(seed)
+    q, k, v = make_qkv(rng, 1, sq, sk, hk * group, hk, d, dtype=dtype)
+    dout = make(rng, q.shape, dtype)
+    got = grads(dout, q, k, v, schedule, False, window)
+    exact = backward(dout, q, k, v, window=window)
+    low = backward(dout, q, k, v, window=window, dtype=dtype, exact=False)
+    for name, g, e, lo, u in zip(("dq", "dk", "dv"), got, exact, low, grad_ulps(dtype, q, k)):
+        assert_rule(g, e, lo, dtype, factor=3.0, what=name, ulps=u,
+                    magnitude=grad_magnitude(exact))

@@ -1,0 +1,175 @@
+"""Forward exactness against the float64 oracle (flash-attn's rule), and lse against the oracle."""
+
+import zlib
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import flashdl
+from flashdl import _ext
+from attn_oracle import (DTYPES, SCHEDULES, assert_lse, assert_rule, f64, forward, fwd_ulps,
+                         make, make_qkv, np_dtype)
+
+# (batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim)
+SHAPES = [
+    (1, 1, 1, 1, 1, 1),
+    (2, 17, 17, 2, 2, 32),
+    (1, 97, 33, 4, 2, 64),     # seqlen_q > seqlen_k (causal: empty rows), GQA
+    (1, 33, 97, 3, 1, 16),     # seqlen_q < seqlen_k, MQA
+    (1, 17, 97, 6, 2, 128),
+    (2, 5, 9, 2, 2, 256),
+    (1, 3, 5, 1, 1, 7),
+    (1, 1, 97, 2, 1, 96),
+]
+
+
+def check(q, k, v, dtype, schedule, causal=False, window=(-1, -1), softmax_scale=None):
+    out, lse = flashdl.attention(q, k, v, causal=causal, schedule=schedule, return_lse=True,
+                                 window_size=window, softmax_scale=softmax_scale)
+    assert isinstance(out, np.ndarray) and out.dtype == q.dtype and out.shape == q.shape
+    assert lse.dtype == np.float32 and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    kw = dict(causal=causal, window=window, softmax_scale=softmax_scale)
+    o_ref, lse_ref = forward(q, k, v, **kw)
+    o_low, _ = forward(q, k, v, dtype=dtype, exact=False, **kw)
+    assert_rule(out, o_ref, o_low, dtype, ulps=fwd_ulps(dtype, q, k))
+    assert_lse(lse, lse_ref)
+    return out, lse
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_matches_oracle(shape, dtype, schedule, causal):
+    rng = np.random.default_rng(zlib.crc32(repr((shape, dtype, causal)).encode()))
+    check(*make_qkv(rng, *shape, dtype=dtype), dtype, schedule, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("schedule", ["fa1", "fa2"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_long_sequence(dtype, schedule, causal):
+    rng = np.random.default_rng(7)
+    check(*make_qkv(rng, 1, 1025, 1025, 1, 1, 64, dtype=dtype), dtype, schedule, causal)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("window", [(0, 0), (3, 1), (8, -1), (-1, 2)])
+def test_sliding_window(schedule, window):
+    rng = np.random.default_rng(3)
+    check(*make_qkv(rng, 1, 23, 31, 2, 1, 16), "float32", schedule, window=window)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("scale", [0.05, 1.0, 3.0])
+def test_softmax_scale(schedule, scale):
+    rng = np.random.default_rng(4)
+    check(*make_qkv(rng, 1, 19, 23, 2, 2, 32, dtype="float64"), "float64", schedule,
+          softmax_scale=scale)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_transposed_and_strided_views(dtype, schedule):
+    """A (b, h, s, d) array transposed to (b, s, h, d), step slices and negative strides: no copy,
+    same answer as contiguous arrays."""
+    rng = np.random.default_rng(5)
+    b, sq, sk, h, hk, d = 2, 19, 26, 4, 2, 32
+    q = make(rng, (b, h, sq, d), dtype).transpose(0, 2, 1, 3)
+    k = make(rng, (b, hk, 2 * sk, d), dtype).transpose(0, 2, 1, 3)[:, ::2]
+    v = make(rng, (2 * b, sk, hk, d), dtype)[::-2]
+    for x in (q, k, v):
+        assert not x.flags.c_contiguous
+    for causal in (False, True):
+        out, lse = check(q, k, v, dtype, schedule, causal)
+        contiguous = [np.ascontiguousarray(x) for x in (q, k, v)]
+        out_c, lse_c = flashdl.attention(*contiguous, causal=causal, schedule=schedule,
+                                         return_lse=True)
+        atol = 1e-6 if dtype == "float32" else 1e-2
+        np.testing.assert_allclose(f64(out), f64(out_c), rtol=0, atol=atol)
+        np.testing.assert_allclose(lse, lse_c, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_empty_rows(dtype, schedule):
+    """Causal with seqlen_q > seqlen_k: the first seqlen_q - seqlen_k queries see no key."""
+    rng = np.random.default_rng(6)
+    q, k, v = make_qkv(rng, 2, 13, 4, 2, 1, 8, dtype=dtype)
+    out, lse = check(q, k, v, dtype, schedule, causal=True)
+    assert np.all(f64(out)[:, :9] == 0)
+    assert np.all(np.isneginf(lse[:, :, :9])) and np.all(np.isfinite(lse[:, :, 9:]))
+    # a window that shows some rows nothing
+    out, lse = check(q, k, v, dtype, schedule, window=(0, 0))
+    assert np.all(f64(out)[:, :9] == 0) and np.all(np.isneginf(lse[:, :, :9]))
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_large_scores_do_not_overflow(dtype, schedule):
+    rng = np.random.default_rng(8)
+    q, k, v = make_qkv(rng, 1, 9, 40, 1, 1, 16, dtype=dtype)
+    q = (f64(q) * 30).astype(np_dtype(dtype))
+    check(q, k, v, dtype, schedule, causal=True)
+
+
+@st.composite
+def layouts(draw):
+    b = draw(st.integers(1, 2))
+    sq, sk = draw(st.integers(1, 300)), draw(st.integers(0, 300))
+    hk = draw(st.integers(1, 2))
+    h = hk * draw(st.integers(1, 3))
+    d = draw(st.sampled_from([1, 3, 16, 32, 64, 80, 128, 256]))
+    dtype = draw(st.sampled_from(DTYPES))
+    window = draw(st.sampled_from([(-1, -1), (-1, 0), (5, 0), (17, 3), (0, -1)]))
+    transposed = draw(st.booleans())  # (b, h, s, d) storage viewed as (b, s, h, d)
+    return b, sq, sk, h, hk, d, dtype, window, transposed
+
+
+@given(layouts(), st.sampled_from(["fa1", "fa2"]), st.integers(0, 2**32 - 1))
+def test_hypothesis_matches_oracle(layout, schedule, seed):
+    b, sq, sk, h, hk, d, dtype, window, transposed = layout
+    rng = np.random.default_rng(seed)
+
+    def arr(s, n):
+        if transposed:
+            return make(rng, (b, n, s, d), dtype).transpose(0, 2, 1, 3)
+        return make(rng, (b, s, n, d), dtype)
+
+    check(arr(sq, h), arr(sk, hk), arr(sk, hk), dtype, schedule, window=window)
+
+
+@pytest.mark.parametrize("sram_bytes", [1, 4096, 16384, 65536, 1 << 22])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fa1_on_chip_budget(dtype, sram_bytes):
+    """Algorithm 1's tile sizes come from M: tiny and huge budgets give the same exact answer."""
+    rng = np.random.default_rng(9)
+    q, k, v = make_qkv(rng, 1, 150, 190, 2, 1, 64, dtype=dtype)
+    for causal in (False, True):
+        dt = "bfloat16" if dtype == "bfloat16" else None
+        view = (lambda x: x.view(np.uint16)) if dt else (lambda x: x)
+        out = np.empty_like(q)
+        lse = np.empty((1, 2, 150), np.float32)
+        _ext.forward(view(q), view(k), view(v), view(out), lse, dtype=dt, causal=causal,
+                     schedule="fa1", sram_bytes=sram_bytes)
+        o_ref, lse_ref = forward(q, k, v, causal=causal)
+        o_low, _ = forward(q, k, v, causal=causal, dtype=dtype, exact=False)
+        assert_rule(out, o_ref, o_low, dtype, ulps=fwd_ulps(dtype, q, k))
+        assert_lse(lse, lse_ref)
+
+
+@pytest.mark.parametrize("schedule", ["fa1", "fa2"])
+def test_thread_count_does_not_change_the_result(schedule):
+    rng = np.random.default_rng(10)
+    q, k, v = make_qkv(rng, 3, 130, 170, 4, 2, 32)
+    outs = []
+    for threads in (1, 2, 3, 7):
+        out = np.empty_like(q)
+        lse = np.empty((3, 4, 130), np.float32)
+        _ext.forward(q, k, v, out, lse, causal=True, schedule=schedule, num_threads=threads)
+        outs.append((out, lse))
+    for out, lse in outs[1:]:
+        np.testing.assert_allclose(out, outs[0][0], rtol=0, atol=1e-6)
+        np.testing.assert_allclose(lse, outs[0][1], rtol=1e-6, atol=1e-6)

@@ -1,0 +1,116 @@
+"""PyTorch: results are torch tensors; flashdl.torch.attention's autograd matches SDPA's."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+
+import flashdl  # noqa: E402
+import flashdl.torch  # noqa: E402
+from attn_oracle import assert_lse, assert_rule, forward, fwd_ulps  # noqa: E402
+
+
+def randn(*shape, dtype=torch.float32, seed=0, **kw):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype).requires_grad_(
+        kw.get("requires_grad", False))
+
+
+def sdpa(q, k, v, causal):
+    """SDPA in (b, s, h, d) layout; is_causal is top-left aligned, so only for sq == sk."""
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                       is_causal=causal, enable_gqa=q.shape[2] != k.shape[2])
+    return o.transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_forward_returns_torch_tensors(dtype):
+    q, k, v = (randn(2, 9, 4, 16, dtype=dtype, seed=s) for s in range(3))
+    before = [x.clone() for x in (q, k, v)]
+    out, lse = flashdl.attention(q, k, v, causal=True, return_lse=True)
+    assert isinstance(out, torch.Tensor) and out.dtype == dtype and out.device == q.device
+    assert isinstance(lse, torch.Tensor) and lse.dtype == torch.float32 and lse.shape == (2, 4, 9)
+    name = str(dtype).split(".")[1]
+    as_np = [x.double().numpy() for x in (q, k, v)]
+    o_ref, lse_ref = forward(*as_np, causal=True)
+    o_low, _ = forward(*as_np, causal=True, dtype=name, exact=False)
+    assert_rule(out.double().numpy(), o_ref, o_low, name, ulps=fwd_ulps(name, q, k))
+    assert_lse(lse.numpy(), lse_ref)
+    for x, y in zip((q, k, v), before):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("schedule", ["fa1", "fa2", "reference"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("causal,shape", [
+    (False, (2, 13, 21, 4, 4, 32)),
+    (False, (1, 17, 9, 6, 2, 16)),    # GQA
+    (True, (2, 19, 19, 4, 1, 64)),    # MQA, seqlen_q == seqlen_k (SDPA is top-left aligned)
+    (True, (1, 1, 1, 2, 2, 8)),
+])
+def test_autograd_matches_sdpa(schedule, dtype, causal, shape):
+    b, sq, sk, h, hk, d = shape
+    leaves = [randn(b, n, hh, d, dtype=dtype, seed=i, requires_grad=True)
+              for i, (n, hh) in enumerate(((sq, h), (sk, hk), (sk, hk)))]
+    w = randn(b, sq, h, d, dtype=dtype, seed=9)
+
+    out = flashdl.torch.attention(*leaves, causal=causal, schedule=schedule)
+    (out * w).sum().backward()
+    got = [x.grad.clone() for x in leaves]
+    for x in leaves:
+        x.grad = None
+    ref = sdpa(*leaves, causal)
+    (ref * w).sum().backward()
+
+    # float64: the core's softmax scale and lse are float32 (see attn_oracle.EPS)
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out.detach(), ref.detach(), **tol)
+    for name, g, x in zip(("dq", "dk", "dv"), got, leaves):
+        torch.testing.assert_close(g, x.grad, **tol, msg=lambda m: f"{name}: {m}")
+
+
+def test_sum_loss_broadcast_gradient():
+    """out.sum() hands backward a gradient with every stride 0."""
+    q, k, v = (randn(1, 7, 2, 8, seed=s, requires_grad=True) for s in range(3))
+    flashdl.torch.attention(q, k, v).sum().backward()
+    got = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    sdpa(q, k, v, False).sum().backward()
+    for g, x in zip(got, (q, k, v)):
+        torch.testing.assert_close(g, x.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_strided_views():
+    """(b, h, s, d) tensors transposed to (b, s, h, d): no copy, same result; gradients too."""
+    q, k, v = (randn(2, 4, 11, 16, seed=s, requires_grad=True) for s in range(3))
+    views = [x.transpose(1, 2) for x in (q, k, v)]
+    assert not views[0].is_contiguous()
+    out = flashdl.torch.attention(*views, causal=True)
+    out.square().sum().backward()
+    got = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+    ref.square().sum().backward()
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    for g, x in zip(got, (q, k, v)):
+        torch.testing.assert_close(g, x.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_plain_api_accepts_tensors_that_require_grad():
+    q, k, v = (randn(1, 5, 2, 8, seed=s, requires_grad=True) for s in range(3))
+    out, lse = flashdl.attention(q, k, v, return_lse=True)
+    assert not out.requires_grad
+    dq, dk, dv = flashdl.attention_backward(torch.ones_like(out), q, k, v, out, lse)
+    assert dq.shape == q.shape and isinstance(dk, torch.Tensor)
+
+
+def test_backward_errors_name_the_argument():
+    q, k, v = (randn(1, 5, 2, 8, seed=s) for s in range(3))
+    out, lse = flashdl.attention(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match=r"\blse\b"):
+        flashdl.attention_backward(torch.ones_like(out), q, k, v, out, lse[:, :1])
+    with pytest.raises(ValueError, match=r"\bk\b"):
+        flashdl.attention(q, np.asarray(k), v)
