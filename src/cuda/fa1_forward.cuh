@@ -1,0 +1,258 @@
+// Algorithm 1 of the FlashAttention paper on tensor cores, as written: one CTA per (batch, head);
+// the outer loop walks the K/V blocks, the inner loop the Q blocks; O (float32), l and m live in a
+// global workspace and are read and written back for every (K/V block, Q block) pair. Blocks no
+// query can see (causal, windows) are skipped. This is the paper's IO pattern, kept for study and
+// comparison; the FA-2 kernel is the fast path.
+#pragma once
+
+#include <cuda_pipeline.h>
+
+#include <cstdint>
+#include <string>
+
+#include "check.hpp"
+#include "fa1_plan.hpp"
+#include "flashdl/detail/mask.hpp"
+#include "flashdl/detail/softmax.hpp"
+#include "flashdl/detail/tiles.hpp"
+#include "fragment.cuh"
+#include "tile_io.cuh"
+
+namespace flashdl::cuda {
+namespace fa1 {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+
+// Line 2: O = 0, l = 0, m = -inf for every row of this (batch, head).
+template <int kD>
+__device__ void init_state(float* gO, float* gM, float* gL, int64_t seqlen_q) {
+  for (int64_t idx = threadIdx.x; idx < seqlen_q * (kD / 4); idx += kThreads)
+    reinterpret_cast<float4*>(gO)[idx] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int64_t i = threadIdx.x; i < seqlen_q; i += kThreads) {
+    gM[i] = -INFINITY;
+    gL[i] = 0.0f;
+  }
+}
+
+// Line 9: S = Q_i K_j^T (Br x Bc, float), the warps taking 16 x 16 tiles in turn.
+template <typename T, int kD>
+__device__ void scores(const T* sQ, const T* sK, float* sS, const Fa1Layout& L) {
+  const int frags_n = L.Bc / kFrag, tiles = (L.Br / kFrag) * frags_n;
+  for (int t = threadIdx.x / 32; t < tiles; t += kWarps) {
+    const int rf = t / frags_n, cf = t % frags_n;
+    FragAcc acc;
+    wmma::fill_fragment(acc, 0.0f);
+#pragma unroll
+    for (int kf = 0; kf < kD / kFrag; ++kf) {
+      FragA<T> a;
+      FragBt<T> b;
+      wmma::load_matrix_sync(a, sQ + rf * kFrag * L.ld_kv + kf * kFrag, L.ld_kv);
+      wmma::load_matrix_sync(b, sK + cf * kFrag * L.ld_kv + kf * kFrag, L.ld_kv);
+      wmma::mma_sync(acc, a, b, acc);
+    }
+    wmma::store_matrix_sync(sS + rf * kFrag * L.ld_s + cf * kFrag, acc, L.ld_s, wmma::mem_row_major);
+  }
+}
+
+// Lines 10, 11 and 13, a warp per row: masked row max, P = exp2(t - m_new) written as T over S in
+// place, the new m and l written back to the workspace, and the two factors of line 12 into sScale:
+// O_new = O_old * (alpha * l_old / l_new) + (P V) * (1 / l_new). P is taken relative to m_new
+// instead of the block max (the paper's P~ e^(m~ - m_new)): the same numbers with one exp fewer.
+template <typename T, bool kMasked>
+__device__ void softmax_rows(float* sS, float* sScale, float* gM, float* gL, const Fa1Layout& L,
+                             int64_t i0, int rows, int64_t j0, const detail::Mask& mask,
+                             float scale_log2) {
+  const int lane = threadIdx.x % 32;
+  for (int r = threadIdx.x / 32; r < L.Br; r += kWarps) {
+    float* s = sS + r * L.ld_s;
+    T* pr = reinterpret_cast<T*>(s);
+    if (r >= rows) {  // padding row past seqlen_q: P = 0 keeps its P V finite
+      for (int c = lane; c < L.Bc; c += 32) pr[c] = from_float<T>(0.0f);
+      if (lane == 0) sScale[r] = sScale[L.Br + r] = 0.0f;
+      continue;
+    }
+    const int64_t i = i0 + r;
+    const int64_t lo = mask.col_begin(i) - j0, hi = mask.col_end(i) - j0;  // visible columns
+    auto score = [&](int c) {
+      const float v = s[c] * scale_log2;
+      return kMasked && (c < lo || c >= hi) ? -INFINITY : v;
+    };
+    float block_max = -INFINITY;
+    for (int c = lane; c < L.Bc; c += 32) block_max = fmaxf(block_max, score(c));
+    block_max = warp_max(block_max);
+
+    detail::OnlineSoftmax<float> sm;
+    sm.m = gM[i];
+    sm.l = gL[i];
+    const float l_old = sm.l;
+    const float alpha = sm.rescale_factor(block_max);
+    const float ref = sm.reference();
+    float block_sum = 0.0f;
+    for (int c0 = 0; c0 < L.Bc; c0 += 32) {
+      const int c = c0 + lane;
+      const float pc = c < L.Bc ? exp2f(score(c) - ref) : 0.0f;
+      // P[c0, c0 + 32) overwrites S[c0/2, c0/2 + 16): read the whole chunk first.
+      __syncwarp();
+      if (c < L.Bc) pr[c] = from_float<T>(pc);
+      block_sum += pc;
+    }
+    block_sum = warp_sum(block_sum);
+    sm.accumulate(alpha, block_sum);
+    if (lane == 0) {
+      gM[i] = sm.m;
+      gL[i] = sm.l;
+      const float inv_l = sm.inv_l();  // 0 while the row has seen no key: O stays 0
+      sScale[r] = alpha * l_old * inv_l;
+      sScale[L.Br + r] = inv_l;
+    }
+  }
+}
+
+// P V of the block pair (Br x d, float) into sO.
+template <typename T, int kD>
+__device__ void pv(const T* sP, const T* sV, float* sO, const Fa1Layout& L) {
+  constexpr int kFragsD = kD / kFrag;
+  const int tiles = (L.Br / kFrag) * kFragsD, ld_p = 2 * L.ld_s;
+  for (int t = threadIdx.x / 32; t < tiles; t += kWarps) {
+    const int rf = t / kFragsD, df = t % kFragsD;
+    FragAcc acc;
+    wmma::fill_fragment(acc, 0.0f);
+    for (int kf = 0; kf < L.Bc / kFrag; ++kf) {
+      FragA<T> a;
+      FragB<T> b;
+      wmma::load_matrix_sync(a, sP + rf * kFrag * ld_p + kf * kFrag, ld_p);
+      wmma::load_matrix_sync(b, sV + kf * kFrag * L.ld_kv + df * kFrag, L.ld_kv);
+      wmma::mma_sync(acc, a, b, acc);
+    }
+    wmma::store_matrix_sync(sO + rf * kFrag * L.ld_o + df * kFrag, acc, L.ld_o, wmma::mem_row_major);
+  }
+}
+
+// Line 12: O_i <- O_i * sScale[r] + (P V) * sScale[Br + r], read from and written to the workspace.
+template <int kD>
+__device__ void update_output(float* gO, const float* sO, const float* sScale, const Fa1Layout& L,
+                              int rows) {
+  constexpr int kVecs = kD / 4;
+  for (int idx = threadIdx.x; idx < rows * kVecs; idx += kThreads) {
+    const int r = idx / kVecs, c = (idx % kVecs) * 4;
+    float4 o = *reinterpret_cast<const float4*>(gO + int64_t(r) * kD + c);
+    const float4 x = *reinterpret_cast<const float4*>(sO + r * L.ld_o + c);
+    const float a = sScale[r], b = sScale[L.Br + r];
+    o.x = fmaf(o.x, a, x.x * b);
+    o.y = fmaf(o.y, a, x.y * b);
+    o.z = fmaf(o.z, a, x.z * b);
+    o.w = fmaf(o.w, a, x.w * b);
+    *reinterpret_cast<float4*>(gO + int64_t(r) * kD + c) = o;
+  }
+}
+
+// Line 16: out = O in the storage type, lse = m + log l (natural log; -inf for an empty row).
+template <typename T, int kD>
+__device__ void write_result(const Params& p, const float* gO, const float* gM, const float* gL,
+                             int64_t batch, int64_t head, bool vec_store) {
+  T* out = static_cast<T*>(p.o_ptr) + batch * p.o_batch_stride + head * p.o_head_stride;
+  constexpr int kChunks = kD / 8;
+  for (int64_t idx = threadIdx.x; idx < p.seqlen_q * kChunks; idx += kThreads) {
+    const int64_t i = idx / kChunks;
+    const int c = int(idx % kChunks) * 8;
+    float v[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = gO[i * kD + c + e];
+    store8(out + i * p.o_row_stride + c, v, vec_store);
+  }
+  for (int64_t i = threadIdx.x; i < p.seqlen_q; i += kThreads) {
+    detail::OnlineSoftmax<float> sm;
+    sm.m = gM[i];
+    sm.l = gL[i];
+    p.lse_ptr[batch * p.lse_batch_stride + head * p.lse_head_stride + i * p.lse_row_stride] = sm.lse();
+  }
+}
+
+template <typename T, int kD>
+__global__ void __launch_bounds__(kThreads, 1)
+    forward_kernel(const __grid_constant__ Params p, const Fa1Layout L, float* ws,
+                   const bool vec_load, const bool vec_store) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  __trap();  // the launcher refuses devices below sm_80 (bfloat16 wmma, cp.async)
+#else
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* sK = reinterpret_cast<T*>(smem + L.off_k);
+  T* sV = reinterpret_cast<T*>(smem + L.off_v);
+  T* sQ = reinterpret_cast<T*>(smem + L.off_q);
+  float* sS = reinterpret_cast<float*>(smem + L.off_s);
+  float* sO = reinterpret_cast<float*>(smem + L.off_o);
+  float* sScale = reinterpret_cast<float*>(smem + L.off_scale);
+
+  const int64_t bh = blockIdx.x, batch = bh / p.nheads, head = bh % p.nheads;
+  const int64_t kv_head = head / p.h_h_k_ratio;
+  const T* gQ = static_cast<const T*>(p.q_ptr) + batch * p.q_batch_stride + head * p.q_head_stride;
+  const T* gK = static_cast<const T*>(p.k_ptr) + batch * p.k_batch_stride + kv_head * p.k_head_stride;
+  const T* gV = static_cast<const T*>(p.v_ptr) + batch * p.v_batch_stride + kv_head * p.v_head_stride;
+  // The workspace: O (rows, d) for every (batch, head), then m, then l.
+  const int64_t all_rows = p.batch * p.nheads * p.seqlen_q;
+  float* gO = ws + bh * p.seqlen_q * kD;
+  float* gM = ws + all_rows * kD + bh * p.seqlen_q;
+  float* gL = gM + all_rows;
+
+  init_state<kD>(gO, gM, gL, p.seqlen_q);
+  __syncthreads();
+
+  const detail::Mask mask = detail::make_mask(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
+  const int64_t Tc = detail::ceil_div(p.seqlen_k, L.Bc);
+  for (int64_t j = 0; j < Tc; ++j) {  // line 5: K/V blocks outer
+    const int64_t j0 = j * L.Bc;
+    const int kv_rows = int(p.seqlen_k - j0 < L.Bc ? p.seqlen_k - j0 : L.Bc);
+    const int64_t i_lo = mask.row_begin(j0), i_hi = mask.row_end(j0 + kv_rows - 1);
+    if (i_lo >= i_hi) continue;  // no query sees these keys: skipped, not computed
+    // Line 6 (the previous pair's last barrier ordered every read of sK and sV before this).
+    load_tile<kD, kThreads>(sK, L.ld_kv, gK + j0 * p.k_row_stride, p.k_row_stride, L.Bc, kv_rows, vec_load);
+    load_tile<kD, kThreads>(sV, L.ld_kv, gV + j0 * p.v_row_stride, p.v_row_stride, L.Bc, kv_rows, vec_load);
+    for (int64_t i0 = i_lo / L.Br * L.Br; i0 < i_hi; i0 += L.Br) {  // line 7: Q blocks inner
+      const int rows = int(p.seqlen_q - i0 < L.Br ? p.seqlen_q - i0 : L.Br);
+      // Line 8: Q_i to shared memory; O_i, l_i, m_i are read from the workspace where used.
+      load_tile<kD, kThreads>(sQ, L.ld_kv, gQ + i0 * p.q_row_stride, p.q_row_stride, L.Br, rows, vec_load);
+      __pipeline_commit();
+      __pipeline_wait_prior(0);
+      __syncthreads();
+      scores<T, kD>(sQ, sK, sS, L);
+      __syncthreads();
+      if (mask.block_fully_visible(i0, i0 + rows, j0, j0 + L.Bc))
+        softmax_rows<T, false>(sS, sScale, gM, gL, L, i0, rows, j0, mask, p.scale_softmax_log2);
+      else
+        softmax_rows<T, true>(sS, sScale, gM, gL, L, i0, rows, j0, mask, p.scale_softmax_log2);
+      __syncthreads();
+      pv<T, kD>(reinterpret_cast<const T*>(sS), sV, sO, L);
+      __syncthreads();
+      update_output<kD>(gO + i0 * kD, sO, sScale, L, rows);
+      // No barrier needed here: the next pair's first barrier orders this update before anything
+      // that overwrites sO or sScale, and nothing here reads sQ, sK or sV.
+    }
+  }
+  __syncthreads();  // the last updates of O, l and m are visible to every thread
+  write_result<T, kD>(p, gO, gM, gL, batch, head, vec_store);
+#endif
+}
+
+}  // namespace fa1
+
+template <typename T, int kHeadDim>
+void launch_fa1_forward(const Params& p, const LaunchContext& ctx) {
+  const Fa1Layout L = plan_fa1(p.sram_bytes, p.seqlen_q, p.seqlen_k, kHeadDim, sizeof(T),
+                               ctx.smem_optin);
+  const int64_t ctas = p.batch * p.nheads;
+  if (ctas > INT32_MAX)
+    throw Error(ErrorKind::unsupported, "q: batch * nheads = " + std::to_string(ctas) +
+                                            " is too large for one fa1 launch");
+  const auto kernel = fa1::forward_kernel<T, kHeadDim>;
+  FLASHDL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(L.bytes)));
+  const std::size_t rows = static_cast<std::size_t>(ctas * p.seqlen_q);
+  StreamWorkspace ws(rows * (kHeadDim + 2) * sizeof(float), ctx.stream);  // O, m, l
+  kernel<<<static_cast<unsigned>(ctas), fa1::kThreads, L.bytes, ctx.stream>>>(
+      p, L, ws.get<float>(), ctx.vec_load, ctx.vec_store);
+  FLASHDL_CUDA_CHECK_LAUNCH("fa1 forward kernel launch");
+  ws.release();
+}
+
+}  // namespace flashdl::cuda

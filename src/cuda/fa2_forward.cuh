@@ -1,0 +1,267 @@
+// The FlashAttention-2 forward on tensor cores.
+//
+// Grid: (Q block, head, batch). A CTA of 4 warps owns kBlockM = 64 query rows, 16 per warp; every
+// warp sees every key (no split of K/V between warps). K/V blocks stream through a double buffer in
+// shared memory with cp.async; per block, each warp computes its 16 x kBlockN scores on tensor
+// cores, masks them, runs the online softmax per row (exp2 domain, two lanes per row), rescales its
+// output accumulators in registers and adds P V, again on tensor cores. The division by l happens
+// once at the end, which also writes lse (natural log) for the backward pass.
+#pragma once
+
+#include <cuda_pipeline.h>
+
+#include <cstdint>
+#include <string>
+
+#include "check.hpp"
+#include "fa2_traits.cuh"
+#include "flashdl/detail/mask.hpp"
+#include "flashdl/detail/softmax.hpp"
+#include "flashdl/detail/tiles.hpp"
+#include "fragment.cuh"
+#include "tile_io.cuh"
+
+namespace flashdl::cuda {
+namespace fa2 {
+
+// S = Q K^T for this warp's 16 rows: sQw (16 x d), sK (kBlockN x d) -> sS (16 x kBlockN, float).
+template <typename Tr>
+__device__ __forceinline__ void compute_scores(const typename Tr::T* sQw,
+                                               const typename Tr::T* sK, float* sS) {
+  using T = typename Tr::T;
+  FragAcc acc[Tr::kFragsN];
+#pragma unroll
+  for (int nf = 0; nf < Tr::kFragsN; ++nf) wmma::fill_fragment(acc[nf], 0.0f);
+#pragma unroll
+  for (int kf = 0; kf < Tr::kFragsD; ++kf) {
+    FragA<T> a;
+    wmma::load_matrix_sync(a, sQw + kf * kFrag, Tr::kLdQKV);
+#pragma unroll
+    for (int nf = 0; nf < Tr::kFragsN; ++nf) {
+      FragBt<T> b;
+      wmma::load_matrix_sync(b, sK + nf * kFrag * Tr::kLdQKV + kf * kFrag, Tr::kLdQKV);
+      wmma::mma_sync(acc[nf], a, b, acc[nf]);
+    }
+  }
+#pragma unroll
+  for (int nf = 0; nf < Tr::kFragsN; ++nf)
+    wmma::store_matrix_sync(sS + nf * kFrag, acc[nf], Tr::kLdS, wmma::mem_row_major);
+}
+
+// One online-softmax step for the row this lane pair owns (lanes 2r and 2r+1 share row r, taking
+// alternate columns). Scales the scores into the exp2 domain, masks keys outside [col_lo, col_hi)
+// when kMasked, updates {m, l} and writes P = exp2(t - m) as T over the scores in place. Returns
+// the factor by which the row's output accumulator must be rescaled.
+template <typename Tr, bool kMasked>
+__device__ __forceinline__ float softmax_step(float* sS, detail::OnlineSoftmax<float>& sm,
+                                              float scale_log2, int64_t n0, int64_t col_lo,
+                                              int64_t col_hi) {
+  using T = typename Tr::T;
+  const int lane = threadIdx.x % 32;
+  const int r = lane / 2, half = lane % 2;
+  float t[Tr::kColsPerLane];
+  float block_max = -INFINITY;
+#pragma unroll
+  for (int k = 0; k < Tr::kColsPerLane; ++k) {
+    const int c = 2 * k + half;
+    float v = sS[r * Tr::kLdS + c] * scale_log2;
+    if (kMasked && (n0 + c < col_lo || n0 + c >= col_hi)) v = -INFINITY;
+    t[k] = v;
+    block_max = fmaxf(block_max, v);
+  }
+  block_max = fmaxf(block_max, __shfl_xor_sync(kFullMask, block_max, 1));
+  const float alpha = sm.rescale_factor(block_max);
+  const float ref = sm.reference();  // 0 while the row has seen no key: exp2(-inf - 0) = 0
+  __syncwarp();                      // every score is in registers: P may overwrite them
+  T* sP = reinterpret_cast<T*>(sS);
+  float block_sum = 0.0f;
+#pragma unroll
+  for (int k = 0; k < Tr::kColsPerLane; ++k) {
+    const float pk = exp2f(t[k] - ref);
+    block_sum += pk;
+    sP[r * Tr::kLdP + 2 * k + half] = from_float<T>(pk);
+  }
+  block_sum += __shfl_xor_sync(kFullMask, block_sum, 1);
+  sm.accumulate(alpha, block_sum);
+  __syncwarp();  // P complete before the tensor cores read it
+  return alpha;
+}
+
+// Multiplies every output accumulator element by the factor of its row. Lane 2r holds row r's
+// factor; the fragment's row map says which rows this lane's elements belong to.
+template <int kFrags>
+__device__ __forceinline__ void scale_rows(FragAcc (&acc)[kFrags], const FragRows& rows,
+                                           float row_factor) {
+  float f[FragAcc::num_elements];
+#pragma unroll
+  for (int i = 0; i < FragAcc::num_elements; ++i)
+    f[i] = __shfl_sync(kFullMask, row_factor, 2 * rows.r[i]);
+#pragma unroll
+  for (int d = 0; d < kFrags; ++d)
+#pragma unroll
+    for (int i = 0; i < FragAcc::num_elements; ++i) acc[d].x[i] *= f[i];
+}
+
+// O += P V for this warp's 16 rows: sP (16 x kBlockN, T), sV (kBlockN x d).
+template <typename Tr>
+__device__ __forceinline__ void accumulate_pv(const typename Tr::T* sP, const typename Tr::T* sV,
+                                              FragAcc (&acc)[Tr::kFragsD]) {
+  using T = typename Tr::T;
+#pragma unroll
+  for (int kf = 0; kf < Tr::kFragsN; ++kf) {
+    FragA<T> a;
+    wmma::load_matrix_sync(a, sP + kf * kFrag, Tr::kLdP);
+#pragma unroll
+    for (int df = 0; df < Tr::kFragsD; ++df) {
+      FragB<T> b;
+      wmma::load_matrix_sync(b, sV + kf * kFrag * Tr::kLdQKV + df * kFrag, Tr::kLdQKV);
+      wmma::mma_sync(acc[df], a, b, acc[df]);
+    }
+  }
+}
+
+// Epilogue: O / l, converted to T, written to this warp's rows of out (rows >= rows_valid are
+// padding and not stored), one 16 x 16 fragment at a time through the warp's scratch.
+template <typename Tr>
+__device__ __forceinline__ void store_output(FragAcc (&acc)[Tr::kFragsD], const FragRows& rows,
+                                             float inv_l, float* scratch, typename Tr::T* gO,
+                                             int64_t o_row_stride, int rows_valid, bool vec) {
+  scale_rows(acc, rows, inv_l);
+  const int lane = threadIdx.x % 32;
+  const int r = lane / 2, c0 = (lane % 2) * 8;
+#pragma unroll
+  for (int df = 0; df < Tr::kFragsD; ++df) {
+    wmma::store_matrix_sync(scratch, acc[df], Tr::kLdS, wmma::mem_row_major);
+    __syncwarp();
+    if (r < rows_valid) store8(gO + r * o_row_stride + df * kFrag + c0, scratch + r * Tr::kLdS + c0, vec);
+    __syncwarp();
+  }
+}
+
+template <typename Tr>
+__global__ void __launch_bounds__(Tr::kThreads)
+    forward_kernel(const __grid_constant__ Params p, const bool vec_load, const bool vec_store) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  __trap();  // the launcher refuses devices below sm_80 (bfloat16 wmma, cp.async)
+#else
+  using T = typename Tr::T;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kD = Tr::kHeadDim, kLd = Tr::kLdQKV;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  T* sQ = reinterpret_cast<T*>(smem + Tr::kOffQ);
+  T* sK = reinterpret_cast<T*>(smem + Tr::kOffK);
+  T* sV = reinterpret_cast<T*>(smem + Tr::kOffV);
+  float* sS = reinterpret_cast<float*>(smem + Tr::kOffS) + warp * Tr::kWarpRows * Tr::kLdS;
+
+  const int64_t batch = blockIdx.z, head = blockIdx.y, kv_head = head / p.h_h_k_ratio;
+  const int64_t m0 = int64_t(blockIdx.x) * kBlockM;
+  const int m_rows = int(p.seqlen_q - m0 < kBlockM ? p.seqlen_q - m0 : kBlockM);
+  const T* gQ = static_cast<const T*>(p.q_ptr) + batch * p.q_batch_stride + head * p.q_head_stride;
+  const T* gK = static_cast<const T*>(p.k_ptr) + batch * p.k_batch_stride + kv_head * p.k_head_stride;
+  const T* gV = static_cast<const T*>(p.v_ptr) + batch * p.v_batch_stride + kv_head * p.v_head_stride;
+
+  // K/V blocks that some row of this Q block can see; the others are skipped, not computed.
+  const detail::Mask mask = detail::make_mask(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
+  const int64_t key_lo = mask.block_col_begin(m0), key_hi = mask.block_col_end(m0 + m_rows);
+  const int n_begin = int(key_lo / kBlockN);
+  const int n_end = key_hi > key_lo ? int(detail::ceil_div(key_hi, kBlockN)) : n_begin;
+
+  auto load_kv = [&](int n, int stage) {
+    const int64_t n0 = int64_t(n) * kBlockN;
+    const int rows = int(p.seqlen_k - n0 < kBlockN ? p.seqlen_k - n0 : kBlockN);
+    load_tile<kD, Tr::kThreads>(sK + stage * kBlockN * kLd, kLd, gK + n0 * p.k_row_stride,
+                                p.k_row_stride, kBlockN, rows, vec_load);
+    load_tile<kD, Tr::kThreads>(sV + stage * kBlockN * kLd, kLd, gV + n0 * p.v_row_stride,
+                                p.v_row_stride, kBlockN, rows, vec_load);
+  };
+
+  // Load Q (once) and the first K/V block.
+  load_tile<kD, Tr::kThreads>(sQ, kLd, gQ + m0 * p.q_row_stride, p.q_row_stride, kBlockM, m_rows,
+                              vec_load);
+  if (n_begin < n_end) load_kv(n_begin, 0);
+  __pipeline_commit();
+
+  const FragRows frag_rows = accumulator_rows(sS, Tr::kLdS);
+  const int64_t row = m0 + warp * Tr::kWarpRows + lane / 2;  // the row this lane pair owns
+  const int64_t col_lo = mask.col_begin(row), col_hi = mask.col_end(row);
+  detail::OnlineSoftmax<float> softmax;
+  FragAcc acc_o[Tr::kFragsD];
+#pragma unroll
+  for (int df = 0; df < Tr::kFragsD; ++df) wmma::fill_fragment(acc_o[df], 0.0f);
+
+  for (int n = n_begin; n < n_end; ++n) {
+    const int stage = (n - n_begin) % Tr::kStages;
+    if (n + 1 < n_end) load_kv(n + 1, stage ^ 1);  // prefetch the next block into the other buffer
+    __pipeline_commit();
+    __pipeline_wait_prior(1);  // block n has landed; block n + 1 may still be in flight
+    __syncthreads();
+
+    const T* sKn = sK + stage * kBlockN * kLd;
+    const T* sVn = sV + stage * kBlockN * kLd;
+    compute_scores<Tr>(sQ + warp * Tr::kWarpRows * kLd, sKn, sS);  // S = Q K^T
+    __syncwarp();
+    const int64_t n0 = int64_t(n) * kBlockN;
+    const float alpha =                                               // mask, online softmax
+        mask.block_fully_visible(m0, m0 + m_rows, n0, n0 + kBlockN)
+            ? softmax_step<Tr, false>(sS, softmax, p.scale_softmax_log2, n0, col_lo, col_hi)
+            : softmax_step<Tr, true>(sS, softmax, p.scale_softmax_log2, n0, col_lo, col_hi);
+    scale_rows(acc_o, frag_rows, alpha);
+    accumulate_pv<Tr>(reinterpret_cast<const T*>(sS), sVn, acc_o);  // O += P V
+    __syncthreads();  // this stage is refilled by the next iteration's prefetch
+  }
+  __pipeline_wait_prior(0);  // no copy may still be in flight when the CTA retires
+
+  // Epilogue: O / l and lse.
+  const int w0 = warp * Tr::kWarpRows;
+  T* gO = static_cast<T*>(p.o_ptr) + batch * p.o_batch_stride + head * p.o_head_stride +
+          (m0 + w0) * p.o_row_stride;
+  __syncwarp();
+  store_output<Tr>(acc_o, frag_rows, softmax.inv_l(), sS, gO, p.o_row_stride, m_rows - w0,
+                   vec_store);
+  if (lane % 2 == 0 && row < p.seqlen_q)
+    p.lse_ptr[batch * p.lse_batch_stride + head * p.lse_head_stride + row * p.lse_row_stride] =
+        softmax.lse();
+#endif
+}
+
+}  // namespace fa2
+
+template <typename Tr>
+void launch_fa2(const Params& p, const LaunchContext& ctx) {
+  const auto kernel = fa2::forward_kernel<Tr>;
+  const int64_t m_blocks = detail::ceil_div(p.seqlen_q, Tr::kBlockM);
+  if (p.nheads > ctx.max_grid_y || p.batch > ctx.max_grid_z || m_blocks > INT32_MAX)
+    throw Error(ErrorKind::unsupported,
+                "q: too large for one fa2 launch: nheads " + std::to_string(p.nheads) + " (max " +
+                    std::to_string(ctx.max_grid_y) + "), batch " + std::to_string(p.batch) +
+                    " (max " + std::to_string(ctx.max_grid_z) + ")");
+  FLASHDL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(Tr::kSmemBytes)));
+  const dim3 grid(static_cast<unsigned>(m_blocks), static_cast<unsigned>(p.nheads),
+                  static_cast<unsigned>(p.batch));
+  kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, ctx.stream>>>(p, ctx.vec_load, ctx.vec_store);
+  FLASHDL_CUDA_CHECK_LAUNCH("fa2 forward kernel launch");
+}
+
+// The tiles of fa2_block_n where the device has the shared memory; else, for the head dims whose
+// tiles exceed the smallest opt-in limit of an sm_80+ part (99 KiB: sm_86, sm_89, sm_120), half
+// as many keys per block; else a clear error.
+template <typename T, int kHeadDim>
+void launch_fa2_forward(const Params& p, const LaunchContext& ctx) {
+  using Tr = Fa2Traits<T, kHeadDim>;
+  using Small = Fa2Traits<T, kHeadDim, Tr::kBlockN / 2>;
+  constexpr bool kHasSmall = Tr::kSmemBytes > kFa2SmallestOptin;
+  const auto optin = static_cast<std::size_t>(ctx.smem_optin);
+  if (Tr::kSmemBytes <= optin) return launch_fa2<Tr>(p, ctx);
+  if constexpr (kHasSmall) {
+    if (Small::kSmemBytes <= optin) return launch_fa2<Small>(p, ctx);
+  }
+  throw Error(ErrorKind::unsupported,
+              "q: the fa2 kernel for headdim " + std::to_string(kHeadDim) + " needs " +
+                  std::to_string(kHasSmall ? Small::kSmemBytes : Tr::kSmemBytes) +
+                  " bytes of shared memory per block; device " + std::to_string(ctx.device) +
+                  " offers " + std::to_string(ctx.smem_optin) +
+                  " (schedule='fa1' sizes its tiles to the device)");
+}
+
+}  // namespace flashdl::cuda

@@ -1,0 +1,60 @@
+// Moving tiles between global and shared memory. Loads are bounds-checked (rows past the end are
+// zero-filled, so padded keys and values never carry stale NaN or Inf into a tensor-core product)
+// and asynchronous (cp.async through cuda_pipeline) when rows start on 16-byte boundaries; stores
+// are guarded by the caller and vectorised under the same condition.
+#pragma once
+
+#include <cuda_pipeline.h>
+
+#include <cstdint>
+
+#include "fragment.cuh"
+
+namespace flashdl::cuda {
+
+// Copies rows [0, rows) of a (tile_rows x kHeadDim) tile at g (row stride g_stride elements) to s
+// (row stride ld_s elements) and zero-fills rows [rows, tile_rows). With vec, the copies are
+// cp.async: the caller commits and waits (__pipeline_commit / __pipeline_wait_prior) and then
+// synchronises the block; otherwise they are plain loads, visible after the same barrier.
+template <int kHeadDim, int kThreads, typename T>
+__device__ __forceinline__ void load_tile(T* s, int ld_s, const T* g, int64_t g_stride,
+                                          int tile_rows, int rows, bool vec) {
+  static_assert(kHeadDim % 8 == 0, "16-byte chunks of 8 elements");
+  constexpr int kChunks = kHeadDim / 8;
+  const int n = tile_rows * kChunks;
+  for (int idx = threadIdx.x; idx < n; idx += kThreads) {
+    const int r = idx / kChunks;
+    const int c = (idx % kChunks) * 8;
+    T* dst = s + r * ld_s + c;
+    if (r >= rows) {
+      *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+      continue;
+    }
+    const T* src = g + r * g_stride + c;
+    if (vec) {
+      __pipeline_memcpy_async(dst, src, 16);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) dst[e] = src[e];
+    }
+  }
+}
+
+// Converts 8 floats to T and writes them to dst (16 bytes at once with vec).
+template <typename T>
+__device__ __forceinline__ void store8(T* dst, const float* v, bool vec) {
+  if (vec) {
+    union {
+      uint4 u;
+      T t[8];
+    } pack;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) pack.t[e] = from_float<T>(v[e]);
+    *reinterpret_cast<uint4*>(dst) = pack.u;
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) dst[e] = from_float<T>(v[e]);
+  }
+}
+
+}  // namespace flashdl::cuda

@@ -1,0 +1,217 @@
+// Helpers for the CUDA tests: 16-bit float conversions on the host, strided layouts, device buffers
+// poisoned with NaN, and the naive attention "in the input precision" of the tolerance rule.
+// Self-contained on purpose: it shares no code with the kernels it checks.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "flashdl/tensor.hpp"
+
+namespace cuda_test {
+
+#define CUDA_TEST_CHECK(expr)                                                           \
+  do {                                                                                  \
+    const cudaError_t err_ = (expr);                                                    \
+    if (err_ != cudaSuccess) {                                                          \
+      std::fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #expr,         \
+                   cudaGetErrorString(err_));                                           \
+      std::exit(1);                                                                     \
+    }                                                                                   \
+  } while (0)
+
+// ---- 16-bit floats (round to nearest even) -------------------------------------------------------
+inline float bits_to_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint32_t float_to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+inline uint16_t float_to_bf16(float f) {
+  const uint32_t u = float_to_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+inline float bf16_to_float(uint16_t h) { return bits_to_float(uint32_t(h) << 16); }
+
+inline uint16_t float_to_fp16(float f) {
+  const uint32_t u = float_to_bits(f);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  const int32_t exp = static_cast<int32_t>((u >> 23) & 0xffu);
+  uint32_t mant = u & 0x7fffffu;
+  if (exp == 0xff) return sign | 0x7c00u | (mant ? 0x200u : 0u);
+  const int32_t e = exp - 127 + 15;
+  if (e >= 0x1f) return sign | 0x7c00u;
+  if (e <= 0) {  // subnormal or zero
+    if (e < -10) return sign;
+    mant |= 0x800000u;
+    const int shift = 14 - e;
+    uint32_t h = mant >> shift;
+    const uint32_t rem = mant & ((1u << shift) - 1u), halfway = 1u << (shift - 1);
+    if (rem > halfway || (rem == halfway && (h & 1u))) ++h;
+    return static_cast<uint16_t>(sign | h);
+  }
+  uint32_t h = (uint32_t(e) << 10) | (mant >> 13);
+  const uint32_t rem = mant & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;  // a carry rounds into the exponent
+  return static_cast<uint16_t>(sign | h);
+}
+inline float fp16_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+  if (exp == 0) return (sign ? -1.0f : 1.0f) * std::ldexp(float(mant), -24);
+  if (exp == 0x1f) return bits_to_float(sign | 0x7f800000u | (mant << 13));
+  return bits_to_float(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+
+inline uint16_t to_bits(float f, flashdl::DType dt) {
+  return dt == flashdl::DType::float16 ? float_to_fp16(f) : float_to_bf16(f);
+}
+inline float from_bits(uint16_t h, flashdl::DType dt) {
+  return dt == flashdl::DType::float16 ? fp16_to_float(h) : bf16_to_float(h);
+}
+inline float round_to(float f, flashdl::DType dt) { return from_bits(to_bits(f, dt), dt); }
+
+// ---- strided layouts -----------------------------------------------------------------------------
+// How a logical 4-d (or 3-d) array sits in its buffer.
+enum class Kind { contiguous, transposed, padded, odd };  // transposed: (b, h, s, d) storage
+inline const char* kind_name(Kind k) {
+  switch (k) {
+    case Kind::contiguous: return "contiguous";
+    case Kind::transposed: return "transposed";
+    case Kind::padded: return "padded";
+    case Kind::odd: return "odd-stride";
+  }
+  return "?";
+}
+
+struct Layout {
+  int64_t shape[4];
+  int64_t strides[4];
+  int64_t span;  // elements the buffer needs
+  int64_t offset(int64_t a, int64_t b, int64_t c, int64_t d) const {
+    return a * strides[0] + b * strides[1] + c * strides[2] + d * strides[3];
+  }
+};
+
+// (batch, seq, heads, d): padded rows keep 16-byte alignment (+8), odd ones break it (+3).
+inline Layout make_layout(int64_t b, int64_t s, int64_t h, int64_t d, Kind kind) {
+  Layout L{{b, s, h, d}, {}, 0};
+  const int64_t dd = d + (kind == Kind::padded ? 8 : kind == Kind::odd ? 3 : 0);
+  if (kind == Kind::transposed) {
+    L.strides[3] = 1;
+    L.strides[1] = dd;
+    L.strides[2] = s * dd;
+    L.strides[0] = h * s * dd;
+  } else {
+    L.strides[3] = 1;
+    L.strides[2] = dd;
+    L.strides[1] = h * dd;
+    L.strides[0] = s * h * dd;
+  }
+  L.span = b * L.strides[0];
+  return L;
+}
+
+inline flashdl::TensorView device_view(void* data, flashdl::DType dt, const Layout& L, int rank) {
+  flashdl::TensorView t;
+  t.data = data;
+  t.dtype = dt;
+  t.device = flashdl::Device{flashdl::DeviceType::cuda, 0};
+  t.rank = rank;
+  for (int i = 0; i < rank; ++i) {
+    t.shape[i] = L.shape[i];
+    t.strides[i] = L.strides[i];
+  }
+  return t;
+}
+
+// ---- device memory -------------------------------------------------------------------------------
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  explicit DeviceBuffer(size_t n) : bytes(n) { CUDA_TEST_CHECK(cudaMalloc(&ptr, n > 0 ? n : 1)); }
+  ~DeviceBuffer() { cudaFree(ptr); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  // The library works on a non-blocking stream that does not wait for the legacy default stream
+  // these helpers use; they synchronise the device (the test may, the library never does).
+  void poison() {  // 0xff bytes: NaN in every float format
+    CUDA_TEST_CHECK(cudaMemset(ptr, 0xff, bytes));
+    CUDA_TEST_CHECK(cudaDeviceSynchronize());
+  }
+  template <typename U>
+  void upload(const std::vector<U>& h) {
+    CUDA_TEST_CHECK(cudaMemcpy(ptr, h.data(), h.size() * sizeof(U), cudaMemcpyHostToDevice));
+    CUDA_TEST_CHECK(cudaDeviceSynchronize());
+  }
+  template <typename U>
+  std::vector<U> download() const {
+    std::vector<U> h(bytes / sizeof(U));
+    CUDA_TEST_CHECK(cudaMemcpy(h.data(), ptr, h.size() * sizeof(U), cudaMemcpyDeviceToHost));
+    return h;
+  }
+};
+
+// ---- the naive algorithm in the input precision --------------------------------------------------
+// float scores from the 16-bit inputs, softmax in float, P rounded to the storage type before P V
+// (as a framework's half-precision attention does), float accumulation, out rounded. Inputs are
+// logical contiguous (b, s, h, d) float vectors holding 16-bit values exactly.
+struct Shape {
+  int64_t b, sq, sk, h, hk, d;
+  int64_t left, right;  // resolved window, causal = (left, 0); -1 unbounded
+  bool visible(int64_t i, int64_t j) const {
+    const int64_t c = i + sk - sq;
+    return (left < 0 || j >= c - left) && (right < 0 || j <= c + right);
+  }
+};
+
+inline void naive_lowp(const Shape& s, const std::vector<float>& q, const std::vector<float>& k,
+                       const std::vector<float>& v, flashdl::DType dt, std::vector<double>& out) {
+  out.assign(size_t(s.b * s.sq * s.h * s.d), 0.0);
+  const float scale = 1.0f / std::sqrt(float(s.d));
+  std::vector<float> p(size_t(s.sk)), acc(size_t(s.d));
+  for (int64_t bi = 0; bi < s.b; ++bi)
+    for (int64_t hi = 0; hi < s.h; ++hi) {
+      const int64_t hk = hi / (s.h / s.hk);
+      for (int64_t i = 0; i < s.sq; ++i) {
+        const float* qr = &q[size_t(((bi * s.sq + i) * s.h + hi) * s.d)];
+        float m = -INFINITY;
+        for (int64_t j = 0; j < s.sk; ++j) {
+          p[j] = -INFINITY;
+          if (!s.visible(i, j)) continue;
+          const float* kr = &k[size_t(((bi * s.sk + j) * s.hk + hk) * s.d)];
+          float dot = 0.0f;
+          for (int64_t c = 0; c < s.d; ++c) dot += qr[c] * kr[c];
+          p[j] = dot * scale;
+          m = std::fmax(m, p[j]);
+        }
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        double* o = &out[size_t(((bi * s.sq + i) * s.h + hi) * s.d)];
+        if (m == -INFINITY) continue;  // empty row: out = 0
+        float l = 0.0f;
+        for (int64_t j = 0; j < s.sk; ++j) l += (p[j] = std::exp(p[j] - m));
+        for (int64_t j = 0; j < s.sk; ++j) {
+          const float w = round_to(p[j] / l, dt);
+          if (w == 0.0f) continue;
+          const float* vr = &v[size_t(((bi * s.sk + j) * s.hk + hk) * s.d)];
+          for (int64_t c = 0; c < s.d; ++c) acc[c] += w * vr[c];
+        }
+        for (int64_t c = 0; c < s.d; ++c) o[c] = round_to(acc[c], dt);
+      }
+    }
+}
+
+}  // namespace cuda_test
