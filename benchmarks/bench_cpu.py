@@ -143,7 +143,7 @@ def main():
     import torch
 
     info = flashdl.info()
-    print(f"flashdl {info['version']} ({info['cpu_isa']}, {info['cpu_threads']} threads), "
+    print(f"flashdl {info['version']} ({info['cpu_isa']}, {info['num_threads']} threads), "
           f"torch {torch.__version__} ({torch.get_num_threads()} threads), {cpu_model()}", flush=True)
     rows = speed_rows(torch, args.reps)
     print("  memory: fa2 forward, seqlen 16384 ...", flush=True)
@@ -155,7 +155,7 @@ def main():
         f"# CPU: flashdl vs torch SDPA ({datetime.date.today().isoformat()})",
         "",
         f"- machine: {cpu_model()}, {os.cpu_count()} logical CPUs, {platform.system()} {platform.machine()}",
-        f"- flashdl {info['version']}, CPU kernels `{info['cpu_isa']}`, {info['cpu_threads']} threads; "
+        f"- flashdl {info['version']}, CPU kernels `{info['cpu_isa']}`, {info['num_threads']} threads; "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads",
         "- command: `python benchmarks/bench_cpu.py`; medians of alternating runs in one process",
         "- shape (batch 1, heads 8, seqlen 2048, headdim 64); GFLOP/s with flash-attn's count "

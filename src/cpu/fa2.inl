@@ -5,9 +5,10 @@
 // accumulated in per-thread partial sums over the thread's static slice and reduced in thread
 // order, so results are bitwise reproducible for a given thread count.
 
-// Measured on a 2-core AVX2 machine (benchmarks/results/cpu_tuning.md).
-inline int64_t fa2_block_rows() { const char* e = std::getenv("FLASHDL_TUNE_BR"); return e ? std::atoi(e) : 48; }
-inline int64_t fa2_block_cols() { const char* e = std::getenv("FLASHDL_TUNE_BC"); return e ? std::atoi(e) : 96; }
+// Br x Bc = 48 x 96 was fastest of seven shapes measured on a 2-core AVX2 machine, forward and
+// backward (benchmarks/results/cpu_tuning.md); both are multiples of the micro-kernel tile.
+inline int64_t fa2_block_rows() { return 48; }
+inline int64_t fa2_block_cols() { return 96; }
 
 // K^T and V of one (batch, kv head), block by block: block kb of K^T is d x Bcp at kb * d * Bcp,
 // block kb of V is Bcp x dp at kb * Bcp * dp, each zero-padded. Contiguous blocks keep the
