@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "backend.hpp"
+#include "flashdl/detail/philox.hpp"
 #include "flashdl/detail/tiles.hpp"
 
 #ifndef FLASHDL_VERSION
@@ -209,6 +210,9 @@ Shapes check_attention_args(const TensorView& q, const TensorView& k, const Tens
   if (!(o.dropout_p >= 0.0f && o.dropout_p < 1.0f))
     fail(ErrorKind::value, "dropout_p: expected a probability in [0, 1), got " +
                                std::to_string(o.dropout_p));
+  if (o.offset >= (uint64_t{1} << 32))
+    fail(ErrorKind::value, "offset: expected a dropout stream offset below 2^32, got " +
+                               std::to_string(o.offset));
   if (o.sram_bytes < 0)
     fail(ErrorKind::value, "sram_bytes: expected >= 0 (0: from the device), got " +
                                std::to_string(o.sram_bytes));
@@ -353,6 +357,32 @@ void backward(const TensorView& dout, const TensorView& q, const TensorView& k,
   FLASHDL_SET_STRIDES(p, dk, dk);
   FLASHDL_SET_STRIDES(p, dv, dv);
   dispatch_backward(p);
+}
+
+void dropout_mask(const TensorView& mask_out, double p, uint64_t seed, uint64_t offset) {
+  check_rank("mask_out", mask_out, 4, "(batch, nheads, seqlen_q, seqlen_k)");
+  check_dtype("mask_out", mask_out, DType::boolean, "the keep-mask is bool");
+  if (mask_out.device.type != DeviceType::cpu)
+    fail(ErrorKind::value, std::string("mask_out: expected an array on cpu, got ") +
+                               device_name(mask_out.device.type));
+  check_last_dim_contiguous("mask_out", mask_out);
+  // The same rounding and range check as Options.dropout_p in forward() and backward().
+  const float pf = static_cast<float>(p);
+  if (!(pf >= 0.0f && pf < 1.0f))
+    fail(ErrorKind::value, "dropout_p: expected a probability in [0, 1), got " + std::to_string(p));
+  const auto& n = mask_out.shape;
+  const auto& st = mask_out.strides;
+  auto* base = static_cast<bool*>(mask_out.data);
+  for (int64_t b = 0; b < n[0]; ++b)
+    for (int64_t h = 0; h < n[1]; ++h) {
+      const auto bh = static_cast<uint64_t>(b * n[1] + h);
+      for (int64_t i = 0; i < n[2]; ++i) {
+        bool* row = base + b * st[0] + h * st[1] + i * st[2];
+        for (int64_t j = 0; j < n[3]; ++j)
+          row[j] = detail::dropout_keep(pf, seed, offset, bh, static_cast<uint64_t>(i),
+                                        static_cast<uint64_t>(j));
+      }
+    }
 }
 
 BuildInfo build_info() {

@@ -7,7 +7,9 @@ template <typename T>
 Geometry<T> fa1_geometry(const Params& p, int64_t sram_bytes) {
   const detail::Fa1Tiles t =
       detail::fa1_tiles(sram_bytes / static_cast<int64_t>(sizeof(T)), p.headdim);
-  return make_geometry<T>(p, t.Br, t.Bc);
+  // A block longer than the sequence only adds padding to compute: cap both at the lengths.
+  return make_geometry<T>(p, std::min(t.Br, std::max<int64_t>(p.seqlen_q, 1)),
+                          std::min(t.Bc, std::max<int64_t>(p.seqlen_k, 1)));
 }
 
 template <typename T>

@@ -59,7 +59,7 @@ void softmax_rows(const Params& p, const Head& hd, std::vector<double>& P, std::
   for (int64_t i = 0; i < sq; ++i) {
     for (int64_t c = 0; c < d; ++c) qi[c] = hd.q(i, c);
     double m = -INFINITY;
-    double* row = &P[i * sk];
+    double* row = P.data() + i * sk;
     for (int64_t j = 0; j < sk; ++j) {
       if (!mask.visible(i, j)) {
         row[j] = -INFINITY;

@@ -34,15 +34,15 @@ FLASHDL_HD Philox4 philox4x32_10(Philox4 ctr, uint32_t k0, uint32_t k1) {
 }
 
 // A uniform number in [0, 1) with 24 random bits for element (bh, row, col) of stream
-// (seed, offset), bh = batch * nheads + head.
+// (seed, offset), bh = batch * nheads + head. The counter is (col, row, bh, offset) and the key
+// the 64-bit seed, so distinct (seed, offset, element) never share a draw; api.cpp keeps offset
+// below 2^32 (bh, row and col are far below it for any array that fits in memory).
 FLASHDL_HD float dropout_uniform(uint64_t seed, uint64_t offset, uint64_t bh, uint64_t row,
                                  uint64_t col) {
   const Philox4 ctr{{static_cast<uint32_t>(col), static_cast<uint32_t>(row),
                      static_cast<uint32_t>(bh), static_cast<uint32_t>(offset)}};
-  const uint32_t k0 = static_cast<uint32_t>(seed);
-  const uint32_t k1 = static_cast<uint32_t>(seed >> 32) ^ static_cast<uint32_t>(offset >> 32) ^
-                      (static_cast<uint32_t>(bh >> 32) * 0x85EBCA6Bu);
-  const Philox4 r = philox4x32_10(ctr, k0, k1);
+  const Philox4 r =
+      philox4x32_10(ctr, static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
   return static_cast<float>(r.x[0] >> 8) * (1.0f / 16777216.0f);
 }
 

@@ -18,6 +18,17 @@ FLASHDL_HD T softmax_reference_point(T m) {
   return m == -INFINITY ? T(0) : m;
 }
 
+// exp2/log2/exp/log in the argument's own precision, on the host and the device alike (an
+// unqualified exp2(float) on the host would be the double C function).
+FLASHDL_HD float exp2_of(float x) { return exp2f(x); }
+FLASHDL_HD double exp2_of(double x) { return exp2(x); }
+FLASHDL_HD float log2_of(float x) { return log2f(x); }
+FLASHDL_HD double log2_of(double x) { return log2(x); }
+FLASHDL_HD float exp_of(float x) { return expf(x); }
+FLASHDL_HD double exp_of(double x) { return exp(x); }
+FLASHDL_HD float log_of(float x) { return logf(x); }
+FLASHDL_HD double log_of(double x) { return log(x); }
+
 template <typename T>
 FLASHDL_HD T fast_max(T a, T b) {
   return a > b ? a : b;
@@ -34,7 +45,7 @@ struct OnlineSoftmax {
   // point to subtract from the block's scores before exp2.
   FLASHDL_HD T rescale_factor(T block_max) {
     const T m_new = fast_max(m, block_max);
-    const T alpha = exp2_(m - softmax_reference_point(m_new));
+    const T alpha = exp2_of(m - softmax_reference_point(m_new));
     m = m_new;
     return alpha;
   }
@@ -48,11 +59,8 @@ struct OnlineSoftmax {
 
   // Step 4: natural-log logsumexp of the scaled scores; -inf for a row that saw no key.
   FLASHDL_HD T lse() const {
-    return l > T(0) ? (m + log2_(l)) * T(kLn2) : T(-INFINITY);
+    return l > T(0) ? (m + log2_of(l)) * T(kLn2) : T(-INFINITY);
   }
-
-  static FLASHDL_HD T exp2_(T x) { return exp2(x); }
-  static FLASHDL_HD T log2_(T x) { return log2(x); }
 };
 
 // Merges two normalised partial results over disjoint key sets: (o_a, lse_a) and (o_b, lse_b)
@@ -66,10 +74,10 @@ template <typename T>
 FLASHDL_HD MergeWeights<T> merge_weights(T lse_a, T lse_b) {
   const T m = fast_max(lse_a, lse_b);
   if (m == -INFINITY) return {T(0), T(0), T(-INFINITY)};
-  const T ea = exp(lse_a - m);
-  const T eb = exp(lse_b - m);
+  const T ea = exp_of(lse_a - m);
+  const T eb = exp_of(lse_b - m);
   const T s = ea + eb;
-  return {ea / s, eb / s, m + log(s)};
+  return {ea / s, eb / s, m + log_of(s)};
 }
 
 }  // namespace flashdl::detail

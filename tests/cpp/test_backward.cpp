@@ -1,0 +1,281 @@
+// Backward pass: dq, dk, dv of fa1 and fa2 against float64 oracles, and the oracle itself against
+// finite differences. Per case and dtype:
+//   * ref64: the tests' naive float64 gradients of sum(out * dout) (naive.hpp);
+//   * Schedule::reference on float64 copies must equal ref64 to 1e-11 (relative to max|ref64|);
+//   * Schedule::reference in the dtype must equal ref64 rounded to the dtype;
+//   * fa1 and fa2 (each fed its own forward's out and lse) meet the rule of harness.hpp, with the
+//     naive algorithm in the dtype using its own rounded out for D = rowsum(dout * out);
+//   * rows with no visible key get dq = 0 exactly; keys no row sees get dk = dv = 0 exactly.
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "harness.hpp"
+
+using namespace flashdl_test;
+
+namespace {
+
+struct Oracle {
+  std::vector<double> dq, dk, dv;
+};
+
+// Sizes of the terms each gradient sums (the floor of the rule where a gradient cancels to ~0,
+// e.g. dq with one visible key, where dP - D is 0 up to rounding):
+//   dq: scale |dO| |v| z max|k|;  dk: the same with max|q|, times the largest attention mass
+//   sum_i P_ij Z_ij a key receives;  dv: max|dO| times that mass.  (|.|: largest row 2-norm.)
+struct Magnitudes {
+  double dq = 0, dk = 0, dv = 0;
+};
+
+double max_row_norm(const std::vector<double>& x, int64_t d) {
+  double m = 0;
+  for (size_t r = 0; d > 0 && r < x.size() / d; ++r) {
+    double s = 0;
+    for (int64_t c = 0; c < d; ++c) s += x[r * d + c] * x[r * d + c];
+    m = std::max(m, std::sqrt(s));
+  }
+  return m;
+}
+
+Magnitudes magnitudes(const Problem& p, const Naive<double>& n, const std::vector<double>& dout) {
+  const double z = p.dropout > 0 ? 1.0 / (1.0 - p.dropout) : 1.0;
+  const double base = p.scale * max_row_norm(dout, p.d) * max_row_norm(n.v, p.d) * z;
+  const double mass = n.max_key_mass();
+  return {base * max_abs(n.k), base * max_abs(n.q) * mass, max_abs(dout) * mass};
+}
+
+// All oracles of a case: ref64 (exact lse) and the naive algorithm in the dtype, whose backward
+// uses its own rounded out and its lse rounded to float32, as the library's schedules do.
+struct Oracles {
+  Oracle ref, naive;
+  Magnitudes mag;
+};
+
+Oracles oracles(const Problem& p, const Inputs& in) {
+  const DType dt = in.q.dtype();
+  const std::vector<double> q = in.q.values(), k = in.k.values(), v = in.v.values();
+  const std::vector<double> dout = in.dout.values();
+  Oracles o;
+  std::vector<double> out64, lse64, outl, lsel;
+  const Naive<double> n64{p, q, k, v};
+  n64.forward(DType::float64, out64, lse64);
+  n64.backward(dout, out64, DType::float64, DType::float64, o.ref.dq, o.ref.dk, o.ref.dv);
+  if (dt == DType::float64) {
+    n64.backward(dout, out64, DType::float64, DType::float32, o.naive.dq, o.naive.dk, o.naive.dv);
+  } else {
+    const Naive<float> nl{p, q, k, v};
+    nl.forward(dt, outl, lsel);
+    nl.backward(dout, outl, dt, DType::float32, o.naive.dq, o.naive.dk, o.naive.dv);
+  }
+  o.mag = magnitudes(p, n64, dout);
+  return o;
+}
+
+void check_grads(const std::string& who, const Grads& g, const Oracles& o, DType dt) {
+  check_rule(who + " dq", g.dq.values(), o.ref.dq, o.naive.dq, dt, o.mag.dq);
+  check_rule(who + " dk", g.dk.values(), o.ref.dk, o.naive.dk, dt, o.mag.dk);
+  check_rule(who + " dv", g.dv.values(), o.ref.dv, o.naive.dv, dt, o.mag.dv);
+}
+
+// Exact zeros where the mask leaves nothing to differentiate.
+void check_masked_zeros(const Problem& p, const Grads& g, const std::string& who) {
+  std::vector<char> row_seen(static_cast<size_t>(p.sq), 0), key_seen(static_cast<size_t>(p.sk), 0);
+  for (int64_t i = 0; i < p.sq; ++i)
+    for (int64_t j = 0; j < p.sk; ++j)
+      if (p.visible(i, j)) row_seen[i] = key_seen[j] = 1;
+  const auto dq = g.dq.values(), dk = g.dk.values(), dv = g.dv.values();
+  int64_t bad = 0;
+  for (int64_t b = 0; b < p.b; ++b) {
+    for (int64_t h = 0; h < p.h; ++h)
+      for (int64_t i = 0; i < p.sq; ++i)
+        for (int64_t c = 0; c < p.d && !row_seen[i]; ++c) bad += dq[p.qi(b, i, h) + c] != 0.0;
+    for (int64_t h = 0; h < p.hk; ++h)
+      for (int64_t j = 0; j < p.sk; ++j)
+        for (int64_t c = 0; c < p.d && !key_seen[j]; ++c)
+          bad += (dk[p.ki(b, j, h) + c] != 0.0) + (dv[p.ki(b, j, h) + c] != 0.0);
+  }
+  CHECK_MSG(bad == 0, who + ": " + std::to_string(bad) + " masked gradient elements not 0");
+}
+
+void check_case(const Case& c) {
+  const Problem p = problem_of(c);
+  for (DType dt : c.dtypes) {
+    context() = c.name + " " + dtype_str(dt);
+    const Inputs in = make_inputs(c, dt, 1234 + c.sq * 7 + c.sk);
+    const Oracles o = oracles(p, in);
+    const Oracle& ref = o.ref;
+
+    // The library's oracle in float64 and in the dtype.
+    const Inputs in64 = to_float64(in);
+    const Options ro = options_of(c, Schedule::reference);
+    const Grads r64 = run_backward(c, in64, run_forward(c, in64, ro), ro);
+    const double tight = 1e-11;
+    CHECK_MSG(max_diff(r64.dq.values(), ref.dq) <= tight * std::max(1.0, max_abs(ref.dq)), "reference dq");
+    CHECK_MSG(max_diff(r64.dk.values(), ref.dk) <= tight * std::max(1.0, max_abs(ref.dk)), "reference dk");
+    CHECK_MSG(max_diff(r64.dv.values(), ref.dv) <= tight * std::max(1.0, max_abs(ref.dv)), "reference dv");
+    const Grads rd = run_backward(c, in, run_forward(c, in, ro), ro);
+    check_rounded("reference dq", rd.dq.values(), ref.dq, dt);
+    check_rounded("reference dk", rd.dk.values(), ref.dk, dt);
+    check_rounded("reference dv", rd.dv.values(), ref.dv, dt);
+    check_masked_zeros(p, rd, "reference");
+
+    std::vector<std::pair<Schedule, int64_t>> runs{{Schedule::fa2, 0}};
+    for (int64_t sram : c.fa1_sram) runs.emplace_back(Schedule::fa1, sram);
+    for (auto [s, sram] : runs) {
+      const std::string name = std::string(flashdl::schedule_name(s)) +
+                               (sram ? " (sram_bytes " + std::to_string(sram) + ")" : "");
+      const Options so = options_of(c, s, 0, sram);
+      const Grads g = run_backward(c, in, run_forward(c, in, so), so);
+      check_grads(name, g, o, dt);
+      check_masked_zeros(p, g, name);
+    }
+  }
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> v;
+  auto add = [&](Case c) { v.push_back(std::move(c)); };
+  Case c;
+  c = Case{}; c.name = "seqlen 1, d 1"; add(c);
+  c = Case{}; c.name = "s17 d3 b2"; c.b = 2; c.sq = c.sk = 17; c.h = c.hk = 2; c.d = 3; add(c);
+  c = Case{}; c.name = "sq<sk d16"; c.sq = 17; c.sk = 130; c.d = 16; add(c);
+  c = Case{}; c.name = "sq>sk d64"; c.sq = 130; c.sk = 17; c.d = 64; add(c);
+  c = Case{}; c.name = "d100"; c.sq = 31; c.sk = 40; c.d = 100; add(c);
+  c = Case{}; c.name = "d128 causal"; c.sq = c.sk = 97; c.d = 128; c.causal = true; add(c);
+  c = Case{}; c.name = "d256"; c.sq = 20; c.sk = 50; c.d = 256; add(c);
+  c = Case{}; c.name = "causal sq>sk (empty rows)"; c.sq = 40; c.sk = 13; c.causal = true; add(c);
+  c = Case{}; c.name = "causal sq<sk"; c.sq = 13; c.sk = 140; c.causal = true; add(c);
+  c = Case{}; c.name = "window (5,3)"; c.sq = c.sk = 150; c.left = 5; c.right = 3; add(c);
+  c = Case{}; c.name = "window (0,0) sq<sk (unseen keys)"; c.sq = 30; c.sk = 111; c.left = 0;
+  c.right = 0; add(c);
+  c = Case{}; c.name = "window (-1,2) sq>sk"; c.sq = 120; c.sk = 100; c.right = 2; add(c);
+  c = Case{}; c.name = "GQA 4/2 causal"; c.b = 2; c.sq = 33; c.sk = 65; c.h = 4; c.hk = 2;
+  c.d = 64; c.causal = true; add(c);
+  c = Case{}; c.name = "MQA 4/1"; c.sq = c.sk = 50; c.h = 4; c.hk = 1; add(c);
+  c = Case{}; c.name = "strided bhsd + padded"; c.b = 2; c.sq = 45; c.sk = 70; c.h = 4; c.hk = 2;
+  c.ql.order = {0, 2, 1}; c.kl.pad = 5; c.vl.order = {0, 2, 1}; c.vl.pad = 3; c.ol.pad = 2;
+  c.lsel.pad = 3; add(c);
+  c = Case{}; c.name = "negative strides"; c.b = 2; c.sq = 30; c.sk = 41; c.h = 2; c.hk = 1;
+  c.ql.reverse = 1; c.kl.reverse = 1; c.vl.reverse = 0; c.ol.reverse = 2; c.causal = true; add(c);
+  c = Case{}; c.name = "large scores (scale 8)"; c.sq = c.sk = 40; c.scale = 8.0; add(c);
+  c = Case{}; c.name = "dropout 0.3 GQA"; c.sq = 60; c.sk = 70; c.h = 4; c.hk = 2; c.dropout = 0.3f;
+  c.seed = 99; c.offset = 5; add(c);
+  c = Case{}; c.name = "seqlen_k 0"; c.sq = 5; c.sk = 0; c.h = 2; c.hk = 1; add(c);
+  c = Case{}; c.name = "seqlen_q 0"; c.sq = 0; c.sk = 9; c.h = 2; c.hk = 1; add(c);
+  c = Case{}; c.name = "seqlen 400 causal d64"; c.sq = c.sk = 400; c.d = 64; c.causal = true;
+  c.dtypes = {DType::bfloat16}; add(c);
+  c = Case{}; c.name = "seqlen 1000 causal d64"; c.sq = c.sk = 1000; c.d = 64; c.causal = true;
+  c.dtypes = {DType::float32, DType::float16}; add(c);
+  return v;
+}
+
+// Finite differences of L = sum(out * dout) in float64 against each schedule's gradients.
+void gradcheck(const Case& c, Schedule s) {
+  context() = std::string("gradcheck ") + flashdl::schedule_name(s) + " " + c.name;
+  Inputs in = make_inputs(c, DType::float64, 77);
+  const Options o = options_of(c, s);
+  const Grads g = run_backward(c, in, run_forward(c, in, o), o);
+  const std::vector<double> dout = in.dout.values();
+  auto loss = [&] {
+    const Forward f = run_forward(c, in, o);
+    const std::vector<double> out = f.out.values();
+    double l = 0;
+    for (size_t i = 0; i < out.size(); ++i) l += out[i] * dout[i];
+    return l;
+  };
+  const double step = 1e-6;
+  for (auto [x, gx] : {std::pair<Array*, const Array*>{&in.q, &g.dq}, {&in.k, &g.dk}, {&in.v, &g.dv}}) {
+    for (int64_t e = 0; e < x->numel(); ++e) {
+      const double x0 = x->get(e);
+      x->set(e, x0 + step);
+      const double lp = loss();
+      x->set(e, x0 - step);
+      const double lm = loss();
+      x->set(e, x0);
+      const double numeric = (lp - lm) / (2 * step);
+      CHECK_NEAR(gx->get(e), numeric, 1e-7 + 1e-6 * std::fabs(numeric));
+    }
+  }
+}
+
+void test_gradcheck() {
+  std::vector<Case> v;
+  Case c;
+  c.name = "GQA 2/1 sq<sk"; c.sq = 3; c.sk = 4; c.h = 2; c.hk = 1; c.d = 3; v.push_back(c);
+  c = Case{}; c.name = "causal sq>sk"; c.sq = 5; c.sk = 3; c.d = 2; c.causal = true; v.push_back(c);
+  c = Case{}; c.name = "window (1,0) strided"; c.b = 2; c.sq = 4; c.sk = 5; c.h = 2; c.hk = 2;
+  c.d = 3; c.left = 1; c.right = 0; c.ql.order = {0, 2, 1}; c.kl.reverse = 1; c.vl.pad = 2;
+  c.ol.pad = 1; v.push_back(c);
+  c = Case{}; c.name = "dropout 0.3 scale 0.7"; c.sq = 4; c.sk = 6; c.d = 3; c.dropout = 0.3f;
+  c.seed = 5; c.scale = 0.7; v.push_back(c);
+  for (const Case& cc : v)
+    for (Schedule s : {Schedule::reference, Schedule::fa1, Schedule::fa2}) gradcheck(cc, s);
+}
+
+// seqlen_q = 0 with keys: nothing attends, so dk = dv = 0 (and they must be written).
+void test_no_queries() {
+  Case c;
+  c.sq = 0; c.sk = 7; c.h = 2; c.hk = 2; c.d = 8;
+  for (Schedule s : {Schedule::reference, Schedule::fa1, Schedule::fa2})
+    for (DType dt : {DType::float32, DType::float16}) {
+      context() = std::string("seqlen_q 0 ") + flashdl::schedule_name(s) + " " + dtype_str(dt);
+      const Inputs in = make_inputs(c, dt, 3);
+      const Options o = options_of(c, s);
+      const Grads g = run_backward(c, in, run_forward(c, in, o), o);
+      for (double x : g.dk.values()) CHECK(x == 0.0);
+      for (double x : g.dv.values()) CHECK(x == 0.0);
+    }
+}
+
+// fa1 with tiny on-chip budgets; thread counts: bitwise equal for fa1 and the reference (one
+// task per kv head), bitwise repeatable at a fixed count for fa2 (its dq reduction order follows
+// the thread slices), and within the rule for every count.
+void test_sram_and_threads() {
+  Case c;
+  c.name = "sram/threads";
+  c.b = 2; c.sq = 110; c.sk = 130; c.h = 4; c.hk = 2; c.d = 16; c.causal = true;
+  const Problem p = problem_of(c);
+  for (DType dt : {DType::float32, DType::float16}) {
+    const Inputs in = make_inputs(c, dt, 21);
+    const Oracles ora = oracles(p, in);
+    for (int64_t sram : {int64_t{1024}, int64_t{4096}}) {
+      context() = "fa1 backward sram_bytes " + std::to_string(sram) + " " + dtype_str(dt);
+      const Options o = options_of(c, Schedule::fa1, 0, sram);
+      check_grads("fa1", run_backward(c, in, run_forward(c, in, o), o), ora, dt);
+    }
+    for (Schedule s : {Schedule::fa1, Schedule::fa2, Schedule::reference}) {
+      context() = std::string("backward threads ") + flashdl::schedule_name(s) + " " + dtype_str(dt);
+      const Options o1 = options_of(c, s, 1);
+      const Forward f = run_forward(c, in, o1);
+      const Grads one = run_backward(c, in, f, o1);
+      for (int t : {2, 3}) {
+        const Options ot = options_of(c, s, t);
+        const Grads a = run_backward(c, in, f, ot), b = run_backward(c, in, f, ot);
+        CHECK_MSG(bitwise_equal(a.dq, b.dq) && bitwise_equal(a.dk, b.dk) && bitwise_equal(a.dv, b.dv),
+                  "not repeatable with " + std::to_string(t) + " threads");
+        if (s != Schedule::fa2)
+          CHECK_MSG(bitwise_equal(a.dq, one.dq) && bitwise_equal(a.dk, one.dk) &&
+                        bitwise_equal(a.dv, one.dv),
+                    std::to_string(t) + " threads differ from 1");
+        if (s != Schedule::reference) check_grads(flashdl::schedule_name(s), a, ora, dt);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+int main() {
+  for (const Case& c : cases()) run_test(("backward: " + c.name).c_str(), [&] { check_case(c); });
+  Rng rng(4048);
+  for (int i = 0; i < 40; ++i) {
+    const Case c = random_case(rng, i);
+    run_test(("backward: " + c.name).c_str(), [&] { check_case(c); });
+  }
+  run_test("backward: float64 gradient check of every schedule", test_gradcheck);
+  run_test("backward: seqlen_q 0 gives dk = dv = 0", test_no_queries);
+  run_test("backward: fa1 tiny sram_bytes, thread counts", test_sram_and_threads);
+  return finish();
+}

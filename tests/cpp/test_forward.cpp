@@ -1,0 +1,246 @@
+// Forward pass of every CPU schedule against float64 oracles, over odd shapes, masks, GQA and
+// strided layouts. Per case and dtype:
+//   * the tests' own naive float64 attention (naive.hpp) is the oracle ref64;
+//   * Schedule::reference on float64 copies of the inputs must equal it to 1e-12 (relative);
+//   * Schedule::reference in the dtype must equal ref64 rounded to the dtype (2u|ref| + 4u max|ref|);
+//   * fa1 and fa2 must meet the rule in harness.hpp: max|x - ref64| <= 2 max|naive_dtype - ref64|
+//     + 4u max|ref64|, for out (u of the dtype) and lse (u of float32);
+//   * rows with no visible key: out exactly 0, lse -inf, for every schedule.
+// Every call also checks that inputs are unchanged and nothing outside the outputs is written.
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "harness.hpp"
+
+using namespace flashdl_test;
+
+namespace {
+
+uint64_t seed_of(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (char ch : s) h = (h ^ static_cast<unsigned char>(ch)) * 1099511628211ull;
+  return h;
+}
+
+std::vector<char> empty_rows(const Problem& p) {
+  std::vector<char> e(static_cast<size_t>(p.sq), 1);
+  for (int64_t i = 0; i < p.sq; ++i)
+    for (int64_t j = 0; j < p.sk && e[i]; ++j)
+      if (p.visible(i, j)) e[i] = 0;
+  return e;
+}
+
+void check_empty_rows(const Problem& p, const Forward& f, const std::string& who) {
+  const std::vector<char> empty = empty_rows(p);
+  const auto out = f.out.values(), lse = f.lse.values();
+  int64_t bad = 0;
+  for (int64_t b = 0; b < p.b; ++b)
+    for (int64_t h = 0; h < p.h; ++h)
+      for (int64_t i = 0; i < p.sq; ++i) {
+        if (!empty[i]) continue;
+        bad += lse[(b * p.h + h) * p.sq + i] == -INFINITY ? 0 : 1;
+        for (int64_t c = 0; c < p.d; ++c) bad += out[p.qi(b, i, h) + c] == 0.0 ? 0 : 1;
+      }
+  CHECK_MSG(bad == 0, who + ": " + std::to_string(bad) + " elements of empty rows not 0 / -inf");
+}
+
+void check_case(const Case& c) {
+  const Problem p = problem_of(c);
+  for (DType dt : c.dtypes) {
+    context() = c.name + " " + dtype_str(dt);
+    const Inputs in = make_inputs(c, dt, seed_of(c.name));
+    const std::vector<double> q = in.q.values(), k = in.k.values(), v = in.v.values();
+    std::vector<double> out64, lse64, outl, lsel;
+    Naive<double>{p, q, k, v}.forward(DType::float64, out64, lse64);
+    if (dt == DType::float64) {
+      outl = out64, lsel = lse64;
+    } else {
+      Naive<float>{p, q, k, v}.forward(dt, outl, lsel);
+    }
+
+    // The library's oracle, in float64 and in the dtype.
+    const Forward r64 = run_forward(c, to_float64(in), options_of(c, Schedule::reference));
+    const double ref_err = max_diff(r64.out.values(), out64);
+    CHECK_MSG(ref_err <= 1e-12 * std::max(1.0, max_abs(out64)),
+              "reference(float64) out vs naive float64: " + num(ref_err));
+    check_rounded("reference(float64) lse", r64.lse.values(), lse64, DType::float32);
+    const Forward rd = run_forward(c, in, options_of(c, Schedule::reference));
+    check_rounded("reference out", rd.out.values(), out64, dt);
+    check_rounded("reference lse", rd.lse.values(), lse64, DType::float32);
+    check_empty_rows(p, rd, "reference");
+
+    std::vector<std::pair<Schedule, int64_t>> runs{{Schedule::fa2, 0}};
+    for (int64_t sram : c.fa1_sram) runs.emplace_back(Schedule::fa1, sram);
+    for (auto [s, sram] : runs) {
+      const std::string name = std::string(flashdl::schedule_name(s)) +
+                               (sram ? " (sram_bytes " + std::to_string(sram) + ")" : "");
+      const Forward f = run_forward(c, in, options_of(c, s, 0, sram));
+      check_rule(name + " out", f.out.values(), out64, outl, dt);
+      check_rule(name + " lse", f.lse.values(), lse64, lsel, DType::float32);
+      check_empty_rows(p, f, name);
+    }
+  }
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> v;
+  auto add = [&](Case c) { v.push_back(std::move(c)); };
+  const std::vector<DType> lowp{DType::float32, DType::bfloat16};
+  Case c;
+
+  c = Case{}; c.name = "seqlen 1, d 1"; add(c);
+  c = Case{}; c.name = "s17 d3 b2 h2"; c.b = 2; c.sq = c.sk = 17; c.h = c.hk = 2; c.d = 3; add(c);
+  c = Case{}; c.name = "sq<sk d16"; c.sq = 17; c.sk = 130; c.h = c.hk = 2; c.d = 16; add(c);
+  c = Case{}; c.name = "sq>sk d64"; c.sq = 130; c.sk = 17; c.d = 64; add(c);
+  c = Case{}; c.name = "b3 h3 d100"; c.b = 3; c.sq = c.sk = 31; c.h = c.hk = 3; c.d = 100; add(c);
+  c = Case{}; c.name = "d128 s97"; c.sq = c.sk = 97; c.d = 128; add(c);
+  c = Case{}; c.name = "d256"; c.sq = 33; c.sk = 70; c.d = 256; add(c);
+  c = Case{}; c.name = "causal s97 d64"; c.sq = c.sk = 97; c.h = c.hk = 2; c.d = 64; c.causal = true;
+  add(c);
+  c = Case{}; c.name = "causal sq>sk (empty rows)"; c.sq = 40; c.sk = 13; c.d = 16; c.causal = true;
+  add(c);
+  c = Case{}; c.name = "causal sq<sk d100"; c.sq = 13; c.sk = 140; c.d = 100; c.causal = true; add(c);
+  c = Case{}; c.name = "window (5,3) d128"; c.sq = c.sk = 150; c.d = 128; c.left = 5; c.right = 3;
+  add(c);
+  c = Case{}; c.name = "window (20,-1) sq<sk"; c.sq = 100; c.sk = 120; c.left = 20; add(c);
+  c = Case{}; c.name = "window (-1,2) sq>sk"; c.sq = 120; c.sk = 100; c.right = 2; add(c);
+  c = Case{}; c.name = "window (0,0) sq>sk"; c.sq = 60; c.sk = 25; c.left = 0; c.right = 0; add(c);
+  c = Case{}; c.name = "window (3,0) sq<sk"; c.sq = 30; c.sk = 111; c.left = 3; c.right = 0; add(c);
+  c = Case{}; c.name = "causal + left 7"; c.sq = c.sk = 100; c.causal = true; c.left = 7; add(c);
+  c = Case{}; c.name = "window wider than the sequences"; c.sq = 20; c.sk = 30; c.left = 49;
+  c.right = 50; add(c);
+  c = Case{}; c.name = "GQA 4/2 causal"; c.sq = 33; c.sk = 65; c.h = 4; c.hk = 2; c.d = 64;
+  c.causal = true; add(c);
+  c = Case{}; c.name = "MQA 4/1"; c.b = 2; c.sq = c.sk = 50; c.h = 4; c.hk = 1; c.d = 16; add(c);
+  c = Case{}; c.name = "strided bhsd + padded"; c.b = 2; c.sq = 45; c.sk = 70; c.h = 4; c.hk = 2;
+  c.ql.order = {0, 2, 1}; c.kl.pad = 5; c.vl.order = {0, 2, 1}; c.vl.pad = 3;
+  c.ol.order = {2, 0, 1}; c.ol.pad = 1; c.lsel.pad = 3; add(c);
+  c = Case{}; c.name = "negative strides"; c.b = 2; c.sq = 30; c.sk = 41; c.h = 2; c.hk = 2;
+  c.ql.reverse = 0; c.kl.reverse = 1; c.vl.reverse = 2; c.ol.reverse = 1; c.lsel.reverse = 1;
+  c.causal = true; add(c);
+  c = Case{}; c.name = "large scores (scale 8)"; c.sq = c.sk = 40; c.scale = 8.0; add(c);
+  c = Case{}; c.name = "dropout 0.25"; c.sq = 70; c.sk = 90; c.h = 2; c.hk = 2; c.dropout = 0.25f;
+  c.seed = 42; c.offset = 7; add(c);
+  c = Case{}; c.name = "dropout 0.5 causal GQA"; c.b = 2; c.sq = c.sk = 50; c.h = 4; c.hk = 2;
+  c.causal = true; c.dropout = 0.5f; c.seed = 1ull << 40; c.offset = 3; add(c);
+  c = Case{}; c.name = "seqlen_k 0"; c.sq = 5; c.sk = 0; c.h = 2; c.hk = 1; add(c);
+  c = Case{}; c.name = "seqlen 1000 causal d64"; c.sq = c.sk = 1000; c.d = 64; c.causal = true;
+  c.dtypes = lowp; add(c);
+  c = Case{}; c.name = "seqlen 1000 GQA 2/1 window (100,0) d32"; c.sq = c.sk = 1000; c.h = 2;
+  c.hk = 1; c.d = 32; c.left = 100; c.right = 0; c.dtypes = {DType::float16}; add(c);
+  c = Case{}; c.name = "sq 1000 sk 300"; c.sq = 1000; c.sk = 300; c.d = 16;
+  c.dtypes = {DType::float16}; add(c);
+  return v;
+}
+
+// fa1 with tiny on-chip budgets (many blocks, down to Bc = Br = 1) and a large one (one block).
+void test_fa1_sram() {
+  Case c;
+  c.name = "fa1 sram";
+  c.sq = 37; c.sk = 53; c.h = 2; c.hk = 1; c.d = 16; c.causal = true;
+  Case c64 = c;
+  c64.name = "fa1 sram d64"; c64.causal = false; c64.sq = 20; c64.sk = 29; c64.d = 64;
+  for (const Case& cc : {c, c64}) {
+    const Problem p = problem_of(cc);
+    for (DType dt : {DType::float32, DType::float16, DType::float64}) {
+      const Inputs in = make_inputs(cc, dt, 7);
+      const std::vector<double> q = in.q.values(), k = in.k.values(), v = in.v.values();
+      std::vector<double> out64, lse64, outl, lsel;
+      Naive<double>{p, q, k, v}.forward(DType::float64, out64, lse64);
+      if (dt == DType::float64) outl = out64, lsel = lse64;
+      else Naive<float>{p, q, k, v}.forward(dt, outl, lsel);
+      for (int64_t sram : {int64_t{1024}, int64_t{4096}, int64_t{1} << 18}) {
+        context() = cc.name + " " + dtype_str(dt) + " sram_bytes " + std::to_string(sram);
+        const Forward f = run_forward(cc, in, options_of(cc, Schedule::fa1, 0, sram));
+        check_rule("fa1 out", f.out.values(), out64, outl, dt);
+        check_rule("fa1 lse", f.lse.values(), lse64, lsel, DType::float32);
+      }
+    }
+  }
+}
+
+// Forward results do not depend on the thread count, bit for bit.
+void test_threads() {
+  Case c;
+  c.name = "threads";
+  c.b = 2; c.sq = 150; c.sk = 130; c.h = 3; c.hk = 1; c.d = 16; c.causal = true;
+  for (DType dt : {DType::float32, DType::bfloat16}) {
+    const Inputs in = make_inputs(c, dt, 11);
+    for (Schedule s : {Schedule::fa1, Schedule::fa2, Schedule::reference}) {
+      context() = std::string("threads ") + flashdl::schedule_name(s) + " " + dtype_str(dt);
+      const int64_t sram = s == Schedule::fa1 ? 4096 : 0;
+      const Forward one = run_forward(c, in, options_of(c, s, 1, sram));
+      for (int t : {2, 3}) {
+        const Forward many = run_forward(c, in, options_of(c, s, t, sram));
+        CHECK_MSG(bitwise_equal(one.out, many.out) && bitwise_equal(one.lse, many.lse),
+                  std::to_string(t) + " threads differ from 1");
+      }
+    }
+  }
+}
+
+// The comparison can fail: a causal result checked against the full-attention oracle is rejected.
+void test_rule_rejects_wrong_mask() {
+  Case c;
+  c.name = "negative control";
+  c.sq = c.sk = 40; c.causal = true;
+  const Inputs in = make_inputs(c, DType::float32, 3);
+  Case full = c;
+  full.causal = false;
+  const Problem p = problem_of(full);
+  const std::vector<double> q = in.q.values(), k = in.k.values(), v = in.v.values();
+  std::vector<double> out64, lse64, outl, lsel;
+  Naive<double>{p, q, k, v}.forward(DType::float64, out64, lse64);
+  Naive<float>{p, q, k, v}.forward(DType::float32, outl, lsel);
+  const Forward f = run_forward(c, in, options_of(c, Schedule::fa2));
+  const double err = max_diff(f.out.values(), out64);
+  const double tol = 2.0 * max_diff(outl, out64) + rule_eps(DType::float32) * max_abs(out64);
+  CHECK_MSG(err > 100 * tol, "causal output passed as full attention: err " + num(err));
+}
+
+// Zero-length problems are accepted; with seqlen_k = 0 every row is empty.
+void test_zero_lengths() {
+  for (Schedule s : {Schedule::fa1, Schedule::fa2, Schedule::reference}) {
+    context() = std::string("zero lengths ") + flashdl::schedule_name(s);
+    Case c;
+    c.sq = 4; c.sk = 0; c.h = 2; c.hk = 2; c.d = 8;
+    const Inputs in = make_inputs(c, DType::float32, 1);
+    const Forward f = run_forward(c, in, options_of(c, s));
+    for (double x : f.out.values()) CHECK(x == 0.0);
+    for (double x : f.lse.values()) CHECK(x == -INFINITY);
+    // Null data is fine for an empty k and v.
+    flashdl::TensorView k = in.k.view(), v = in.v.view();
+    k.data = v.data = nullptr;
+    flashdl::forward(in.q.view(), k, v, f.out.view(), f.lse.view(), options_of(c, s));
+    for (double x : f.out.values()) CHECK(x == 0.0);
+    // batch 0, seqlen_q 0, nheads 0: nothing to compute, nothing thrown, nothing written.
+    Case z = c;
+    z.sk = 3;
+    for (int which = 0; which < 3; ++which) {
+      z.b = which == 0 ? 0 : 1;
+      z.sq = which == 1 ? 0 : 4;
+      z.h = z.hk = which == 2 ? 0 : 2;
+      const Inputs zin = make_inputs(z, DType::float16, 2);
+      Forward zf{Array(DType::float16, {z.b, z.sq, z.h, z.d}), Array(DType::float32, {z.b, z.h, z.sq})};
+      flashdl::forward(zin.q.view(), zin.k.view(), zin.v.view(), zf.out.view(), zf.lse.view(),
+                       options_of(z, s));
+    }
+  }
+}
+
+}  // namespace
+
+int main() {
+  for (const Case& c : cases()) run_test(("forward: " + c.name).c_str(), [&] { check_case(c); });
+  Rng rng(2024);
+  for (int i = 0; i < 40; ++i) {
+    const Case c = random_case(rng, i);
+    run_test(("forward: " + c.name).c_str(), [&] { check_case(c); });
+  }
+  run_test("forward: fa1 tiny and huge sram_bytes", test_fa1_sram);
+  run_test("forward: thread count does not change results", test_threads);
+  run_test("forward: the rule rejects a wrong mask", test_rule_rejects_wrong_mask);
+  run_test("forward: zero-length batch and sequences", test_zero_lengths);
+  return finish();
+}

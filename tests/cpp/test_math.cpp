@@ -1,0 +1,317 @@
+// The math shared by every backend (include/flashdl/detail): the mask predicate and its block
+// ranges against brute force, the online softmax and its merge against a direct float64 softmax,
+// the FA-1 tile sizes, and Philox4x32-10 against Random123's published known answers.
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "arrays.hpp"
+#include "check.hpp"
+#include "flashdl/detail/mask.hpp"
+#include "flashdl/detail/philox.hpp"
+#include "flashdl/detail/softmax.hpp"
+#include "flashdl/detail/tiles.hpp"
+
+using namespace flashdl_test;
+namespace fd = flashdl::detail;
+
+namespace {
+
+// DESIGN.md, written out: visible iff i + sk - sq - left <= j <= i + sk - sq + right, 0 <= j < sk.
+bool brute_visible(int64_t sq, int64_t sk, int64_t left, int64_t right, int64_t i, int64_t j) {
+  const int64_t c = i + sk - sq;
+  return j >= 0 && j < sk && (left < 0 || j >= c - left) && (right < 0 || j <= c + right);
+}
+
+void check_mask(int64_t sq, int64_t sk, int64_t left, int64_t right) {
+  context() = "sq " + std::to_string(sq) + " sk " + std::to_string(sk) + " window (" +
+              std::to_string(left) + ", " + std::to_string(right) + ")";
+  const fd::Mask m = fd::make_mask(sq, sk, left, right);
+  auto vis = [&](int64_t i, int64_t j) { return brute_visible(sq, sk, left, right, i, j); };
+  for (int64_t i = 0; i < sq; ++i)
+    for (int64_t j = -2; j < sk + 2; ++j)
+      if (m.visible(i, j) != vis(i, j)) CHECK_MSG(false, "visible(" + std::to_string(i) + ", " + std::to_string(j) + ")");
+  // Per row: [col_begin, col_end) is exactly the visible keys; both non-decreasing in i.
+  for (int64_t i = 0; i < sq; ++i) {
+    int64_t first = -1, last = -1;
+    for (int64_t j = 0; j < sk; ++j)
+      if (vis(i, j)) last = j, first = first < 0 ? j : first;
+    const int64_t b = m.col_begin(i), e = m.col_end(i);
+    CHECK(b >= 0 && b <= sk && e >= 0 && e <= sk);
+    if (first >= 0) {
+      CHECK(b == first && e == last + 1);
+    } else {
+      CHECK(b >= e);
+    }
+    if (i > 0) CHECK(m.col_begin(i - 1) <= b && m.col_end(i - 1) <= e);
+  }
+  // Per key: [row_begin, row_end) is exactly the rows that see it.
+  for (int64_t j = 0; j < sk; ++j) {
+    int64_t first = -1, last = -1;
+    for (int64_t i = 0; i < sq; ++i)
+      if (vis(i, j)) last = i, first = first < 0 ? i : first;
+    const int64_t b = m.row_begin(j), e = m.row_end(j);
+    CHECK(b >= 0 && b <= sq && e >= 0 && e <= sq);
+    if (first >= 0) {
+      CHECK(b == first && e == last + 1);
+    } else {
+      CHECK(b >= e);
+    }
+  }
+  // Blocks: the block ranges cover every visible pair, and block_fully_visible is exact.
+  for (int64_t i0 = 0; i0 < sq; ++i0)
+    for (int64_t i1 = i0 + 1; i1 <= sq; ++i1)
+      for (int64_t j0 = 0; j0 < sk; ++j0)
+        for (int64_t j1 = j0 + 1; j1 <= sk; ++j1) {
+          bool all = true, any_outside_cols = false, any_outside_rows = false;
+          const int64_t cb = m.block_col_begin(i0), ce = m.block_col_end(i1);
+          const int64_t rb = m.row_begin(j0), re = m.row_end(j1 - 1);
+          for (int64_t i = i0; i < i1; ++i)
+            for (int64_t j = j0; j < j1; ++j) {
+              const bool v = vis(i, j);
+              all = all && v;
+              if (v && (j < cb || j >= ce)) any_outside_cols = true;
+              if (v && (i < rb || i >= re)) any_outside_rows = true;
+            }
+          if (m.block_fully_visible(i0, i1, j0, j1) != all || any_outside_cols || any_outside_rows)
+            CHECK_MSG(false, "block rows [" + std::to_string(i0) + ", " + std::to_string(i1) +
+                                 ") cols [" + std::to_string(j0) + ", " + std::to_string(j1) + ")");
+        }
+}
+
+void test_mask() {
+  const int64_t sizes[] = {1, 2, 3, 5, 8};
+  const int64_t lefts[] = {-1, 0, 1, 2, 5, 20};
+  const int64_t rights[] = {-1, 0, 1, 3, 20};
+  for (int64_t sq : sizes)
+    for (int64_t sk : sizes)
+      for (int64_t l : lefts)
+        for (int64_t r : rights) check_mask(sq, sk, l, r);
+  check_mask(1, 0, -1, -1);
+  check_mask(4, 0, -1, 0);
+  // Causal is the window (-1, 0), bottom-right aligned: with sq > sk the first rows see nothing.
+  const fd::Mask causal = fd::make_mask(5, 3, -1, 0);
+  CHECK(!causal.visible(0, 0) && !causal.visible(1, 0) && causal.visible(2, 0));
+  CHECK(causal.visible(4, 2) && !causal.visible(3, 2));
+}
+
+// ---- online softmax ----------------------------------------------------------------------------
+
+struct Direct {
+  double lse;
+  std::vector<double> out;
+};
+
+// softmax(s) @ v over the finite scores, in float64.
+Direct direct_softmax(const std::vector<double>& s, const std::vector<double>& v, int64_t d) {
+  double m = -INFINITY;
+  for (double x : s) m = std::fmax(m, x);
+  Direct r{-INFINITY, std::vector<double>(static_cast<size_t>(d), 0.0)};
+  if (m == -INFINITY) return r;
+  double l = 0;
+  for (double x : s) l += std::exp(x - m);
+  for (size_t j = 0; j < s.size(); ++j)
+    for (int64_t c = 0; c < d; ++c) r.out[c] += std::exp(s[j] - m) / l * v[j * d + c];
+  r.lse = m + std::log(l);
+  return r;
+}
+
+// Feeds the scores (natural domain) block by block through OnlineSoftmax<T> as the kernels do.
+template <typename T>
+Direct online(const std::vector<double>& s, const std::vector<double>& v, int64_t d,
+              const std::vector<int64_t>& block_sizes) {
+  fd::OnlineSoftmax<T> sm;
+  std::vector<T> acc(static_cast<size_t>(d), T(0));
+  size_t j0 = 0;
+  for (int64_t bs : block_sizes) {
+    const size_t j1 = std::min(s.size(), j0 + static_cast<size_t>(bs));
+    T bmax = -INFINITY;
+    for (size_t j = j0; j < j1; ++j) bmax = std::fmax(bmax, static_cast<T>(s[j] * fd::kLog2e));
+    const T alpha = sm.rescale_factor(bmax);
+    for (T& a : acc) a *= alpha;
+    T bsum = 0;
+    for (size_t j = j0; j < j1; ++j) {
+      const T e = std::exp2(static_cast<T>(s[j] * fd::kLog2e) - sm.reference());
+      bsum += e;
+      for (int64_t c = 0; c < d; ++c) acc[c] += e * static_cast<T>(v[j * d + c]);
+    }
+    sm.accumulate(alpha, bsum);
+    j0 = j1;
+  }
+  Direct r{static_cast<double>(sm.lse()), std::vector<double>(static_cast<size_t>(d))};
+  for (int64_t c = 0; c < d; ++c) r.out[c] = static_cast<double>(acc[c] * sm.inv_l());
+  return r;
+}
+
+void test_online_softmax() {
+  Rng rng(5);
+  const int64_t d = 3;
+  const double inf = INFINITY;
+  struct Row {
+    const char* name;
+    std::vector<double> s;
+    std::vector<int64_t> blocks;
+  };
+  std::vector<Row> rows;
+  std::vector<double> random(37);
+  for (double& x : random) x = rng.symmetric(4.0);
+  rows.push_back({"random, blocks 5", random, std::vector<int64_t>(8, 5)});
+  rows.push_back({"random, one block", random, {37}});
+  rows.push_back({"random, blocks 1..", random, {1, 2, 3, 4, 5, 6, 7, 9}});
+  std::vector<double> masked_first = random, masked_mid = random, masked_last = random;
+  for (int j = 0; j < 10; ++j) masked_first[j] = -inf;
+  for (int j = 10; j < 20; ++j) masked_mid[j] = -inf;
+  for (int j = 27; j < 37; ++j) masked_last[j] = -inf;
+  rows.push_back({"first blocks all -inf", masked_first, {5, 5, 27}});
+  rows.push_back({"middle block all -inf", masked_mid, {10, 10, 17}});
+  rows.push_back({"last block all -inf", masked_last, {27, 5, 5}});
+  std::vector<double> large = random;
+  for (double& x : large) x = 800.0 + x * 50.0;  // exp overflows without the running max
+  rows.push_back({"large scores", large, {7, 30}});
+  rows.push_back({"single key", {1.5}, {1}});
+  for (const Row& row : rows) {
+    context() = row.name;
+    std::vector<double> v(row.s.size() * d);
+    for (double& x : v) x = rng.symmetric(1.0);
+    const Direct ref = direct_softmax(row.s, v, d);
+    const Direct o64 = online<double>(row.s, v, d, row.blocks);
+    const Direct o32 = online<float>(row.s, v, d, row.blocks);
+    CHECK_NEAR(o64.lse, ref.lse, 1e-12 * std::fabs(ref.lse));
+    CHECK_NEAR(o32.lse, ref.lse, 4e-6 * std::fmax(1.0, std::fabs(ref.lse)));
+    for (int64_t c = 0; c < d; ++c) {
+      CHECK_NEAR(o64.out[c], ref.out[c], 1e-13);
+      CHECK_NEAR(o32.out[c], ref.out[c], 1e-5);
+    }
+  }
+  // A row that sees no key: lse -inf, inv_l 0, nothing NaN.
+  context() = "all masked";
+  const std::vector<double> none(9, -inf), v(27, 1.0);
+  for (const Direct& r : {online<double>(none, v, d, {4, 5}), online<float>(none, v, d, {9})}) {
+    CHECK(r.lse == -inf);
+    for (double x : r.out) CHECK(x == 0.0);
+  }
+  fd::OnlineSoftmax<float> empty;
+  CHECK(empty.inv_l() == 0.0f && empty.lse() == -INFINITY);
+  CHECK(fd::softmax_reference_point(-INFINITY) == 0.0);
+  CHECK(fd::softmax_reference_point(2.5) == 2.5);
+  const float alpha = empty.rescale_factor(-INFINITY);
+  CHECK(!std::isnan(alpha) && !std::isnan(empty.reference()));
+}
+
+void test_merge() {
+  Rng rng(9);
+  const int64_t d = 4;
+  for (int trial = 0; trial < 6; ++trial) {
+    context() = "merge trial " + std::to_string(trial);
+    std::vector<double> s(20), v(20 * d);
+    for (double& x : s) x = rng.symmetric(3.0) + (trial == 3 ? 700.0 : 0.0);
+    for (double& x : v) x = rng.symmetric(1.0);
+    if (trial == 4) std::fill(s.begin(), s.begin() + 8, -INFINITY);  // part a fully masked
+    if (trial == 5) std::fill(s.begin() + 8, s.end(), -INFINITY);    // part b fully masked
+    const std::vector<double> sa(s.begin(), s.begin() + 8), sb(s.begin() + 8, s.end());
+    const std::vector<double> va(v.begin(), v.begin() + 8 * d), vb(v.begin() + 8 * d, v.end());
+    const Direct a = direct_softmax(sa, va, d), b = direct_softmax(sb, vb, d);
+    const Direct all = direct_softmax(s, v, d);
+    const fd::MergeWeights<double> w = fd::merge_weights(a.lse, b.lse);
+    CHECK_NEAR(w.lse, all.lse, 1e-12 * std::fabs(all.lse));
+    for (int64_t c = 0; c < d; ++c) CHECK_NEAR(w.wa * a.out[c] + w.wb * b.out[c], all.out[c], 1e-13);
+  }
+  context() = "merge of two empty parts";
+  // Double only: merge_weights<float> narrows a double in its braced return (a GCC warning, an
+  // error under clang), reported rather than compiled here.
+  const fd::MergeWeights<double> w = fd::merge_weights<double>(-INFINITY, -INFINITY);
+  CHECK(w.wa == 0.0 && w.wb == 0.0 && w.lse == -INFINITY);
+  const fd::MergeWeights<double> one = fd::merge_weights<double>(-INFINITY, 1.25);
+  CHECK(one.wa == 0.0 && one.wb == 1.0 && one.lse == 1.25);
+}
+
+void test_tiles() {
+  for (int64_t m : {0, 1, 63, 64, 100, 256, 1000, 1024, 4096, 65536, 131072, 262144})
+    for (int64_t d : {1, 3, 16, 64, 100, 128, 256}) {
+      context() = "fa1_tiles M " + std::to_string(m) + " d " + std::to_string(d);
+      int64_t bc = m / (4 * d) + (m % (4 * d) != 0 ? 1 : 0);  // ceil(M / 4d)
+      if (bc < 1) bc = 1;
+      const int64_t br = bc < d ? bc : d;
+      const fd::Fa1Tiles t = fd::fa1_tiles(m, d);
+      CHECK_EQ(t.Bc, bc);
+      CHECK_EQ(t.Br, br);
+    }
+  CHECK_EQ(fd::ceil_div(7, 3), 3);
+  CHECK_EQ(fd::ceil_div(6, 3), 2);
+  CHECK_EQ(fd::round_up(7, 4), 8);
+  CHECK_EQ(fd::round_up(8, 4), 8);
+}
+
+// ---- Philox and dropout ------------------------------------------------------------------------
+
+void test_philox_known_answers() {
+  // Random123's kat_vectors for philox4x32 with 10 rounds (also used by TensorFlow's tests).
+  struct Kat {
+    uint32_t ctr[4], key[2], out[4];
+  };
+  const Kat kats[] = {
+      {{0, 0, 0, 0}, {0, 0}, {0x6627e8d5u, 0xe169c58du, 0xbc57ac4cu, 0x9b00dbd8u}},
+      {{0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu}, {0xffffffffu, 0xffffffffu},
+       {0x408f276du, 0x41c83b0eu, 0xa20bc7c6u, 0x6d5451fdu}},
+      {{0x243f6a88u, 0x85a308d3u, 0x13198a2eu, 0x03707344u}, {0xa4093822u, 0x299f31d0u},
+       {0xd16cfe09u, 0x94fdccebu, 0x5001e420u, 0x24126ea1u}},
+  };
+  for (const Kat& k : kats) {
+    const fd::Philox4 r =
+        fd::philox4x32_10(fd::Philox4{{k.ctr[0], k.ctr[1], k.ctr[2], k.ctr[3]}}, k.key[0], k.key[1]);
+    for (int i = 0; i < 4; ++i) CHECK_EQ(r.x[i], k.out[i]);
+  }
+}
+
+void test_dropout_draws() {
+  const int64_t rows = 200, cols = 500;
+  double sum = 0, sum2 = 0;
+  bool in_range = true;
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) {
+      const double u = fd::dropout_uniform(1234, 5, 3, i, j);
+      in_range = in_range && u >= 0.0 && u < 1.0;
+      sum += u, sum2 += u * u;
+    }
+  const double n = static_cast<double>(rows * cols), mean = sum / n;
+  CHECK(in_range);
+  CHECK_NEAR(mean, 0.5, 0.005);                // sd of the mean 0.0009
+  CHECK_NEAR(sum2 / n - mean * mean, 1.0 / 12, 0.003);
+  for (float p : {0.1f, 0.5f, 0.9f}) {
+    context() = "kept fraction p " + std::to_string(p);
+    int64_t kept = 0, same = 0;
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t j = 0; j < cols; ++j) {
+        const bool k = fd::dropout_keep(p, 99, 0, 7, i, j);
+        kept += k;
+        CHECK(k == (fd::dropout_uniform(99, 0, 7, i, j) >= p));
+        same += k == fd::dropout_keep(p, 99, 0, 7, i, j);
+      }
+    CHECK_NEAR(static_cast<double>(kept) / n, 1.0 - p, 0.01);
+    CHECK_EQ(same, rows * cols);  // a pure function of its arguments
+  }
+  context() = "streams";
+  // Every coordinate, both halves of the seed and the offset change the draw (offsets are below
+  // 2^32 by contract: api.cpp rejects larger ones).
+  const double base = fd::dropout_uniform(7, 11, 2, 3, 4);
+  int64_t differ = 0;
+  const double variants[] = {
+      fd::dropout_uniform(8, 11, 2, 3, 4),           fd::dropout_uniform(7 + (1ull << 32), 11, 2, 3, 4),
+      fd::dropout_uniform(7, 12, 2, 3, 4),
+      fd::dropout_uniform(7, 11, 3, 3, 4),           fd::dropout_uniform(7, 11, 2, 4, 4),
+      fd::dropout_uniform(7, 11, 2, 3, 5),           fd::dropout_uniform(7, 11, 2, 4, 3)};
+  for (double x : variants) differ += x != base;
+  CHECK_EQ(differ, 7);
+}
+
+}  // namespace
+
+int main() {
+  run_test("math: mask vs brute force", test_mask);
+  run_test("math: online softmax vs direct float64", test_online_softmax);
+  run_test("math: merge_weights", test_merge);
+  run_test("math: fa1_tiles", test_tiles);
+  run_test("math: philox4x32_10 known answers", test_philox_known_answers);
+  run_test("math: dropout draws", test_dropout_draws);
+  return finish();
+}
