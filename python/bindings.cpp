@@ -157,6 +157,12 @@ void backward(const InArray& dout, const InArray& q, const InArray& k, const InA
   flashdl::backward(tdo, tq, tk, tv, to, tl, tdq, tdk, tdv, o);
 }
 
+void dropout_mask(const OutArray& mask_out, double dropout_p, uint64_t seed, uint64_t offset) {
+  const auto tm = to_view("mask_out", mask_out, Override::none, false);
+  nb::gil_scoped_release release;
+  flashdl::dropout_mask(tm, dropout_p, seed, offset);
+}
+
 nb::dict build_info() {
   const flashdl::BuildInfo b = flashdl::build_info();
   nb::dict d;
@@ -203,6 +209,11 @@ NB_MODULE(_ext, m) {
         "offset"_a = 0, "stream"_a = 0, "sram_bytes"_a = 0, "num_threads"_a = 0,
         "deterministic"_a = false,
         "Attention backward: writes dq, dk, dv (shaped and typed like q, k, v).");
+
+  m.def("dropout_mask", &dropout_mask, "mask_out"_a.noconvert(), nb::kw_only(), "dropout_p"_a,
+        "seed"_a, "offset"_a = 0,
+        "Writes the dropout keep-mask of (dropout_p, seed, offset) into mask_out, bool "
+        "(batch, nheads, seqlen_q, seqlen_k).");
 
   m.def("build_info", &build_info, "What this build and machine offer.");
   m.def("set_num_threads", &flashdl::set_num_threads, "n"_a,

@@ -370,6 +370,9 @@ void dropout_mask(const TensorView& mask_out, double p, uint64_t seed, uint64_t 
   const float pf = static_cast<float>(p);
   if (!(pf >= 0.0f && pf < 1.0f))
     fail(ErrorKind::value, "dropout_p: expected a probability in [0, 1), got " + std::to_string(p));
+  if (offset >= (uint64_t{1} << 32))
+    fail(ErrorKind::value, "offset: expected a dropout stream offset below 2^32, got " +
+                               std::to_string(offset));
   const auto& n = mask_out.shape;
   const auto& st = mask_out.strides;
   auto* base = static_cast<bool*>(mask_out.data);

@@ -39,6 +39,13 @@ void backward(const TensorView& dout, const TensorView& q, const TensorView& k,
               const TensorView& dq, const TensorView& dk, const TensorView& dv,
               const Options& options);
 
+// The dropout keep-mask the kernels apply for (p, seed, offset): mask_out, bool
+// (batch, nheads, seqlen_q, seqlen_k) on the CPU, any strides with a contiguous last dimension,
+// is set true where element (b, h, i, j) is kept (then scaled by 1 / (1 - p)), i.e.
+// detail::dropout_keep(p, seed, offset, b * nheads + h, i, j). p is rounded to float32 as
+// Options.dropout_p is; it must lie in [0, 1), and offset below 2^32.
+void dropout_mask(const TensorView& mask_out, double p, uint64_t seed, uint64_t offset);
+
 // "auto", "fa1", "fa2" or "reference"; anything else throws Error(value) naming `schedule`.
 Schedule parse_schedule(const std::string& name);
 

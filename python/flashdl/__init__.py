@@ -3,6 +3,8 @@
     import flashdl
     out = flashdl.attention(q, k, v, causal=True)      # NumPy, PyTorch, JAX (CPU) or CuPy arrays
     dq, dk, dv = flashdl.attention_backward(dout, q, k, v, out, lse, causal=True)
+    out, lse, seed = flashdl.attention(q, k, v, dropout_p=0.1, return_lse=True, return_seed=True)
+    keep = flashdl.dropout_mask(b, h, sq, sk, 0.1, seed)   # the mask that call applied
 
     import flashdl.torch                               # autograd: loss.backward() flows through
     out = flashdl.torch.attention(q, k, v, causal=True)
@@ -11,11 +13,12 @@ Layout (batch, seqlen, nheads, headdim). `python -m flashdl` runs a check and a 
 naive attention; `flashdl.info()` says what this build and machine offer.
 """
 
-from ._api import attention, attention_backward
+from ._api import attention, attention_backward, dropout_mask
 from ._info import info, set_num_threads
 
 __version__ = info()["version"]
-__all__ = ["attention", "attention_backward", "info", "set_num_threads", "__version__"]
+__all__ = ["attention", "attention_backward", "dropout_mask", "info", "set_num_threads",
+           "__version__"]
 
 
 def __getattr__(name):

@@ -7,7 +7,11 @@ the bad argument; this layer adds only what Python alone knows (array types, fra
 
 from __future__ import annotations
 
+import numbers
 import operator
+import secrets
+
+import numpy as np
 
 from . import _ext
 from ._frameworks import Frame
@@ -23,6 +27,39 @@ def _window(window_size):
     except (TypeError, ValueError):
         raise TypeError("window_size: expected a pair (left, right) of ints, -1 for unbounded, "
                         f"got {window_size!r}") from None
+
+
+def _unsigned(name, x, bits):
+    """x as an int in [0, 2**bits): TypeError for a non-integer, ValueError out of range."""
+    try:
+        x = operator.index(x)
+    except TypeError:
+        raise TypeError(f"{name}: expected an int in [0, 2**{bits}), "
+                        f"got {type(x).__name__}") from None
+    if not 0 <= x < 2**bits:
+        raise ValueError(f"{name}: expected an int in [0, 2**{bits}), got {x}")
+    return x
+
+
+def _dropout_p(dropout_p):
+    """A float; the core checks the range [0, 1) and names dropout_p."""
+    if not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p: expected a float in [0, 1), got {type(dropout_p).__name__}")
+    return float(dropout_p)
+
+
+def draw_seed():
+    """A fresh random dropout seed, 63 bits from the OS (secrets), never NumPy's global state."""
+    return secrets.randbits(63)
+
+
+def _dropout(dropout_p, seed, offset):
+    """(dropout_p, seed, offset) validated; seed None draws one (only when dropout_p > 0)."""
+    dropout_p = _dropout_p(dropout_p)
+    if seed is None:
+        seed = draw_seed() if dropout_p > 0 else 0
+    # The offset is a 32-bit Philox counter word (the core checks it too).
+    return dropout_p, _unsigned("seed", seed, 64), _unsigned("offset", offset, 32)
 
 
 def _options(causal, softmax_scale, schedule, window_size, frame):
@@ -47,7 +84,7 @@ def _lse_shape(q):
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, schedule="auto", return_lse=False,
-              window_size=(-1, -1)):
+              window_size=(-1, -1), dropout_p=0.0, seed=None, offset=0, return_seed=False):
     """Exact attention softmax(q k^T * scale) v, computed without materialising the N x N matrix.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim), with
@@ -55,33 +92,55 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, schedule="auto", ret
     strides work (a (batch, nheads, seqlen, headdim) array transposed to this layout is fine).
     causal is bottom-right aligned: key j is visible to query i iff j <= i + seqlen_k - seqlen_q.
     softmax_scale defaults to 1/sqrt(headdim). schedule: 'auto', 'fa1', 'fa2' or 'reference'
-    (naive float64, the test oracle). window_size=(left, right) limits the visible keys, -1 for
-    unbounded.
+    (naive float64, the test oracle). window_size=(left, right) limits the visible keys: key j
+    is visible to query i iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q +
+    right, -1 for unbounded on that side (causal is (left, 0)).
 
-    Returns out (like q, in the caller's framework and device), or (out, lse) with
+    Dropout: dropout_p in [0, 1) drops each attention probability independently and scales the
+    kept ones by 1 / (1 - dropout_p). The mask is a counter-based (Philox) function of
+    (seed, offset, batch, head, row, col) only: the same on the CPU and the GPU, for every
+    schedule, and in attention_backward given the same (dropout_p, seed, offset);
+    flashdl.dropout_mask returns it. seed: an int in [0, 2**64), or None to draw a fresh one
+    (from the OS, not NumPy's global state); offset: an int in [0, 2**32) that selects another
+    stream under the same seed (e.g. one per layer or step). lse is of the undropped scores.
+
+    Returns out (like q, in the caller's framework and device); (out, lse) with
     return_lse=True, lse float32 (batch, nheads, seqlen_q), the natural-log sum of exp of the
-    scaled scores (-inf, with out 0, for a query that sees no key).
+    scaled scores (-inf, with out 0, for a query that sees no key); return_seed=True appends
+    the seed used (an int: the drawn one when seed is None, 0 when dropout_p is 0 and no seed
+    was given), which the backward needs: (out, seed) or (out, lse, seed).
     """
     frame = Frame({"q": q, "k": k, "v": v}, _FLOATS_FWD)
     opts = _options(causal, softmax_scale, schedule, window_size, frame)
+    dropout_p, seed, offset = _dropout(dropout_p, seed, offset)
     out = frame.empty(q.shape, q.dtype)
     lse = frame.empty(_lse_shape(q), frame.float32())
     _ext.forward(frame.export(q), frame.export(k), frame.export(v), frame.dest(out),
-                 frame.dest(lse), **opts)
+                 frame.dest(lse), dropout_p=dropout_p, seed=seed, offset=offset, **opts)
     out, lse = frame.finish(out), frame.finish(lse)
-    return (out, lse) if return_lse else out
+    result = (out, lse) if return_lse else (out,)
+    if return_seed:
+        result += (seed,)
+    return result if len(result) > 1 else out
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None,
-                       schedule="auto", window_size=(-1, -1), deterministic=False):
+                       schedule="auto", window_size=(-1, -1), deterministic=False,
+                       dropout_p=0.0, seed=0, offset=0):
     """Gradients (dq, dk, dv) of attention(q, k, v) for the upstream gradient dout.
 
     out and lse are what attention(..., return_lse=True) returned for the same arguments and
-    options. dq, dk, dv come back shaped and typed like q, k, v; with GQA, dk and dv sum over
-    the query heads of each group.
+    options; with dropout, pass the same dropout_p, offset and the seed the forward used
+    (attention(..., return_seed=True) returns it when it drew one), so that the backward
+    regenerates the same mask. dq, dk, dv come back shaped and typed like q, k, v; with GQA,
+    dk and dv sum over the query heads of each group.
     """
     frame = Frame({"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}, _FLOATS_BWD)
     opts = _options(causal, softmax_scale, schedule, window_size, frame)
+    if seed is None:
+        raise TypeError("seed: expected the int seed the forward used, got None")
+    dropout_p, seed, offset = _dropout(dropout_p, seed, offset)
+    opts.update(dropout_p=dropout_p, seed=seed, offset=offset)
     dq = frame.empty(q.shape, q.dtype)
     dk = frame.empty(k.shape, k.dtype)
     dv = frame.empty(v.shape, v.dtype)
@@ -89,3 +148,30 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
                   frame.export(out), frame.export(lse), frame.dest(dq), frame.dest(dk),
                   frame.dest(dv), deterministic=bool(deterministic), **opts)
     return frame.finish(dq), frame.finish(dk), frame.finish(dv)
+
+
+def dropout_mask(batch, nheads, seqlen_q, seqlen_k, dropout_p, seed, offset=0):
+    """The keep-mask attention(..., dropout_p, seed, offset) applies: a NumPy bool array
+    (batch, nheads, seqlen_q, seqlen_k), True where the probability of query row i and key
+    column j of head h in batch b is kept (and scaled by 1 / (1 - dropout_p)). Computed by the
+    C++ core's own generator, so it is exactly the mask of every backend and schedule. Masked
+    (invisible) keys are not marked here: the mask covers every (i, j).
+    """
+    shape = tuple(_count(n, x) for n, x in (("batch", batch), ("nheads", nheads),
+                                            ("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)))
+    if seed is None:
+        raise TypeError("seed: expected an int in [0, 2**64), got None")
+    dropout_p, seed, offset = _dropout(dropout_p, seed, offset)
+    mask = np.empty(shape, dtype=bool)
+    _ext.dropout_mask(mask, dropout_p=dropout_p, seed=seed, offset=offset)
+    return mask
+
+
+def _count(name, x):
+    try:
+        x = operator.index(x)
+    except TypeError:
+        raise TypeError(f"{name}: expected an int >= 0, got {type(x).__name__}") from None
+    if x < 0:
+        raise ValueError(f"{name}: expected an int >= 0, got {x}")
+    return x

@@ -1,13 +1,15 @@
 """PyTorch autograd for flashdl: flashdl.torch.attention(q, k, v) with loss.backward() support.
 
-The forward saves q, k, v, out and lse; the backward recomputes the attention matrix block by
-block (flashdl.attention_backward), as FlashAttention does, instead of storing it.
+The forward saves q, k, v, out and lse (and, with dropout, the seed and offset, not the mask);
+the backward recomputes the attention matrix and the dropout mask block by block
+(flashdl.attention_backward), as FlashAttention does, instead of storing them.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ._api import _dropout
 from ._api import attention as _attention
 from ._api import attention_backward as _attention_backward
 
@@ -16,9 +18,10 @@ __all__ = ["attention"]
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, schedule, window_size):
+    def forward(ctx, q, k, v, causal, softmax_scale, schedule, window_size, dropout_p, seed,
+                offset):
         opts = dict(causal=causal, softmax_scale=softmax_scale, schedule=schedule,
-                    window_size=window_size)
+                    window_size=window_size, dropout_p=dropout_p, seed=seed, offset=offset)
         out, lse = _attention(q, k, v, return_lse=True, **opts)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.opts = opts
@@ -33,14 +36,28 @@ class _Attention(torch.autograd.Function):
         if dout.dim() == 4 and dout.shape[-1] > 1 and dout.stride(-1) != 1:
             dout = dout.contiguous()
         dq, dk, dv = _attention_backward(dout, q, k, v, out, lse, **ctx.opts)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def _torch_seed():
+    """63 bits from torch's default CPU generator, so torch.manual_seed makes dropout repeatable."""
+    return int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64).item())
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, schedule="auto",
-              window_size=(-1, -1)):
+              window_size=(-1, -1), dropout_p=0.0, seed=None, offset=0):
     """flashdl.attention for torch tensors, differentiable with respect to q, k and v.
 
     q (batch, seqlen_q, nheads, headdim); k, v (batch, seqlen_k, nheads_kv, headdim). On CUDA
     tensors the backward raises RuntimeError while the CUDA backward kernels are not built.
+
+    dropout_p in [0, 1) drops attention probabilities (kept ones scaled by 1 / (1 - dropout_p)),
+    as flashdl.attention does; seed None draws one from torch's default CPU generator (so
+    torch.manual_seed makes it repeatable), and the backward reuses that seed and offset: the
+    mask is regenerated, never stored. Pass dropout_p=0 at evaluation time.
     """
-    return _Attention.apply(q, k, v, causal, softmax_scale, schedule, window_size)
+    if seed is None:
+        seed = _torch_seed() if _dropout(dropout_p, 0, offset)[0] > 0 else 0
+    dropout_p, seed, offset = _dropout(dropout_p, seed, offset)
+    return _Attention.apply(q, k, v, causal, softmax_scale, schedule, window_size, dropout_p,
+                            seed, offset)

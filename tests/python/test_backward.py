@@ -46,7 +46,7 @@ def test_matches_reference_backward(shape, dtype, schedule, causal):
                                     grad_ulps(dtype, q, k)):
         # the reference schedule is the float64 oracle rounded to the dtype once
         assert_rule(r, e, lo, dtype, factor=1.0, what=f"reference {name}")
-        assert_rule(g, e, lo, dtype, factor=3.0, what=name, ulps=u,
+        assert_rule(g, e, lo, dtype, factor=3.0, what=name, ulps=u, grad=True,
                     magnitude=grad_magnitude(exact))
 
 
@@ -123,5 +123,5 @@ def test_hypothesis_backward(sq, sk, hk, group, d, window, schedule, dtype, seed
     exact = backward(dout, q, k, v, window=window)
     low = backward(dout, q, k, v, window=window, dtype=dtype, exact=False)
     for name, g, e, lo, u in zip(("dq", "dk", "dv"), got, exact, low, grad_ulps(dtype, q, k)):
-        assert_rule(g, e, lo, dtype, factor=3.0, what=name, ulps=u,
+        assert_rule(g, e, lo, dtype, factor=3.0, what=name, ulps=u, grad=True,
                     magnitude=grad_magnitude(exact))
