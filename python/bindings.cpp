@@ -51,7 +51,10 @@ Override parse_override(const std::optional<std::string>& dtype) {
   fail(flashdl::ErrorKind::value, "dtype: expected None or 'bfloat16', got '" + *dtype + "'");
 }
 
-flashdl::DType convert_dtype(const char* name, nb::dlpack::dtype dt, Override ov, bool is_float) {
+constexpr const char* kFloatDtypes = "float16, bfloat16, float32 or float64";
+
+flashdl::DType convert_dtype(const char* name, nb::dlpack::dtype dt, Override ov, bool is_float,
+                             const char* expected) {
   using C = nb::dlpack::dtype_code;
   const auto code = static_cast<C>(dt.code);
   if (dt.lanes == 1) {
@@ -66,7 +69,7 @@ flashdl::DType convert_dtype(const char* name, nb::dlpack::dtype dt, Override ov
   }
   fail(flashdl::ErrorKind::type, std::string(name) +
                                      ": unsupported dtype " + dlpack_dtype_str(dt) +
-                                     " (expected float16, bfloat16, float32 or float64)");
+                                     " (expected " + expected + ")");
 }
 
 flashdl::Device convert_device(const char* name, int type, int id) {
@@ -80,7 +83,8 @@ flashdl::Device convert_device(const char* name, int type, int id) {
 }
 
 template <typename Array>
-flashdl::TensorView to_view(const char* name, const Array& a, Override ov, bool is_float) {
+flashdl::TensorView to_view(const char* name, const Array& a, Override ov, bool is_float,
+                            const char* expected = kFloatDtypes) {
   flashdl::TensorView t;
   // TensorView holds at most kMaxRank extents; the core reports every other rank mismatch.
   if (a.ndim() > static_cast<size_t>(flashdl::kMaxRank))
@@ -88,7 +92,7 @@ flashdl::TensorView to_view(const char* name, const Array& a, Override ov, bool 
                                         std::to_string(flashdl::kMaxRank) + ", got rank " +
                                         std::to_string(a.ndim()));
   t.data = const_cast<void*>(static_cast<const void*>(a.data()));
-  t.dtype = convert_dtype(name, a.dtype(), ov, is_float);
+  t.dtype = convert_dtype(name, a.dtype(), ov, is_float, expected);
   t.device = convert_device(name, a.device_type(), a.device_id());
   t.rank = static_cast<int>(a.ndim());
   for (int i = 0; i < t.rank; ++i) {
@@ -157,6 +161,53 @@ void backward(const InArray& dout, const InArray& q, const InArray& k, const InA
   flashdl::backward(tdo, tq, tk, tv, to, tl, tdq, tdk, tdv, o);
 }
 
+// cu_seqlens: int32 offsets in host memory, read by the core.
+flashdl::TensorView cu_view(const char* name, const InArray& a) {
+  return to_view(name, a, Override::none, false, "int32");
+}
+
+void forward_varlen(const InArray& q, const InArray& k, const InArray& v,
+                    const InArray& cu_seqlens_q, const InArray& cu_seqlens_k, int64_t max_seqlen_q,
+                    int64_t max_seqlen_k, const OutArray& out, const OutArray& lse,
+                    std::optional<std::string> dtype, std::optional<double> softmax_scale,
+                    bool causal, int64_t window_left, int64_t window_right,
+                    const std::string& schedule, double dropout_p, uint64_t seed, uint64_t offset,
+                    uintptr_t stream, int64_t sram_bytes, int num_threads) {
+  const Override ov = parse_override(dtype);
+  const flashdl::Options o =
+      make_options(softmax_scale, causal, window_left, window_right, schedule, dropout_p, seed,
+                   offset, stream, sram_bytes, num_threads, false);
+  const auto tq = to_view("q", q, ov, true), tk = to_view("k", k, ov, true),
+             tv = to_view("v", v, ov, true), tcq = cu_view("cu_seqlens_q", cu_seqlens_q),
+             tck = cu_view("cu_seqlens_k", cu_seqlens_k), to = to_view("out", out, ov, true),
+             tl = to_view("lse", lse, Override::none, false);
+  nb::gil_scoped_release release;
+  flashdl::forward_varlen(tq, tk, tv, tcq, tck, max_seqlen_q, max_seqlen_k, to, tl, o);
+}
+
+void backward_varlen(const InArray& dout, const InArray& q, const InArray& k, const InArray& v,
+                     const InArray& out, const InArray& lse, const InArray& cu_seqlens_q,
+                     const InArray& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                     const OutArray& dq, const OutArray& dk, const OutArray& dv,
+                     std::optional<std::string> dtype, std::optional<double> softmax_scale,
+                     bool causal, int64_t window_left, int64_t window_right,
+                     const std::string& schedule, double dropout_p, uint64_t seed, uint64_t offset,
+                     uintptr_t stream, int64_t sram_bytes, int num_threads, bool deterministic) {
+  const Override ov = parse_override(dtype);
+  const flashdl::Options o =
+      make_options(softmax_scale, causal, window_left, window_right, schedule, dropout_p, seed,
+                   offset, stream, sram_bytes, num_threads, deterministic);
+  const auto tdo = to_view("dout", dout, ov, true), tq = to_view("q", q, ov, true),
+             tk = to_view("k", k, ov, true), tv = to_view("v", v, ov, true),
+             to = to_view("out", out, ov, true), tl = to_view("lse", lse, Override::none, false),
+             tcq = cu_view("cu_seqlens_q", cu_seqlens_q),
+             tck = cu_view("cu_seqlens_k", cu_seqlens_k), tdq = to_view("dq", dq, ov, true),
+             tdk = to_view("dk", dk, ov, true), tdv = to_view("dv", dv, ov, true);
+  nb::gil_scoped_release release;
+  flashdl::backward_varlen(tdo, tq, tk, tv, to, tl, tcq, tck, max_seqlen_q, max_seqlen_k, tdq,
+                           tdk, tdv, o);
+}
+
 void dropout_mask(const OutArray& mask_out, double dropout_p, uint64_t seed, uint64_t offset) {
   const auto tm = to_view("mask_out", mask_out, Override::none, false);
   nb::gil_scoped_release release;
@@ -209,6 +260,27 @@ NB_MODULE(_ext, m) {
         "offset"_a = 0, "stream"_a = 0, "sram_bytes"_a = 0, "num_threads"_a = 0,
         "deterministic"_a = false,
         "Attention backward: writes dq, dk, dv (shaped and typed like q, k, v).");
+
+  m.def("forward_varlen", &forward_varlen, "q"_a.noconvert(), "k"_a.noconvert(),
+        "v"_a.noconvert(), "cu_seqlens_q"_a.noconvert(), "cu_seqlens_k"_a.noconvert(),
+        "max_seqlen_q"_a, "max_seqlen_k"_a, "out"_a.noconvert(), "lse"_a.noconvert(),
+        nb::kw_only(), "dtype"_a = nb::none(), "softmax_scale"_a = nb::none(),
+        "causal"_a = false, "window_left"_a = -1, "window_right"_a = -1, "schedule"_a = "auto",
+        "dropout_p"_a = 0.0, "seed"_a = 0, "offset"_a = 0, "stream"_a = 0, "sram_bytes"_a = 0,
+        "num_threads"_a = 0,
+        "Variable-length forward: q (total_q, nheads, headdim), k, v (total_k, nheads_kv, "
+        "headdim), cu_seqlens int32 (batch + 1,) on the CPU; writes out (like q) and lse "
+        "(float32, (nheads, total_q)).");
+
+  m.def("backward_varlen", &backward_varlen, "dout"_a.noconvert(), "q"_a.noconvert(),
+        "k"_a.noconvert(), "v"_a.noconvert(), "out"_a.noconvert(), "lse"_a.noconvert(),
+        "cu_seqlens_q"_a.noconvert(), "cu_seqlens_k"_a.noconvert(), "max_seqlen_q"_a,
+        "max_seqlen_k"_a, "dq"_a.noconvert(), "dk"_a.noconvert(), "dv"_a.noconvert(),
+        nb::kw_only(), "dtype"_a = nb::none(), "softmax_scale"_a = nb::none(),
+        "causal"_a = false, "window_left"_a = -1, "window_right"_a = -1, "schedule"_a = "auto",
+        "dropout_p"_a = 0.0, "seed"_a = 0, "offset"_a = 0, "stream"_a = 0, "sram_bytes"_a = 0,
+        "num_threads"_a = 0, "deterministic"_a = false,
+        "Variable-length backward: writes dq, dk, dv (shaped and typed like q, k, v).");
 
   m.def("dropout_mask", &dropout_mask, "mask_out"_a.noconvert(), nb::kw_only(), "dropout_p"_a,
         "seed"_a, "offset"_a = 0,

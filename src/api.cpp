@@ -1,22 +1,19 @@
-// Validation (the only place) and dispatch to a backend and a schedule.
+// The public entry points: validate (validate.cpp), fill Params, dispatch to a backend.
 #include "flashdl/api.hpp"
 
-#include <algorithm>
-#include <cmath>
-#include <cstdlib>
-#include <sstream>
 #include <string>
-#include <vector>
 
 #include "backend.hpp"
 #include "flashdl/detail/philox.hpp"
-#include "flashdl/detail/tiles.hpp"
+#include "validate.hpp"
 
 #ifndef FLASHDL_VERSION
 #define FLASHDL_VERSION "0.0.0"
 #endif
 
 namespace flashdl {
+
+using namespace validate;
 
 const char* schedule_name(Schedule s) {
   switch (s) {
@@ -35,278 +32,6 @@ Schedule parse_schedule(const std::string& name) {
               "schedule: expected 'auto', 'fa1', 'fa2' or 'reference', got '" + name + "'");
 }
 
-namespace {
-
-std::string shape_str(const TensorView& t) {
-  std::ostringstream s;
-  s << "(";
-  for (int i = 0; i < t.rank; ++i) s << (i ? ", " : "") << t.shape[i];
-  s << (t.rank == 1 ? ",)" : ")");
-  return s.str();
-}
-
-std::string shape_str(std::initializer_list<int64_t> shape) {
-  TensorView t;
-  t.rank = static_cast<int>(shape.size());
-  int i = 0;
-  for (int64_t s : shape) t.shape[i++] = s;
-  return shape_str(t);
-}
-
-[[noreturn]] void fail(ErrorKind kind, const std::string& msg) { throw Error(kind, msg); }
-
-void check_defined(const char* name, const TensorView& t) {
-  if (t.rank <= 0 || t.rank > kMaxRank)
-    fail(ErrorKind::value, std::string(name) + ": expected an array of rank 1 to 4, got rank " +
-                               std::to_string(t.rank));
-  for (int i = 0; i < t.rank; ++i)
-    if (t.shape[i] < 0)
-      fail(ErrorKind::value, std::string(name) + ": negative extent in shape " + shape_str(t));
-  if (t.data == nullptr && t.numel() > 0)
-    fail(ErrorKind::value, std::string(name) + ": null data pointer for a non-empty array");
-}
-
-void check_rank(const char* name, const TensorView& t, int rank, const char* layout) {
-  check_defined(name, t);
-  if (t.rank != rank)
-    fail(ErrorKind::value, std::string(name) + ": expected rank " + std::to_string(rank) + " " +
-                               layout + ", got shape " + shape_str(t));
-}
-
-void check_shape(const char* name, const TensorView& t, std::initializer_list<int64_t> shape,
-                 const char* layout) {
-  int i = 0;
-  bool ok = t.rank == static_cast<int>(shape.size());
-  for (int64_t s : shape) ok = ok && t.shape[i++] == s;
-  if (!ok)
-    fail(ErrorKind::value, std::string(name) + ": expected shape " + shape_str(shape) + " " +
-                               layout + ", got " + shape_str(t));
-}
-
-void check_dtype(const char* name, const TensorView& t, DType expected, const char* why) {
-  if (t.dtype != expected)
-    fail(ErrorKind::type, std::string(name) + ": expected dtype " + dtype_name(expected) + " (" +
-                              why + "), got " + dtype_name(t.dtype));
-}
-
-void check_device(const char* name, const TensorView& t, Device expected) {
-  if (t.device != expected)
-    fail(ErrorKind::value, std::string(name) + ": expected an array on " +
-                               device_name(expected.type) + ":" + std::to_string(expected.id) +
-                               " (the device of q), got " + device_name(t.device.type) + ":" +
-                               std::to_string(t.device.id));
-}
-
-void check_last_dim_contiguous(const char* name, const TensorView& t) {
-  const int last = t.rank - 1;
-  // Empty arrays hold no element to reach, and exporters give them arbitrary (often 0) strides.
-  if (t.numel() > 0 && t.shape[last] > 1 && t.strides[last] != 1)
-    fail(ErrorKind::value, std::string(name) + ": the last dimension must be contiguous (stride 1), "
-                               "got stride " + std::to_string(t.strides[last]));
-}
-
-// Byte range [lo, hi) the view can touch; empty views touch nothing.
-struct Extent {
-  uintptr_t lo = 0, hi = 0;
-};
-
-Extent extent(const TensorView& t) {
-  if (t.numel() == 0 || t.data == nullptr) return {};
-  const auto base = reinterpret_cast<intptr_t>(t.data);
-  const auto es = static_cast<intptr_t>(dtype_size(t.dtype));
-  intptr_t lo = base, hi = base;
-  for (int i = 0; i < t.rank; ++i) {
-    const intptr_t span = static_cast<intptr_t>(t.strides[i]) * (t.shape[i] - 1) * es;
-    (span < 0 ? lo : hi) += span;
-  }
-  return {static_cast<uintptr_t>(lo), static_cast<uintptr_t>(hi + es)};
-}
-
-void check_no_overlap(const char* out_name, const TensorView& out, const char* in_name,
-                      const TensorView& in) {
-  const Extent a = extent(out), b = extent(in);
-  if (a.lo < a.hi && b.lo < b.hi && a.lo < b.hi && b.lo < a.hi)
-    fail(ErrorKind::value, std::string(out_name) + ": output memory overlaps " + in_name +
-                               "; flashdl never writes into an input, pass a separate array");
-}
-
-bool is_float_storage(DType d) {
-  return d == DType::float16 || d == DType::bfloat16 || d == DType::float32 ||
-         d == DType::float64;
-}
-
-struct Shapes {
-  int64_t batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim;
-};
-
-// Checks q, k, v, out, lse and the options; returns the problem's extents.
-Shapes check_attention_args(const TensorView& q, const TensorView& k, const TensorView& v,
-                            const TensorView& out, const TensorView& lse, const Options& o) {
-  const char* qlay = "(batch, seqlen_q, nheads, headdim)";
-  const char* klay = "(batch, seqlen_k, nheads_kv, headdim)";
-  check_rank("q", q, 4, qlay);
-  check_rank("k", k, 4, klay);
-  check_rank("v", v, 4, klay);
-  check_rank("out", out, 4, qlay);
-  check_rank("lse", lse, 3, "(batch, nheads, seqlen_q)");
-
-  if (!is_float_storage(q.dtype))
-    fail(ErrorKind::type, std::string("q: expected dtype float16, bfloat16, float32 or float64, got ") +
-                              dtype_name(q.dtype));
-  check_dtype("k", k, q.dtype, "the dtype of q");
-  check_dtype("v", v, q.dtype, "the dtype of q");
-  check_dtype("out", out, q.dtype, "the dtype of q");
-  check_dtype("lse", lse, DType::float32, "lse is always float32");
-
-  for (auto [name, t] : {std::pair<const char*, const TensorView*>{"k", &k}, {"v", &v},
-                         {"out", &out}, {"lse", &lse}})
-    check_device(name, *t, q.device);
-
-  Shapes s{q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3]};
-  if (k.shape[0] != s.batch)
-    fail(ErrorKind::value, "k: batch " + std::to_string(k.shape[0]) +
-                               " does not match the batch of q, " + std::to_string(s.batch));
-  if (k.shape[3] != s.headdim)
-    fail(ErrorKind::value, "k: headdim " + std::to_string(k.shape[3]) +
-                               " does not match the headdim of q, " + std::to_string(s.headdim));
-  check_shape("v", v, {s.batch, s.seqlen_k, s.nheads_kv, s.headdim}, "(the shape of k)");
-  check_shape("out", out, {s.batch, s.seqlen_q, s.nheads, s.headdim}, "(the shape of q)");
-  check_shape("lse", lse, {s.batch, s.nheads, s.seqlen_q}, "(batch, nheads, seqlen_q)");
-
-  if (s.nheads_kv == 0 ? s.nheads != 0 : s.nheads % s.nheads_kv != 0)
-    fail(ErrorKind::value, "k: nheads_kv " + std::to_string(s.nheads_kv) +
-                               " must divide nheads of q, " + std::to_string(s.nheads));
-
-  const bool on_cuda = q.device.type == DeviceType::cuda;
-  if (on_cuda) {
-    if (q.dtype != DType::float16 && q.dtype != DType::bfloat16)
-      fail(ErrorKind::type, std::string("q: the CUDA backend takes float16 or bfloat16, got ") +
-                                dtype_name(q.dtype));
-    const int64_t d = s.headdim;
-    if (d != 32 && d != 64 && d != 96 && d != 128 && d != 192 && d != 256)
-      fail(ErrorKind::value, "q: the CUDA backend takes headdim 32, 64, 96, 128, 192 or 256, got " +
-                                 std::to_string(d));
-  } else if (s.headdim < 1 || s.headdim > 256) {
-    fail(ErrorKind::value, "q: headdim must be in 1..256, got " + std::to_string(s.headdim));
-  }
-
-  for (auto [name, t] : {std::pair<const char*, const TensorView*>{"q", &q}, {"k", &k}, {"v", &v},
-                         {"out", &out}, {"lse", &lse}})
-    check_last_dim_contiguous(name, *t);
-
-  for (auto [name, t] : {std::pair<const char*, const TensorView*>{"q", &q}, {"k", &k}, {"v", &v}}) {
-    check_no_overlap("out", out, name, *t);
-    check_no_overlap("lse", lse, name, *t);
-  }
-  check_no_overlap("lse", lse, "out", out);
-
-  if (!std::isnan(o.softmax_scale) && !std::isfinite(o.softmax_scale))
-    fail(ErrorKind::value, "softmax_scale: expected a finite number or None, got " +
-                               std::to_string(o.softmax_scale));
-  if (o.window_left < -1 || o.window_right < -1)
-    fail(ErrorKind::value, "window_size: expected (left, right) with each >= 0 or -1 for "
-                           "unbounded, got (" + std::to_string(o.window_left) + ", " +
-                               std::to_string(o.window_right) + ")");
-  if (!(o.dropout_p >= 0.0f && o.dropout_p < 1.0f))
-    fail(ErrorKind::value, "dropout_p: expected a probability in [0, 1), got " +
-                               std::to_string(o.dropout_p));
-  if (o.offset >= (uint64_t{1} << 32))
-    fail(ErrorKind::value, "offset: expected a dropout stream offset below 2^32, got " +
-                               std::to_string(o.offset));
-  if (o.sram_bytes < 0)
-    fail(ErrorKind::value, "sram_bytes: expected >= 0 (0: from the device), got " +
-                               std::to_string(o.sram_bytes));
-  if (o.num_threads < 0)
-    fail(ErrorKind::value, "num_threads: expected >= 0 (0: default), got " +
-                               std::to_string(o.num_threads));
-  switch (o.schedule) {
-    case Schedule::automatic:
-    case Schedule::fa1:
-    case Schedule::fa2:
-    case Schedule::reference: break;
-    default:
-      fail(ErrorKind::value, "schedule: expected auto, fa1, fa2 or reference, got code " +
-                                 std::to_string(static_cast<int>(o.schedule)));
-  }
-  if (on_cuda && o.schedule == Schedule::reference)
-    fail(ErrorKind::unsupported, "schedule: 'reference' runs on the CPU only (float64 oracle); "
-                                 "copy the arrays to the CPU to use it");
-  return s;
-}
-
-#define FLASHDL_SET_STRIDES(P, prefix, t) \
-  P.prefix##_batch_stride = (t).strides[0];  \
-  P.prefix##_row_stride = (t).strides[1];    \
-  P.prefix##_head_stride = (t).strides[2]
-
-Params make_params(const TensorView& q, const TensorView& k, const TensorView& v,
-                   const TensorView& out, const TensorView& lse, const Options& o,
-                   const Shapes& s) {
-  Params p{};
-  p.dtype = q.dtype;
-  p.device = q.device;
-  p.q_ptr = q.data;
-  p.k_ptr = k.data;
-  p.v_ptr = v.data;
-  p.o_ptr = out.data;
-  p.lse_ptr = static_cast<float*>(lse.data);
-  p.batch = s.batch;
-  p.seqlen_q = s.seqlen_q;
-  p.seqlen_k = s.seqlen_k;
-  p.nheads = s.nheads;
-  p.nheads_kv = s.nheads_kv;
-  p.headdim = s.headdim;
-  p.h_h_k_ratio = s.nheads_kv > 0 ? s.nheads / s.nheads_kv : 1;
-  FLASHDL_SET_STRIDES(p, q, q);
-  FLASHDL_SET_STRIDES(p, k, k);
-  FLASHDL_SET_STRIDES(p, v, v);
-  FLASHDL_SET_STRIDES(p, o, out);
-  p.lse_batch_stride = lse.strides[0];
-  p.lse_head_stride = lse.strides[1];
-  p.lse_row_stride = lse.strides[2];
-
-  const double scale = std::isnan(o.softmax_scale)
-                           ? 1.0 / std::sqrt(static_cast<double>(s.headdim > 0 ? s.headdim : 1))
-                           : static_cast<double>(o.softmax_scale);
-  p.scale_softmax = scale;
-  p.scale_softmax_log2 = scale * 1.4426950408889634074;
-
-  p.is_causal = o.causal;
-  p.window_left = o.window_left;
-  p.window_right = o.causal ? 0 : o.window_right;
-  // A window that bounds nothing on either side is plain attention.
-  if (p.window_left >= 0 && p.window_left >= s.seqlen_k + s.seqlen_q) p.window_left = -1;
-  if (p.window_right >= 0 && p.window_right >= s.seqlen_k + s.seqlen_q) p.window_right = -1;
-
-  p.p_dropout = o.dropout_p;
-  p.seed = o.seed;
-  p.offset = o.offset;
-  p.schedule = o.schedule == Schedule::automatic ? Schedule::fa2 : o.schedule;
-  p.deterministic = o.deterministic;
-  p.stream = o.stream;
-  p.sram_bytes = o.sram_bytes;
-  p.num_threads = o.num_threads;
-  return p;
-}
-
-void dispatch_forward(const Params& p) {
-  if (p.device.type == DeviceType::cpu) return cpu::forward(p);
-  if (!cuda::compiled())
-    fail(ErrorKind::unsupported, "q: a CUDA array was given but flashdl was built without the CUDA "
-                                 "backend");
-  cuda::forward(p);
-}
-
-void dispatch_backward(const Params& p) {
-  if (p.device.type == DeviceType::cpu) return cpu::backward(p);
-  if (!cuda::compiled())
-    fail(ErrorKind::unsupported, "q: a CUDA array was given but flashdl was built without the CUDA "
-                                 "backend");
-  cuda::backward(p);
-}
-
-}  // namespace
-
 void forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
              const TensorView& lse, const Options& options) {
   const Shapes s = check_attention_args(q, k, v, out, lse, options);
@@ -318,45 +43,9 @@ void backward(const TensorView& dout, const TensorView& q, const TensorView& k,
               const TensorView& v, const TensorView& out, const TensorView& lse,
               const TensorView& dq, const TensorView& dk, const TensorView& dv,
               const Options& options) {
-  const Shapes s = check_attention_args(q, k, v, out, lse, options);
-  const char* qlay = "(batch, seqlen_q, nheads, headdim)";
-  const char* klay = "(batch, seqlen_k, nheads_kv, headdim)";
-  check_rank("dout", dout, 4, qlay);
-  check_rank("dq", dq, 4, qlay);
-  check_rank("dk", dk, 4, klay);
-  check_rank("dv", dv, 4, klay);
-  for (auto [name, t] : {std::pair<const char*, const TensorView*>{"dout", &dout}, {"dq", &dq},
-                         {"dk", &dk}, {"dv", &dv}}) {
-    check_dtype(name, *t, q.dtype, "the dtype of q");
-    check_device(name, *t, q.device);
-  }
-  check_shape("dout", dout, {s.batch, s.seqlen_q, s.nheads, s.headdim}, "(the shape of q)");
-  check_shape("dq", dq, {s.batch, s.seqlen_q, s.nheads, s.headdim}, "(the shape of q)");
-  check_shape("dk", dk, {s.batch, s.seqlen_k, s.nheads_kv, s.headdim}, "(the shape of k)");
-  check_shape("dv", dv, {s.batch, s.seqlen_k, s.nheads_kv, s.headdim}, "(the shape of v)");
-  for (auto [name, t] : {std::pair<const char*, const TensorView*>{"dout", &dout}, {"dq", &dq},
-                         {"dk", &dk}, {"dv", &dv}})
-    check_last_dim_contiguous(name, *t);
-  const std::pair<const char*, const TensorView*> inputs[] = {
-      {"dout", &dout}, {"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"lse", &lse}};
-  const std::pair<const char*, const TensorView*> grads[] = {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}};
-  for (auto [gname, g] : grads)
-    for (auto [iname, in] : inputs) check_no_overlap(gname, *g, iname, *in);
-  check_no_overlap("dq", dq, "dk", dk);
-  check_no_overlap("dq", dq, "dv", dv);
-  check_no_overlap("dk", dk, "dv", dv);
-
+  const Shapes s = check_backward_args(dout, q, k, v, out, lse, dq, dk, dv, options);
   if (s.batch == 0 || s.nheads == 0) return;
-  Params p = make_params(q, k, v, out, lse, options, s);
-  p.do_ptr = dout.data;
-  p.dq_ptr = dq.data;
-  p.dk_ptr = dk.data;
-  p.dv_ptr = dv.data;
-  FLASHDL_SET_STRIDES(p, do, dout);
-  FLASHDL_SET_STRIDES(p, dq, dq);
-  FLASHDL_SET_STRIDES(p, dk, dk);
-  FLASHDL_SET_STRIDES(p, dv, dv);
-  dispatch_backward(p);
+  dispatch_backward(make_backward_params(dout, q, k, v, out, lse, dq, dk, dv, options, s));
 }
 
 void dropout_mask(const TensorView& mask_out, double p, uint64_t seed, uint64_t offset) {

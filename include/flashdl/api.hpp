@@ -39,6 +39,28 @@ void backward(const TensorView& dout, const TensorView& q, const TensorView& k,
               const TensorView& dq, const TensorView& dk, const TensorView& dv,
               const Options& options);
 
+// Variable-length batches (flash-attn's varlen layout): the batch's sequences are packed along
+// the first axis. q (total_q, nheads, headdim); k, v (total_k, nheads_kv, headdim); out like q;
+// lse float32 (nheads, total_q). cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) on the CPU (host
+// memory), cu[0] == 0, non-decreasing, cu[batch] == total; sequence b is rows
+// [cu[b], cu[b + 1]) and no padding is computed. Every sequence length must be <= its
+// max_seqlen. Causal masks and windows are aligned per sequence (bottom-right within each one).
+// A sequence with no query rows writes nothing (and gets zero dk, dv in the backward); one with
+// no keys gets out 0 and lse -inf. CPU only for now: CUDA arrays throw Error(unsupported).
+// Dropout: the mask of sequence b is keyed (seed, offset, b, head, row, col), rows and columns
+// counted within the sequence -- the mask dense batch b would get.
+void forward_varlen(const TensorView& q, const TensorView& k, const TensorView& v,
+                    const TensorView& cu_seqlens_q, const TensorView& cu_seqlens_k,
+                    int64_t max_seqlen_q, int64_t max_seqlen_k, const TensorView& out,
+                    const TensorView& lse, const Options& options);
+
+// dq, dk, dv shaped and typed like q, k, v; out and lse as forward_varlen returned them.
+void backward_varlen(const TensorView& dout, const TensorView& q, const TensorView& k,
+                     const TensorView& v, const TensorView& out, const TensorView& lse,
+                     const TensorView& cu_seqlens_q, const TensorView& cu_seqlens_k,
+                     int64_t max_seqlen_q, int64_t max_seqlen_k, const TensorView& dq,
+                     const TensorView& dk, const TensorView& dv, const Options& options);
+
 // The dropout keep-mask the kernels apply for (p, seed, offset): mask_out, bool
 // (batch, nheads, seqlen_q, seqlen_k) on the CPU, any strides with a contiguous last dimension,
 // is set true where element (b, h, i, j) is kept (then scaled by 1 / (1 - p)), i.e.

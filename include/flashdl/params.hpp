@@ -69,6 +69,10 @@ struct Params {
 
   float p_dropout;  // probability of dropping
   uint64_t seed, offset;
+  // Batch index of this call's batch 0 in the dropout stream: the mask of element (b, h, i, j) is
+  // keyed by (b + dropout_batch_offset) * nheads + h. 0 for dense calls; varlen runs sequence s
+  // as a batch-1 call with offset s, so its mask is that of batch s.
+  int64_t dropout_batch_offset;
 
   Schedule schedule;  // never automatic here: api.cpp resolves it
   bool deterministic;

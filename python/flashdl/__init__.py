@@ -5,6 +5,7 @@
     dq, dk, dv = flashdl.attention_backward(dout, q, k, v, out, lse, causal=True)
     out, lse, seed = flashdl.attention(q, k, v, dropout_p=0.1, return_lse=True, return_seed=True)
     keep = flashdl.dropout_mask(b, h, sq, sk, 0.1, seed)   # the mask that call applied
+    out = flashdl.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k)  # packed, no padding
 
     import flashdl.torch                               # autograd: loss.backward() flows through
     out = flashdl.torch.attention(q, k, v, causal=True)
@@ -13,11 +14,13 @@ Layout (batch, seqlen, nheads, headdim). `python -m flashdl` runs a check and a 
 naive attention; `flashdl.info()` says what this build and machine offer.
 """
 
-from ._api import attention, attention_backward, dropout_mask
+from ._api import (attention, attention_backward, attention_varlen, attention_varlen_backward,
+                   dropout_mask)
 from ._info import info, set_num_threads
 
 __version__ = info()["version"]
-__all__ = ["attention", "attention_backward", "dropout_mask", "info", "set_num_threads",
+__all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward",
+           "dropout_mask", "info", "set_num_threads",
            "__version__"]
 
 

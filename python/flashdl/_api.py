@@ -175,3 +175,93 @@ def _count(name, x):
     if x < 0:
         raise ValueError(f"{name}: expected an int >= 0, got {x}")
     return x
+
+
+# ---- variable-length batches (flash-attn's varlen layout) ----------------------------------------
+
+def _cu_seqlens(name, x):
+    """cu_seqlens as the extension takes it: any CPU array that crosses DLPack (NumPy, torch,
+    JAX); the core checks dtype int32, rank, device and the offsets themselves."""
+    if isinstance(x, np.ndarray) or hasattr(x, "__dlpack__"):
+        if getattr(x, "requires_grad", False):
+            x = x.detach()
+        return x
+    raise TypeError(f"{name}: expected an int32 array (NumPy or the framework of q) of shape "
+                    f"(batch + 1,), got {type(x).__name__}")
+
+
+def _max_seqlen(name, x):
+    try:
+        return operator.index(x)
+    except TypeError:
+        raise TypeError(f"{name}: expected an int, got {type(x).__name__}") from None
+
+
+def _varlen_lse_shape(q):
+    shape = tuple(q.shape)
+    # A wrongly ranked q gets a placeholder; the core then reports q itself.
+    return (shape[1], shape[0]) if len(shape) == 3 else (0, 0)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                     causal=False, softmax_scale=None, schedule="auto", return_lse=False,
+                     window_size=(-1, -1), dropout_p=0.0, seed=None, offset=0):
+    """attention over a batch of sequences of different lengths, packed with no padding
+    (flash-attn's flash_attn_varlen_func layout).
+
+    q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim). cu_seqlens_q and
+    cu_seqlens_k: int32 arrays (batch + 1,) on the CPU (NumPy, or CPU tensors of the framework
+    of q), the cumulative sequence lengths: sequence b is q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]
+    attending to k, v[cu_seqlens_k[b]:cu_seqlens_k[b+1]]. They start at 0, never decrease and
+    end at total_q (total_k); no sequence may be longer than max_seqlen_q (max_seqlen_k).
+    Each sequence is attention(...) of its own rows: causal masks and windows are aligned
+    bottom-right within each sequence; a sequence with no keys gets out 0 and lse -inf.
+
+    CPU only for now (CUDA arrays raise RuntimeError), and without dropout: dropout_p > 0
+    raises RuntimeError (the mask would be keyed by (seed, offset, b, head, row, col) with b
+    the sequence's index and row, col counted within the sequence; not built yet).
+
+    Returns out (like q); (out, lse) with return_lse=True, lse float32 (nheads, total_q).
+    """
+    frame = Frame({"q": q, "k": k, "v": v}, _FLOATS_FWD)
+    opts = _options(causal, softmax_scale, schedule, window_size, frame)
+    dropout_p, seed, offset = _dropout(dropout_p, seed, offset)
+    cu_q, cu_k = _cu_seqlens("cu_seqlens_q", cu_seqlens_q), _cu_seqlens("cu_seqlens_k",
+                                                                         cu_seqlens_k)
+    max_q, max_k = _max_seqlen("max_seqlen_q", max_seqlen_q), _max_seqlen("max_seqlen_k",
+                                                                           max_seqlen_k)
+    out = frame.empty(q.shape, q.dtype)
+    lse = frame.empty(_varlen_lse_shape(q), frame.float32())
+    _ext.forward_varlen(frame.export(q), frame.export(k), frame.export(v), cu_q, cu_k, max_q,
+                        max_k, frame.dest(out), frame.dest(lse), dropout_p=dropout_p, seed=seed,
+                        offset=offset, **opts)
+    out, lse = frame.finish(out), frame.finish(lse)
+    return (out, lse) if return_lse else out
+
+
+def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                              max_seqlen_k, *, causal=False, softmax_scale=None, schedule="auto",
+                              window_size=(-1, -1), deterministic=False, dropout_p=0.0, seed=0,
+                              offset=0):
+    """Gradients (dq, dk, dv) of attention_varlen for the upstream gradient dout
+    (total_q, nheads, headdim); out and lse (nheads, total_q) as attention_varlen(...,
+    return_lse=True) returned them for the same arguments and options. A sequence with no
+    query rows gets zero dk, dv."""
+    frame = Frame({"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}, _FLOATS_BWD)
+    opts = _options(causal, softmax_scale, schedule, window_size, frame)
+    if seed is None:
+        raise TypeError("seed: expected the int seed the forward used, got None")
+    dropout_p, seed, offset = _dropout(dropout_p, seed, offset)
+    opts.update(dropout_p=dropout_p, seed=seed, offset=offset)
+    cu_q, cu_k = _cu_seqlens("cu_seqlens_q", cu_seqlens_q), _cu_seqlens("cu_seqlens_k",
+                                                                         cu_seqlens_k)
+    max_q, max_k = _max_seqlen("max_seqlen_q", max_seqlen_q), _max_seqlen("max_seqlen_k",
+                                                                           max_seqlen_k)
+    dq = frame.empty(q.shape, q.dtype)
+    dk = frame.empty(k.shape, k.dtype)
+    dv = frame.empty(v.shape, v.dtype)
+    _ext.backward_varlen(frame.export(dout), frame.export(q), frame.export(k), frame.export(v),
+                         frame.export(out), frame.export(lse), cu_q, cu_k, max_q, max_k,
+                         frame.dest(dq), frame.dest(dk), frame.dest(dv),
+                         deterministic=bool(deterministic), **opts)
+    return frame.finish(dq), frame.finish(dk), frame.finish(dv)

@@ -12,8 +12,10 @@ import torch
 from ._api import _dropout
 from ._api import attention as _attention
 from ._api import attention_backward as _attention_backward
+from ._api import attention_varlen as _attention_varlen
+from ._api import attention_varlen_backward as _attention_varlen_backward
 
-__all__ = ["attention"]
+__all__ = ["attention", "attention_varlen"]
 
 
 class _Attention(torch.autograd.Function):
@@ -61,3 +63,43 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, schedule="auto",
     dropout_p, seed, offset = _dropout(dropout_p, seed, offset)
     return _Attention.apply(q, k, v, causal, softmax_scale, schedule, window_size, dropout_p,
                             seed, offset)
+
+
+class _AttentionVarlen(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                softmax_scale, schedule, window_size, dropout_p, seed, offset):
+        opts = dict(causal=causal, softmax_scale=softmax_scale, schedule=schedule,
+                    window_size=window_size, dropout_p=dropout_p, seed=seed, offset=offset)
+        out, lse = _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                     max_seqlen_k, return_lse=True, **opts)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        ctx.opts = opts
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout.dim() == 3 and dout.shape[-1] > 1 and dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        dq, dk, dv = _attention_varlen_backward(dout, q, k, v, out, lse, *ctx.varlen, **ctx.opts)
+        return (dq, dk, dv) + (None,) * 11
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                     causal=False, softmax_scale=None, schedule="auto", window_size=(-1, -1),
+                     dropout_p=0.0, seed=None, offset=0):
+    """flashdl.attention_varlen for torch tensors, differentiable with respect to q, k and v.
+
+    q (total_q, nheads, headdim); k, v (total_k, nheads_kv, headdim); cu_seqlens_q,
+    cu_seqlens_k int32 (batch + 1,) CPU tensors (or NumPy arrays). CPU only for now. With
+    dropout, sequence b gets the mask dense batch b would get (flashdl.dropout_mask).
+    """
+    if seed is None:
+        seed = _torch_seed() if _dropout(dropout_p, 0, offset)[0] > 0 else 0
+    dropout_p, seed, offset = _dropout(dropout_p, seed, offset)
+    return _AttentionVarlen.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, causal, softmax_scale, schedule, window_size,
+                                  dropout_p, seed, offset)

@@ -71,7 +71,7 @@ template <typename T>
 void dropout_multipliers(const Geometry<T>& g, const Params& p, int64_t b, int64_t h, int64_t i0,
                          int64_t rows, int64_t j0, int64_t cols, T* Z) {
   const T kept = T(1) / (T(1) - static_cast<T>(p.p_dropout));
-  const uint64_t bh = static_cast<uint64_t>(b * p.nheads + h);
+  const uint64_t bh = static_cast<uint64_t>((b + p.dropout_batch_offset) * p.nheads + h);
   for (int64_t r = 0; r < g.Brp; ++r)
     for (int64_t j = 0; j < g.Bcp; ++j)
       Z[r * g.Bcp + j] = (r < rows && j < cols && detail::dropout_keep(p.p_dropout, p.seed, p.offset,
@@ -85,7 +85,7 @@ template <typename T>
 void apply_dropout(const Geometry<T>& g, const Params& p, int64_t b, int64_t h, int64_t i0,
                    int64_t rows, int64_t j0, int64_t cols, T* P) {
   const T kept = T(1) / (T(1) - static_cast<T>(p.p_dropout));
-  const uint64_t bh = static_cast<uint64_t>(b * p.nheads + h);
+  const uint64_t bh = static_cast<uint64_t>((b + p.dropout_batch_offset) * p.nheads + h);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t j = 0; j < cols; ++j)
       if (!detail::dropout_keep(p.p_dropout, p.seed, p.offset, bh, i0 + r, j0 + j))

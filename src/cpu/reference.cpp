@@ -40,7 +40,7 @@ struct Head {
   double keep_scale(int64_t i, int64_t j) const {
     if (p.p_dropout <= 0.0f) return 1.0;
     const bool keep = detail::dropout_keep(p.p_dropout, p.seed, p.offset,
-                                           static_cast<uint64_t>(b * p.nheads + h), i, j);
+                                           static_cast<uint64_t>((b + p.dropout_batch_offset) * p.nheads + h), i, j);
     return keep ? 1.0 / (1.0 - static_cast<double>(p.p_dropout)) : 0.0;
   }
 };

@@ -270,6 +270,34 @@ void test_accepted() {
   }
 }
 
+// Varlen: CUDA arrays are refused in every build (CPU only for now), and cu_seqlens is checked
+// before anything runs. Packed q (8, 4, 8), k, v (6, 2, 8), two sequences.
+void test_varlen() {
+  Problem p;
+  Array q(DType::float32, {8, 4, 8}), k(DType::float32, {6, 2, 8}), v(DType::float32, {6, 2, 8});
+  Array out(DType::float32, {8, 4, 8}), lse(DType::float32, {4, 8});
+  std::vector<int32_t> cq{0, 3, 8}, ck{0, 4, 6}, bad{0, 5, 3};
+  const TensorView tcq = flashdl::make_view(cq.data(), DType::int32, {3});
+  const TensorView tck = flashdl::make_view(ck.data(), DType::int32, {3});
+  const TensorView tbad = flashdl::make_view(bad.data(), DType::int32, {3});
+  auto fwd = [&](TensorView tq, TensorView cu_q, int64_t max_q) {
+    return [=, &k, &v, &out, &lse, &tck] {
+      flashdl::forward_varlen(tq, k.view(), v.view(), cu_q, tck, max_q, 4, out.view(), lse.view(),
+                              Options{});
+    };
+  };
+  fwd(q.view(), tcq, 5)();  // valid
+  TensorView qc = q.view();
+  qc.device = {flashdl::DeviceType::cuda, 0};
+  expect_error("varlen on cuda", ErrorKind::unsupported, "q", fwd(qc, tcq, 5), p, "CPU only");
+  expect_error("varlen decreasing", ErrorKind::value, "cu_seqlens_q", fwd(q.view(), tbad, 5), p,
+               "non-decreasing");
+  expect_error("varlen max_seqlen", ErrorKind::value, "max_seqlen_q", fwd(q.view(), tcq, 4), p);
+  TensorView f = tcq;
+  f.dtype = DType::float32;
+  expect_error("varlen cu dtype", ErrorKind::type, "cu_seqlens_q", fwd(q.view(), f, 5), p, "int32");
+}
+
 }  // namespace
 
 int main() {
@@ -278,5 +306,6 @@ int main() {
   run_test("validation: options", test_options);
   run_test("validation: CUDA arrays", test_cuda_arrays);
   run_test("validation: valid and zero-length calls", test_accepted);
+  run_test("validation: varlen", test_varlen);
   return finish();
 }

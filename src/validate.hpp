@@ -1,0 +1,50 @@
+// The library's internal validation toolkit: every check that names an argument, the filling of
+// Params from validated views, and the dispatch to a backend. Used by api.cpp and varlen.cpp only.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+
+#include "flashdl/api.hpp"
+
+namespace flashdl::validate {
+
+struct Shapes {
+  int64_t batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim;
+};
+
+[[noreturn]] void fail(ErrorKind kind, const std::string& msg);
+std::string shape_str(const TensorView& t);
+std::string shape_str(std::initializer_list<int64_t> shape);
+
+void check_rank(const char* name, const TensorView& t, int rank, const char* layout);
+void check_shape(const char* name, const TensorView& t, std::initializer_list<int64_t> shape,
+                 const char* layout);
+void check_dtype(const char* name, const TensorView& t, DType expected, const char* why);
+void check_device(const char* name, const TensorView& t, Device expected);
+void check_last_dim_contiguous(const char* name, const TensorView& t);
+void check_no_overlap(const char* out_name, const TensorView& out, const char* in_name,
+                      const TensorView& in);
+
+// Checks q, k, v, out, lse and the options; returns the problem's extents.
+Shapes check_attention_args(const TensorView& q, const TensorView& k, const TensorView& v,
+                            const TensorView& out, const TensorView& lse, const Options& o);
+// The backward's checks: check_attention_args plus dout, dq, dk, dv.
+Shapes check_backward_args(const TensorView& dout, const TensorView& q, const TensorView& k,
+                           const TensorView& v, const TensorView& out, const TensorView& lse,
+                           const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                           const Options& options);
+
+Params make_params(const TensorView& q, const TensorView& k, const TensorView& v,
+                   const TensorView& out, const TensorView& lse, const Options& o,
+                   const Shapes& s);
+Params make_backward_params(const TensorView& dout, const TensorView& q, const TensorView& k,
+                            const TensorView& v, const TensorView& out, const TensorView& lse,
+                            const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                            const Options& options, const Shapes& s);
+
+void dispatch_forward(const Params& p);
+void dispatch_backward(const Params& p);
+
+}  // namespace flashdl::validate

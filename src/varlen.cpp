@@ -1,0 +1,183 @@
+// Variable-length batches (flash-attn's varlen layout): validated once whole, then each sequence
+// runs as a batch-1 dense problem over its own rows, so no padding is computed.
+#include <string>
+#include <vector>
+
+#include "flashdl/api.hpp"
+#include "validate.hpp"
+
+namespace flashdl {
+
+namespace {
+
+using namespace validate;
+
+
+// A rank-3 (total, heads, headdim) array as the rank-4 batch-1 view (1, total, heads, headdim).
+TensorView as_batch1(const TensorView& t) {
+  TensorView r = t;
+  r.rank = 4;
+  r.shape = {1, t.shape[0], t.shape[1], t.shape[2]};
+  r.strides = {0, t.strides[0], t.strides[1], t.strides[2]};
+  return r;
+}
+
+// The varlen lse (nheads, total_q) as the dense (1, nheads, total_q).
+TensorView lse_as_batch1(const TensorView& lse) {
+  TensorView r = lse;
+  r.rank = 3;
+  r.shape = {1, lse.shape[0], lse.shape[1], 0};
+  r.strides = {0, lse.strides[0], lse.strides[1], 0};
+  return r;
+}
+
+// Rows [start, start + len) of dimension `dim` of a batch-1 view.
+TensorView slice(const TensorView& t, int dim, int64_t start, int64_t len) {
+  TensorView r = t;
+  r.shape[dim] = len;
+  if (start != 0)
+    r.data = static_cast<char*>(t.data) +
+             start * t.strides[dim] * static_cast<int64_t>(dtype_size(t.dtype));
+  return r;
+}
+
+// cu_seqlens read on the host and checked against the total length and max_seqlen.
+std::vector<int64_t> read_cu_seqlens(const char* name, const TensorView& cu, const char* total_name,
+                                     int64_t total, const char* max_name, int64_t max_seqlen) {
+  check_rank(name, cu, 1, "(batch + 1,)");
+  check_dtype(name, cu, DType::int32, "cumulative sequence lengths are int32");
+  if (cu.device.type != DeviceType::cpu)
+    fail(ErrorKind::value, std::string(name) + ": expected an array on the CPU (host memory; the "
+                               "offsets are read on the host), got " +
+                               device_name(cu.device.type) + ":" + std::to_string(cu.device.id));
+  if (cu.shape[0] < 1)
+    fail(ErrorKind::value, std::string(name) + ": expected shape (batch + 1,) with cu[0] == 0, "
+                               "got an empty array");
+  if (max_seqlen < 0)
+    fail(ErrorKind::value, std::string(max_name) + ": expected >= 0, got " +
+                               std::to_string(max_seqlen));
+  const auto* c = static_cast<const int32_t*>(cu.data);
+  std::vector<int64_t> off(static_cast<size_t>(cu.shape[0]));
+  for (int64_t i = 0; i < cu.shape[0]; ++i) off[i] = c[i * cu.strides[0]];
+  if (off[0] != 0)
+    fail(ErrorKind::value, std::string(name) + ": expected " + name + "[0] == 0, got " +
+                               std::to_string(off[0]));
+  for (size_t b = 0; b + 1 < off.size(); ++b) {
+    const int64_t len = off[b + 1] - off[b];
+    if (len < 0)
+      fail(ErrorKind::value, std::string(name) + ": expected non-decreasing offsets, got " + name +
+                                 "[" + std::to_string(b + 1) + "] = " + std::to_string(off[b + 1]) +
+                                 " < " + name + "[" + std::to_string(b) + "] = " +
+                                 std::to_string(off[b]));
+    if (len > max_seqlen)
+      fail(ErrorKind::value, std::string(max_name) + ": sequence " + std::to_string(b) + " of " +
+                                 name + " has length " + std::to_string(len) + ", more than " +
+                                 max_name + " = " + std::to_string(max_seqlen));
+  }
+  if (off.back() != total)
+    fail(ErrorKind::value, std::string(name) + ": expected the last offset to equal " + total_name +
+                               " = " + std::to_string(total) + ", got " +
+                               std::to_string(off.back()));
+  return off;
+}
+
+struct VarlenBatch {
+  std::vector<int64_t> cu_q, cu_k;
+  int64_t batch() const { return static_cast<int64_t>(cu_q.size()) - 1; }
+};
+
+// The varlen-only checks: ranks and shapes of the packed arrays, the device, the offsets.
+// Everything else (dtypes, devices, strides, overlap, options) is check_attention_args' job on
+// the batch-1 views of the whole arrays.
+VarlenBatch check_varlen_layout(const TensorView& q, const TensorView& k, const TensorView& v,
+                                const TensorView& out, const TensorView& lse,
+                                const TensorView& cu_seqlens_q, const TensorView& cu_seqlens_k,
+                                int64_t max_seqlen_q, int64_t max_seqlen_k) {
+  check_rank("q", q, 3, "(total_q, nheads, headdim)");
+  check_rank("k", k, 3, "(total_k, nheads_kv, headdim)");
+  check_rank("v", v, 3, "(total_k, nheads_kv, headdim)");
+  check_rank("out", out, 3, "(total_q, nheads, headdim)");
+  check_rank("lse", lse, 2, "(nheads, total_q)");
+  if (q.device.type != DeviceType::cpu)
+    fail(ErrorKind::unsupported, std::string("q: variable-length attention runs on the CPU only "
+                                             "for now, got an array on ") +
+                                     device_name(q.device.type) + ":" + std::to_string(q.device.id));
+  if (k.shape[2] != q.shape[2])
+    fail(ErrorKind::value, "k: headdim " + std::to_string(k.shape[2]) +
+                               " does not match the headdim of q, " + std::to_string(q.shape[2]));
+  check_shape("v", v, {k.shape[0], k.shape[1], k.shape[2]}, "(the shape of k)");
+  check_shape("out", out, {q.shape[0], q.shape[1], q.shape[2]}, "(the shape of q)");
+  check_shape("lse", lse, {q.shape[1], q.shape[0]}, "(nheads, total_q)");
+  VarlenBatch vb;
+  vb.cu_q = read_cu_seqlens("cu_seqlens_q", cu_seqlens_q, "total_q", q.shape[0], "max_seqlen_q",
+                            max_seqlen_q);
+  vb.cu_k = read_cu_seqlens("cu_seqlens_k", cu_seqlens_k, "total_k", k.shape[0], "max_seqlen_k",
+                            max_seqlen_k);
+  if (vb.cu_k.size() != vb.cu_q.size())
+    fail(ErrorKind::value, "cu_seqlens_k: expected shape " + shape_str({cu_seqlens_q.shape[0]}) +
+                               " (batch + 1, as cu_seqlens_q), got " + shape_str(cu_seqlens_k));
+  return vb;
+}
+
+
+}  // namespace
+
+void forward_varlen(const TensorView& q, const TensorView& k, const TensorView& v,
+                    const TensorView& cu_seqlens_q, const TensorView& cu_seqlens_k,
+                    int64_t max_seqlen_q, int64_t max_seqlen_k, const TensorView& out,
+                    const TensorView& lse, const Options& options) {
+  const VarlenBatch vb = check_varlen_layout(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                             max_seqlen_q, max_seqlen_k);
+  const TensorView q4 = as_batch1(q), k4 = as_batch1(k), v4 = as_batch1(v), o4 = as_batch1(out),
+                   l3 = lse_as_batch1(lse);
+  const Shapes whole = check_attention_args(q4, k4, v4, o4, l3, options);
+  if (whole.nheads == 0) return;
+  // Each sequence is a batch-1 dense problem over its own rows: causal and window alignment are
+  // per sequence for free, and no padding is computed.
+  for (int64_t b = 0; b < vb.batch(); ++b) {
+    const int64_t q0 = vb.cu_q[b], sq = vb.cu_q[b + 1] - q0;
+    const int64_t k0 = vb.cu_k[b], sk = vb.cu_k[b + 1] - k0;
+    if (sq == 0) continue;  // nothing to write
+    const Shapes s{1, sq, sk, whole.nheads, whole.nheads_kv, whole.headdim};
+    Params p = make_params(slice(q4, 1, q0, sq), slice(k4, 1, k0, sk), slice(v4, 1, k0, sk),
+                           slice(o4, 1, q0, sq), slice(l3, 2, q0, sq), options, s);
+    p.dropout_batch_offset = b;  // the dropout mask of sequence b is that of batch b
+    dispatch_forward(p);
+  }
+}
+
+void backward_varlen(const TensorView& dout, const TensorView& q, const TensorView& k,
+                     const TensorView& v, const TensorView& out, const TensorView& lse,
+                     const TensorView& cu_seqlens_q, const TensorView& cu_seqlens_k,
+                     int64_t max_seqlen_q, int64_t max_seqlen_k, const TensorView& dq,
+                     const TensorView& dk, const TensorView& dv, const Options& options) {
+  const VarlenBatch vb = check_varlen_layout(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                             max_seqlen_q, max_seqlen_k);
+  check_rank("dout", dout, 3, "(total_q, nheads, headdim)");
+  check_rank("dq", dq, 3, "(total_q, nheads, headdim)");
+  check_rank("dk", dk, 3, "(total_k, nheads_kv, headdim)");
+  check_rank("dv", dv, 3, "(total_k, nheads_kv, headdim)");
+  check_shape("dout", dout, {q.shape[0], q.shape[1], q.shape[2]}, "(the shape of q)");
+  check_shape("dq", dq, {q.shape[0], q.shape[1], q.shape[2]}, "(the shape of q)");
+  check_shape("dk", dk, {k.shape[0], k.shape[1], k.shape[2]}, "(the shape of k)");
+  check_shape("dv", dv, {k.shape[0], k.shape[1], k.shape[2]}, "(the shape of v)");
+  const TensorView do4 = as_batch1(dout), q4 = as_batch1(q), k4 = as_batch1(k),
+                   v4 = as_batch1(v), o4 = as_batch1(out), l3 = lse_as_batch1(lse),
+                   dq4 = as_batch1(dq), dk4 = as_batch1(dk), dv4 = as_batch1(dv);
+  const Shapes whole = check_backward_args(do4, q4, k4, v4, o4, l3, dq4, dk4, dv4, options);
+  if (whole.nheads == 0) return;
+  // Sequences with no query rows still run: the backend writes their dk, dv (zeros).
+  for (int64_t b = 0; b < vb.batch(); ++b) {
+    const int64_t q0 = vb.cu_q[b], sq = vb.cu_q[b + 1] - q0;
+    const int64_t k0 = vb.cu_k[b], sk = vb.cu_k[b + 1] - k0;
+    const Shapes s{1, sq, sk, whole.nheads, whole.nheads_kv, whole.headdim};
+    Params p = make_backward_params(
+        slice(do4, 1, q0, sq), slice(q4, 1, q0, sq), slice(k4, 1, k0, sk), slice(v4, 1, k0, sk),
+        slice(o4, 1, q0, sq), slice(l3, 2, q0, sq), slice(dq4, 1, q0, sq),
+        slice(dk4, 1, k0, sk), slice(dv4, 1, k0, sk), options, s);
+    p.dropout_batch_offset = b;
+    dispatch_backward(p);
+  }
+}
+
+}  // namespace flashdl
