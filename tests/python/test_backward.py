@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import flashdl
 from attn_oracle import assert_rule, backward, grad_magnitude, grad_ulps, make, make_qkv
+from masked_oracle import numerical_grads
 
 SHAPES = [
     (1, 1, 1, 1, 1, 8),
@@ -74,23 +75,6 @@ def test_empty_rows_have_zero_gradients(schedule):
 # float64 gradients of fa1/fa2 re-read the float32 lse (the contract), so they are ~1e-7 accurate;
 # the reference recomputes everything in float64.
 F64_ATOL = {"reference": 1e-11, "fa1": 1e-6, "fa2": 1e-6}
-
-
-def numerical_grads(f, arrays, dout, h=1e-6):
-    """Central differences of sum(f(arrays) * dout) for every element of every array."""
-    result = []
-    for a in arrays:
-        g = np.zeros_like(a)
-        for idx in np.ndindex(a.shape):
-            old = a[idx]
-            a[idx] = old + h
-            plus = np.sum(f(*arrays) * dout)
-            a[idx] = old - h
-            minus = np.sum(f(*arrays) * dout)
-            a[idx] = old
-            g[idx] = (plus - minus) / (2 * h)
-        result.append(g)
-    return result
 
 
 @pytest.mark.parametrize("schedule", ["reference", "fa1", "fa2"])
