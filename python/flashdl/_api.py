@@ -124,6 +124,17 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, schedule="auto", ret
     return result if len(result) > 1 else out
 
 
+def _backward_options(causal, softmax_scale, schedule, window_size, frame, dropout_p, seed,
+                      offset):
+    """The backward's options: the forward's, with the dropout seed it used (never drawn here)."""
+    opts = _options(causal, softmax_scale, schedule, window_size, frame)
+    if seed is None:
+        raise TypeError("seed: expected the int seed the forward used, got None")
+    dropout_p, seed, offset = _dropout(dropout_p, seed, offset)
+    opts.update(dropout_p=dropout_p, seed=seed, offset=offset)
+    return opts
+
+
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None,
                        schedule="auto", window_size=(-1, -1), deterministic=False,
                        dropout_p=0.0, seed=0, offset=0):
@@ -136,11 +147,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     dk and dv sum over the query heads of each group.
     """
     frame = Frame({"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}, _FLOATS_BWD)
-    opts = _options(causal, softmax_scale, schedule, window_size, frame)
-    if seed is None:
-        raise TypeError("seed: expected the int seed the forward used, got None")
-    dropout_p, seed, offset = _dropout(dropout_p, seed, offset)
-    opts.update(dropout_p=dropout_p, seed=seed, offset=offset)
+    opts = _backward_options(causal, softmax_scale, schedule, window_size, frame, dropout_p, seed,
+                             offset)
     dq = frame.empty(q.shape, q.dtype)
     dk = frame.empty(k.shape, k.dtype)
     dv = frame.empty(v.shape, v.dtype)
@@ -248,11 +256,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     return_lse=True) returned them for the same arguments and options. A sequence with no
     query rows gets zero dk, dv."""
     frame = Frame({"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}, _FLOATS_BWD)
-    opts = _options(causal, softmax_scale, schedule, window_size, frame)
-    if seed is None:
-        raise TypeError("seed: expected the int seed the forward used, got None")
-    dropout_p, seed, offset = _dropout(dropout_p, seed, offset)
-    opts.update(dropout_p=dropout_p, seed=seed, offset=offset)
+    opts = _backward_options(causal, softmax_scale, schedule, window_size, frame, dropout_p, seed,
+                             offset)
     cu_q, cu_k = _cu_seqlens("cu_seqlens_q", cu_seqlens_q), _cu_seqlens("cu_seqlens_k",
                                                                          cu_seqlens_k)
     max_q, max_k = _max_seqlen("max_seqlen_q", max_seqlen_q), _max_seqlen("max_seqlen_k",

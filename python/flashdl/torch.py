@@ -18,6 +18,14 @@ from ._api import attention_varlen_backward as _attention_varlen_backward
 __all__ = ["attention", "attention_varlen"]
 
 
+def _last_dim_contiguous(dout):
+    """Autograd often hands over broadcast gradients (e.g. of .sum(): every stride 0); the
+    kernels need a contiguous last dimension."""
+    if dout.shape[-1] > 1 and dout.stride(-1) != 1:
+        return dout.contiguous()
+    return dout
+
+
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, softmax_scale, schedule, window_size, dropout_p, seed,
@@ -33,11 +41,7 @@ class _Attention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        # Autograd often hands over broadcast gradients (e.g. of .sum(): every stride 0); the
-        # kernels need a contiguous last dimension.
-        if dout.dim() == 4 and dout.shape[-1] > 1 and dout.stride(-1) != 1:
-            dout = dout.contiguous()
-        dq, dk, dv = _attention_backward(dout, q, k, v, out, lse, **ctx.opts)
+        dq, dk, dv = _attention_backward(_last_dim_contiguous(dout), q, k, v, out, lse, **ctx.opts)
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
@@ -82,9 +86,8 @@ class _AttentionVarlen(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        if dout.dim() == 3 and dout.shape[-1] > 1 and dout.stride(-1) != 1:
-            dout = dout.contiguous()
-        dq, dk, dv = _attention_varlen_backward(dout, q, k, v, out, lse, *ctx.varlen, **ctx.opts)
+        dq, dk, dv = _attention_varlen_backward(_last_dim_contiguous(dout), q, k, v, out, lse,
+                                                *ctx.varlen, **ctx.opts)
         return (dq, dk, dv) + (None,) * 11
 
 
