@@ -125,15 +125,27 @@ flashdl::Options make_options(std::optional<double> softmax_scale, bool causal, 
   return o;
 }
 
+// The block-sparse options: a bool mask array (None: dense) over blocks of (block_size_q,
+// block_size_k); the core checks its shape, dtype and device.
+void set_block_mask(flashdl::Options& o, const std::optional<InArray>& block_mask,
+                    int64_t block_size_q, int64_t block_size_k) {
+  if (block_mask) o.block_mask = to_view("block_mask", *block_mask, Override::none, false, "bool");
+  o.block_size_q = block_size_q;
+  o.block_size_k = block_size_k;
+}
+
 void forward(const InArray& q, const InArray& k, const InArray& v, const OutArray& out,
              const OutArray& lse, std::optional<std::string> dtype,
              std::optional<double> softmax_scale, bool causal, int64_t window_left,
              int64_t window_right, const std::string& schedule, double dropout_p, uint64_t seed,
-             uint64_t offset, uintptr_t stream, int64_t sram_bytes, int num_threads) {
+             uint64_t offset, uintptr_t stream, int64_t sram_bytes, int num_threads,
+             const std::optional<InArray>& block_mask, int64_t block_size_q,
+             int64_t block_size_k) {
   const Override ov = parse_override(dtype);
-  const flashdl::Options o =
+  flashdl::Options o =
       make_options(softmax_scale, causal, window_left, window_right, schedule, dropout_p, seed,
                    offset, stream, sram_bytes, num_threads, false);
+  set_block_mask(o, block_mask, block_size_q, block_size_k);
   const auto tq = to_view("q", q, ov, true), tk = to_view("k", k, ov, true),
              tv = to_view("v", v, ov, true), to = to_view("out", out, ov, true),
              tl = to_view("lse", lse, Override::none, false);
@@ -147,11 +159,13 @@ void backward(const InArray& dout, const InArray& q, const InArray& k, const InA
               std::optional<double> softmax_scale, bool causal, int64_t window_left,
               int64_t window_right, const std::string& schedule, double dropout_p, uint64_t seed,
               uint64_t offset, uintptr_t stream, int64_t sram_bytes, int num_threads,
-              bool deterministic) {
+              bool deterministic, const std::optional<InArray>& block_mask,
+              int64_t block_size_q, int64_t block_size_k) {
   const Override ov = parse_override(dtype);
-  const flashdl::Options o =
+  flashdl::Options o =
       make_options(softmax_scale, causal, window_left, window_right, schedule, dropout_p, seed,
                    offset, stream, sram_bytes, num_threads, deterministic);
+  set_block_mask(o, block_mask, block_size_q, block_size_k);
   const auto tdo = to_view("dout", dout, ov, true), tq = to_view("q", q, ov, true),
              tk = to_view("k", k, ov, true), tv = to_view("v", v, ov, true),
              to = to_view("out", out, ov, true), tl = to_view("lse", lse, Override::none, false),
@@ -172,11 +186,14 @@ void forward_varlen(const InArray& q, const InArray& k, const InArray& v,
                     std::optional<std::string> dtype, std::optional<double> softmax_scale,
                     bool causal, int64_t window_left, int64_t window_right,
                     const std::string& schedule, double dropout_p, uint64_t seed, uint64_t offset,
-                    uintptr_t stream, int64_t sram_bytes, int num_threads) {
+                    uintptr_t stream, int64_t sram_bytes, int num_threads,
+             const std::optional<InArray>& block_mask, int64_t block_size_q,
+             int64_t block_size_k) {
   const Override ov = parse_override(dtype);
-  const flashdl::Options o =
+  flashdl::Options o =
       make_options(softmax_scale, causal, window_left, window_right, schedule, dropout_p, seed,
                    offset, stream, sram_bytes, num_threads, false);
+  set_block_mask(o, block_mask, block_size_q, block_size_k);
   const auto tq = to_view("q", q, ov, true), tk = to_view("k", k, ov, true),
              tv = to_view("v", v, ov, true), tcq = cu_view("cu_seqlens_q", cu_seqlens_q),
              tck = cu_view("cu_seqlens_k", cu_seqlens_k), to = to_view("out", out, ov, true),
@@ -192,11 +209,14 @@ void backward_varlen(const InArray& dout, const InArray& q, const InArray& k, co
                      std::optional<std::string> dtype, std::optional<double> softmax_scale,
                      bool causal, int64_t window_left, int64_t window_right,
                      const std::string& schedule, double dropout_p, uint64_t seed, uint64_t offset,
-                     uintptr_t stream, int64_t sram_bytes, int num_threads, bool deterministic) {
+                     uintptr_t stream, int64_t sram_bytes, int num_threads, bool deterministic,
+                     const std::optional<InArray>& block_mask, int64_t block_size_q,
+                     int64_t block_size_k) {
   const Override ov = parse_override(dtype);
-  const flashdl::Options o =
+  flashdl::Options o =
       make_options(softmax_scale, causal, window_left, window_right, schedule, dropout_p, seed,
                    offset, stream, sram_bytes, num_threads, deterministic);
+  set_block_mask(o, block_mask, block_size_q, block_size_k);
   const auto tdo = to_view("dout", dout, ov, true), tq = to_view("q", q, ov, true),
              tk = to_view("k", k, ov, true), tv = to_view("v", v, ov, true),
              to = to_view("out", out, ov, true), tl = to_view("lse", lse, Override::none, false),
@@ -250,6 +270,7 @@ NB_MODULE(_ext, m) {
         "softmax_scale"_a = nb::none(), "causal"_a = false, "window_left"_a = -1,
         "window_right"_a = -1, "schedule"_a = "auto", "dropout_p"_a = 0.0, "seed"_a = 0,
         "offset"_a = 0, "stream"_a = 0, "sram_bytes"_a = 0, "num_threads"_a = 0,
+        "block_mask"_a.noconvert() = nb::none(), "block_size_q"_a = 128, "block_size_k"_a = 128,
         "Attention forward: writes out (like q) and lse (float32, (batch, nheads, seqlen_q)).");
 
   m.def("backward", &backward, "dout"_a.noconvert(), "q"_a.noconvert(), "k"_a.noconvert(),
@@ -258,7 +279,8 @@ NB_MODULE(_ext, m) {
         "softmax_scale"_a = nb::none(), "causal"_a = false, "window_left"_a = -1,
         "window_right"_a = -1, "schedule"_a = "auto", "dropout_p"_a = 0.0, "seed"_a = 0,
         "offset"_a = 0, "stream"_a = 0, "sram_bytes"_a = 0, "num_threads"_a = 0,
-        "deterministic"_a = false,
+        "deterministic"_a = false, "block_mask"_a.noconvert() = nb::none(),
+        "block_size_q"_a = 128, "block_size_k"_a = 128,
         "Attention backward: writes dq, dk, dv (shaped and typed like q, k, v).");
 
   m.def("forward_varlen", &forward_varlen, "q"_a.noconvert(), "k"_a.noconvert(),
@@ -267,7 +289,8 @@ NB_MODULE(_ext, m) {
         nb::kw_only(), "dtype"_a = nb::none(), "softmax_scale"_a = nb::none(),
         "causal"_a = false, "window_left"_a = -1, "window_right"_a = -1, "schedule"_a = "auto",
         "dropout_p"_a = 0.0, "seed"_a = 0, "offset"_a = 0, "stream"_a = 0, "sram_bytes"_a = 0,
-        "num_threads"_a = 0,
+        "num_threads"_a = 0, "block_mask"_a.noconvert() = nb::none(), "block_size_q"_a = 128,
+        "block_size_k"_a = 128,
         "Variable-length forward: q (total_q, nheads, headdim), k, v (total_k, nheads_kv, "
         "headdim), cu_seqlens int32 (batch + 1,) on the CPU; writes out (like q) and lse "
         "(float32, (nheads, total_q)).");
@@ -279,7 +302,8 @@ NB_MODULE(_ext, m) {
         nb::kw_only(), "dtype"_a = nb::none(), "softmax_scale"_a = nb::none(),
         "causal"_a = false, "window_left"_a = -1, "window_right"_a = -1, "schedule"_a = "auto",
         "dropout_p"_a = 0.0, "seed"_a = 0, "offset"_a = 0, "stream"_a = 0, "sram_bytes"_a = 0,
-        "num_threads"_a = 0, "deterministic"_a = false,
+        "num_threads"_a = 0, "deterministic"_a = false, "block_mask"_a.noconvert() = nb::none(),
+        "block_size_q"_a = 128, "block_size_k"_a = 128,
         "Variable-length backward: writes dq, dk, dv (shaped and typed like q, k, v).");
 
   m.def("dropout_mask", &dropout_mask, "mask_out"_a.noconvert(), nb::kw_only(), "dropout_p"_a,

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "backend.hpp"
+#include "flashdl/detail/tiles.hpp"
 
 namespace flashdl::validate {
 
@@ -205,7 +206,46 @@ Shapes check_attention_args(const TensorView& q, const TensorView& k, const Tens
   if (on_cuda && o.schedule == Schedule::reference)
     fail(ErrorKind::unsupported, "schedule: 'reference' runs on the CPU only (float64 oracle); "
                                  "copy the arrays to the CPU to use it");
+  check_block_mask(o, s, q.device);
+  if (o.block_mask.defined()) {
+    check_no_overlap("out", out, "block_mask", o.block_mask);
+    check_no_overlap("lse", lse, "block_mask", o.block_mask);
+  }
   return s;
+}
+
+void check_block_mask(const Options& o, const Shapes& s, Device device) {
+  if (o.block_size_q < 1 || o.block_size_k < 1)
+    fail(ErrorKind::value, "block_size: expected block sizes >= 1, got (" +
+                               std::to_string(o.block_size_q) + ", " +
+                               std::to_string(o.block_size_k) + ")");
+  const TensorView& m = o.block_mask;
+  if (!m.defined()) return;
+  const char* layout = "(nblocks_q, nblocks_k) or (batch or 1, nheads or 1, nblocks_q, nblocks_k)";
+  check_defined("block_mask", m);
+  if (m.rank != 2 && m.rank != 4)
+    fail(ErrorKind::value, std::string("block_mask: expected rank 2 or 4 ") + layout + ", got shape " +
+                               shape_str(m));
+  check_dtype("block_mask", m, DType::boolean, "one flag per block");
+  if (device.type != DeviceType::cpu)
+    fail(ErrorKind::unsupported, "block_mask: block-sparse attention runs on the CPU only for now "
+                                 "(q is on " + std::string(device_name(device.type)) + ")");
+  check_device("block_mask", m, device);
+  const int64_t nbq = detail::ceil_div(s.seqlen_q, o.block_size_q);
+  const int64_t nbk = detail::ceil_div(s.seqlen_k, o.block_size_k);
+  const int64_t* n = m.shape.data();
+  const bool blocks_ok = n[m.rank - 2] == nbq && n[m.rank - 1] == nbk;
+  const bool lead_ok = m.rank == 2 || ((n[0] == 1 || n[0] == s.batch) &&
+                                       (n[1] == 1 || n[1] == s.nheads));
+  if (!blocks_ok || !lead_ok)
+    fail(ErrorKind::value,
+         "block_mask: expected shape " + shape_str({nbq, nbk}) + " or " +
+             shape_str({s.batch, s.nheads, nbq, nbk}) + " (size 1 broadcasts batch or heads): " +
+             "ceil(seqlen / block_size) blocks for seqlen_q " + std::to_string(s.seqlen_q) +
+             ", seqlen_k " + std::to_string(s.seqlen_k) + " and block_size (" +
+             std::to_string(o.block_size_q) + ", " + std::to_string(o.block_size_k) +
+             "), got " + shape_str(m));
+  check_last_dim_contiguous("block_mask", m);
 }
 
 #define FLASHDL_SET_STRIDES(P, prefix, t) \
@@ -251,6 +291,17 @@ Params make_params(const TensorView& q, const TensorView& k, const TensorView& v
   // A window that bounds nothing on either side is plain attention.
   if (p.window_left >= 0 && p.window_left >= s.seqlen_k + s.seqlen_q) p.window_left = -1;
   if (p.window_right >= 0 && p.window_right >= s.seqlen_k + s.seqlen_q) p.window_right = -1;
+
+  const TensorView& bm = o.block_mask;
+  if (bm.defined() && bm.numel() > 0) {
+    const bool full = bm.rank == 4;
+    p.block_mask_ptr = static_cast<const uint8_t*>(bm.data);
+    p.block_mask_batch_stride = full && bm.shape[0] > 1 ? bm.strides[0] : 0;
+    p.block_mask_head_stride = full && bm.shape[1] > 1 ? bm.strides[1] : 0;
+    p.block_mask_row_stride = bm.strides[bm.rank - 2];
+  }
+  p.block_q = o.block_size_q;
+  p.block_k = o.block_size_k;
 
   p.p_dropout = o.dropout_p;
   p.seed = o.seed;
@@ -308,6 +359,8 @@ Shapes check_backward_args(const TensorView& dout, const TensorView& q, const Te
   const std::pair<const char*, const TensorView*> grads[] = {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}};
   for (auto [gname, g] : grads)
     for (auto [iname, in] : inputs) check_no_overlap(gname, *g, iname, *in);
+  if (options.block_mask.defined())
+    for (auto [gname, g] : grads) check_no_overlap(gname, *g, "block_mask", options.block_mask);
   check_no_overlap("dq", dq, "dk", dk);
   check_no_overlap("dq", dq, "dv", dv);
   check_no_overlap("dk", dk, "dv", dv);

@@ -27,6 +27,10 @@ void check_last_dim_contiguous(const char* name, const TensorView& t);
 void check_no_overlap(const char* out_name, const TensorView& out, const char* in_name,
                       const TensorView& in);
 
+// The block-sparse mask and block sizes of `o` for a problem of extents `s` whose arrays live on
+// `device` (nothing to check beyond the block sizes when o.block_mask is undefined).
+void check_block_mask(const Options& o, const Shapes& s, Device device);
+
 // Checks q, k, v, out, lse and the options; returns the problem's extents.
 Shapes check_attention_args(const TensorView& q, const TensorView& k, const TensorView& v,
                             const TensorView& out, const TensorView& lse, const Options& o);

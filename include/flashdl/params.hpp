@@ -27,6 +27,15 @@ struct Options {
   void* stream = nullptr;     // cudaStream_t for CUDA work; ignored on the CPU
   int64_t sram_bytes = 0;     // fa1 on-chip budget M in bytes; 0: from the device (CPU: L2 cache)
   int num_threads = 0;        // CPU threads; 0: the library default
+
+  // Block-sparse attention: a bool view (nblocks_q, nblocks_k) shared by every batch and head, or
+  // (batch or 1, nheads or 1, nblocks_q, nblocks_k), over blocks of block_size_q query rows by
+  // block_size_k keys (nblocks = ceil(seqlen / block_size)). Key j is visible to query i only
+  // where block (i / block_size_q, j / block_size_k) is true, on top of causal and the window;
+  // zero blocks are never loaded or computed. Undefined (rank 0, the default): dense.
+  TensorView block_mask{};
+  int64_t block_size_q = 128;
+  int64_t block_size_k = 128;
 };
 
 // One flat POD per call, filled and validated by api.cpp alone. Strides are in elements.
@@ -73,6 +82,13 @@ struct Params {
   // keyed by (b + dropout_batch_offset) * nheads + h. 0 for dense calls; varlen runs sequence s
   // as a batch-1 call with offset s, so its mask is that of batch s.
   int64_t dropout_batch_offset;
+
+  // Block-sparse mask (null: dense): element (b, h, i, j) may be visible only where
+  // block_mask[b, h, i / block_q, j / block_k] is non-zero. Strides in elements (bytes); a stride
+  // of 0 broadcasts over batches or heads. Read through detail::block_mask_of.
+  const uint8_t* block_mask_ptr;
+  int64_t block_q, block_k;
+  int64_t block_mask_batch_stride, block_mask_head_stride, block_mask_row_stride;
 
   Schedule schedule;  // never automatic here: api.cpp resolves it
   bool deterministic;

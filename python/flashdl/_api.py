@@ -62,6 +62,25 @@ def _dropout(dropout_p, seed, offset):
     return dropout_p, _unsigned("seed", seed, 64), _unsigned("offset", offset, 32)
 
 
+def _block_sparse(block_mask, block_size):
+    """The extension's block-sparse keywords. block_mask: None (dense) or any CPU array that crosses
+    DLPack (NumPy, or the framework of q); the core checks dtype bool, rank, shape and device.
+    block_size: an int or a pair (block_q, block_k) of ints >= 1."""
+    try:
+        pair = (block_size, block_size) if isinstance(block_size, numbers.Integral) else block_size
+        bq, bk = (operator.index(x) for x in pair)
+    except (TypeError, ValueError):
+        raise TypeError("block_size: expected an int or a pair (block_q, block_k) of ints, "
+                        f"got {block_size!r}") from None
+    if bq < 1 or bk < 1:
+        raise ValueError(f"block_size: expected block sizes >= 1, got ({bq}, {bk})")
+    if block_mask is not None and not (isinstance(block_mask, np.ndarray)
+                                       or hasattr(block_mask, "__dlpack__")):
+        raise TypeError("block_mask: expected None or a bool array (NumPy or the framework of q) "
+                        f"of shape (nblocks_q, nblocks_k), got {type(block_mask).__name__}")
+    return dict(block_mask=block_mask, block_size_q=bq, block_size_k=bk)
+
+
 def _options(causal, softmax_scale, schedule, window_size, frame):
     if not isinstance(schedule, str):
         raise TypeError(f"schedule: expected a str ('auto', 'fa1', 'fa2' or 'reference'), "
@@ -84,7 +103,8 @@ def _lse_shape(q):
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, schedule="auto", return_lse=False,
-              window_size=(-1, -1), dropout_p=0.0, seed=None, offset=0, return_seed=False):
+              window_size=(-1, -1), dropout_p=0.0, seed=None, offset=0, return_seed=False,
+              block_mask=None, block_size=128):
     """Exact attention softmax(q k^T * scale) v, computed without materialising the N x N matrix.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim), with
@@ -104,6 +124,14 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, schedule="auto", ret
     (from the OS, not NumPy's global state); offset: an int in [0, 2**32) that selects another
     stream under the same seed (e.g. one per layer or step). lse is of the undropped scores.
 
+    Block-sparse attention: block_mask, a bool array (nblocks_q, nblocks_k), or
+    (batch or 1, nheads or 1, nblocks_q, nblocks_k) for a mask per batch and head, over blocks of
+    block_size = block_q query rows by block_k keys (an int for both; default 128), with
+    nblocks_q = ceil(seqlen_q / block_q) and nblocks_k = ceil(seqlen_k / block_k): key j is
+    visible to query i only where block_mask[..., i // block_q, j // block_k] is True (and causal
+    and the window allow it). Zero blocks are never loaded or computed. A NumPy array, or a CPU
+    array of the framework of q. CPU only for now.
+
     Returns out (like q, in the caller's framework and device); (out, lse) with
     return_lse=True, lse float32 (batch, nheads, seqlen_q), the natural-log sum of exp of the
     scaled scores (-inf, with out 0, for a query that sees no key); return_seed=True appends
@@ -112,6 +140,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, schedule="auto", ret
     """
     frame = Frame({"q": q, "k": k, "v": v}, _FLOATS_FWD)
     opts = _options(causal, softmax_scale, schedule, window_size, frame)
+    opts.update(_block_sparse(block_mask, block_size))
     dropout_p, seed, offset = _dropout(dropout_p, seed, offset)
     out = frame.empty(q.shape, q.dtype)
     lse = frame.empty(_lse_shape(q), frame.float32())
@@ -125,9 +154,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, schedule="auto", ret
 
 
 def _backward_options(causal, softmax_scale, schedule, window_size, frame, dropout_p, seed,
-                      offset):
+                      offset, block_mask, block_size):
     """The backward's options: the forward's, with the dropout seed it used (never drawn here)."""
     opts = _options(causal, softmax_scale, schedule, window_size, frame)
+    opts.update(_block_sparse(block_mask, block_size))
     if seed is None:
         raise TypeError("seed: expected the int seed the forward used, got None")
     dropout_p, seed, offset = _dropout(dropout_p, seed, offset)
@@ -137,18 +167,19 @@ def _backward_options(causal, softmax_scale, schedule, window_size, frame, dropo
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None,
                        schedule="auto", window_size=(-1, -1), deterministic=False,
-                       dropout_p=0.0, seed=0, offset=0):
+                       dropout_p=0.0, seed=0, offset=0, block_mask=None, block_size=128):
     """Gradients (dq, dk, dv) of attention(q, k, v) for the upstream gradient dout.
 
     out and lse are what attention(..., return_lse=True) returned for the same arguments and
     options; with dropout, pass the same dropout_p, offset and the seed the forward used
     (attention(..., return_seed=True) returns it when it drew one), so that the backward
-    regenerates the same mask. dq, dk, dv come back shaped and typed like q, k, v; with GQA,
+    regenerates the same mask; with a block mask, the same block_mask and block_size. dq, dk, dv
+    come back shaped and typed like q, k, v; with GQA,
     dk and dv sum over the query heads of each group.
     """
     frame = Frame({"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}, _FLOATS_BWD)
     opts = _backward_options(causal, softmax_scale, schedule, window_size, frame, dropout_p, seed,
-                             offset)
+                             offset, block_mask, block_size)
     dq = frame.empty(q.shape, q.dtype)
     dk = frame.empty(k.shape, k.dtype)
     dv = frame.empty(v.shape, v.dtype)
@@ -213,7 +244,8 @@ def _varlen_lse_shape(q):
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                      causal=False, softmax_scale=None, schedule="auto", return_lse=False,
-                     window_size=(-1, -1), dropout_p=0.0, seed=None, offset=0):
+                     window_size=(-1, -1), dropout_p=0.0, seed=None, offset=0, block_mask=None,
+                     block_size=128):
     """attention over a batch of sequences of different lengths, packed with no padding
     (flash-attn's flash_attn_varlen_func layout).
 
@@ -225,9 +257,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     Each sequence is attention(...) of its own rows: causal masks and windows are aligned
     bottom-right within each sequence; a sequence with no keys gets out 0 and lse -inf.
 
-    CPU only for now (CUDA arrays raise RuntimeError), and without dropout: dropout_p > 0
-    raises RuntimeError (the mask would be keyed by (seed, offset, b, head, row, col) with b
-    the sequence's index and row, col counted within the sequence; not built yet).
+    Dropout: sequence b gets the mask dense batch b would get, keyed by (seed, offset, b, head,
+    row, col) with row and col counted within the sequence. block_mask: (nblocks_q, nblocks_k)
+    for every sequence, or (batch or 1, nheads or 1, nblocks_q, nblocks_k) with one plane per
+    sequence, nblocks = ceil(max_seqlen / block_size); blocks are counted from each sequence's
+    start. CPU only for now (CUDA arrays raise RuntimeError).
 
     Returns out (like q); (out, lse) with return_lse=True, lse float32 (nheads, total_q).
     """
@@ -238,6 +272,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                                                                          cu_seqlens_k)
     max_q, max_k = _max_seqlen("max_seqlen_q", max_seqlen_q), _max_seqlen("max_seqlen_k",
                                                                            max_seqlen_k)
+    opts.update(_block_sparse(block_mask, block_size))
     out = frame.empty(q.shape, q.dtype)
     lse = frame.empty(_varlen_lse_shape(q), frame.float32())
     _ext.forward_varlen(frame.export(q), frame.export(k), frame.export(v), cu_q, cu_k, max_q,
@@ -250,14 +285,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                               max_seqlen_k, *, causal=False, softmax_scale=None, schedule="auto",
                               window_size=(-1, -1), deterministic=False, dropout_p=0.0, seed=0,
-                              offset=0):
+                              offset=0, block_mask=None, block_size=128):
     """Gradients (dq, dk, dv) of attention_varlen for the upstream gradient dout
     (total_q, nheads, headdim); out and lse (nheads, total_q) as attention_varlen(...,
     return_lse=True) returned them for the same arguments and options. A sequence with no
     query rows gets zero dk, dv."""
     frame = Frame({"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}, _FLOATS_BWD)
     opts = _backward_options(causal, softmax_scale, schedule, window_size, frame, dropout_p, seed,
-                             offset)
+                             offset, block_mask, block_size)
     cu_q, cu_k = _cu_seqlens("cu_seqlens_q", cu_seqlens_q), _cu_seqlens("cu_seqlens_k",
                                                                          cu_seqlens_k)
     max_q, max_k = _max_seqlen("max_seqlen_q", max_seqlen_q), _max_seqlen("max_seqlen_k",

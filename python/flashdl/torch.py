@@ -29,9 +29,10 @@ def _last_dim_contiguous(dout):
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, softmax_scale, schedule, window_size, dropout_p, seed,
-                offset):
+                offset, block_mask, block_size):
         opts = dict(causal=causal, softmax_scale=softmax_scale, schedule=schedule,
-                    window_size=window_size, dropout_p=dropout_p, seed=seed, offset=offset)
+                    window_size=window_size, dropout_p=dropout_p, seed=seed, offset=offset,
+                    block_mask=block_mask, block_size=block_size)
         out, lse = _attention(q, k, v, return_lse=True, **opts)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.opts = opts
@@ -42,7 +43,7 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _attention_backward(_last_dim_contiguous(dout), q, k, v, out, lse, **ctx.opts)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return (dq, dk, dv) + (None,) * 9
 
 
 def _torch_seed():
@@ -51,7 +52,8 @@ def _torch_seed():
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, schedule="auto",
-              window_size=(-1, -1), dropout_p=0.0, seed=None, offset=0):
+              window_size=(-1, -1), dropout_p=0.0, seed=None, offset=0, block_mask=None,
+              block_size=128):
     """flashdl.attention for torch tensors, differentiable with respect to q, k and v.
 
     q (batch, seqlen_q, nheads, headdim); k, v (batch, seqlen_k, nheads_kv, headdim). On CUDA
@@ -61,20 +63,25 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, schedule="auto",
     as flashdl.attention does; seed None draws one from torch's default CPU generator (so
     torch.manual_seed makes it repeatable), and the backward reuses that seed and offset: the
     mask is regenerated, never stored. Pass dropout_p=0 at evaluation time.
+
+    block_mask, block_size: block-sparse attention as in flashdl.attention (a bool CPU tensor or
+    NumPy array); the backward skips the same zero blocks.
     """
     if seed is None:
         seed = _torch_seed() if _dropout(dropout_p, 0, offset)[0] > 0 else 0
     dropout_p, seed, offset = _dropout(dropout_p, seed, offset)
     return _Attention.apply(q, k, v, causal, softmax_scale, schedule, window_size, dropout_p,
-                            seed, offset)
+                            seed, offset, block_mask, block_size)
 
 
 class _AttentionVarlen(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                softmax_scale, schedule, window_size, dropout_p, seed, offset):
+                softmax_scale, schedule, window_size, dropout_p, seed, offset, block_mask,
+                block_size):
         opts = dict(causal=causal, softmax_scale=softmax_scale, schedule=schedule,
-                    window_size=window_size, dropout_p=dropout_p, seed=seed, offset=offset)
+                    window_size=window_size, dropout_p=dropout_p, seed=seed, offset=offset,
+                    block_mask=block_mask, block_size=block_size)
         out, lse = _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                      max_seqlen_k, return_lse=True, **opts)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -88,21 +95,22 @@ class _AttentionVarlen(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _attention_varlen_backward(_last_dim_contiguous(dout), q, k, v, out, lse,
                                                 *ctx.varlen, **ctx.opts)
-        return (dq, dk, dv) + (None,) * 11
+        return (dq, dk, dv) + (None,) * 13
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                      causal=False, softmax_scale=None, schedule="auto", window_size=(-1, -1),
-                     dropout_p=0.0, seed=None, offset=0):
+                     dropout_p=0.0, seed=None, offset=0, block_mask=None, block_size=128):
     """flashdl.attention_varlen for torch tensors, differentiable with respect to q, k and v.
 
     q (total_q, nheads, headdim); k, v (total_k, nheads_kv, headdim); cu_seqlens_q,
     cu_seqlens_k int32 (batch + 1,) CPU tensors (or NumPy arrays). CPU only for now. With
-    dropout, sequence b gets the mask dense batch b would get (flashdl.dropout_mask).
+    dropout, sequence b gets the mask dense batch b would get (flashdl.dropout_mask); with a
+    block_mask, its plane b (or the shared one), blocks counted from the sequence's start.
     """
     if seed is None:
         seed = _torch_seed() if _dropout(dropout_p, 0, offset)[0] > 0 else 0
     dropout_p, seed, offset = _dropout(dropout_p, seed, offset)
     return _AttentionVarlen.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, causal, softmax_scale, schedule, window_size,
-                                  dropout_p, seed, offset)
+                                  dropout_p, seed, offset, block_mask, block_size)

@@ -2,36 +2,80 @@
 // applied, dropout, and one (query block, key block) step of the backward pass (Algorithm 4,
 // lines 11-20), so fa1 and fa2 differ only in loop order, parallelism and where O, l, m live.
 
+using detail::BlockMask;
 using detail::Mask;
 
 template <typename T>
 struct Geometry {
   int64_t d, dp;       // head dim, and padded to the vector tile
-  int64_t Br, Bc;      // logical block rows of Q and of K/V
-  int64_t Brp, Bcp;    // padded to the micro-kernel tile
-  int64_t nqb, nkb;    // number of Q and K/V blocks
+  int64_t Br, Bc;      // longest tile of Q rows and of K/V rows
+  int64_t Brp, Bcp;    // padded to the micro-kernel tile: the size of every tile buffer
+  int64_t nqb, nkb;    // number of Q and K/V tiles
+  detail::AxisTiles qt, kt;  // where each tile starts and how long it is
   T c;                 // softmax scale * log2(e)
 };
 
+// Keys are a product's column dimension (a multiple of kNR) everywhere, and in the backward's dK
+// and dV products also its row dimension (a multiple of kMR): a key tile buffer holds both.
+template <typename T>
+int64_t padded_keys(int64_t keys) {
+  return std::max(detail::round_up(keys, kNR<T>), detail::round_up(keys, int64_t{kMR}));
+}
+
+// Tiles of at most Br query rows and Bc keys. With a block mask the axes are cut at the mask's
+// block edges too (detail::AxisTiles), so each tile pair lies in one mask block and is skipped or
+// computed whole.
 template <typename T>
 Geometry<T> make_geometry(const Params& p, int64_t Br, int64_t Bc) {
-  constexpr int64_t lcm = std::lcm(static_cast<int64_t>(kMR), static_cast<int64_t>(kNR<T>));
+  const bool sparse = p.block_mask_ptr != nullptr;
   Geometry<T> g;
+  g.qt = detail::make_axis_tiles(p.seqlen_q, sparse ? p.block_q : 0, Br);
+  g.kt = detail::make_axis_tiles(p.seqlen_k, sparse ? p.block_k : 0, Bc);
   g.d = p.headdim;
   g.dp = detail::round_up(p.headdim, kNR<T>);
-  g.Br = Br;
-  g.Bc = Bc;
-  g.Brp = detail::round_up(Br, kMR);
-  g.Bcp = detail::round_up(Bc, lcm);
-  g.nqb = detail::ceil_div(p.seqlen_q, Br);
-  g.nkb = detail::ceil_div(p.seqlen_k, Bc);
+  g.Br = g.qt.tile;
+  g.Bc = g.kt.tile;
+  g.Brp = detail::round_up(g.Br, kMR);
+  g.Bcp = padded_keys<T>(g.Bc);
+  g.nqb = g.qt.count();
+  g.nkb = g.kt.count();
   g.c = static_cast<T>(p.scale_softmax_log2);
   return g;
 }
 
-// Block order within a head. With a causal or window mask, blocks differ in work; visiting them
-// as 0, n-1, 1, n-2, ... makes every contiguous run of pairs equally heavy, so static slices
-// of the task range stay balanced.
+// One (query tile, key tile) pair: rows [i0, i0 + rows) and keys [j0, j0 + cols), computed at the
+// micro-kernel's padded sizes: mp rows (a multiple of kMR), np keys where keys are a product's
+// column dimension (a multiple of kNR) and nm where they are its row dimension (the backward's
+// dK, dV; a multiple of kMR). A short tile (the last of a sequence or of a mask block) is computed
+// at its own padded size, not at the full tile's.
+struct TilePair {
+  int64_t i0, rows, mp;
+  int64_t j0, cols, np, nm;
+};
+
+template <typename T>
+TilePair tile_pair(const Geometry<T>& g, int64_t qt, int64_t kt) {
+  TilePair t;
+  t.i0 = g.qt.start(qt);
+  t.rows = g.qt.size(qt);
+  t.mp = detail::round_up(t.rows, kMR);
+  t.j0 = g.kt.start(kt);
+  t.cols = g.kt.size(kt);
+  t.np = detail::round_up(t.cols, kNR<T>);
+  t.nm = detail::round_up(t.cols, kMR);
+  return t;
+}
+
+// The rows that hold padded tiles: a per-head buffer of rows_alloc rows lets every tile read and
+// write mp rows from its start.
+template <typename T>
+int64_t padded_rows(const Geometry<T>& g) {
+  return g.qt.n + g.Brp;
+}
+
+// Block order within a head. With a causal, window or block mask, blocks differ in work; visiting
+// them as 0, n-1, 1, n-2, ... makes every contiguous run of pairs equally heavy for banded masks,
+// so static slices of the task range stay balanced.
 inline int64_t block_order(int64_t index, int64_t n, bool zigzag) {
   if (!zigzag) return index;
   return (index % 2 == 0) ? index / 2 : n - 1 - index / 2;
@@ -41,54 +85,63 @@ inline Mask mask_of(const Params& p) {
   return Mask{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
 }
 
-inline bool mask_limits(const Params& p) { return p.window_left >= 0 || p.window_right >= 0; }
+inline bool uneven_work(const Params& p) {
+  return p.window_left >= 0 || p.window_right >= 0 || p.block_mask_ptr != nullptr;
+}
 
-// S = Q K^T for Q rows [i0, i0 + rows) and keys [j0, j0 + cols), scaled to the exp2 domain, with
-// invisible keys, padding rows and padding columns at -inf. Writes each row's max to row_max.
+// Does tile pair (qt, kt) lie in a non-zero block of bm? Always, when bm is dense. Pairs that do not
+// are skipped before anything is loaded for them.
+template <typename T>
+bool pair_in_mask(const Geometry<T>& g, const BlockMask& bm, int64_t qt, int64_t kt) {
+  return bm.block(g.qt.segment_of(qt), g.kt.segment_of(kt));
+}
+
+// S = Q K^T for the tile pair, scaled to the exp2 domain, with invisible keys, padding rows and
+// padding columns at -inf. Writes each row's max to row_max (mp entries).
 template <typename T>
 void masked_scores(const Geometry<T>& g, const Mask& mask, const T* Q, const T* Kt, int64_t ldkt,
-                   T* S, int64_t i0, int64_t rows, int64_t j0, int64_t cols, T* row_max) {
-  gemm<T, false, false>(g.Brp, g.Bcp, g.d, Q, g.dp, Kt, ldkt, S, g.Bcp);
-  const bool full =
-      rows == g.Brp && cols == g.Bcp && mask.block_fully_visible(i0, i0 + rows, j0, j0 + cols);
-  for (int64_t r = 0; r < g.Brp; ++r) {
+                   T* S, const TilePair& t, T* row_max) {
+  gemm<T, false, false>(t.mp, t.np, g.d, Q, g.dp, Kt, ldkt, S, g.Bcp);
+  const bool full = t.rows == t.mp && t.cols == t.np &&
+                    mask.block_fully_visible(t.i0, t.i0 + t.rows, t.j0, t.j0 + t.cols);
+  for (int64_t r = 0; r < t.mp; ++r) {
     T* s = S + r * g.Bcp;
     if (full) {
-      row_max[r] = row_scale_max(s, g.Bcp, g.c);
-    } else if (r >= rows) {
-      std::fill(s, s + g.Bcp, T(-INFINITY));
+      row_max[r] = row_scale_max(s, t.np, g.c);
+    } else if (r >= t.rows) {
+      std::fill(s, s + t.np, T(-INFINITY));
       row_max[r] = T(-INFINITY);
     } else {
-      const int64_t lo = mask.col_begin(i0 + r) - j0;
-      const int64_t hi = std::min(mask.col_end(i0 + r) - j0, cols);
-      row_max[r] = row_scale_mask_max(s, g.Bcp, g.c, [&](int64_t j) { return j >= lo && j < hi; });
+      const int64_t lo = mask.col_begin(t.i0 + r) - t.j0;
+      const int64_t hi = std::min(mask.col_end(t.i0 + r) - t.j0, t.cols);
+      row_max[r] = row_scale_mask_max(s, t.np, g.c, [&](int64_t j) { return j >= lo && j < hi; });
     }
   }
 }
 
-// Z: the dropout multipliers (0 or 1 / (1 - p)) of the block, from the counter-based generator.
+// Z: the dropout multipliers (0 or 1 / (1 - p)) of the tile pair, from the counter-based generator.
 template <typename T>
-void dropout_multipliers(const Geometry<T>& g, const Params& p, int64_t b, int64_t h, int64_t i0,
-                         int64_t rows, int64_t j0, int64_t cols, T* Z) {
+void dropout_multipliers(const Geometry<T>& g, const Params& p, int64_t b, int64_t h,
+                         const TilePair& t, T* Z) {
   const T kept = T(1) / (T(1) - static_cast<T>(p.p_dropout));
   const uint64_t bh = static_cast<uint64_t>((b + p.dropout_batch_offset) * p.nheads + h);
-  for (int64_t r = 0; r < g.Brp; ++r)
-    for (int64_t j = 0; j < g.Bcp; ++j)
-      Z[r * g.Bcp + j] = (r < rows && j < cols && detail::dropout_keep(p.p_dropout, p.seed, p.offset,
-                                                                       bh, i0 + r, j0 + j))
+  for (int64_t r = 0; r < t.mp; ++r)
+    for (int64_t j = 0; j < t.np; ++j)
+      Z[r * g.Bcp + j] = (r < t.rows && j < t.cols &&
+                          detail::dropout_keep(p.p_dropout, p.seed, p.offset, bh, t.i0 + r, t.j0 + j))
                              ? kept
                              : T(0);
 }
 
-// P *= Z in place, for the rows and columns of the block that exist (l keeps the undropped sum).
+// P *= Z in place, for the rows and columns of the tile pair that exist (l keeps the undropped sum).
 template <typename T>
-void apply_dropout(const Geometry<T>& g, const Params& p, int64_t b, int64_t h, int64_t i0,
-                   int64_t rows, int64_t j0, int64_t cols, T* P) {
+void apply_dropout(const Geometry<T>& g, const Params& p, int64_t b, int64_t h, const TilePair& t,
+                   T* P) {
   const T kept = T(1) / (T(1) - static_cast<T>(p.p_dropout));
   const uint64_t bh = static_cast<uint64_t>((b + p.dropout_batch_offset) * p.nheads + h);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < cols; ++j)
-      if (!detail::dropout_keep(p.p_dropout, p.seed, p.offset, bh, i0 + r, j0 + j))
+  for (int64_t r = 0; r < t.rows; ++r)
+    for (int64_t j = 0; j < t.cols; ++j)
+      if (!detail::dropout_keep(p.p_dropout, p.seed, p.offset, bh, t.i0 + r, t.j0 + j))
         P[r * g.Bcp + j] = T(0);
       else
         P[r * g.Bcp + j] *= kept;
@@ -100,47 +153,54 @@ struct BackwardScratch {
   Buffer<T> S, dS, Z, Pd, row_max;
 };
 
-// One step of Algorithm 4 for query block i (rows [i0, i0 + rows)) of head (b, h) and key block j
-// (keys [j0, j0 + cols)):
+// One step of Algorithm 4 for the tile pair t (query rows of head (b, h), keys of its kv head):
 //   P = exp2(scores - L2); dV += (P*Z)^T dO; dP = (dO V^T)*Z; dS = P*(dP - D);
 //   dK += dS^T Q; dQ += dS K           (dK and dQ without the softmax scale; callers apply it)
-// Q, dO, dQ are Brp x dp; L2 (lse in the exp2 domain) and D have Brp entries; K is Bcp x dp,
+// Q, dO, dQ hold t.mp rows of dp; L2 (lse in the exp2 domain) and D t.mp entries; K is Bcp x dp,
 // Kt and Vt are d x Bcp; dK, dV are Bcp x dp.
 template <typename T>
 void backward_block(const Geometry<T>& g, const Params& p, const Mask& mask, int64_t b, int64_t h,
-                    int64_t i0, int64_t rows, int64_t j0, int64_t cols, const T* Q, const T* dO,
-                    const T* L2, const T* D, const T* K, const T* Kt, const T* Vt, T* dK, T* dV,
-                    T* dQ, BackwardScratch<T>& scratch) {
+                    const TilePair& t, const T* Q, const T* dO, const T* L2, const T* D,
+                    const T* K, const T* Kt, const T* Vt, T* dK, T* dV, T* dQ,
+                    BackwardScratch<T>& scratch) {
   const int64_t n = g.Brp * g.Bcp;
   T* S = scratch.S.get(n);
   T* dS = scratch.dS.get(n);
   T* row_max = scratch.row_max.get(g.Brp);
-  masked_scores(g, mask, Q, Kt, g.Bcp, S, i0, rows, j0, cols, row_max);
-  for (int64_t r = 0; r < g.Brp; ++r)  // P = exp2(t - lse2); masked entries give exactly 0
-    row_exp2_sum(S + r * g.Bcp, g.Bcp, detail::softmax_reference_point(L2[r]));
+  masked_scores(g, mask, Q, Kt, g.Bcp, S, t, row_max);
+  for (int64_t r = 0; r < t.mp; ++r)  // P = exp2(t - lse2); masked entries give exactly 0
+    row_exp2_sum(S + r * g.Bcp, t.np, detail::softmax_reference_point(L2[r]));
 
   const bool dropout = p.p_dropout > 0.0f;
-  const T* Pd = S;
+  T* Pd = S;
   T* Z = nullptr;
   if (dropout) {
     Z = scratch.Z.get(n);
     T* pd = scratch.Pd.get(n);
-    dropout_multipliers(g, p, b, h, i0, rows, j0, cols, Z);
-    for (int64_t e = 0; e < n; ++e) pd[e] = S[e] * Z[e];
+    dropout_multipliers(g, p, b, h, t, Z);
+    for (int64_t r = 0; r < t.mp; ++r)
+      for (int64_t j = r * g.Bcp; j < r * g.Bcp + t.np; ++j) pd[j] = S[j] * Z[j];
     Pd = pd;
   }
-  gemm<T, true, true>(g.Bcp, g.dp, g.Brp, Pd, g.Bcp, dO, g.dp, dV, g.dp);
-  gemm<T, false, false>(g.Brp, g.Bcp, g.d, dO, g.dp, Vt, g.Bcp, dS, g.Bcp);
+  // The dK, dV products read nm >= cols key columns of P and dS: those past np are zero.
+  auto zero_tail = [&](T* X) {
+    for (int64_t r = 0; t.nm > t.np && r < t.mp; ++r)
+      std::fill(X + r * g.Bcp + t.np, X + r * g.Bcp + t.nm, T(0));
+  };
+  zero_tail(Pd);
+  gemm<T, true, true>(t.nm, g.dp, t.mp, Pd, g.Bcp, dO, g.dp, dV, g.dp);
+  gemm<T, false, false>(t.mp, t.np, g.d, dO, g.dp, Vt, g.Bcp, dS, g.Bcp);
   constexpr int W = Simd<T>::W;
-  for (int64_t r = 0; r < g.Brp; ++r) {
+  for (int64_t r = 0; r < t.mp; ++r) {
     const vec_t<T> vd = vset1(D[r]);
-    for (int64_t j = r * g.Bcp; j < (r + 1) * g.Bcp; j += W) {
+    for (int64_t j = r * g.Bcp; j < r * g.Bcp + t.np; j += W) {
       const vec_t<T> dp = dropout ? vload(dS + j) * vload(Z + j) : vload(dS + j);
       vstore(dS + j, vload(S + j) * (dp - vd));
     }
   }
-  gemm<T, true, true>(g.Bcp, g.dp, g.Brp, dS, g.Bcp, Q, g.dp, dK, g.dp);
-  gemm<T, false, true>(g.Brp, g.dp, g.Bcp, dS, g.Bcp, K, g.dp, dQ, g.dp);
+  zero_tail(dS);
+  gemm<T, true, true>(t.nm, g.dp, t.mp, dS, g.Bcp, Q, g.dp, dK, g.dp);
+  gemm<T, false, true>(t.mp, g.dp, t.np, dS, g.Bcp, K, g.dp, dQ, g.dp);
 }
 
 // Offsets of row i of head h in batch b, in elements.

@@ -7,16 +7,15 @@ template <typename T>
 Geometry<T> fa1_geometry(const Params& p, int64_t sram_bytes) {
   const detail::Fa1Tiles t =
       detail::fa1_tiles(sram_bytes / static_cast<int64_t>(sizeof(T)), p.headdim);
-  // A block longer than the sequence only adds padding to compute: cap both at the lengths.
-  return make_geometry<T>(p, std::min(t.Br, std::max<int64_t>(p.seqlen_q, 1)),
-                          std::min(t.Bc, std::max<int64_t>(p.seqlen_k, 1)));
+  // make_geometry caps both at the sequence lengths (and at a block mask's blocks).
+  return make_geometry<T>(p, t.Br, t.Bc);
 }
 
 template <typename T>
 void fa1_forward_impl(const Params& p, int threads, int64_t sram_bytes) {
   const Geometry<T> g = fa1_geometry<T>(p, sram_bytes);
   const Mask mask = mask_of(p);
-  const int64_t rows_alloc = std::max<int64_t>(g.nqb - 1, 0) * g.Br + g.Brp;
+  const int64_t rows_alloc = padded_rows(g);
   parallel_for(p.batch * p.nheads, threads, [&](int64_t begin, int64_t end, int) {
     Buffer<T> o_hbm, m_hbm, l_hbm, kt_buf, v_buf, q_buf, s_buf, pv_buf, rmax_buf, lt_buf, scratch;
     T* O = o_hbm.get(rows_alloc * g.dp);
@@ -31,35 +30,43 @@ void fa1_forward_impl(const Params& p, int threads, int64_t sram_bytes) {
     T* l_tilde = lt_buf.get(g.Brp);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / p.nheads, h = bh % p.nheads, hk = h / p.h_h_k_ratio;
+      const BlockMask bm = detail::block_mask_of(p, b, h);
       // Line 2: O = 0, l = 0, m = -inf.
       std::fill(O, O + rows_alloc * g.dp, T(0));
       std::fill(l, l + rows_alloc, T(0));
       std::fill(m, m + rows_alloc, T(-INFINITY));
-      for (int64_t kb = 0; kb < g.nkb; ++kb) {  // line 5
-        const int64_t j0 = kb * g.Bc, cols = std::min(g.Bc, p.seqlen_k - j0);
+      for (int64_t kt = 0; kt < g.nkb; ++kt) {  // line 5
+        const int64_t j0 = g.kt.start(kt), cols = g.kt.size(kt);
         const int64_t i_begin = mask.row_begin(j0), i_end = mask.row_end(j0 + cols - 1);
-        if (i_begin >= i_end) continue;  // no query sees this block
-        // Line 6: K_j, V_j to on-chip memory.
-        load_rows_transposed(element(p.k_ptr, p.dtype, k_offset(p, b, j0, hk)), p.dtype,
-                             p.k_row_stride, cols, g.d, Kt, g.Bcp, scratch.get(g.dp));
-        load_rows(element(p.v_ptr, p.dtype, v_offset(p, b, j0, hk)), p.dtype, p.v_row_stride,
-                  cols, g.d, V, g.dp, g.Bcp);
-        for (int64_t qb = i_begin / g.Br; qb * g.Br < i_end; ++qb) {  // line 7
-          const int64_t i0 = qb * g.Br, rows = std::min(g.Br, p.seqlen_q - i0);
+        bool kv_loaded = false;
+        for (int64_t qt = g.qt.tile_of(i_begin); i_begin < i_end && qt < g.nqb &&
+                                                 g.qt.start(qt) < i_end;
+             ++qt) {  // line 7
+          if (!pair_in_mask(g, bm, qt, kt)) continue;  // a zero block: never loaded or computed
+          if (!kv_loaded) {
+            // Line 6: K_j, V_j to on-chip memory (only for blocks some query tile needs).
+            load_rows_transposed(element(p.k_ptr, p.dtype, k_offset(p, b, j0, hk)), p.dtype,
+                                 p.k_row_stride, cols, g.d, Kt, g.Bcp, scratch.get(g.dp));
+            load_rows(element(p.v_ptr, p.dtype, v_offset(p, b, j0, hk)), p.dtype, p.v_row_stride,
+                      cols, g.d, V, g.dp, g.Bcp);
+            kv_loaded = true;
+          }
+          const TilePair t = tile_pair(g, qt, kt);
+          const int64_t i0 = t.i0, rows = t.rows;
           // Line 8: Q_i (O_i, l_i, m_i are read in place below).
           load_rows(element(p.q_ptr, p.dtype, q_offset(p, b, i0, h)), p.dtype, p.q_row_stride,
                     rows, g.d, Q, g.dp, g.Brp);
           // Lines 9-10: S = tau Q K^T (masked), m~ = rowmax, P~ = exp(S - m~), l~ = rowsum.
-          masked_scores(g, mask, Q, Kt, g.Bcp, S, i0, rows, j0, cols, m_tilde);
-          for (int64_t r = 0; r < g.Brp; ++r) {
+          masked_scores(g, mask, Q, Kt, g.Bcp, S, t, m_tilde);
+          for (int64_t r = 0; r < t.mp; ++r) {
             T* s = S + r * g.Bcp;
             if (r < rows)
-              l_tilde[r] = row_exp2_sum(s, g.Bcp, detail::softmax_reference_point(m_tilde[r]));
+              l_tilde[r] = row_exp2_sum(s, t.np, detail::softmax_reference_point(m_tilde[r]));
             else
-              std::fill(s, s + g.Bcp, T(0));
+              std::fill(s, s + t.np, T(0));
           }
-          if (p.p_dropout > 0.0f) apply_dropout(g, p, b, h, i0, rows, j0, cols, S);
-          gemm<T, false, false>(g.Brp, g.dp, g.Bcp, S, g.Bcp, V, g.dp, PV, g.dp);
+          if (p.p_dropout > 0.0f) apply_dropout(g, p, b, h, t, S);
+          gemm<T, false, false>(t.mp, g.dp, t.np, S, g.Bcp, V, g.dp, PV, g.dp);
           // Lines 11-13: m_new, l_new, O_i = diag(l_new)^-1 (diag(l_i) e^(m_i - m_new) O_i
           //                                                  + e^(m~ - m_new) P~ V_j).
           for (int64_t r = 0; r < rows; ++r) {
@@ -93,7 +100,7 @@ void fa1_backward_impl(const Params& p, int threads, int64_t sram_bytes) {
   const Geometry<T> g = fa1_geometry<T>(p, sram_bytes);
   const Mask mask = mask_of(p);
   const int64_t group = p.h_h_k_ratio;
-  const int64_t rows_alloc = std::max<int64_t>(g.nqb - 1, 0) * g.Br + g.Brp;
+  const int64_t rows_alloc = padded_rows(g);
   parallel_for(p.batch * p.nheads_kv, threads, [&](int64_t begin, int64_t end, int) {
     KeyBlock<T> kv;
     BackwardScratch<T> scratch;
@@ -109,36 +116,42 @@ void fa1_backward_impl(const Params& p, int threads, int64_t sram_bytes) {
     for (int64_t bhk = begin; bhk < end; ++bhk) {
       const int64_t b = bhk / p.nheads_kv, hk = bhk % p.nheads_kv;
       std::fill(dQ, dQ + group * rows_alloc * g.dp, T(0));  // line 5 (dQ in HBM)
-      for (int64_t kb = 0; kb < g.nkb; ++kb) {                // line 6
-        const int64_t j0 = kb * g.Bc, cols = std::min(g.Bc, p.seqlen_k - j0);
+      for (int64_t kt = 0; kt < g.nkb; ++kt) {                // line 6
+        const int64_t j0 = g.kt.start(kt), cols = g.kt.size(kt);
         std::fill(dK, dK + g.Bcp * g.dp, T(0));  // line 8
         std::fill(dV, dV + g.Bcp * g.dp, T(0));
         const int64_t i_begin = mask.row_begin(j0), i_end = mask.row_end(j0 + cols - 1);
-        if (i_begin < i_end) {
-          kv.load(p, g, b, hk, j0, cols);  // line 7
-          for (int64_t hg = 0; hg < group; ++hg) {
-            const int64_t h = hk * group + hg;
-            for (int64_t qb = i_begin / g.Br; qb * g.Br < i_end; ++qb) {  // line 9
-              const int64_t i0 = qb * g.Br, rows = std::min(g.Br, p.seqlen_q - i0);
-              // Line 10: Q_i, O_i, dO_i, dQ_i, l_i, m_i (here: lse_i) from HBM.
-              load_rows(element(p.q_ptr, p.dtype, q_offset(p, b, i0, h)), p.dtype,
-                        p.q_row_stride, rows, g.d, Q, g.dp, g.Brp);
-              load_rows(element(p.o_ptr, p.dtype, o_offset(p, b, i0, h)), p.dtype,
-                        p.o_row_stride, rows, g.d, O, g.dp, g.Brp);
-              load_rows(element(p.do_ptr, p.dtype, do_offset(p, b, i0, h)), p.dtype,
-                        p.do_row_stride, rows, g.d, dO, g.dp, g.Brp);
-              for (int64_t r = 0; r < g.Brp; ++r) {
-                // Line 19: D_i = rowsum(dO_i o O_i).
-                D[r] = r < rows ? row_dot(dO + r * g.dp, O + r * g.dp, g.dp) : T(0);
-                L2[r] = r < rows ? static_cast<T>(lse_at(p, b, h, i0 + r)) *
-                                       static_cast<T>(detail::kLog2e)
-                                 : T(0);
-              }
-              // Lines 11-21.
-              backward_block(g, p, mask, b, h, i0, rows, j0, cols, Q, dO, L2, D,
-                             kv.K.data.data(), kv.Kt.data.data(), kv.Vt.data.data(), dK, dV,
-                             dQ + (hg * rows_alloc + i0) * g.dp, scratch);
+        bool kv_loaded = false;
+        for (int64_t hg = 0; hg < group && i_begin < i_end; ++hg) {
+          const int64_t h = hk * group + hg;
+          const BlockMask bm = detail::block_mask_of(p, b, h);
+          for (int64_t qt = g.qt.tile_of(i_begin); qt < g.nqb && g.qt.start(qt) < i_end;
+               ++qt) {  // line 9
+            if (!pair_in_mask(g, bm, qt, kt)) continue;  // a zero block: never loaded or computed
+            if (!kv_loaded) {
+              kv.load(p, g, b, hk, j0, cols);  // line 7
+              kv_loaded = true;
             }
+            const TilePair t = tile_pair(g, qt, kt);
+            const int64_t i0 = t.i0, rows = t.rows;
+            // Line 10: Q_i, O_i, dO_i, dQ_i, l_i, m_i (here: lse_i) from HBM.
+            load_rows(element(p.q_ptr, p.dtype, q_offset(p, b, i0, h)), p.dtype, p.q_row_stride,
+                      rows, g.d, Q, g.dp, g.Brp);
+            load_rows(element(p.o_ptr, p.dtype, o_offset(p, b, i0, h)), p.dtype, p.o_row_stride,
+                      rows, g.d, O, g.dp, g.Brp);
+            load_rows(element(p.do_ptr, p.dtype, do_offset(p, b, i0, h)), p.dtype,
+                      p.do_row_stride, rows, g.d, dO, g.dp, g.Brp);
+            for (int64_t r = 0; r < t.mp; ++r) {
+              // Line 19: D_i = rowsum(dO_i o O_i).
+              D[r] = r < rows ? row_dot(dO + r * g.dp, O + r * g.dp, g.dp) : T(0);
+              L2[r] = r < rows ? static_cast<T>(lse_at(p, b, h, i0 + r)) *
+                                     static_cast<T>(detail::kLog2e)
+                               : T(0);
+            }
+            // Lines 11-21.
+            backward_block(g, p, mask, b, h, t, Q, dO, L2, D, kv.K.data.data(),
+                           kv.Kt.data.data(), kv.Vt.data.data(), dK, dV,
+                           dQ + (hg * rows_alloc + i0) * g.dp, scratch);
           }
         }
         store_key_grads(p, g, b, hk, j0, cols, dK, dV);  // line 24

@@ -10,31 +10,42 @@
 inline int64_t fa2_block_rows() { return 48; }
 inline int64_t fa2_block_cols() { return 96; }
 
-// K^T and V of one (batch, kv head), block by block: block kb of K^T is d x Bcp at kb * d * Bcp,
-// block kb of V is Bcp x dp at kb * Bcp * dp, each zero-padded. Contiguous blocks keep the
-// micro-kernel's B operand in a few pages (a whole-sequence K^T row stride thrashed L1 sets).
+// K^T and V of one (batch, kv head), tile by tile: tile kt of K^T is d x Bcp at kt * d * Bcp, tile
+// kt of V is Bcp x dp at kt * Bcp * dp, each zero-padded. Contiguous tiles keep the micro-kernel's
+// B operand in a few pages (a whole-sequence K^T row stride thrashed L1 sets). A tile is packed
+// the first time a query tile of this thread needs it, so tiles that only zero blocks of a block
+// mask (or no row of a window) cover are never loaded.
 template <typename T>
 struct PackedKV {
   Buffer<T> Kt, V, scratch;
+  std::vector<char> packed;
   int64_t key = -1;
+  int64_t b = 0, hk = 0;
 
-  const T* kt_block(const Geometry<T>& g, int64_t kb) const { return Kt.data.data() + kb * g.d * g.Bcp; }
-  const T* v_block(const Geometry<T>& g, int64_t kb) const { return V.data.data() + kb * g.Bcp * g.dp; }
-
-  void pack(const Params& p, const Geometry<T>& g, int64_t b, int64_t hk) {
-    const int64_t k = b * p.nheads_kv + hk;
+  void select(const Params& p, const Geometry<T>& g, int64_t b_, int64_t hk_) {
+    const int64_t k = b_ * p.nheads_kv + hk_;
     if (k == key) return;
     key = k;
-    T* kt = Kt.get(g.nkb * g.d * g.Bcp);
-    T* v = V.get(g.nkb * g.Bcp * g.dp);
-    for (int64_t kb = 0; kb < g.nkb; ++kb) {
-      const int64_t j0 = kb * g.Bc, cols = std::min(g.Bc, p.seqlen_k - j0);
+    b = b_;
+    hk = hk_;
+    Kt.get(g.nkb * g.d * g.Bcp);
+    V.get(g.nkb * g.Bcp * g.dp);
+    packed.assign(static_cast<size_t>(g.nkb), 0);
+  }
+
+  // Tile kt of the selected head as (K^T, V), packed on first use.
+  std::pair<const T*, const T*> tile(const Params& p, const Geometry<T>& g, int64_t kt) {
+    T* kt_ptr = Kt.data.data() + kt * g.d * g.Bcp;
+    T* v_ptr = V.data.data() + kt * g.Bcp * g.dp;
+    if (!packed[kt]) {
+      const int64_t j0 = g.kt.start(kt), cols = g.kt.size(kt);
       load_rows_transposed(element(p.k_ptr, p.dtype, k_offset(p, b, j0, hk)), p.dtype,
-                           p.k_row_stride, cols, g.d, kt + kb * g.d * g.Bcp, g.Bcp,
-                           scratch.get(g.dp));
+                           p.k_row_stride, cols, g.d, kt_ptr, g.Bcp, scratch.get(g.dp));
       load_rows(element(p.v_ptr, p.dtype, v_offset(p, b, j0, hk)), p.dtype, p.v_row_stride, cols,
-                g.d, v + kb * g.Bcp * g.dp, g.dp, g.Bcp);
+                g.d, v_ptr, g.dp, g.Bcp);
+      packed[kt] = 1;
     }
+    return {kt_ptr, v_ptr};
   }
 };
 
@@ -42,7 +53,7 @@ template <typename T>
 void fa2_forward_impl(const Params& p, int threads) {
   const Geometry<T> g = make_geometry<T>(p, fa2_block_rows(), fa2_block_cols());
   const Mask mask = mask_of(p);
-  const bool zigzag = mask_limits(p);
+  const bool zigzag = uneven_work(p);
   parallel_for(p.batch * p.nheads * g.nqb, threads, [&](int64_t begin, int64_t end, int) {
     PackedKV<T> kv;
     Buffer<T> qbuf, sbuf, obuf, mbuf;
@@ -54,29 +65,34 @@ void fa2_forward_impl(const Params& p, int threads) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / g.nqb;
       const int64_t b = bh / p.nheads, h = bh % p.nheads, hk = h / p.h_h_k_ratio;
-      const int64_t qb = block_order(task % g.nqb, g.nqb, zigzag);
-      const int64_t i0 = qb * g.Br, rows = std::min(g.Br, p.seqlen_q - i0);
+      const int64_t qt = block_order(task % g.nqb, g.nqb, zigzag);
+      const int64_t i0 = g.qt.start(qt), rows = g.qt.size(qt);
       const int64_t j_begin = mask.block_col_begin(i0), j_end = mask.block_col_end(i0 + rows);
+      const BlockMask bm = detail::block_mask_of(p, b, h);
 
       std::fill(O, O + g.Brp * g.dp, T(0));
       std::fill(sm.begin(), sm.end(), detail::OnlineSoftmax<T>{});
-      if (j_begin < j_end) {
-        kv.pack(p, g, b, hk);
-        load_rows(element(p.q_ptr, p.dtype, q_offset(p, b, i0, h)), p.dtype, p.q_row_stride, rows,
-                  g.d, Q, g.dp, g.Brp);
-        for (int64_t kb = j_begin / g.Bc; kb * g.Bc < j_end; ++kb) {
-          const int64_t j0 = kb * g.Bc, cols = std::min(g.Bc, p.seqlen_k - j0);
-          masked_scores(g, mask, Q, kv.kt_block(g, kb), g.Bcp, S, i0, rows, j0, cols,
-                        row_max);
-          for (int64_t r = 0; r < rows; ++r) {
-            const T alpha = sm[r].rescale_factor(row_max[r]);
-            sm[r].accumulate(alpha, row_exp2_sum(S + r * g.Bcp, g.Bcp, sm[r].reference()));
-            if (alpha != T(1)) row_scale(O + r * g.dp, g.dp, alpha);
-          }
-          for (int64_t r = rows; r < g.Brp; ++r) std::fill(S + r * g.Bcp, S + (r + 1) * g.Bcp, T(0));
-          if (p.p_dropout > 0.0f) apply_dropout(g, p, b, h, i0, rows, j0, cols, S);
-          gemm<T, false, true>(g.Brp, g.dp, g.Bcp, S, g.Bcp, kv.v_block(g, kb), g.dp, O, g.dp);
+      bool q_loaded = false;
+      for (int64_t kt = g.kt.tile_of(j_begin); j_begin < j_end && kt < g.nkb && g.kt.start(kt) < j_end;
+           ++kt) {
+        if (!pair_in_mask(g, bm, qt, kt)) continue;  // a zero block: never loaded or computed
+        if (!q_loaded) {
+          kv.select(p, g, b, hk);
+          load_rows(element(p.q_ptr, p.dtype, q_offset(p, b, i0, h)), p.dtype, p.q_row_stride,
+                    rows, g.d, Q, g.dp, g.Brp);
+          q_loaded = true;
         }
+        const TilePair t = tile_pair(g, qt, kt);
+        const auto [Kt, V] = kv.tile(p, g, kt);
+        masked_scores(g, mask, Q, Kt, g.Bcp, S, t, row_max);
+        for (int64_t r = 0; r < rows; ++r) {
+          const T alpha = sm[r].rescale_factor(row_max[r]);
+          sm[r].accumulate(alpha, row_exp2_sum(S + r * g.Bcp, t.np, sm[r].reference()));
+          if (alpha != T(1)) row_scale(O + r * g.dp, g.dp, alpha);
+        }
+        for (int64_t r = rows; r < t.mp; ++r) std::fill(S + r * g.Bcp, S + r * g.Bcp + t.np, T(0));
+        if (p.p_dropout > 0.0f) apply_dropout(g, p, b, h, t, S);
+        gemm<T, false, true>(t.mp, g.dp, t.np, S, g.Bcp, V, g.dp, O, g.dp);
       }
       for (int64_t r = 0; r < rows; ++r) {
         convert_row_out(O + r * g.dp, sm[r].inv_l(), g.d,
@@ -88,8 +104,8 @@ void fa2_forward_impl(const Params& p, int threads) {
 }
 
 // Q and dO converted to T and padded, with lse in the exp2 domain and D = rowsum(dO * O), for every
-// (batch, head): the backward pass's preprocessing. Each head holds rows_alloc >= (nqb-1)*Br + Brp
-// rows so any block may read a full padded tile.
+// (batch, head): the backward pass's preprocessing. Each head holds padded_rows(g) rows so any tile
+// may read a full padded tile from its start.
 template <typename T>
 struct BackwardInputs {
   std::vector<T> Q, dO, L2, D;
@@ -106,7 +122,7 @@ template <typename T>
 void prepare_backward_inputs(const Params& p, const Geometry<T>& g, int threads,
                              BackwardInputs<T>& in) {
   in.dp_ = g.dp;
-  in.rows_alloc = std::max<int64_t>(g.nqb - 1, 0) * g.Br + g.Brp;
+  in.rows_alloc = padded_rows(g);
   const int64_t nbh = p.batch * p.nheads;
   in.Q.assign(static_cast<size_t>(nbh * in.rows_alloc * g.dp), T(0));
   in.dO.assign(in.Q.size(), T(0));
@@ -117,7 +133,7 @@ void prepare_backward_inputs(const Params& p, const Geometry<T>& g, int threads,
     T* O = obuf.get(g.dp);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / g.nqb, b = bh / p.nheads, h = bh % p.nheads;
-      const int64_t i0 = (task % g.nqb) * g.Br, rows = std::min(g.Br, p.seqlen_q - i0);
+      const int64_t i0 = g.qt.start(task % g.nqb), rows = g.qt.size(task % g.nqb);
       load_rows(element(p.q_ptr, p.dtype, q_offset(p, b, i0, h)), p.dtype, p.q_row_stride, rows,
                 g.d, in.q(bh, i0), g.dp, rows);
       load_rows(element(p.do_ptr, p.dtype, do_offset(p, b, i0, h)), p.dtype, p.do_row_stride, rows,
@@ -136,7 +152,7 @@ template <typename T>
 void fa2_backward_impl(const Params& p, int threads) {
   const Geometry<T> g = make_geometry<T>(p, fa2_block_rows(), fa2_block_cols());
   const Mask mask = mask_of(p);
-  const bool zigzag = mask_limits(p);
+  const bool zigzag = uneven_work(p);
   BackwardInputs<T> in;
   prepare_backward_inputs(p, g, threads, in);
 
@@ -160,23 +176,27 @@ void fa2_backward_impl(const Params& p, int threads) {
     T* dV = dv_buf.get(g.Bcp * g.dp);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bhk = task / g.nkb, b = bhk / p.nheads_kv, hk = bhk % p.nheads_kv;
-      const int64_t kb = block_order(task % g.nkb, g.nkb, zigzag);
-      const int64_t j0 = kb * g.Bc, cols = std::min(g.Bc, p.seqlen_k - j0);
+      const int64_t kt = block_order(task % g.nkb, g.nkb, zigzag);
+      const int64_t j0 = g.kt.start(kt), cols = g.kt.size(kt);
       std::fill(dK, dK + g.Bcp * g.dp, T(0));
       std::fill(dV, dV + g.Bcp * g.dp, T(0));
       const int64_t i_begin = mask.row_begin(j0), i_end = mask.row_end(j0 + cols - 1);
-      if (i_begin < i_end) {
-        kb_bufs.load(p, g, b, hk, j0, cols);
-        for (int64_t hg = 0; hg < group; ++hg) {
-          const int64_t h = hk * group + hg, bh = b * p.nheads + h;
-          T* dq_head = part.data() + ((bhk - first_bhk[t]) * group + hg) * head_elems;
-          for (int64_t qb = i_begin / g.Br; qb * g.Br < i_end; ++qb) {
-            const int64_t i0 = qb * g.Br, rows = std::min(g.Br, p.seqlen_q - i0);
-            backward_block(g, p, mask, b, h, i0, rows, j0, cols, in.q(bh, i0), in.dout(bh, i0),
-                           in.l2(bh, i0), in.d(bh, i0), kb_bufs.K.data.data(),
-                           kb_bufs.Kt.data.data(), kb_bufs.Vt.data.data(), dK, dV,
-                           dq_head + i0 * g.dp, scratch);
+      bool kv_loaded = false;
+      for (int64_t hg = 0; hg < group && i_begin < i_end; ++hg) {
+        const int64_t h = hk * group + hg, bh = b * p.nheads + h;
+        const BlockMask bm = detail::block_mask_of(p, b, h);
+        T* dq_head = part.data() + ((bhk - first_bhk[t]) * group + hg) * head_elems;
+        for (int64_t qt = g.qt.tile_of(i_begin); qt < g.nqb && g.qt.start(qt) < i_end; ++qt) {
+          if (!pair_in_mask(g, bm, qt, kt)) continue;  // a zero block: never loaded or computed
+          if (!kv_loaded) {
+            kb_bufs.load(p, g, b, hk, j0, cols);
+            kv_loaded = true;
           }
+          const TilePair tp = tile_pair(g, qt, kt);
+          backward_block(g, p, mask, b, h, tp, in.q(bh, tp.i0), in.dout(bh, tp.i0),
+                         in.l2(bh, tp.i0), in.d(bh, tp.i0), kb_bufs.K.data.data(),
+                         kb_bufs.Kt.data.data(), kb_bufs.Vt.data.data(), dK, dV,
+                         dq_head + tp.i0 * g.dp, scratch);
         }
       }
       store_key_grads(p, g, b, hk, j0, cols, dK, dV);

@@ -20,6 +20,7 @@
 #include "cpu/convert.hpp"
 #include "cpu/schedules.hpp"
 #include "cpu/threads.hpp"
+#include "flashdl/detail/block_mask.hpp"
 #include "flashdl/detail/mask.hpp"
 #include "flashdl/detail/philox.hpp"
 #include "flashdl/detail/softmax.hpp"

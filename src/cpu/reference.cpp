@@ -7,6 +7,7 @@
 #include "cpu/convert.hpp"
 #include "cpu/schedules.hpp"
 #include "cpu/threads.hpp"
+#include "flashdl/detail/block_mask.hpp"
 #include "flashdl/detail/mask.hpp"
 #include "flashdl/detail/philox.hpp"
 
@@ -49,6 +50,7 @@ struct Head {
 void softmax_rows(const Params& p, const Head& hd, std::vector<double>& P, std::vector<double>& lse) {
   const int64_t sq = p.seqlen_q, sk = p.seqlen_k, d = p.headdim;
   const Mask mask{sq, sk, p.window_left, p.window_right};
+  const detail::BlockMask blocks = detail::block_mask_of(p, hd.b, hd.h);
   const double scale = p.scale_softmax;
   P.assign(sq * sk, 0.0);
   lse.assign(sq, -INFINITY);
@@ -61,7 +63,7 @@ void softmax_rows(const Params& p, const Head& hd, std::vector<double>& P, std::
     double m = -INFINITY;
     double* row = P.data() + i * sk;
     for (int64_t j = 0; j < sk; ++j) {
-      if (!mask.visible(i, j)) {
+      if (!mask.visible(i, j) || !blocks.visible(i, j)) {
         row[j] = -INFINITY;
         continue;
       }

@@ -1,0 +1,36 @@
+// The block-sparse mask of one (batch, head), shared by every backend and schedule: element (i, j)
+// may be visible only where block (i / block_q, j / block_k) is set (the window must allow it too).
+// A null pointer is the dense mask: every block set.
+#pragma once
+
+#include <cstdint>
+
+#include "flashdl/detail/macros.hpp"
+#include "flashdl/params.hpp"
+
+namespace flashdl::detail {
+
+struct BlockMask {
+  const uint8_t* blocks = nullptr;  // (nblocks_q, nblocks_k), rows row_stride apart; 0: zero block
+  int64_t row_stride = 0;
+  int64_t block_q = 1, block_k = 1;
+
+  FLASHDL_HD bool dense() const { return blocks == nullptr; }
+  FLASHDL_HD bool block(int64_t qb, int64_t kb) const {
+    return blocks == nullptr || blocks[qb * row_stride + kb] != 0;
+  }
+  FLASHDL_HD bool visible(int64_t i, int64_t j) const { return block(i / block_q, j / block_k); }
+};
+
+// The mask plane of batch b, head h (Params strides of 0 broadcast it over batches or heads).
+FLASHDL_HD BlockMask block_mask_of(const Params& p, int64_t b, int64_t h) {
+  BlockMask m;
+  if (p.block_mask_ptr == nullptr) return m;
+  m.blocks = p.block_mask_ptr + b * p.block_mask_batch_stride + h * p.block_mask_head_stride;
+  m.row_stride = p.block_mask_row_stride;
+  m.block_q = p.block_q;
+  m.block_k = p.block_k;
+  return m;
+}
+
+}  // namespace flashdl::detail
