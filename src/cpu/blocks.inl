@@ -66,11 +66,17 @@ TilePair tile_pair(const Geometry<T>& g, int64_t qt, int64_t kt) {
   return t;
 }
 
-// The rows that hold padded tiles: a per-head buffer of rows_alloc rows lets every tile read and
-// write mp rows from its start.
+// Per-head buffers of query rows (the backward's Q, dO, lse, D and dQ) give every tile its own Brp
+// rows: tile qt starts at row tile_row(g, qt), and its padding rows are zeros that belong to no
+// other tile. (Padding read from the next tile's rows would carry that tile's values, NaN
+// included, into 0 * x products.)
+template <typename T>
+int64_t tile_row(const Geometry<T>& g, int64_t qt) {
+  return qt * g.Brp;
+}
 template <typename T>
 int64_t padded_rows(const Geometry<T>& g) {
-  return g.qt.n + g.Brp;
+  return g.nqb * g.Brp;
 }
 
 // Block order within a head. With a causal, window or block mask, blocks differ in work; visiting

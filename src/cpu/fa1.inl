@@ -151,17 +151,20 @@ void fa1_backward_impl(const Params& p, int threads, int64_t sram_bytes) {
             // Lines 11-21.
             backward_block(g, p, mask, b, h, t, Q, dO, L2, D, kv.K.data.data(),
                            kv.Kt.data.data(), kv.Vt.data.data(), dK, dV,
-                           dQ + (hg * rows_alloc + i0) * g.dp, scratch);
+                           dQ + (hg * rows_alloc + tile_row(g, qt)) * g.dp, scratch);
           }
         }
         store_key_grads(p, g, b, hk, j0, cols, dK, dV);  // line 24
       }
       for (int64_t hg = 0; hg < group; ++hg) {
         const int64_t h = hk * group + hg;
-        store_rows(dQ + hg * rows_alloc * g.dp, g.dp, p.seqlen_q, g.d,
-                   static_cast<T>(p.scale_softmax),
-                   element(p.dq_ptr, p.dtype, b * p.dq_batch_stride + h * p.dq_head_stride),
-                   p.dtype, p.dq_row_stride);
+        for (int64_t qt = 0; qt < g.nqb; ++qt)
+          store_rows(dQ + (hg * rows_alloc + tile_row(g, qt)) * g.dp, g.dp, g.qt.size(qt), g.d,
+                     static_cast<T>(p.scale_softmax),
+                     element(p.dq_ptr, p.dtype,
+                             b * p.dq_batch_stride + g.qt.start(qt) * p.dq_row_stride +
+                                 h * p.dq_head_stride),
+                     p.dtype, p.dq_row_stride);
       }
     }
   });

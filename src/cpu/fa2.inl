@@ -104,8 +104,8 @@ void fa2_forward_impl(const Params& p, int threads) {
 }
 
 // Q and dO converted to T and padded, with lse in the exp2 domain and D = rowsum(dO * O), for every
-// (batch, head): the backward pass's preprocessing. Each head holds padded_rows(g) rows so any tile
-// may read a full padded tile from its start.
+// (batch, head): the backward pass's preprocessing. Each head holds padded_rows(g) rows, tile qt
+// at row tile_row(g, qt) (blocks.inl).
 template <typename T>
 struct BackwardInputs {
   std::vector<T> Q, dO, L2, D;
@@ -132,17 +132,17 @@ void prepare_backward_inputs(const Params& p, const Geometry<T>& g, int threads,
     Buffer<T> obuf;
     T* O = obuf.get(g.dp);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t bh = task / g.nqb, b = bh / p.nheads, h = bh % p.nheads;
-      const int64_t i0 = g.qt.start(task % g.nqb), rows = g.qt.size(task % g.nqb);
+      const int64_t bh = task / g.nqb, b = bh / p.nheads, h = bh % p.nheads, qt = task % g.nqb;
+      const int64_t i0 = g.qt.start(qt), rows = g.qt.size(qt), t0 = tile_row(g, qt);
       load_rows(element(p.q_ptr, p.dtype, q_offset(p, b, i0, h)), p.dtype, p.q_row_stride, rows,
-                g.d, in.q(bh, i0), g.dp, rows);
+                g.d, in.q(bh, t0), g.dp, rows);
       load_rows(element(p.do_ptr, p.dtype, do_offset(p, b, i0, h)), p.dtype, p.do_row_stride, rows,
-                g.d, in.dout(bh, i0), g.dp, rows);
+                g.d, in.dout(bh, t0), g.dp, rows);
       for (int64_t r = 0; r < rows; ++r) {
         load_rows(element(p.o_ptr, p.dtype, o_offset(p, b, i0 + r, h)), p.dtype, 0, 1, g.d, O,
                   g.dp, 1);
-        *in.d(bh, i0 + r) = row_dot(in.dout(bh, i0 + r), O, g.dp);
-        *in.l2(bh, i0 + r) = static_cast<T>(lse_at(p, b, h, i0 + r)) * static_cast<T>(detail::kLog2e);
+        *in.d(bh, t0 + r) = row_dot(in.dout(bh, t0 + r), O, g.dp);
+        *in.l2(bh, t0 + r) = static_cast<T>(lse_at(p, b, h, i0 + r)) * static_cast<T>(detail::kLog2e);
       }
     }
   });
@@ -193,10 +193,10 @@ void fa2_backward_impl(const Params& p, int threads) {
             kv_loaded = true;
           }
           const TilePair tp = tile_pair(g, qt, kt);
-          backward_block(g, p, mask, b, h, tp, in.q(bh, tp.i0), in.dout(bh, tp.i0),
-                         in.l2(bh, tp.i0), in.d(bh, tp.i0), kb_bufs.K.data.data(),
-                         kb_bufs.Kt.data.data(), kb_bufs.Vt.data.data(), dK, dV,
-                         dq_head + tp.i0 * g.dp, scratch);
+          const int64_t t0 = tile_row(g, qt);
+          backward_block(g, p, mask, b, h, tp, in.q(bh, t0), in.dout(bh, t0), in.l2(bh, t0),
+                         in.d(bh, t0), kb_bufs.K.data.data(), kb_bufs.Kt.data.data(),
+                         kb_bufs.Vt.data.data(), dK, dV, dq_head + t0 * g.dp, scratch);
         }
       }
       store_key_grads(p, g, b, hk, j0, cols, dK, dV);
@@ -211,11 +211,12 @@ void fa2_backward_impl(const Params& p, int threads) {
       const int64_t b = bh / p.nheads, h = bh % p.nheads;
       const int64_t bhk = b * p.nheads_kv + h / group, hg = h % group;
       for (int64_t i = 0; i < p.seqlen_q; ++i) {
+        const int64_t qt = g.qt.tile_of(i), row = tile_row(g, qt) + i - g.qt.start(qt);
         std::fill(acc, acc + g.dp, T(0));
         for (int t = 0; t < nthreads; ++t) {
           if (bhk < first_bhk[t] || bhk > last_bhk[t]) continue;
           const T* src = dq_part[t].data() + ((bhk - first_bhk[t]) * group + hg) * head_elems +
-                         i * g.dp;
+                         row * g.dp;
           row_axpby(acc, src, g.dp, T(1), T(1));
         }
         convert_row_out(acc, static_cast<T>(p.scale_softmax), g.d,

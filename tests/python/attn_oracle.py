@@ -96,22 +96,30 @@ def _probs(q, k, mask, scale, rnd):
     return p, lse[..., 0]
 
 
+def _visible(sq, sk, causal, window, mask):
+    """The window's predicate, ANDed with an element mask (broadcastable to (b, h, sq, sk))."""
+    vis = visible(sq, sk, causal, window)
+    return vis if mask is None else vis & mask
+
+
 def forward(q, k, v, causal=False, softmax_scale=None, window=(-1, -1), dtype="float64",
-            exact=True):
+            exact=True, mask=None):
     """(out (b, sq, h, d), lse (b, h, sq)) of naive attention; exact=True is the float64 oracle,
-    exact=False the same algorithm in the input precision."""
+    exact=False the same algorithm in the input precision. mask: an extra bool element mask,
+    broadcastable to (b, h, sq, sk) (e.g. an expanded block-sparse mask)."""
     rnd = _Round(dtype, exact)
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     scale = softmax_scale_of(d, softmax_scale)
     g = h // hk if hk else 1
-    p, lse = _probs(_heads(f64(q)), _heads(f64(k), g), visible(sq, sk, causal, window), scale, rnd)
+    p, lse = _probs(_heads(f64(q)), _heads(f64(k), g), _visible(sq, sk, causal, window, mask),
+                    scale, rnd)
     o = rnd(np.matmul(p, rnd(_heads(f64(v), g))))
     return np.swapaxes(o, 1, 2).astype(np.float64), lse.astype(np.float64)
 
 
 def backward(dout, q, k, v, causal=False, softmax_scale=None, window=(-1, -1), dtype="float64",
-             exact=True):
+             exact=True, mask=None):
     """(dq, dk, dv) of naive attention (dk, dv summed over each GQA group)."""
     rnd = _Round(dtype, exact)
     b, sq, h, d = q.shape
@@ -120,7 +128,7 @@ def backward(dout, q, k, v, causal=False, softmax_scale=None, window=(-1, -1), d
     g = h // hk
     qh, kh, vh, doh = (rnd(_heads(f64(q))), rnd(_heads(f64(k), g)), rnd(_heads(f64(v), g)),
                        rnd(_heads(f64(dout))))
-    p, _ = _probs(qh, kh, visible(sq, sk, causal, window), scale, rnd)
+    p, _ = _probs(qh, kh, _visible(sq, sk, causal, window, mask), scale, rnd)
     o = rnd(np.matmul(p, vh))
     dv = np.matmul(np.swapaxes(p, -1, -2), doh)
     dp = rnd(np.matmul(doh, np.swapaxes(vh, -1, -2)))
