@@ -78,7 +78,7 @@ struct BuildInfo {
   std::string cuda_architectures;  // e.g. "80;90", empty without CUDA
   int cuda_device_count;           // 0 when no driver or device; never throws
   std::string cuda_status;         // "ok", or why no device is usable
-  std::string cpu_isa;             // the vector kernels chosen at run time: avx512, avx2, generic
+  std::string cpu_isa;             // the vector kernels in use: avx512, avx2, generic (FLASHDL_CPU_ISA)
   int cpu_threads;                 // threads the CPU backend uses
   int64_t cpu_sram_bytes;          // the fa1 on-chip budget M the CPU backend uses by default
 };

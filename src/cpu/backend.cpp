@@ -1,8 +1,10 @@
 // The CPU backend's entry: picks the instruction set once, the thread count per call, and the
 // schedule the validated Params ask for.
 #include <atomic>
+#include <cstdlib>
 #include <fstream>
 #include <string>
+#include <vector>
 
 #include "backend.hpp"
 #include "cpu/schedules.hpp"
@@ -13,17 +15,41 @@ namespace flashdl::cpu {
 
 namespace {
 
-const KernelTable& pick_kernels() {
+// The compiled copies, widest first.
+std::vector<const KernelTable*> compiled_tables() {
+  std::vector<const KernelTable*> t;
 #if defined(FLASHDL_X86_ISAS)
-  if (kernels_avx512().supported()) return kernels_avx512();
-  if (kernels_avx2().supported()) return kernels_avx2();
+  t.push_back(&kernels_avx512());
+  t.push_back(&kernels_avx2());
 #endif
-  return kernels_generic();
+  t.push_back(&kernels_generic());
+  return t;
+}
+
+// The widest copy the CPU runs; FLASHDL_CPU_ISA=avx512|avx2|generic asks for one by name (to test
+// or compare the narrower copies on a wider machine). Null, with `why`, when the asked-for copy is
+// not compiled in or the CPU lacks its instructions.
+const KernelTable* pick_kernels(std::string& why) {
+  const char* env = std::getenv("FLASHDL_CPU_ISA");
+  const std::string wanted = env ? env : "";
+  std::string names;
+  for (const KernelTable* t : compiled_tables()) {
+    names += std::string(names.empty() ? "" : ", ") + t->name;
+    if (wanted.empty() ? t->supported() : wanted == t->name) {
+      if (t->supported()) return t;
+      why = "FLASHDL_CPU_ISA: this CPU lacks the instructions of '" + wanted + "'";
+      return nullptr;
+    }
+  }
+  why = "FLASHDL_CPU_ISA: expected one of " + names + " (or unset), got '" + wanted + "'";
+  return nullptr;
 }
 
 const KernelTable& kernels() {
-  static const KernelTable& table = pick_kernels();
-  return table;
+  static std::string why;
+  static const KernelTable* table = pick_kernels(why);
+  if (!table) throw Error(ErrorKind::value, why);
+  return *table;
 }
 
 std::atomic<int> g_threads{0};
@@ -45,7 +71,14 @@ int64_t read_cache_bytes(const char* path) {
 
 }  // namespace
 
-std::string isa_name() { return kernels().name; }
+// Never throws (build_info reports it): a bad FLASHDL_CPU_ISA shows here and fails the calls.
+std::string isa_name() {
+  try {
+    return kernels().name;
+  } catch (const Error& e) {
+    return std::string("none (") + e.what() + ")";
+  }
+}
 
 int num_threads() {
   const int n = g_threads.load();

@@ -22,10 +22,25 @@ struct Problem {
   float dropout = 0.0f;
   uint64_t seed = 0, offset = 0;
 
-  // DESIGN.md: visible iff i + sk - sq - left <= j <= i + sk - sq + right (-1 = unbounded).
-  bool visible(int64_t i, int64_t j) const {
+  // Block-sparse mask (block_q = 0: dense): flags (mb, mh, nbq, nbk) row-major, 0 a zero block;
+  // mb is 1 or b and mh 1 or h (query heads), a size of 1 broadcasting.
+  int64_t block_q = 0, block_k = 0;
+  int64_t mb = 1, mh = 1, nbq = 0, nbk = 0;
+  std::vector<uint8_t> blocks;
+
+  // DESIGN.md: in the window iff i + sk - sq - left <= j <= i + sk - sq + right (-1 = unbounded).
+  bool in_window(int64_t i, int64_t j) const {
     const int64_t c = i + sk - sq;
     return (left < 0 || j >= c - left) && (right < 0 || j <= c + right);
+  }
+  bool block_set(int64_t bi, int64_t hi, int64_t qb, int64_t kb) const {
+    if (block_q <= 0) return true;
+    const int64_t plane = (mb == 1 ? 0 : bi) * mh + (mh == 1 ? 0 : hi);
+    return blocks[static_cast<size_t>((plane * nbq + qb) * nbk + kb)] != 0;
+  }
+  // Key j is visible to query i of (batch bi, query head hi): the window AND the block mask.
+  bool visible(int64_t bi, int64_t hi, int64_t i, int64_t j) const {
+    return in_window(i, j) && (block_q <= 0 || block_set(bi, hi, i / block_q, j / block_k));
   }
   double keep(int64_t bi, int64_t hi, int64_t i, int64_t j) const {
     if (dropout <= 0.0f) return 1.0;
@@ -51,7 +66,7 @@ struct Naive {
     const double* qr = &q[p.qi(bi, i, hi)];
     T m = -INFINITY;
     for (int64_t j = 0; j < p.sk; ++j) {
-      if (!p.visible(i, j)) continue;
+      if (!p.visible(bi, hi, i, j)) continue;
       const double* kr = &k[p.ki(bi, j, p.kv_head(hi))];
       T s = 0;
       for (int64_t c = 0; c < p.d; ++c) s += static_cast<T>(qr[c]) * static_cast<T>(kr[c]);

@@ -1,138 +1,16 @@
 // Backward pass: dq, dk, dv of fa1 and fa2 against float64 oracles, and the oracle itself against
-// finite differences. Per case and dtype:
-//   * ref64: the tests' naive float64 gradients of sum(out * dout) (naive.hpp);
-//   * Schedule::reference on float64 copies must equal ref64 to 1e-11 (relative to max|ref64|);
-//   * Schedule::reference in the dtype must equal ref64 rounded to the dtype;
-//   * fa1 and fa2 (each fed its own forward's out and lse) meet the rule of harness.hpp, with the
-//     naive algorithm in the dtype using its own rounded out for D = rowsum(dout * out);
-//   * rows with no visible key get dq = 0 exactly; keys no row sees get dk = dv = 0 exactly.
+// finite differences. Each case goes through check_backward_case (case_checks.hpp, which lists
+// what is checked); then a float64 gradient check, seqlen_q 0, fa1's budgets and thread counts.
 #include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
 
-#include "harness.hpp"
+#include "case_checks.hpp"
 
 using namespace flashdl_test;
 
 namespace {
-
-struct Oracle {
-  std::vector<double> dq, dk, dv;
-};
-
-// Sizes of the terms each gradient sums (the floor of the rule where a gradient cancels to ~0,
-// e.g. dq with one visible key, where dP - D is 0 up to rounding):
-//   dq: scale |dO| |v| z max|k|;  dk: the same with max|q|, times the largest attention mass
-//   sum_i P_ij Z_ij a key receives;  dv: max|dO| times that mass.  (|.|: largest row 2-norm.)
-struct Magnitudes {
-  double dq = 0, dk = 0, dv = 0;
-};
-
-double max_row_norm(const std::vector<double>& x, int64_t d) {
-  double m = 0;
-  for (size_t r = 0; d > 0 && r < x.size() / d; ++r) {
-    double s = 0;
-    for (int64_t c = 0; c < d; ++c) s += x[r * d + c] * x[r * d + c];
-    m = std::max(m, std::sqrt(s));
-  }
-  return m;
-}
-
-Magnitudes magnitudes(const Problem& p, const Naive<double>& n, const std::vector<double>& dout) {
-  const double z = p.dropout > 0 ? 1.0 / (1.0 - p.dropout) : 1.0;
-  const double base = p.scale * max_row_norm(dout, p.d) * max_row_norm(n.v, p.d) * z;
-  const double mass = n.max_key_mass();
-  return {base * max_abs(n.k), base * max_abs(n.q) * mass, max_abs(dout) * mass};
-}
-
-// All oracles of a case: ref64 (exact lse) and the naive algorithm in the dtype, whose backward
-// uses its own rounded out and its lse rounded to float32, as the library's schedules do.
-struct Oracles {
-  Oracle ref, naive;
-  Magnitudes mag;
-};
-
-Oracles oracles(const Problem& p, const Inputs& in) {
-  const DType dt = in.q.dtype();
-  const std::vector<double> q = in.q.values(), k = in.k.values(), v = in.v.values();
-  const std::vector<double> dout = in.dout.values();
-  Oracles o;
-  std::vector<double> out64, lse64, outl, lsel;
-  const Naive<double> n64{p, q, k, v};
-  n64.forward(DType::float64, out64, lse64);
-  n64.backward(dout, out64, DType::float64, DType::float64, o.ref.dq, o.ref.dk, o.ref.dv);
-  if (dt == DType::float64) {
-    n64.backward(dout, out64, DType::float64, DType::float32, o.naive.dq, o.naive.dk, o.naive.dv);
-  } else {
-    const Naive<float> nl{p, q, k, v};
-    nl.forward(dt, outl, lsel);
-    nl.backward(dout, outl, dt, DType::float32, o.naive.dq, o.naive.dk, o.naive.dv);
-  }
-  o.mag = magnitudes(p, n64, dout);
-  return o;
-}
-
-void check_grads(const std::string& who, const Grads& g, const Oracles& o, DType dt) {
-  check_rule(who + " dq", g.dq.values(), o.ref.dq, o.naive.dq, dt, o.mag.dq);
-  check_rule(who + " dk", g.dk.values(), o.ref.dk, o.naive.dk, dt, o.mag.dk);
-  check_rule(who + " dv", g.dv.values(), o.ref.dv, o.naive.dv, dt, o.mag.dv);
-}
-
-// Exact zeros where the mask leaves nothing to differentiate.
-void check_masked_zeros(const Problem& p, const Grads& g, const std::string& who) {
-  std::vector<char> row_seen(static_cast<size_t>(p.sq), 0), key_seen(static_cast<size_t>(p.sk), 0);
-  for (int64_t i = 0; i < p.sq; ++i)
-    for (int64_t j = 0; j < p.sk; ++j)
-      if (p.visible(i, j)) row_seen[i] = key_seen[j] = 1;
-  const auto dq = g.dq.values(), dk = g.dk.values(), dv = g.dv.values();
-  int64_t bad = 0;
-  for (int64_t b = 0; b < p.b; ++b) {
-    for (int64_t h = 0; h < p.h; ++h)
-      for (int64_t i = 0; i < p.sq; ++i)
-        for (int64_t c = 0; c < p.d && !row_seen[i]; ++c) bad += dq[p.qi(b, i, h) + c] != 0.0;
-    for (int64_t h = 0; h < p.hk; ++h)
-      for (int64_t j = 0; j < p.sk; ++j)
-        for (int64_t c = 0; c < p.d && !key_seen[j]; ++c)
-          bad += (dk[p.ki(b, j, h) + c] != 0.0) + (dv[p.ki(b, j, h) + c] != 0.0);
-  }
-  CHECK_MSG(bad == 0, who + ": " + std::to_string(bad) + " masked gradient elements not 0");
-}
-
-void check_case(const Case& c) {
-  const Problem p = problem_of(c);
-  for (DType dt : c.dtypes) {
-    context() = c.name + " " + dtype_str(dt);
-    const Inputs in = make_inputs(c, dt, 1234 + c.sq * 7 + c.sk);
-    const Oracles o = oracles(p, in);
-    const Oracle& ref = o.ref;
-
-    // The library's oracle in float64 and in the dtype.
-    const Inputs in64 = to_float64(in);
-    const Options ro = options_of(c, Schedule::reference);
-    const Grads r64 = run_backward(c, in64, run_forward(c, in64, ro), ro);
-    const double tight = 1e-11;
-    CHECK_MSG(max_diff(r64.dq.values(), ref.dq) <= tight * std::max(1.0, max_abs(ref.dq)), "reference dq");
-    CHECK_MSG(max_diff(r64.dk.values(), ref.dk) <= tight * std::max(1.0, max_abs(ref.dk)), "reference dk");
-    CHECK_MSG(max_diff(r64.dv.values(), ref.dv) <= tight * std::max(1.0, max_abs(ref.dv)), "reference dv");
-    const Grads rd = run_backward(c, in, run_forward(c, in, ro), ro);
-    check_rounded("reference dq", rd.dq.values(), ref.dq, dt);
-    check_rounded("reference dk", rd.dk.values(), ref.dk, dt);
-    check_rounded("reference dv", rd.dv.values(), ref.dv, dt);
-    check_masked_zeros(p, rd, "reference");
-
-    std::vector<std::pair<Schedule, int64_t>> runs{{Schedule::fa2, 0}};
-    for (int64_t sram : c.fa1_sram) runs.emplace_back(Schedule::fa1, sram);
-    for (auto [s, sram] : runs) {
-      const std::string name = std::string(flashdl::schedule_name(s)) +
-                               (sram ? " (sram_bytes " + std::to_string(sram) + ")" : "");
-      const Options so = options_of(c, s, 0, sram);
-      const Grads g = run_backward(c, in, run_forward(c, in, so), so);
-      check_grads(name, g, o, dt);
-      check_masked_zeros(p, g, name);
-    }
-  }
-}
 
 std::vector<Case> cases() {
   std::vector<Case> v;
@@ -268,11 +146,13 @@ void test_sram_and_threads() {
 }  // namespace
 
 int main() {
-  for (const Case& c : cases()) run_test(("backward: " + c.name).c_str(), [&] { check_case(c); });
+  if (const int skip = skip_if_isa_unavailable()) return skip;
+  for (const Case& c : cases())
+    run_test(("backward: " + c.name).c_str(), [&] { check_backward_case(c); });
   Rng rng(4048);
   for (int i = 0; i < 40; ++i) {
     const Case c = random_case(rng, i);
-    run_test(("backward: " + c.name).c_str(), [&] { check_case(c); });
+    run_test(("backward: " + c.name).c_str(), [&] { check_backward_case(c); });
   }
   run_test("backward: float64 gradient check of every schedule", test_gradcheck);
   run_test("backward: seqlen_q 0 gives dk = dv = 0", test_no_queries);

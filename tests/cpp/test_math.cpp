@@ -1,12 +1,15 @@
 // The math shared by every backend (include/flashdl/detail): the mask predicate and its block
 // ranges against brute force, the online softmax and its merge against a direct float64 softmax,
-// the FA-1 tile sizes, and Philox4x32-10 against Random123's published known answers.
+// the FA-1 tile sizes, the axis tiling and block-mask planes of block-sparse attention, and
+// Philox4x32-10 against Random123's published known answers.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
 #include "arrays.hpp"
 #include "check.hpp"
+#include "flashdl/detail/block_mask.hpp"
 #include "flashdl/detail/mask.hpp"
 #include "flashdl/detail/philox.hpp"
 #include "flashdl/detail/softmax.hpp"
@@ -242,6 +245,86 @@ void test_tiles() {
   CHECK_EQ(fd::round_up(8, 4), 8);
 }
 
+// ---- block-sparse tiling ------------------------------------------------------------------------
+
+// make_axis_tiles(n, segment, tile): tiles partition [0, n) in order, none straddles a multiple of
+// the segment (the whole axis when segment <= 0), and each is as long as the tile, the segment's
+// end and n allow -- so dense axes get the usual [t * tile, (t + 1) * tile).
+void check_axis_tiles(int64_t n, int64_t segment, int64_t tile) {
+  context() = "axis tiles n " + std::to_string(n) + " segment " + std::to_string(segment) +
+              " tile " + std::to_string(tile);
+  const fd::AxisTiles a = fd::make_axis_tiles(n, segment, tile);
+  const int64_t seg = segment > 0 ? segment : std::max<int64_t>(n, 1);
+  const int64_t longest = std::min(tile, seg);
+  int64_t end = 0, bad = 0;
+  for (int64_t t = 0; t < a.count(); ++t) {
+    const int64_t s = a.start(t), z = a.size(t);
+    const int64_t greedy = std::min({longest, (s / seg + 1) * seg - s, n - s});
+    bad += s != end || z < 1 || z > tile || z != greedy;
+    bad += s / seg != (s + z - 1) / seg;  // inside one segment
+    if (segment > 0) bad += a.segment_of(t) != s / segment;
+    if (segment <= 0) bad += s != t * longest;
+    for (int64_t x = s; x < s + z; ++x) bad += a.tile_of(x) != t;
+    end = s + z;
+  }
+  CHECK_MSG(bad == 0, std::to_string(bad) + " tile properties violated");
+  CHECK_EQ(end, n);  // the tiles reach n exactly: no gap at the end, none past it
+  for (int64_t x = n; x < n + 3; ++x) CHECK_EQ(a.tile_of(x), a.count());
+  if (n == 0) CHECK_EQ(a.count(), 0);
+}
+
+void test_axis_tiles() {
+  const int64_t segments[] = {-1, 0, 1, 2, 3, 5, 7, 8, 16, 33, 128, 1000};
+  const int64_t tiles[] = {1, 2, 3, 4, 5, 8, 48, 96, 200};
+  for (int64_t n = 0; n <= 40; ++n)
+    for (int64_t seg : segments)
+      for (int64_t tile : tiles) check_axis_tiles(n, seg, tile);
+  for (int64_t n : {97, 128, 129, 1000, 1025})
+    for (int64_t seg : segments)
+      for (int64_t tile : tiles) check_axis_tiles(n, seg, tile);
+}
+
+// block_mask_of picks the plane of (b, h) through the Params strides (0 broadcasts) and BlockMask
+// reads flag (i / block_q, j / block_k) of it; a null pointer is the dense mask.
+void test_block_mask_planes() {
+  context() = "block_mask_of";
+  flashdl::Params p{};
+  const fd::BlockMask dense = fd::block_mask_of(p, 1, 2);
+  CHECK(dense.dense() && dense.block(3, 4) && dense.visible(100, 7));
+  // Flags (2 batches, 3 heads, 4 x 5 blocks), rows padded to 7 flags, planes 4 rows apart.
+  const int64_t nb = 2, nh = 3, nbq = 4, nbk = 5, row = 7, head = nbq * row, batch = nh * head;
+  std::vector<uint8_t> flags(static_cast<size_t>(nb * batch), 0);
+  Rng rng(17);
+  for (uint8_t& f : flags) f = static_cast<uint8_t>(rng.next() % 2);
+  p.block_mask_ptr = flags.data();
+  p.block_mask_row_stride = row;
+  p.block_q = 3;
+  p.block_k = 2;
+  auto flag = [&](int64_t b, int64_t h, int64_t qb, int64_t kb) {
+    return flags[static_cast<size_t>(b * batch + h * head + qb * row + kb)] != 0;
+  };
+  // Full planes, then broadcasting over heads (head stride 0) and over batches (batch stride 0).
+  const int64_t strides[][2] = {{batch, head}, {batch, 0}, {0, head}, {0, 0}};
+  for (const auto& st : strides) {
+    p.block_mask_batch_stride = st[0];
+    p.block_mask_head_stride = st[1];
+    int64_t bad = 0;
+    for (int64_t b = 0; b < nb; ++b)
+      for (int64_t h = 0; h < nh; ++h) {
+        const fd::BlockMask m = fd::block_mask_of(p, b, h);
+        const int64_t pb = st[0] ? b : 0, ph = st[1] ? h : 0;
+        bad += m.dense() || m.block_q != 3 || m.block_k != 2;
+        for (int64_t i = 0; i < nbq * 3; ++i)
+          for (int64_t j = 0; j < nbk * 2; ++j) {
+            bad += m.visible(i, j) != flag(pb, ph, i / 3, j / 2);
+            bad += m.block(i / 3, j / 2) != flag(pb, ph, i / 3, j / 2);
+          }
+      }
+    CHECK_MSG(bad == 0, "strides (" + std::to_string(st[0]) + ", " + std::to_string(st[1]) +
+                            "): " + std::to_string(bad) + " flags misread");
+  }
+}
+
 // ---- Philox and dropout ------------------------------------------------------------------------
 
 void test_philox_known_answers() {
@@ -311,6 +394,8 @@ int main() {
   run_test("math: online softmax vs direct float64", test_online_softmax);
   run_test("math: merge_weights", test_merge);
   run_test("math: fa1_tiles", test_tiles);
+  run_test("math: axis tiles cut at block-mask edges", test_axis_tiles);
+  run_test("math: block-mask planes and broadcasting", test_block_mask_planes);
   run_test("math: philox4x32_10 known answers", test_philox_known_answers);
   run_test("math: dropout draws", test_dropout_draws);
   return finish();

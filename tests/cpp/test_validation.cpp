@@ -2,91 +2,16 @@
 // argument's name; no call (failing or not) writes into an input; zero-length problems pass.
 #include <algorithm>
 #include <cmath>
-#include <functional>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
-#include "arrays.hpp"
-#include "check.hpp"
-#include "flashdl/api.hpp"
+#include "validation.hpp"
 
 using namespace flashdl_test;
-using flashdl::Error;
-using flashdl::ErrorKind;
-using flashdl::Options;
-using flashdl::TensorView;
 
 namespace {
-
-const char* kind_name(ErrorKind k) {
-  switch (k) {
-    case ErrorKind::value: return "value";
-    case ErrorKind::type: return "type";
-    case ErrorKind::unsupported: return "unsupported";
-    case ErrorKind::runtime: return "runtime";
-  }
-  return "?";
-}
-
-// A valid problem: q (2, 5, 4, 8), k, v (2, 7, 2, 8), all float32, plus outputs and gradients.
-struct Problem {
-  Array q{DType::float32, {2, 5, 4, 8}}, k{DType::float32, {2, 7, 2, 8}}, v{DType::float32, {2, 7, 2, 8}};
-  Array dout{DType::float32, {2, 5, 4, 8}};
-  Array out{DType::float32, {2, 5, 4, 8}}, lse{DType::float32, {2, 4, 5}};
-  Array dq{DType::float32, {2, 5, 4, 8}}, dk{DType::float32, {2, 7, 2, 8}}, dv{DType::float32, {2, 7, 2, 8}};
-  Problem() {
-    Rng rng(1);
-    for (Array* a : {&q, &k, &v, &dout}) a->fill_random(rng, 1.0);
-  }
-};
-
-// The views of one call; a test changes some of them.
-struct Call {
-  TensorView q, k, v, out, lse, dout, dq, dk, dv;
-  Options o;
-  explicit Call(const Problem& p)
-      : q(p.q.view()), k(p.k.view()), v(p.v.view()), out(p.out.view()), lse(p.lse.view()),
-        dout(p.dout.view()), dq(p.dq.view()), dk(p.dk.view()), dv(p.dv.view()) {}
-  void forward() const { flashdl::forward(q, k, v, out, lse, o); }
-  void backward() const { flashdl::backward(dout, q, k, v, out, lse, dq, dk, dv, o); }
-};
-
-// Runs fn, expects Error(kind) whose message starts with "<arg>:" (and contains `detail`), and
-// that none of the inputs changed.
-void expect_error(const std::string& what, ErrorKind kind, const std::string& arg,
-                  const std::function<void()>& fn, const Problem& p, const std::string& detail = "") {
-  context() = what;
-  const auto before = {p.q.byte_copy(), p.k.byte_copy(), p.v.byte_copy(), p.dout.byte_copy()};
-  bool thrown = false;
-  try {
-    fn();
-  } catch (const Error& e) {
-    thrown = true;
-    const std::string msg = e.what();
-    CHECK_MSG(e.kind() == kind, std::string("kind ") + kind_name(e.kind()) + ", expected " +
-                                    kind_name(kind) + ": " + msg);
-    CHECK_MSG(msg.rfind(arg + ":", 0) == 0, "message does not start with '" + arg + ":': " + msg);
-    CHECK_MSG(detail.empty() || msg.find(detail) != std::string::npos,
-              "message lacks '" + detail + "': " + msg);
-  } catch (const std::exception& e) {
-    thrown = true;
-    CHECK_MSG(false, std::string("not a flashdl::Error: ") + e.what());
-  }
-  CHECK_MSG(thrown, "no exception");
-  const auto after = {p.q.byte_copy(), p.k.byte_copy(), p.v.byte_copy(), p.dout.byte_copy()};
-  CHECK_MSG(std::equal(before.begin(), before.end(), after.begin()), "an input was written");
-}
-
-// Both entry points see the same forward arguments: check each error on both.
-void expect_both(const std::string& what, ErrorKind kind, const std::string& arg,
-                 const std::function<void(Call&)>& edit, const Problem& p,
-                 const std::string& detail = "") {
-  Call c(p);
-  edit(c);
-  expect_error("forward: " + what, kind, arg, [&] { c.forward(); }, p, detail);
-  expect_error("backward: " + what, kind, arg, [&] { c.backward(); }, p, detail);
-}
 
 void test_shapes_and_ranks() {
   Problem p;
@@ -217,7 +142,7 @@ void test_cuda_arrays() {
 void test_accepted() {
   context() = "valid calls";
   Problem p;
-  const auto before = {p.q.byte_copy(), p.k.byte_copy(), p.v.byte_copy(), p.dout.byte_copy()};
+  const auto before = p.inputs();
   for (auto s : {flashdl::Schedule::automatic, flashdl::Schedule::fa1, flashdl::Schedule::fa2,
                  flashdl::Schedule::reference}) {
     Call c(p);
@@ -225,8 +150,7 @@ void test_accepted() {
     c.forward();
     c.backward();
   }
-  const auto after = {p.q.byte_copy(), p.k.byte_copy(), p.v.byte_copy(), p.dout.byte_copy()};
-  CHECK_MSG(std::equal(before.begin(), before.end(), after.begin()), "a valid call wrote an input");
+  CHECK_MSG(p.inputs() == before, "a valid call wrote an input");
   // Empty arrays may come with any strides (exporters often give 0): nothing is reached.
   {
     context() = "empty k with last stride 0";
@@ -298,6 +222,154 @@ void test_varlen() {
   expect_error("varlen cu dtype", ErrorKind::type, "cu_seqlens_q", fwd(q.view(), f, 5), p, "int32");
 }
 
+// Block-sparse options, on q (2, 5, 4, 8), k (2, 7, 2, 8) with blocks 2 x 3: a 3 x 3 grid.
+void test_block_mask() {
+  Problem p;
+  auto masked = [](const TensorView& m) {
+    return [m](Call& c) {
+      c.o.block_mask = m;
+      c.o.block_size_q = 2;
+      c.o.block_size_k = 3;
+    };
+  };
+  const TensorView m = p.mask.view();
+  Array m2(DType::boolean, {3, 3}), b1(DType::boolean, {1, 4, 3, 3}), h1(DType::boolean, {2, 1, 3, 3});
+  Array strided(DType::boolean, {2, 4, 3, 3}, Layout{{2, 0, 1}, 5, 1});
+  for (const Array* a : {&p.mask, &m2, &b1, &h1, &strided}) {  // valid masks first
+    context() = "valid mask " + std::to_string(a->view().rank);
+    Call c(p);
+    masked(a->view())(c);
+    c.forward();
+    c.backward();
+  }
+  expect_both("block_size_q 0", ErrorKind::value, "block_size",
+              [&](Call& c) { masked(m)(c); c.o.block_size_q = 0; }, p, "(0, 3)");
+  expect_both("block_size_k -1 with no mask", ErrorKind::value, "block_size",
+              [](Call& c) { c.o.block_size_k = -1; }, p, "-1");
+  Array r3(DType::boolean, {4, 3, 3}), r1(DType::boolean, {9});
+  expect_both("mask rank 3", ErrorKind::value, "block_mask", masked(r3.view()), p, "rank 2 or 4");
+  expect_both("mask rank 1", ErrorKind::value, "block_mask", masked(r1.view()), p, "rank 2 or 4");
+  TensorView neg = m;
+  neg.shape[0] = -2;
+  expect_both("mask negative extent", ErrorKind::value, "block_mask", masked(neg), p);
+  TensorView null = m;
+  null.data = nullptr;
+  expect_both("mask null data", ErrorKind::value, "block_mask", masked(null), p, "null");
+  Array f32(DType::float32, {2, 4, 3, 3}), i32(DType::int32, {3, 3});
+  expect_both("mask float32", ErrorKind::type, "block_mask", masked(f32.view()), p, "bool");
+  expect_both("mask int32", ErrorKind::type, "block_mask", masked(i32.view()), p, "int32");
+  TensorView on_cuda = m;
+  on_cuda.device = {flashdl::DeviceType::cuda, 0};
+  expect_both("mask on cuda, q on cpu", ErrorKind::value, "block_mask", masked(on_cuda), p, "cuda");
+  // The wrong grid, batch or heads (heads are query heads: nheads_kv 2 is wrong).
+  Array g1(DType::boolean, {3, 4}), g2(DType::boolean, {2, 3}), g3(DType::boolean, {2, 4, 4, 3});
+  Array g4(DType::boolean, {3, 4, 3, 3}), g5(DType::boolean, {2, 2, 3, 3}), g6(DType::boolean, {4, 2, 3, 3});
+  for (const Array* a : {&g1, &g2, &g3, &g4, &g5, &g6})
+    expect_both("mask shape " + std::to_string(a->numel()), ErrorKind::value, "block_mask",
+                masked(a->view()), p, "(3, 3) or (2, 4, 3, 3)");
+  expect_both("default block sizes 128", ErrorKind::value, "block_mask",
+              [&](Call& c) { c.o.block_mask = m; }, p, "(1, 1)");
+  Array wide(DType::boolean, {2, 4, 3, 6});
+  TensorView gap = wide.view();
+  gap.shape[3] = 3;
+  gap.strides[3] = 2;
+  expect_both("mask last stride 2", ErrorKind::value, "block_mask", masked(gap), p, "contiguous");
+  // Outputs overlapping the mask (flags read from the output's own memory).
+  auto inside = [&](const Array& a) {
+    TensorView v = m2.view();
+    v.data = a.view().data;
+    return v;
+  };
+  for (auto [name, a] : {std::pair<const char*, const Array*>{"out", &p.out}, {"lse", &p.lse},
+                         {"dq", &p.dq}, {"dk", &p.dk}, {"dv", &p.dv}}) {
+    Call c(p);
+    masked(inside(*a))(c);
+    const bool forward_output = a == &p.out || a == &p.lse;
+    expect_error(std::string(name) + " overlapping the mask", ErrorKind::value, name, [&] {
+      if (forward_output) c.forward(); else c.backward();
+    }, p, "block_mask");
+  }
+  // A CUDA q (float16, headdim 64: otherwise valid there) with a mask: CPU only for now.
+  Array q(DType::float16, {1, 4, 2, 64}), k(DType::float16, {1, 4, 2, 64}), v(DType::float16, {1, 4, 2, 64});
+  Array out(DType::float16, {1, 4, 2, 64}), lse(DType::float32, {1, 2, 4}), cm(DType::boolean, {2, 2});
+  Array dq(DType::float16, {1, 4, 2, 64}), dk(DType::float16, {1, 4, 2, 64}), dv(DType::float16, {1, 4, 2, 64});
+  Call c(p);
+  c.q = q.view(), c.k = k.view(), c.v = v.view(), c.out = out.view(), c.lse = lse.view();
+  c.dout = q.view(), c.dq = dq.view(), c.dk = dk.view(), c.dv = dv.view();
+  for (TensorView* t : {&c.q, &c.k, &c.v, &c.out, &c.lse, &c.dout, &c.dq, &c.dk, &c.dv})
+    t->device = {flashdl::DeviceType::cuda, 0};
+  TensorView cmv = cm.view();
+  cmv.device = c.q.device;
+  masked(cmv)(c);
+  expect_error("forward: mask with cuda q", ErrorKind::unsupported, "block_mask",
+               [&] { c.forward(); }, p, "CPU");
+  expect_error("backward: mask with cuda q", ErrorKind::unsupported, "block_mask",
+               [&] { c.backward(); }, p, "CPU");
+}
+
+// Varlen block masks: sized by the batch of sequences and max_seqlen, not by the packed totals.
+// Packed q (8, 4, 8), k (6, 2, 8), two sequences, max_seqlen (5, 4), blocks 2 x 3: a 3 x 2 grid.
+void test_varlen_block_mask() {
+  Problem p;
+  Array q(DType::float32, {8, 4, 8}), k(DType::float32, {6, 2, 8}), v(DType::float32, {6, 2, 8});
+  Array out(DType::float32, {8, 4, 8}), lse(DType::float32, {4, 8});
+  Array dq(DType::float32, {8, 4, 8}), dk(DType::float32, {6, 2, 8}), dv(DType::float32, {6, 2, 8});
+  Rng rng(3);
+  for (Array* a : {&q, &k, &v}) a->fill_random(rng, 1.0);
+  std::vector<int32_t> cq{0, 3, 8}, ck{0, 4, 6};
+  const TensorView tcq = flashdl::make_view(cq.data(), DType::int32, {3});
+  const TensorView tck = flashdl::make_view(ck.data(), DType::int32, {3});
+  Array m2(DType::boolean, {3, 2}), m4(DType::boolean, {2, 4, 3, 2}), m1(DType::boolean, {1, 4, 3, 2});
+  const auto before = {q.byte_copy(), k.byte_copy(), v.byte_copy(), m2.byte_copy(), m4.byte_copy()};
+  // forward_varlen, or backward_varlen (with q as dout) on what the forward left in out and lse.
+  auto call = [&](const TensorView& m, int64_t block_q, bool backward) {
+    return [&, m, block_q, backward] {
+      Options o;
+      o.block_mask = m;
+      o.block_size_q = block_q;
+      o.block_size_k = 3;
+      if (!backward)
+        flashdl::forward_varlen(q.view(), k.view(), v.view(), tcq, tck, 5, 4, out.view(), lse.view(), o);
+      else
+        flashdl::backward_varlen(q.view(), q.view(), k.view(), v.view(), out.view(), lse.view(), tcq,
+                                 tck, 5, 4, dq.view(), dk.view(), dv.view(), o);
+    };
+  };
+  for (const Array* a : {&m2, &m4, &m1}) {
+    context() = "valid varlen mask of rank " + std::to_string(a->view().rank);
+    call(a->view(), 2, false)();
+    call(a->view(), 2, true)();
+  }
+  Array total(DType::boolean, {4, 2}), seqs(DType::boolean, {3, 4, 3, 2}), r3(DType::boolean, {2, 3, 2});
+  Array f32(DType::float32, {3, 2}), wide(DType::boolean, {3, 4});
+  TensorView cuda = m2.view(), gap = wide.view(), in_out = m2.view(), in_dq = m2.view();
+  cuda.device = {flashdl::DeviceType::cuda, 0};
+  gap.shape[1] = 2, gap.strides[1] = 2;
+  in_out.data = out.view().data;
+  in_dq.data = dq.view().data;
+  for (bool bwd : {false, true}) {
+    const std::string pass = bwd ? "backward_varlen: " : "forward_varlen: ";
+    expect_error(pass + "block_size 0", ErrorKind::value, "block_size", call(m2.view(), 0, bwd), p);
+    expect_error(pass + "grid of the totals", ErrorKind::value, "block_mask",
+                 call(total.view(), 2, bwd), p, "(3, 2) or (2, 4, 3, 2)");
+    expect_error(pass + "3 planes for 2 sequences", ErrorKind::value, "block_mask",
+                 call(seqs.view(), 2, bwd), p);
+    expect_error(pass + "rank 3", ErrorKind::value, "block_mask", call(r3.view(), 2, bwd), p);
+    expect_error(pass + "float32", ErrorKind::type, "block_mask", call(f32.view(), 2, bwd), p);
+    expect_error(pass + "on cuda", ErrorKind::value, "block_mask", call(cuda, 2, bwd), p);
+    expect_error(pass + "last stride 2", ErrorKind::value, "block_mask", call(gap, 2, bwd), p,
+                 "contiguous");
+  }
+  // Outputs overlapping the mask: out in the forward, dq in the backward.
+  expect_error("forward_varlen: out overlapping", ErrorKind::value, "out", call(in_out, 2, false),
+               p, "block_mask");
+  expect_error("backward_varlen: dq overlapping", ErrorKind::value, "dq", call(in_dq, 2, true), p,
+               "block_mask");
+  context() = "varlen block_mask calls";
+  const auto after = {q.byte_copy(), k.byte_copy(), v.byte_copy(), m2.byte_copy(), m4.byte_copy()};
+  CHECK_MSG(std::equal(before.begin(), before.end(), after.begin()), "a varlen call wrote an input");
+}
+
 }  // namespace
 
 int main() {
@@ -307,5 +379,7 @@ int main() {
   run_test("validation: CUDA arrays", test_cuda_arrays);
   run_test("validation: valid and zero-length calls", test_accepted);
   run_test("validation: varlen", test_varlen);
+  run_test("validation: block_mask and block sizes", test_block_mask);
+  run_test("validation: varlen block_mask", test_varlen_block_mask);
   return finish();
 }

@@ -1,5 +1,6 @@
-"""The package: import cost, info(), threads, `python -m flashdl`."""
+"""The package: import cost, info(), threads, the CPU kernels by name, `python -m flashdl`."""
 
+import os
 import subprocess
 import sys
 
@@ -71,3 +72,22 @@ def test_main(args):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "max |flashdl - reference|" in r.stdout and "OK" in r.stdout
     assert "naive NumPy" in r.stdout
+
+
+def test_cpu_isa_can_be_forced_by_name():
+    """FLASHDL_CPU_ISA picks a compiled copy of the kernels by name (generic runs on any CPU);
+    an unknown name is reported by info() and refused, naming the variable, by every call."""
+    code = ("import os, numpy as np, flashdl; q = np.ones((1, 4, 1, 8), np.float32)\n"
+            "print(flashdl.info()['cpu_isa'])\n"
+            "try:\n    flashdl.attention(q, q, q); print('ran')\n"
+            "except ValueError as e:\n    print(e)\n")
+    env = dict(os.environ, FLASHDL_CPU_ISA="generic")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["generic", "ran"]
+    env["FLASHDL_CPU_ISA"] = "sse9"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    first, second = r.stdout.strip().splitlines()
+    assert first.startswith("none (") and "FLASHDL_CPU_ISA" in first
+    assert second.startswith("FLASHDL_CPU_ISA: expected one of") and "'sse9'" in second
