@@ -17,20 +17,41 @@ struct Geometry {
 
 // Keys are a product's column dimension (a multiple of kNR) everywhere, and in the backward's dK
 // and dV products also its row dimension (a multiple of kMR): a key tile buffer holds both.
+// Kept a multiple of kNR too, so every row of a key-tile buffer starts vector-aligned.
 template <typename T>
 int64_t padded_keys(int64_t keys) {
-  return std::max(detail::round_up(keys, kNR<T>), detail::round_up(keys, int64_t{kMR}));
+  return detail::round_up(std::max(detail::round_up(keys, kNR<T>), detail::round_up(keys, int64_t{kMR})),
+                          kNR<T>);
 }
 
-// Tiles of at most Br query rows and Bc keys. With a block mask the axes are cut at the mask's
-// block edges too (detail::AxisTiles), so each tile pair lies in one mask block and is skipped or
-// computed whole.
+// The key tile for keys cut into segments (a block mask's blocks): a block becomes key tiles of
+// about equal size, each a multiple of `align` -- round(block / tile) of them where the tile may
+// grow (a block of 128 keys with 96-key tiles is one tile of 128, not 96 + 32), else
+// ceil(block / tile) and never longer than `tile` (fa1's tiles are its on-chip budget).
+// Query rows are not split this way: a query tile longer than 48 rows leaves L1 (64-row tiles
+// cost 26% here, benchmarks/results/cpu_tuning.md), and a short last tile costs little.
+inline int64_t block_key_tile(int64_t block, int64_t tile, int64_t align, bool may_grow) {
+  const int64_t pieces =
+      may_grow ? std::max<int64_t>(1, (block + tile / 2) / tile) : detail::ceil_div(block, tile);
+  const int64_t t = std::min(block, detail::round_up(detail::ceil_div(block, pieces), align));
+  return may_grow ? t : std::min(t, tile);
+}
+
+// Tiles of Br query rows and Bc keys. With a block mask both axes are cut at the mask's block
+// edges too (detail::AxisTiles), so each tile pair lies in one mask block and is skipped or
+// computed whole; key tiles then split each block evenly (block_key_tile), growing past Bc only
+// where key_tiles_may_grow.
 template <typename T>
-Geometry<T> make_geometry(const Params& p, int64_t Br, int64_t Bc) {
-  const bool sparse = p.block_mask_ptr != nullptr;
+Geometry<T> make_geometry(const Params& p, int64_t Br, int64_t Bc, bool key_tiles_may_grow) {
   Geometry<T> g;
-  g.qt = detail::make_axis_tiles(p.seqlen_q, sparse ? p.block_q : 0, Br);
-  g.kt = detail::make_axis_tiles(p.seqlen_k, sparse ? p.block_k : 0, Bc);
+  if (p.block_mask_ptr != nullptr) {
+    g.qt = detail::make_axis_tiles(p.seqlen_q, p.block_q, Br);
+    g.kt = detail::make_axis_tiles(p.seqlen_k, p.block_k,
+                                   block_key_tile(p.block_k, Bc, kNR<T>, key_tiles_may_grow));
+  } else {
+    g.qt = detail::make_axis_tiles(p.seqlen_q, 0, Br);
+    g.kt = detail::make_axis_tiles(p.seqlen_k, 0, Bc);
+  }
   g.d = p.headdim;
   g.dp = detail::round_up(p.headdim, kNR<T>);
   g.Br = g.qt.tile;

@@ -7,8 +7,9 @@ template <typename T>
 Geometry<T> fa1_geometry(const Params& p, int64_t sram_bytes) {
   const detail::Fa1Tiles t =
       detail::fa1_tiles(sram_bytes / static_cast<int64_t>(sizeof(T)), p.headdim);
-  // make_geometry caps both at the sequence lengths (and at a block mask's blocks).
-  return make_geometry<T>(p, t.Br, t.Bc);
+  // make_geometry caps both at the sequence lengths (and at a block mask's blocks), never above
+  // the budget's.
+  return make_geometry<T>(p, t.Br, t.Bc, false);
 }
 
 template <typename T>

@@ -51,7 +51,7 @@ struct PackedKV {
 
 template <typename T>
 void fa2_forward_impl(const Params& p, int threads) {
-  const Geometry<T> g = make_geometry<T>(p, fa2_block_rows(), fa2_block_cols());
+  const Geometry<T> g = make_geometry<T>(p, fa2_block_rows(), fa2_block_cols(), true);
   const Mask mask = mask_of(p);
   const bool zigzag = uneven_work(p);
   parallel_for(p.batch * p.nheads * g.nqb, threads, [&](int64_t begin, int64_t end, int) {
@@ -150,7 +150,7 @@ void prepare_backward_inputs(const Params& p, const Geometry<T>& g, int threads,
 
 template <typename T>
 void fa2_backward_impl(const Params& p, int threads) {
-  const Geometry<T> g = make_geometry<T>(p, fa2_block_rows(), fa2_block_cols());
+  const Geometry<T> g = make_geometry<T>(p, fa2_block_rows(), fa2_block_cols(), true);
   const Mask mask = mask_of(p);
   const bool zigzag = uneven_work(p);
   BackwardInputs<T> in;
