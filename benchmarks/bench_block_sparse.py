@@ -18,25 +18,14 @@ import datetime
 import os
 import platform
 import statistics
-import subprocess
 import time
 
 import numpy as np
 
 import flashdl
+from tables import cpu_model, emit
 
 DENSITIES = (1.0, 0.5, 0.25, 0.125, 0.0625)
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def random_blocks(rng, nbq, nbk, density):
@@ -141,11 +130,7 @@ def main():
         lines.append(f"| {cfg.schedule} | {cfg.block} | {cfg.pattern} | "
                      f"{cfg.actual_density:.4f} | {f * 1e3:.1f} | {f / ff:.3f} | "
                      f"{fb * 1e3:.1f} | {fb / ffb:.3f} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(text)
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -22,23 +22,13 @@ import sys
 import time
 
 import flashdl
+from tables import cpu_model, emit
 
 TARGETS = {  # (dtype, pass) -> minimum speed ratio flashdl / torch (the targets)
     ("float32", "fwd"): 0.8,
     ("bfloat16", "fwd+bwd"): 1.0,
     ("float32", "fwd+bwd"): 0.7,
 }
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def flops_fwd(b, h, sq, sk, d, causal):
@@ -180,11 +170,7 @@ def main():
     ]
     for sched, mib in mem.items():
         lines.append(f"| {sched} | {mib:.1f} | < 64 " + ("met" if mib < 64 else "MISSED") + " |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -288,5 +288,8 @@ inline void check_rounded(const std::string& what, const std::vector<double>& x,
 }
 
 inline bool bitwise_equal(const Array& a, const Array& b) { return a.byte_copy() == b.byte_copy(); }
+inline bool bitwise_equal(const Grads& a, const Grads& b) {
+  return bitwise_equal(a.dq, b.dq) && bitwise_equal(a.dk, b.dk) && bitwise_equal(a.dv, b.dv);
+}
 
 }  // namespace flashdl_test

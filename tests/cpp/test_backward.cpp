@@ -131,11 +131,10 @@ void test_sram_and_threads() {
       for (int t : {2, 3}) {
         const Options ot = options_of(c, s, t);
         const Grads a = run_backward(c, in, f, ot), b = run_backward(c, in, f, ot);
-        CHECK_MSG(bitwise_equal(a.dq, b.dq) && bitwise_equal(a.dk, b.dk) && bitwise_equal(a.dv, b.dv),
+        CHECK_MSG(bitwise_equal(a, b),
                   "not repeatable with " + std::to_string(t) + " threads");
         if (s != Schedule::fa2)
-          CHECK_MSG(bitwise_equal(a.dq, one.dq) && bitwise_equal(a.dk, one.dk) &&
-                        bitwise_equal(a.dv, one.dv),
+          CHECK_MSG(bitwise_equal(a, one),
                     std::to_string(t) + " threads differ from 1");
         if (s != Schedule::reference) check_grads(flashdl::schedule_name(s), a, ora, dt);
       }

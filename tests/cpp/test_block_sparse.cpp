@@ -191,11 +191,10 @@ void test_threads() {
         CHECK_MSG(bitwise_equal(one.out, many.out) && bitwise_equal(one.lse, many.lse),
                   "forward: " + std::to_string(t) + " threads differ from 1");
         const Grads a = run_backward(c, in, one, ot), b = run_backward(c, in, one, ot);
-        CHECK_MSG(bitwise_equal(a.dq, b.dq) && bitwise_equal(a.dk, b.dk) && bitwise_equal(a.dv, b.dv),
+        CHECK_MSG(bitwise_equal(a, b),
                   "backward: not repeatable with " + std::to_string(t) + " threads");
         if (s != Schedule::fa2)
-          CHECK_MSG(bitwise_equal(a.dq, g1.dq) && bitwise_equal(a.dk, g1.dk) &&
-                        bitwise_equal(a.dv, g1.dv),
+          CHECK_MSG(bitwise_equal(a, g1),
                     "backward: " + std::to_string(t) + " threads differ from 1");
       }
     }

@@ -28,6 +28,15 @@ def brute_visible(sq, sk, left, right, causal=False):
     return ok
 
 
+def close(got, want, tol, what, magnitude=None):
+    """max|got - want| <= tol * max(1, magnitude), magnitude defaulting to max|want|; no NaN."""
+    got = np.asarray(got, dtype=np.float64)
+    assert not np.isnan(got).any(), f"{what}: NaN"
+    mag = max(1.0, float(np.max(np.abs(want), initial=0.0)) if magnitude is None else magnitude)
+    err = float(np.max(np.abs(got - want), initial=0.0))
+    assert err <= tol * mag, f"{what}: max error {err:.3e} > {tol:.1e} * {mag:.3g}"
+
+
 def keep_scale(p):
     """1 / (1 - p) with p rounded to float32, as the core receives it."""
     return 1.0 / (1.0 - float(np.float32(p)))

@@ -47,14 +47,6 @@ def mask_shape(kind, b, h, nbq, nbk):
             "batch": (b, 1, nbq, nbk)}[kind]
 
 
-def close(got, want, tol, what, magnitude=None):
-    got = np.asarray(got, dtype=np.float64)
-    assert not np.isnan(got).any(), f"{what}: NaN"
-    mag = max(1.0, float(np.max(np.abs(want), initial=0.0)) if magnitude is None else magnitude)
-    err = float(np.max(np.abs(got - want), initial=0.0))
-    assert err <= tol * mag, f"{what}: max error {err:.3e} > {tol:.1e} * {mag:.3g}"
-
-
 def check(b, sq, sk, h, hk, d, bq, bk, kind, density, schedule, causal=False, window=(-1, -1),
           dropout_p=0.0, seed=0):
     """Forward and backward in float64 against the masked oracle, and the exact zeros of rows and
@@ -72,12 +64,12 @@ def check(b, sq, sk, h, hk, d, bq, bk, kind, density, schedule, causal=False, wi
     vis = np.broadcast_to(vis, (b, h, sq, sk))
     keep = flashdl.dropout_mask(b, h, sq, sk, dropout_p, seed) if dropout_p > 0 else None
     want_out, want_lse = mo.forward(q, k, v, vis, keep, dropout_p, softmax_scale=SCALE)
-    close(out, want_out, TOL[schedule], "out")
+    mo.close(out, want_out, TOL[schedule], "out")
     assert_lse(lse, want_lse)
     want = mo.backward(dout, q, k, v, vis, keep, dropout_p, softmax_scale=SCALE)
     mag = grad_magnitude(want)
     for name, g, w in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
-        close(g, w, TOL[schedule], name, magnitude=mag)
+        mo.close(g, w, TOL[schedule], name, magnitude=mag)
 
     empty = ~vis.any(axis=-1)  # (b, h, sq): rows that see no key
     assert np.all(np.swapaxes(out, 1, 2)[empty] == 0), "out of empty rows"

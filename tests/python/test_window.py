@@ -19,14 +19,6 @@ SCALE = 0.1875  # exact in float32: the oracle's scale is the core's
 TOL = {"fa1": 2e-6, "fa2": 2e-6, "reference": 1e-10}
 
 
-def close(got, want, tol, what, magnitude=None):
-    got = np.asarray(got, dtype=np.float64)
-    assert not np.isnan(got).any(), f"{what}: NaN"
-    mag = max(1.0, float(np.max(np.abs(want), initial=0.0)) if magnitude is None else magnitude)
-    err = float(np.max(np.abs(got - want), initial=0.0))
-    assert err <= tol * mag, f"{what}: max error {err:.3e} > {tol:.1e} * {mag:.3g}"
-
-
 def check(b, sq, sk, h, hk, d, left, right, causal, schedule, seed=0):
     rng = np.random.default_rng(seed)
     q, k, v = make_qkv(rng, b, sq, sk, h, hk, d, dtype="float64")
@@ -38,12 +30,12 @@ def check(b, sq, sk, h, hk, d, left, right, causal, schedule, seed=0):
     vis = mo.brute_visible(sq, sk, left, right, causal)
     want_out, want_lse = mo.forward(q, k, v, vis, softmax_scale=SCALE)
     tol = TOL[schedule]
-    close(out, want_out, tol, "out")
+    mo.close(out, want_out, tol, "out")
     assert_lse(lse, want_lse)
     want = mo.backward(dout, q, k, v, vis, softmax_scale=SCALE)
     mag = max(1.0, max(float(np.max(np.abs(g), initial=0.0)) for g in want))
     for name, g, w in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
-        close(g, w, tol, name, magnitude=mag)
+        mo.close(g, w, tol, name, magnitude=mag)
 
     # rows that see no key: exactly 0 and -inf; keys no row sees: exactly zero gradients
     empty_rows = ~vis.any(axis=1)
