@@ -48,7 +48,9 @@ void backward(const TensorView& dout, const TensorView& q, const TensorView& k,
 // A sequence with no query rows writes nothing (and gets zero dk, dv in the backward); one with
 // no keys gets out 0 and lse -inf. CPU only for now: CUDA arrays throw Error(unsupported).
 // Dropout: the mask of sequence b is keyed (seed, offset, b, head, row, col), rows and columns
-// counted within the sequence -- the mask dense batch b would get.
+// counted within the sequence -- the mask dense batch b would get. Options::block_mask:
+// (nblocks_q, nblocks_k) or (batch or 1, nheads or 1, nblocks_q, nblocks_k) with nblocks from
+// max_seqlen_q and max_seqlen_k; sequence b uses plane b, blocks counted from its first row/key.
 void forward_varlen(const TensorView& q, const TensorView& k, const TensorView& v,
                     const TensorView& cu_seqlens_q, const TensorView& cu_seqlens_k,
                     int64_t max_seqlen_q, int64_t max_seqlen_k, const TensorView& out,
