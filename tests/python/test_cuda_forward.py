@@ -218,6 +218,19 @@ def test_torch_backward_is_a_clear_error():
         flashdl.attention_backward(torch.ones_like(out), q, q, q, out, lse)
 
 
+@needs_torch
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(dropout_p=0.1, seed=1), "dropout_p"),
+    (dict(block_mask=np.ones((1, 1), dtype=bool)), "block_mask"),
+])
+def test_torch_cpu_only_features_are_clear_errors(kwargs, name):
+    """Dropout and block-sparse masks run on the CPU only for now: CUDA arrays are refused with a
+    RuntimeError naming the argument, never computed without the feature."""
+    q = torch.randn(1, 8, 2, 64, device="cuda", dtype=torch.float16)
+    with pytest.raises(RuntimeError, match=rf"\b{name}\b"):
+        flashdl.attention(q, q, q, **kwargs)
+
+
 # ---- cupy (float16: cupy has no bfloat16) ---------------------------------------------------------
 @needs_cupy
 @pytest.mark.parametrize("schedule", ["fa1", "fa2"])
