@@ -141,7 +141,7 @@ void masked_scores(const Geometry<T>& g, const Mask& mask, const T* Q, const T* 
     } else {
       const int64_t lo = mask.col_begin(t.i0 + r) - t.j0;
       const int64_t hi = std::min(mask.col_end(t.i0 + r) - t.j0, t.cols);
-      row_max[r] = row_scale_mask_max(s, t.np, g.c, [&](int64_t j) { return j >= lo && j < hi; });
+      row_max[r] = row_scale_range_max(s, t.np, g.c, lo, hi);
     }
   }
 }

@@ -96,16 +96,24 @@ inline T row_scale_max(T* s, int64_t n, T c) {
   return hmax<T>(m);
 }
 
-// Same, with the scores of invisible keys (mask predicate false) set to -inf first.
-template <typename T, typename Visible>
-inline T row_scale_mask_max(T* s, int64_t n, T c, Visible&& visible) {
-  T m = -INFINITY;
-  for (int64_t j = 0; j < n; ++j) {
-    const T t = visible(j) ? s[j] * c : T(-INFINITY);
-    s[j] = t;
-    m = t > m ? t : m;
+// Same, with the keys outside [lo, hi) set to -inf (a row's visible range within the tile).
+template <typename T>
+inline T row_scale_range_max(T* s, int64_t n, T c, int64_t lo, int64_t hi) {
+  constexpr int W = Simd<T>::W;
+  using I = std::conditional_t<sizeof(T) == 4, int32_t, int64_t>;
+  typedef I ivec __attribute__((vector_size(FLASHDL_VEC_BYTES)));
+  ivec col;
+  for (int i = 0; i < W; ++i) col[i] = static_cast<I>(i);
+  const I l = static_cast<I>(std::clamp<int64_t>(lo, 0, n));
+  const I h = static_cast<I>(std::clamp<int64_t>(hi, 0, n));
+  const vec_t<T> vc = vset1(c), ninf = vset1<T>(-INFINITY);
+  vec_t<T> m = ninf;
+  for (int64_t j = 0; j < n; j += W, col += static_cast<I>(W)) {
+    const vec_t<T> t = (col >= l) & (col < h) ? vload(s + j) * vc : ninf;
+    vstore(s + j, t);
+    m = vmax<T>(m, t);
   }
-  return m;
+  return hmax<T>(m);
 }
 
 // p = exp2(t - ref) in place; returns sum(p).
