@@ -7,7 +7,6 @@
 #include <string>
 
 #include "backend.hpp"
-#include "flashdl/detail/tiles.hpp"
 
 namespace flashdl::validate {
 
@@ -231,8 +230,10 @@ void check_block_mask(const Options& o, const Shapes& s, Device device) {
     fail(ErrorKind::unsupported, "block_mask: block-sparse attention runs on the CPU only for now "
                                  "(q is on " + std::string(device_name(device.type)) + ")");
   check_device("block_mask", m, device);
-  const int64_t nbq = detail::ceil_div(s.seqlen_q, o.block_size_q);
-  const int64_t nbk = detail::ceil_div(s.seqlen_k, o.block_size_k);
+  // ceil(n / block) without n + block - 1, which overflows for blocks near 2^63.
+  auto nblocks = [](int64_t n, int64_t block) { return n == 0 ? 0 : 1 + (n - 1) / block; };
+  const int64_t nbq = nblocks(s.seqlen_q, o.block_size_q);
+  const int64_t nbk = nblocks(s.seqlen_k, o.block_size_k);
   const int64_t* n = m.shape.data();
   const bool blocks_ok = n[m.rank - 2] == nbq && n[m.rank - 1] == nbk;
   const bool lead_ok = m.rank == 2 || ((n[0] == 1 || n[0] == s.batch) &&
@@ -300,8 +301,10 @@ Params make_params(const TensorView& q, const TensorView& k, const TensorView& v
     p.block_mask_head_stride = full && bm.shape[1] > 1 ? bm.strides[1] : 0;
     p.block_mask_row_stride = bm.strides[bm.rank - 2];
   }
-  p.block_q = o.block_size_q;
-  p.block_k = o.block_size_k;
+  // A block at least as long as the sequence is one block either way; capping it keeps the
+  // kernels' tile arithmetic far from overflow.
+  p.block_q = std::min(o.block_size_q, std::max<int64_t>(s.seqlen_q, 1));
+  p.block_k = std::min(o.block_size_k, std::max<int64_t>(s.seqlen_k, 1));
 
   p.p_dropout = o.dropout_p;
   p.seed = o.seed;

@@ -72,8 +72,8 @@ def _block_sparse(block_mask, block_size):
     except (TypeError, ValueError):
         raise TypeError("block_size: expected an int or a pair (block_q, block_k) of ints, "
                         f"got {block_size!r}") from None
-    if bq < 1 or bk < 1:
-        raise ValueError(f"block_size: expected block sizes >= 1, got ({bq}, {bk})")
+    if not (1 <= bq < 2**63 and 1 <= bk < 2**63):
+        raise ValueError(f"block_size: expected block sizes in [1, 2**63), got ({bq}, {bk})")
     if block_mask is not None and not (isinstance(block_mask, np.ndarray)
                                        or hasattr(block_mask, "__dlpack__")):
         raise TypeError("block_mask: expected None or a bool array (NumPy or the framework of q) "

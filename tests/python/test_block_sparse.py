@@ -335,6 +335,20 @@ def test_good_mask_for_the_error_cases():
                                   flashdl.attention(Q, K, V))
 
 
+def test_huge_block_sizes_are_one_block():
+    """A block longer than the sequence (up to 2**63 - 1) is one block covering it."""
+    rng = np.random.default_rng(11)
+    q, k, v = make_qkv(rng, 1, 30, 20, 2, 1, 8, dtype="float32")
+    want = flashdl.attention(q, k, v, block_mask=np.ones((1, 1), bool), block_size=64)
+    for block in (2**62, 2**63 - 1):
+        got = flashdl.attention(q, k, v, block_mask=np.ones((1, 1), bool), block_size=block)
+        np.testing.assert_array_equal(got, want)
+        zero = flashdl.attention(q, k, v, block_mask=np.zeros((1, 1), bool), block_size=block)
+        assert np.all(zero == 0)
+    with pytest.raises(ValueError, match=r"\bblock_size\b"):
+        flashdl.attention(q, k, v, block_mask=np.ones((1, 1), bool), block_size=2**63)
+
+
 def test_varlen_mask_errors():
     cq = np.array([0, 10, 40], np.int32)
     ck = np.array([0, 30, 30], np.int32)
