@@ -187,8 +187,8 @@ void forward_varlen(const InArray& q, const InArray& k, const InArray& v,
                     bool causal, int64_t window_left, int64_t window_right,
                     const std::string& schedule, double dropout_p, uint64_t seed, uint64_t offset,
                     uintptr_t stream, int64_t sram_bytes, int num_threads,
-             const std::optional<InArray>& block_mask, int64_t block_size_q,
-             int64_t block_size_k) {
+                    const std::optional<InArray>& block_mask, int64_t block_size_q,
+                    int64_t block_size_k) {
   const Override ov = parse_override(dtype);
   flashdl::Options o =
       make_options(softmax_scale, causal, window_left, window_right, schedule, dropout_p, seed,

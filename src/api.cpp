@@ -35,6 +35,7 @@ Schedule parse_schedule(const std::string& name) {
 void forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
              const TensorView& lse, const Options& options) {
   const Shapes s = check_attention_args(q, k, v, out, lse, options);
+  check_block_mask(options, s, q.device, {{"out", &out}, {"lse", &lse}});
   if (s.batch == 0 || s.seqlen_q == 0 || s.nheads == 0) return;  // nothing to write
   dispatch_forward(make_params(q, k, v, out, lse, options, s));
 }
@@ -44,6 +45,7 @@ void backward(const TensorView& dout, const TensorView& q, const TensorView& k,
               const TensorView& dq, const TensorView& dk, const TensorView& dv,
               const Options& options) {
   const Shapes s = check_backward_args(dout, q, k, v, out, lse, dq, dk, dv, options);
+  check_block_mask(options, s, q.device, {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}});
   if (s.batch == 0 || s.nheads == 0) return;
   dispatch_backward(make_backward_params(dout, q, k, v, out, lse, dq, dk, dv, options, s));
 }

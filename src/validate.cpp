@@ -205,15 +205,11 @@ Shapes check_attention_args(const TensorView& q, const TensorView& k, const Tens
   if (on_cuda && o.schedule == Schedule::reference)
     fail(ErrorKind::unsupported, "schedule: 'reference' runs on the CPU only (float64 oracle); "
                                  "copy the arrays to the CPU to use it");
-  check_block_mask(o, s, q.device);
-  if (o.block_mask.defined()) {
-    check_no_overlap("out", out, "block_mask", o.block_mask);
-    check_no_overlap("lse", lse, "block_mask", o.block_mask);
-  }
   return s;
 }
 
-void check_block_mask(const Options& o, const Shapes& s, Device device) {
+void check_block_mask(const Options& o, const Shapes& s, Device device,
+                      std::initializer_list<NamedView> outputs) {
   if (o.block_size_q < 1 || o.block_size_k < 1)
     fail(ErrorKind::value, "block_size: expected block sizes >= 1, got (" +
                                std::to_string(o.block_size_q) + ", " +
@@ -247,6 +243,7 @@ void check_block_mask(const Options& o, const Shapes& s, Device device) {
              std::to_string(o.block_size_q) + ", " + std::to_string(o.block_size_k) +
              "), got " + shape_str(m));
   check_last_dim_contiguous("block_mask", m);
+  for (auto [name, t] : outputs) check_no_overlap(name, *t, "block_mask", m);
 }
 
 #define FLASHDL_SET_STRIDES(P, prefix, t) \
@@ -362,8 +359,6 @@ Shapes check_backward_args(const TensorView& dout, const TensorView& q, const Te
   const std::pair<const char*, const TensorView*> grads[] = {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}};
   for (auto [gname, g] : grads)
     for (auto [iname, in] : inputs) check_no_overlap(gname, *g, iname, *in);
-  if (options.block_mask.defined())
-    for (auto [gname, g] : grads) check_no_overlap(gname, *g, "block_mask", options.block_mask);
   check_no_overlap("dq", dq, "dk", dk);
   check_no_overlap("dq", dq, "dv", dv);
   check_no_overlap("dk", dk, "dv", dv);

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <utility>
 
 #include "flashdl/api.hpp"
 
@@ -27,9 +28,13 @@ void check_last_dim_contiguous(const char* name, const TensorView& t);
 void check_no_overlap(const char* out_name, const TensorView& out, const char* in_name,
                       const TensorView& in);
 
-// The block-sparse mask and block sizes of `o` for a problem of extents `s` whose arrays live on
-// `device` (nothing to check beyond the block sizes when o.block_mask is undefined).
-void check_block_mask(const Options& o, const Shapes& s, Device device);
+// The block-sparse mask and block sizes of `o` for a problem of extents `s` (for varlen: the
+// batch of sequences and max_seqlen) whose arrays live on `device`, and that none of the call's
+// `outputs` overlaps the mask. Only the block sizes when o.block_mask is undefined. Called by each
+// entry point, after its other checks.
+using NamedView = std::pair<const char*, const TensorView*>;
+void check_block_mask(const Options& o, const Shapes& s, Device device,
+                      std::initializer_list<NamedView> outputs);
 
 // Checks q, k, v, out, lse and the options; returns the problem's extents.
 Shapes check_attention_args(const TensorView& q, const TensorView& k, const TensorView& v,

@@ -1,7 +1,6 @@
 // Variable-length batches (flash-attn's varlen layout): validated once whole, then each sequence
 // runs as a batch-1 dense problem over its own rows, so no padding is computed.
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "flashdl/api.hpp"
@@ -121,20 +120,12 @@ VarlenBatch check_varlen_layout(const TensorView& q, const TensorView& k, const 
 }
 
 
-// The checks of the whole packed call: check_attention_args (or the backward's) sees batch-1 views
-// of the packed arrays, so the block mask, sized by the batch of sequences and max_seqlen, is
-// checked apart, against those extents.
-Options without_block_mask(const Options& o) {
-  Options r = o;
-  r.block_mask = TensorView{};
-  return r;
-}
-
-void check_varlen_block_mask(const Options& o, const VarlenBatch& vb, const Shapes& whole,
-                             int64_t max_seqlen_q, int64_t max_seqlen_k, Device device) {
-  check_block_mask(o, Shapes{vb.batch(), max_seqlen_q, max_seqlen_k, whole.nheads,
-                             whole.nheads_kv, whole.headdim},
-                   device);
+// The block mask of a packed call is sized by its batch of sequences and max_seqlen, not by the
+// batch-1 views the other checks see.
+Shapes mask_extents(const VarlenBatch& vb, const Shapes& whole, int64_t max_seqlen_q,
+                    int64_t max_seqlen_k) {
+  return Shapes{vb.batch(), max_seqlen_q, max_seqlen_k, whole.nheads, whole.nheads_kv,
+                whole.headdim};
 }
 
 // Params of sequence b: its block-mask plane (the mask's batch index is the sequence's) and its
@@ -154,12 +145,9 @@ void forward_varlen(const TensorView& q, const TensorView& k, const TensorView& 
                                              max_seqlen_q, max_seqlen_k);
   const TensorView q4 = as_batch1(q), k4 = as_batch1(k), v4 = as_batch1(v), o4 = as_batch1(out),
                    l3 = lse_as_batch1(lse);
-  const Shapes whole = check_attention_args(q4, k4, v4, o4, l3, without_block_mask(options));
-  check_varlen_block_mask(options, vb, whole, max_seqlen_q, max_seqlen_k, q.device);
-  if (options.block_mask.defined()) {
-    check_no_overlap("out", out, "block_mask", options.block_mask);
-    check_no_overlap("lse", lse, "block_mask", options.block_mask);
-  }
+  const Shapes whole = check_attention_args(q4, k4, v4, o4, l3, options);
+  check_block_mask(options, mask_extents(vb, whole, max_seqlen_q, max_seqlen_k), q.device,
+                   {{"out", &out}, {"lse", &lse}});
   if (whole.nheads == 0) return;
   // Each sequence is a batch-1 dense problem over its own rows: causal and window alignment are
   // per sequence for free, and no padding is computed.
@@ -193,13 +181,9 @@ void backward_varlen(const TensorView& dout, const TensorView& q, const TensorVi
   const TensorView do4 = as_batch1(dout), q4 = as_batch1(q), k4 = as_batch1(k),
                    v4 = as_batch1(v), o4 = as_batch1(out), l3 = lse_as_batch1(lse),
                    dq4 = as_batch1(dq), dk4 = as_batch1(dk), dv4 = as_batch1(dv);
-  const Shapes whole =
-      check_backward_args(do4, q4, k4, v4, o4, l3, dq4, dk4, dv4, without_block_mask(options));
-  check_varlen_block_mask(options, vb, whole, max_seqlen_q, max_seqlen_k, q.device);
-  if (options.block_mask.defined())
-    for (auto [name, g] : {std::pair<const char*, const TensorView*>{"dq", &dq}, {"dk", &dk},
-                           {"dv", &dv}})
-      check_no_overlap(name, *g, "block_mask", options.block_mask);
+  const Shapes whole = check_backward_args(do4, q4, k4, v4, o4, l3, dq4, dk4, dv4, options);
+  check_block_mask(options, mask_extents(vb, whole, max_seqlen_q, max_seqlen_k), q.device,
+                   {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}});
   if (whole.nheads == 0) return;
   // Sequences with no query rows still run: the backend writes their dk, dv (zeros).
   for (int64_t b = 0; b < vb.batch(); ++b) {
