@@ -78,8 +78,8 @@ struct LaunchContext {
   int cc_major, cc_minor;
   int smem_optin;        // cudaDevAttrMaxSharedMemoryPerBlockOptin, bytes
   int max_grid_y, max_grid_z;
-  bool vec_load;         // q, k, v rows start on 16-byte boundaries: cp.async 16-byte copies
-  bool vec_store;        // out rows start on 16-byte boundaries: 16-byte stores
+  bool vec_load;         // q, k, v (and dout) rows start on 16-byte boundaries: cp.async copies
+  bool vec_store;        // out (or dq, dk, dv) rows start on 16-byte boundaries: 16-byte stores
 };
 
 }  // namespace flashdl::cuda

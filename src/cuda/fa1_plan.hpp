@@ -44,8 +44,12 @@ inline Fa1Layout fa1_layout(int br, int bc, int head_dim, int elem_bytes) {
   return L;
 }
 
-inline Fa1Layout plan_fa1(int64_t sram_bytes, int64_t seqlen_q, int64_t seqlen_k, int head_dim,
-                          int elem_bytes, int smem_optin) {
+// The rule's sizes rounded to whole 16 x 16 tiles (at least one) and capped by the problem's
+// extents; then Bc shrinks 16 rows at a time (Br = min(Br, Bc) with it) until layout(br, bc),
+// any struct with a `bytes` field, fits the device. Shared by the forward and the backward.
+template <typename LayoutFn>
+auto plan_fa1_tiles(int64_t sram_bytes, int64_t seqlen_q, int64_t seqlen_k, int head_dim,
+                    int elem_bytes, int smem_optin, const char* kernel, LayoutFn layout) {
   const int64_t budget = sram_bytes > 0 ? sram_bytes : smem_optin;
   const detail::Fa1Tiles rule = detail::fa1_tiles(budget / elem_bytes, head_dim);
   auto to_tile = [](int64_t rows, int64_t extent) {
@@ -57,7 +61,7 @@ inline Fa1Layout plan_fa1(int64_t sram_bytes, int64_t seqlen_q, int64_t seqlen_k
   int bc = to_tile(rule.Bc, seqlen_k);
   int br = to_tile(rule.Br, seqlen_q);
   for (;;) {
-    const Fa1Layout L = fa1_layout(br, bc, head_dim, elem_bytes);
+    const auto L = layout(br, bc);
     if (L.bytes <= static_cast<unsigned>(smem_optin)) return L;
     if (bc > 16) {
       bc -= 16;
@@ -66,11 +70,18 @@ inline Fa1Layout plan_fa1(int64_t sram_bytes, int64_t seqlen_q, int64_t seqlen_k
       br -= 16;
     } else {
       throw Error(ErrorKind::unsupported,
-                  "q: the fa1 kernel for headdim " + std::to_string(head_dim) + " needs " +
-                      std::to_string(L.bytes) + " bytes of shared memory for its smallest tiles "
-                      "(16 x 16); the device offers " + std::to_string(smem_optin));
+                  std::string("q: the ") + kernel + " kernel for headdim " +
+                      std::to_string(head_dim) + " needs " + std::to_string(L.bytes) +
+                      " bytes of shared memory for its smallest tiles (16 x 16); the device "
+                      "offers " + std::to_string(smem_optin));
     }
   }
+}
+
+inline Fa1Layout plan_fa1(int64_t sram_bytes, int64_t seqlen_q, int64_t seqlen_k, int head_dim,
+                          int elem_bytes, int smem_optin) {
+  return plan_fa1_tiles(sram_bytes, seqlen_q, seqlen_k, head_dim, elem_bytes, smem_optin, "fa1",
+                        [&](int br, int bc) { return fa1_layout(br, bc, head_dim, elem_bytes); });
 }
 
 }  // namespace flashdl::cuda

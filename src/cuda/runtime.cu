@@ -1,9 +1,10 @@
 // The CUDA backend's entry: device discovery (safe with no driver: the static runtime reports an
-// error, never aborts) and the forward dispatch (device guard, device limits, dtype x head dim at
-// compile time, schedule at run time). Params arrive validated by api.cpp.
+// error, never aborts) and the forward and backward dispatch (device guard, device limits, dtype x
+// head dim at compile time, schedule at run time). Params arrive validated by api.cpp.
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "backend.hpp"
@@ -44,7 +45,20 @@ int device_attribute(cudaDeviceAttr attr, int device, const char* what) {
   return value;
 }
 
-LaunchContext make_context(const Params& p) {
+// FLASHDL_CUDA_SMEM_LIMIT=<bytes> caps the opt-in shared memory the launchers plan against, so a
+// large-memory GPU (an H100) also runs the smaller-tile fallbacks that parts with 99 KiB per
+// block select. Unset, empty or unparsable: no cap.
+int smem_limit(int device_optin) {
+  const char* env = std::getenv("FLASHDL_CUDA_SMEM_LIMIT");
+  if (env == nullptr || *env == '\0') return device_optin;
+  char* end = nullptr;
+  const long long cap = std::strtoll(env, &end, 10);
+  if (*end != '\0' || cap <= 0) return device_optin;
+  return cap < device_optin ? static_cast<int>(cap) : device_optin;
+}
+
+// The device guard is the caller's; this reads the device's limits and refuses pre-sm_80 parts.
+LaunchContext make_context(const Params& p, bool backward) {
   LaunchContext c{};
   c.stream = static_cast<cudaStream_t>(p.stream);
   c.device = p.device.id;
@@ -52,49 +66,77 @@ LaunchContext make_context(const Params& p) {
                                 "cudaDeviceGetAttribute(ComputeCapabilityMajor)");
   c.cc_minor = device_attribute(cudaDevAttrComputeCapabilityMinor, c.device,
                                 "cudaDeviceGetAttribute(ComputeCapabilityMinor)");
-  c.smem_optin = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, c.device,
-                                  "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)");
+  c.smem_optin = smem_limit(device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, c.device,
+                                             "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)"));
   c.max_grid_y = device_attribute(cudaDevAttrMaxGridDimY, c.device,
                                   "cudaDeviceGetAttribute(MaxGridDimY)");
   c.max_grid_z = device_attribute(cudaDevAttrMaxGridDimZ, c.device,
                                   "cudaDeviceGetAttribute(MaxGridDimZ)");
-  c.vec_load = rows_aligned_16(p.q_ptr, p.q_batch_stride, p.q_row_stride, p.q_head_stride) &&
-               rows_aligned_16(p.k_ptr, p.k_batch_stride, p.k_row_stride, p.k_head_stride) &&
-               rows_aligned_16(p.v_ptr, p.v_batch_stride, p.v_row_stride, p.v_head_stride);
-  c.vec_store = rows_aligned_16(p.o_ptr, p.o_batch_stride, p.o_row_stride, p.o_head_stride);
+  if (c.cc_major < 8)
+    throw Error(ErrorKind::unsupported,
+                "q: the CUDA kernels need compute capability 8.0 or newer (bfloat16 tensor cores, "
+                "cp.async); device " + std::to_string(c.device) + " is " +
+                    std::to_string(c.cc_major) + "." + std::to_string(c.cc_minor));
+  const bool qkv = rows_aligned_16(p.q_ptr, p.q_batch_stride, p.q_row_stride, p.q_head_stride) &&
+                   rows_aligned_16(p.k_ptr, p.k_batch_stride, p.k_row_stride, p.k_head_stride) &&
+                   rows_aligned_16(p.v_ptr, p.v_batch_stride, p.v_row_stride, p.v_head_stride);
+  if (!backward) {  // loads q, k, v; stores out
+    c.vec_load = qkv;
+    c.vec_store = rows_aligned_16(p.o_ptr, p.o_batch_stride, p.o_row_stride, p.o_head_stride);
+  } else {  // loads q, k, v, dout (out is read row by row); stores dq, dk, dv
+    c.vec_load = qkv && rows_aligned_16(p.do_ptr, p.do_batch_stride, p.do_row_stride, p.do_head_stride);
+    c.vec_store =
+        rows_aligned_16(p.dq_ptr, p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride) &&
+        rows_aligned_16(p.dk_ptr, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride) &&
+        rows_aligned_16(p.dv_ptr, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride);
+  }
   return c;
+}
+
+void refuse_dropout(const Params& p) {
+  if (p.p_dropout > 0.0f)
+    throw Error(ErrorKind::unsupported,
+                "dropout_p: dropout is not yet on CUDA (got " + std::to_string(p.p_dropout) +
+                    "); pass dropout_p=0, or CPU arrays");
+}
+
+[[noreturn]] void no_kernel(const Params& p) {
+  throw Error(ErrorKind::unsupported, std::string("schedule: no CUDA kernel for '") +
+                                          schedule_name(p.schedule) + "'");
 }
 
 }  // namespace
 
 void forward(const Params& p) {
-  if (p.p_dropout > 0.0f)
-    throw Error(ErrorKind::unsupported,
-                "dropout_p: dropout is not yet on CUDA (got " + std::to_string(p.p_dropout) +
-                    "); pass dropout_p=0, or CPU arrays");
+  refuse_dropout(p);
   DeviceGuard guard(p.device.id);
-  const LaunchContext ctx = make_context(p);
-  if (ctx.cc_major < 8)
-    throw Error(ErrorKind::unsupported,
-                "q: the CUDA kernels need compute capability 8.0 or newer (bfloat16 tensor cores, "
-                "cp.async); device " + std::to_string(ctx.device) + " is " +
-                    std::to_string(ctx.cc_major) + "." + std::to_string(ctx.cc_minor));
+  const LaunchContext ctx = make_context(p, false);
   FLASHDL_DTYPE_SWITCH(p.dtype, T, [&] {
     FLASHDL_HEADDIM_SWITCH(p.headdim, kHeadDim, [&] {
       switch (p.schedule) {
         case Schedule::fa1: return launch_fa1_forward<T, kHeadDim>(p, ctx);
         case Schedule::automatic:  // api.cpp resolves automatic to fa2 already
         case Schedule::fa2: return launch_fa2_forward<T, kHeadDim>(p, ctx);
-        default:
-          throw Error(ErrorKind::unsupported, std::string("schedule: no CUDA kernel for '") +
-                                                  schedule_name(p.schedule) + "'");
+        default: no_kernel(p);
       }
     });
   });
 }
 
-void backward(const Params&) {
-  throw Error(ErrorKind::unsupported, "q: the CUDA backward kernels are not implemented yet");
+void backward(const Params& p) {
+  refuse_dropout(p);
+  DeviceGuard guard(p.device.id);
+  const LaunchContext ctx = make_context(p, true);
+  FLASHDL_DTYPE_SWITCH(p.dtype, T, [&] {
+    FLASHDL_HEADDIM_SWITCH(p.headdim, kHeadDim, [&] {
+      switch (p.schedule) {
+        case Schedule::fa1: return launch_fa1_backward<T, kHeadDim>(p, ctx);
+        case Schedule::automatic:
+        case Schedule::fa2: return launch_fa2_backward<T, kHeadDim>(p, ctx);
+        default: no_kernel(p);
+      }
+    });
+  });
 }
 
 }  // namespace flashdl::cuda

@@ -1,15 +1,19 @@
-// Helpers for the CUDA tests: 16-bit float conversions on the host, strided layouts, device buffers
-// poisoned with NaN, and the naive attention "in the input precision" of the tolerance rule.
+// Helpers for the CUDA tests: 16-bit float conversions on the host, strided layouts, buffers
+// poisoned with NaN (device memory, or host memory for --cpu runs), placing arrays in a layout and
+// reading them back with a check of the gaps, and the naive forward "in the input precision" of
+// the tolerance rule.
 // Self-contained on purpose: it shares no code with the kernels it checks.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -125,11 +129,84 @@ inline Layout make_layout(int64_t b, int64_t s, int64_t h, int64_t d, Kind kind)
   return L;
 }
 
-inline flashdl::TensorView device_view(void* data, flashdl::DType dt, const Layout& L, int rank) {
+// lse (b, h, sq) float32; strided: stored as (b, h + 1, sq + 3), gaps after every row and batch.
+inline Layout lse_layout(int64_t b, int64_t h, int64_t sq, bool strided) {
+  if (!strided) return Layout{{b, h, sq, 1}, {h * sq, sq, 1, 1}, b * h * sq};
+  return Layout{{b, h, sq, 1}, {(h + 1) * (sq + 3), sq + 3, 1, 1}, b * (h + 1) * (sq + 3)};
+}
+
+// ---- memory: device, or host when the test runs on the CPU backend (--cpu) ----------------------
+class Buffer {
+ public:
+  Buffer(size_t n, bool host) : bytes(n), host_(host) {
+    if (host_) {
+      // aligned_alloc wants a multiple of the alignment; 256 matches cudaMalloc's, so the
+      // alignment-dependent paths see the same layouts on both backends.
+      ptr = std::aligned_alloc(256, (n / 256 + 1) * 256);
+      if (ptr == nullptr) {
+        std::fprintf(stderr, "host allocation of %zu bytes failed\n", n);
+        std::exit(1);
+      }
+    } else {
+      CUDA_TEST_CHECK(cudaMalloc(&ptr, n > 0 ? n : 1));
+    }
+  }
+  ~Buffer() {
+    if (host_)
+      std::free(ptr);
+    else
+      cudaFree(ptr);
+  }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+
+  flashdl::Device device() const {
+    return flashdl::Device{host_ ? flashdl::DeviceType::cpu : flashdl::DeviceType::cuda, 0};
+  }
+  // The library works on a non-blocking stream that does not wait for the legacy default stream
+  // these helpers use; they synchronise the device (the test may, the library never does).
+  void poison() {  // 0xff bytes: NaN in every float format
+    if (host_) {
+      std::memset(ptr, 0xff, bytes);
+      return;
+    }
+    CUDA_TEST_CHECK(cudaMemset(ptr, 0xff, bytes));
+    CUDA_TEST_CHECK(cudaDeviceSynchronize());
+  }
+  template <typename U>
+  void upload(const std::vector<U>& h) {
+    if (h.empty()) return;  // seqlen 0: no copy (and no null source pointer)
+    if (host_) {
+      std::memcpy(ptr, h.data(), h.size() * sizeof(U));
+      return;
+    }
+    CUDA_TEST_CHECK(cudaMemcpy(ptr, h.data(), h.size() * sizeof(U), cudaMemcpyHostToDevice));
+    CUDA_TEST_CHECK(cudaDeviceSynchronize());
+  }
+  template <typename U>
+  std::vector<U> download() const {
+    std::vector<U> h(bytes / sizeof(U));
+    if (h.empty()) return h;
+    if (host_)
+      std::memcpy(h.data(), ptr, h.size() * sizeof(U));
+    else
+      CUDA_TEST_CHECK(cudaMemcpy(h.data(), ptr, h.size() * sizeof(U), cudaMemcpyDeviceToHost));
+    return h;
+  }
+
+  void* ptr = nullptr;
+  size_t bytes = 0;
+
+ private:
+  bool host_;
+};
+
+inline flashdl::TensorView view_of(const Buffer& buf, flashdl::DType dt, const Layout& L,
+                                   int rank) {
   flashdl::TensorView t;
-  t.data = data;
+  t.data = buf.ptr;
   t.dtype = dt;
-  t.device = flashdl::Device{flashdl::DeviceType::cuda, 0};
+  t.device = buf.device();
   t.rank = rank;
   for (int i = 0; i < rank; ++i) {
     t.shape[i] = L.shape[i];
@@ -138,32 +215,72 @@ inline flashdl::TensorView device_view(void* data, flashdl::DType dt, const Layo
   return t;
 }
 
-// ---- device memory -------------------------------------------------------------------------------
-struct DeviceBuffer {
-  void* ptr = nullptr;
-  size_t bytes = 0;
-  explicit DeviceBuffer(size_t n) : bytes(n) { CUDA_TEST_CHECK(cudaMalloc(&ptr, n > 0 ? n : 1)); }
-  ~DeviceBuffer() { cudaFree(ptr); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  // The library works on a non-blocking stream that does not wait for the legacy default stream
-  // these helpers use; they synchronise the device (the test may, the library never does).
-  void poison() {  // 0xff bytes: NaN in every float format
-    CUDA_TEST_CHECK(cudaMemset(ptr, 0xff, bytes));
-    CUDA_TEST_CHECK(cudaDeviceSynchronize());
+// A logical contiguous 4-d array placed in `L`'s layout as 16-bit values; the gaps hold NaN.
+inline std::vector<uint16_t> place(const std::vector<float>& x, const Layout& L,
+                                   flashdl::DType dt) {
+  std::vector<uint16_t> buf(size_t(L.span), 0xffff);
+  size_t i = 0;
+  for (int64_t a = 0; a < L.shape[0]; ++a)
+    for (int64_t b = 0; b < L.shape[1]; ++b)
+      for (int64_t c = 0; c < L.shape[2]; ++c)
+        for (int64_t d = 0; d < L.shape[3]; ++d)
+          buf[size_t(L.offset(a, b, c, d))] = to_bits(x[i++], dt);
+  return buf;
+}
+
+// The float32 lse (logical (b, h, sq)) placed in its layout; the gaps hold NaN.
+inline std::vector<float> place_lse(const std::vector<float>& lse, const Layout& L) {
+  std::vector<float> buf(size_t(L.span), bits_to_float(0xffffffffu));
+  size_t i = 0;
+  for (int64_t a = 0; a < L.shape[0]; ++a)
+    for (int64_t b = 0; b < L.shape[1]; ++b)
+      for (int64_t c = 0; c < L.shape[2]; ++c) buf[size_t(L.offset(a, b, c, 0))] = lse[i++];
+  return buf;
+}
+
+// The logical contiguous values of a 16-bit buffer in layout `L`. Clears `gaps_untouched` when a
+// position outside the view no longer holds the 0xffff poison.
+inline std::vector<double> gather(const std::vector<uint16_t>& buf, const Layout& L,
+                                  flashdl::DType dt, bool& gaps_untouched) {
+  std::vector<double> x;
+  x.reserve(size_t(L.shape[0] * L.shape[1] * L.shape[2] * L.shape[3]));
+  std::vector<char> used(buf.size(), 0);
+  for (int64_t a = 0; a < L.shape[0]; ++a)
+    for (int64_t b = 0; b < L.shape[1]; ++b)
+      for (int64_t c = 0; c < L.shape[2]; ++c)
+        for (int64_t d = 0; d < L.shape[3]; ++d) {
+          const auto off = size_t(L.offset(a, b, c, d));
+          used[off] = 1;
+          x.push_back(from_bits(buf[off], dt));
+        }
+  for (size_t i = 0; i < buf.size(); ++i) gaps_untouched &= used[i] || buf[i] == 0xffff;
+  return x;
+}
+
+// Multiples of 1/64 in [-2, 2]: exact in float16 and bfloat16, so one oracle serves both.
+template <typename Rng>
+std::vector<float> random_values(int64_t n, Rng& rng) {
+  std::uniform_int_distribution<int> dist(-128, 128);
+  std::vector<float> x(size_t(n > 0 ? n : 0));
+  for (float& e : x) e = float(dist(rng)) / 64.0f;
+  return x;
+}
+
+// max |a - b|; NaN anywhere counts as infinitely far.
+inline double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b) {
+  double m = 0.0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double e = std::fabs(a[i] - b[i]);
+    if (!(e <= m)) m = std::isnan(e) ? INFINITY : e;
   }
-  template <typename U>
-  void upload(const std::vector<U>& h) {
-    CUDA_TEST_CHECK(cudaMemcpy(ptr, h.data(), h.size() * sizeof(U), cudaMemcpyHostToDevice));
-    CUDA_TEST_CHECK(cudaDeviceSynchronize());
-  }
-  template <typename U>
-  std::vector<U> download() const {
-    std::vector<U> h(bytes / sizeof(U));
-    CUDA_TEST_CHECK(cudaMemcpy(h.data(), ptr, h.size() * sizeof(U), cudaMemcpyDeviceToHost));
-    return h;
-  }
-};
+  return m;
+}
+
+inline bool any_nan(const std::vector<double>& x) {
+  for (double e : x)
+    if (std::isnan(e)) return true;
+  return false;
+}
 
 // ---- the naive algorithm in the input precision --------------------------------------------------
 // float scores from the 16-bit inputs, softmax in float, P rounded to the storage type before P V

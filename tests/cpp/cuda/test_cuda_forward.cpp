@@ -1,8 +1,12 @@
 // The CUDA forward kernels (fa1 and fa2) against the CPU float64 reference: both dtypes, every head
 // dim, causal and windows, GQA/MQA, seqlen_q != seqlen_k, odd lengths, strided and misaligned
 // arrays, empty rows; outputs poisoned with NaN before every call and their padding checked to stay
-// untouched. Then a race test (100 identical calls, bitwise equal) and the errors CUDA must raise.
-// Exit code 77 (skipped) when there is no CUDA device.
+// untouched. Then a race test (100 identical calls, bitwise equal) and the error CUDA must raise
+// for dropout. Exit code 77 (skipped) when there is no CUDA device.
+//
+// FLASHDL_CUDA_SMEM_LIMIT=101376 (bytes) caps the shared memory the launchers plan against, which
+// exercises the 99 KiB fallback variants (smaller tiles) that an H100 never selects.
+// Command line (cli.hpp): --quick (for compute-sanitizer), --filter SUBSTR, --no-race, --cpu.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -10,8 +14,10 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "cli.hpp"
 #include "cuda_harness.hpp"
 #include "flashdl/api.hpp"
 
@@ -60,14 +66,6 @@ flashdl::Options options_of(const Case& c) {
   return o;
 }
 
-// Multiples of 1/64 in [-2, 2]: exact in float16 and bfloat16, so one oracle serves both.
-std::vector<float> random_values(int64_t n, std::mt19937& rng) {
-  std::uniform_int_distribution<int> dist(-128, 128);
-  std::vector<float> x(size_t(n > 0 ? n : 0));
-  for (float& e : x) e = float(dist(rng)) / 64.0f;
-  return x;
-}
-
 struct Oracle {
   std::vector<double> out;
   std::vector<float> lse;
@@ -87,17 +85,6 @@ Oracle reference(const Case& c, const Shape& s, const std::vector<float>& q,
   return r;
 }
 
-// A logical contiguous (b, s, h, d) array placed in `L`'s layout; the gaps hold NaN.
-std::vector<uint16_t> place(const std::vector<float>& x, const Layout& L, DType dt) {
-  std::vector<uint16_t> buf(size_t(L.span), 0xffff);
-  size_t i = 0;
-  for (int64_t a = 0; a < L.shape[0]; ++a)
-    for (int64_t b = 0; b < L.shape[1]; ++b)
-      for (int64_t c = 0; c < L.shape[2]; ++c)
-        for (int64_t d = 0; d < L.shape[3]; ++d) buf[size_t(L.offset(a, b, c, d))] = to_bits(x[i++], dt);
-  return buf;
-}
-
 struct GpuResult {
   std::vector<double> out;  // logical (b, sq, h, d)
   std::vector<float> lse;   // logical (b, h, sq)
@@ -106,68 +93,49 @@ struct GpuResult {
 
 struct GpuInputs {
   Layout lq, lk;
-  DeviceBuffer q, k, v;
-  GpuInputs(const Case& c, const Shape& s, DType dt, const std::vector<float>& hq,
+  Buffer q, k, v;
+  GpuInputs(const Target& t, const Case& c, const Shape& s, DType dt, const std::vector<float>& hq,
             const std::vector<float>& hk, const std::vector<float>& hv)
       : lq(make_layout(s.b, s.sq, s.h, s.d, c.kind)),
         lk(make_layout(s.b, s.sk, s.hk, s.d, c.kind)),
-        q(size_t(lq.span) * 2), k(size_t(lk.span) * 2), v(size_t(lk.span) * 2) {
+        q(size_t(lq.span) * 2, t.host),
+        k(size_t(lk.span) * 2, t.host),
+        v(size_t(lk.span) * 2, t.host) {
     q.upload(place(hq, lq, dt));
     k.upload(place(hk, lk, dt));
     v.upload(place(hv, lk, dt));
   }
 };
 
-GpuResult run_gpu(const Case& c, const Shape& s, DType dt, GpuInputs& in, Schedule sched,
-                  int64_t sram_bytes, cudaStream_t stream) {
+GpuResult run_gpu(const Target& t, const Case& c, const Shape& s, DType dt, const GpuInputs& in,
+                  Schedule sched, int64_t sram_bytes) {
   const Layout lo = in.lq;
-  // lse (b, h, sq), when strided stored as (b, h + 1, sq + 3): gaps after every row and batch.
-  Layout ll{{s.b, s.h, s.sq, 1}, {s.h * s.sq, s.sq, 1, 1}, s.b * s.h * s.sq};
-  if (c.strided_lse)
-    ll = Layout{{s.b, s.h, s.sq, 1}, {(s.h + 1) * (s.sq + 3), s.sq + 3, 1, 1}, s.b * (s.h + 1) * (s.sq + 3)};
-  DeviceBuffer out(size_t(lo.span) * 2), lse(size_t(ll.span) * 4);
+  const Layout ll = lse_layout(s.b, s.h, s.sq, c.strided_lse);
+  Buffer out(size_t(lo.span) * 2, t.host), lse(size_t(ll.span) * 4, t.host);
   out.poison();
   lse.poison();
   flashdl::Options o = options_of(c);
   o.schedule = sched;
-  o.stream = stream;
+  o.stream = t.stream;
   o.sram_bytes = sram_bytes;
-  flashdl::forward(device_view(in.q.ptr, dt, in.lq, 4), device_view(in.k.ptr, dt, in.lk, 4),
-                   device_view(in.v.ptr, dt, in.lk, 4), device_view(out.ptr, dt, lo, 4),
-                   device_view(lse.ptr, DType::float32, ll, 3), o);
-  CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
+  flashdl::forward(view_of(in.q, dt, in.lq, 4), view_of(in.k, dt, in.lk, 4),
+                   view_of(in.v, dt, in.lk, 4), view_of(out, dt, lo, 4),
+                   view_of(lse, DType::float32, ll, 3), o);
+  t.sync();
 
   GpuResult r;
-  std::vector<uint16_t> ob = out.download<uint16_t>();
-  std::vector<uint32_t> lb = lse.download<uint32_t>();
-  std::vector<char> used_o(ob.size(), 0), used_l(lb.size(), 0);
-  for (int64_t a = 0; a < s.b; ++a)
-    for (int64_t i = 0; i < s.sq; ++i)
-      for (int64_t h = 0; h < s.h; ++h)
-        for (int64_t e = 0; e < s.d; ++e) {
-          const auto off = size_t(lo.offset(a, i, h, e));
-          used_o[off] = 1;
-          r.out.push_back(from_bits(ob[off], dt));
-        }
+  r.out = gather(out.download<uint16_t>(), lo, dt, r.gaps_untouched);
+  const std::vector<uint32_t> lb = lse.download<uint32_t>();
+  std::vector<char> used(lb.size(), 0);
   for (int64_t a = 0; a < s.b; ++a)
     for (int64_t h = 0; h < s.h; ++h)
       for (int64_t i = 0; i < s.sq; ++i) {
-        const auto off = size_t(a * ll.strides[0] + h * ll.strides[1] + i * ll.strides[2]);
-        used_l[off] = 1;
+        const auto off = size_t(ll.offset(a, h, i, 0));
+        used[off] = 1;
         r.lse.push_back(bits_to_float(lb[off]));
       }
-  for (size_t i = 0; i < ob.size(); ++i) r.gaps_untouched &= used_o[i] || ob[i] == 0xffff;
-  for (size_t i = 0; i < lb.size(); ++i) r.gaps_untouched &= used_l[i] || lb[i] == 0xffffffffu;
+  for (size_t i = 0; i < lb.size(); ++i) r.gaps_untouched &= used[i] || lb[i] == 0xffffffffu;
   return r;
-}
-
-double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b) {
-  double m = 0.0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    const double e = std::fabs(a[i] - b[i]);
-    if (!(e <= m)) m = std::isnan(e) ? INFINITY : e;
-  }
-  return m;
 }
 
 // flash-attn's rule: max|gpu - oracle| <= 2 max|naive_lowp - oracle| + eps(dtype). lse: -inf
@@ -184,42 +152,79 @@ bool check(const std::string& label, const Oracle& ref, const std::vector<double
                                : std::fabs(double(got) - want) <= 1e-3 + 1e-4 * std::fabs(want);
   }
   const bool ok = err <= tol && lse_ok && g.gaps_untouched;
-  std::printf("%s %-60s err %.2e tol %.2e%s%s\n", ok ? "ok  " : "FAIL", label.c_str(), err, tol,
+  std::printf("%s %s | err %.2e tol %.2e%s%s\n", ok ? "ok  " : "FAIL", label.c_str(), err, tol,
               lse_ok ? "" : " [lse]", g.gaps_untouched ? "" : " [wrote outside out/lse]");
   return ok;
 }
 
 std::string label_of(const Case& c, int64_t d, DType dt, Schedule sched, int64_t sram) {
   char buf[200];
-  std::snprintf(buf, sizeof buf, "%s%s %s d=%lld b=%lld sq=%lld sk=%lld h=%lld/%lld%s w=(%lld,%lld) %s",
+  std::snprintf(buf, sizeof buf,
+                "%s%s %s d=%lld b=%lld sq=%lld sk=%lld h=%lld/%lld%s w=(%lld,%lld) %s%s",
                 flashdl::schedule_name(sched), sram ? "(8KiB)" : "", flashdl::dtype_name(dt),
                 (long long)d, (long long)c.b, (long long)c.sq, (long long)c.sk, (long long)c.h,
                 (long long)c.hk, c.causal ? " causal" : "", (long long)c.left, (long long)c.right,
-                kind_name(c.kind));
+                kind_name(c.kind), c.strided_lse ? " lse=strided" : "");
   return buf;
 }
 
-int run_accuracy(cudaStream_t stream) {
+// A case with the head dims it runs (both dtypes each).
+struct Plan {
+  Case c;
+  std::vector<int> dims;
+};
+
+std::vector<Plan> plans(const Cli& cli) {
+  const std::vector<int> all_dims(std::begin(kHeadDims), std::end(kHeadDims));
+  if (cli.quick)
+    return {
+        {{1, 70, 45, 2, 1, false, -1, -1, Kind::contiguous, false, true}, all_dims},
+        // 70 empty rows (a whole empty 64-row block); 79 unseen keys (a whole unseen block).
+        {{1, 100, 30, 2, 2, true, -1, -1, Kind::odd, true, true}, {128}},
+        {{2, 45, 140, 2, 1, false, 16, 8, Kind::padded, false, true}, {64}},
+    };
+  std::vector<Plan> v;
+  for (const Case& c : kCases) v.push_back({c, all_dims});
+  return v;
+}
+
+// The schedules a case runs: fa1, fa2, and fa1 with an 8 KiB budget where the case asks for it.
+std::vector<std::pair<Schedule, int64_t>> variants(const Case& c) {
+  std::vector<std::pair<Schedule, int64_t>> v{{Schedule::fa1, 0}, {Schedule::fa2, 0}};
+  if (c.fa1_small_sram) v.push_back({Schedule::fa1, 8192});
+  return v;
+}
+
+int run_accuracy(const Target& t, const Cli& cli) {
   int failures = 0;
-  std::mt19937 rng(1234);
-  for (const int d : kHeadDims)
-    for (const Case& c : kCases) {
+  const std::vector<Plan> ps = plans(cli);
+  for (size_t pi = 0; pi < ps.size(); ++pi)
+    for (const int d : ps[pi].dims) {
+      const Case& c = ps[pi].c;
+      auto selected = [&](DType dt) {
+        for (const auto& [sched, sram] : variants(c))
+          if (cli.selected(label_of(c, d, dt, sched, sram))) return true;
+        return false;
+      };
+      if (!selected(DType::float16) && !selected(DType::bfloat16)) continue;
       const Shape s = shape_of(c, d);
+      // Seeded per (case, head dim): a --filter run sees the same values as the full run.
+      std::mt19937 rng(uint32_t(7919 * pi + size_t(d)));
       const auto hq = random_values(s.b * s.sq * s.h * d, rng);
       const auto hk = random_values(s.b * s.sk * s.hk * d, rng);
       const auto hv = random_values(s.b * s.sk * s.hk * d, rng);
       const Oracle ref = reference(c, s, hq, hk, hv);
       for (const DType dt : kDtypes) {
+        if (!selected(dt)) continue;
         std::vector<double> lowp;
         naive_lowp(s, hq, hk, hv, dt, lowp);
-        GpuInputs in(c, s, dt, hq, hk, hv);
-        for (const Schedule sched : {Schedule::fa1, Schedule::fa2}) {
-          const GpuResult g = run_gpu(c, s, dt, in, sched, 0, stream);
-          failures += !check(label_of(c, d, dt, sched, 0), ref, lowp, g, dt);
-        }
-        if (c.fa1_small_sram) {
-          const GpuResult g = run_gpu(c, s, dt, in, Schedule::fa1, 8192, stream);
-          failures += !check(label_of(c, d, dt, Schedule::fa1, 8192), ref, lowp, g, dt);
+        const GpuInputs in(t, c, s, dt, hq, hk, hv);
+        for (const auto& [sched, sram] : variants(c)) {
+          const std::string label = label_of(c, d, dt, sched, sram);
+          if (!cli.selected(label)) continue;
+          failures += run_case(label, [&, sched = sched, sram = sram] {
+            return check(label, ref, lowp, run_gpu(t, c, s, dt, in, sched, sram), dt);
+          });
         }
       }
     }
@@ -227,99 +232,81 @@ int run_accuracy(cudaStream_t stream) {
 }
 
 // The same inputs 100 times: bitwise equal out and lse (a race would show up as a difference).
-int run_race(cudaStream_t stream) {
+int run_race(const Target& t, const Cli& cli) {
   int failures = 0;
   const Case c{2, 1000, 1000, 4, 2, true, -1, -1, Kind::contiguous, false, false};
-  std::mt19937 rng(99);
   for (const int d : {64, 256}) {
     const Shape s = shape_of(c, d);
+    auto label_for = [&](Schedule sched) {
+      return "race x100 " + label_of(c, d, DType::float16, sched, 0);
+    };
+    if (!cli.selected(label_for(Schedule::fa1)) && !cli.selected(label_for(Schedule::fa2)))
+      continue;
+    std::mt19937 rng(uint32_t(99 + d));
     const auto hq = random_values(s.b * s.sq * s.h * d, rng);
     const auto hk = random_values(s.b * s.sk * s.hk * d, rng);
     const auto hv = random_values(s.b * s.sk * s.hk * d, rng);
-    GpuInputs in(c, s, DType::float16, hq, hk, hv);
+    const GpuInputs in(t, c, s, DType::float16, hq, hk, hv);
     for (const Schedule sched : {Schedule::fa1, Schedule::fa2}) {
-      const GpuResult first = run_gpu(c, s, DType::float16, in, sched, 0, stream);
-      int mismatches = 0;
-      for (int rep = 1; rep < 100; ++rep) {
-        const GpuResult g = run_gpu(c, s, DType::float16, in, sched, 0, stream);
-        const bool same = std::memcmp(g.out.data(), first.out.data(), g.out.size() * 8) == 0 &&
-                          std::memcmp(g.lse.data(), first.lse.data(), g.lse.size() * 4) == 0;
-        mismatches += !same;
-      }
-      std::printf("%s race %s d=%d: %d of 99 repeats differ\n", mismatches ? "FAIL" : "ok  ",
-                  flashdl::schedule_name(sched), d, mismatches);
-      failures += mismatches != 0;
+      const std::string label = label_for(sched);
+      if (!cli.selected(label)) continue;
+      failures += run_case(label, [&] {
+        const GpuResult first = run_gpu(t, c, s, DType::float16, in, sched, 0);
+        int mismatches = 0;
+        for (int rep = 1; rep < 100; ++rep) {
+          const GpuResult g = run_gpu(t, c, s, DType::float16, in, sched, 0);
+          const bool same = std::memcmp(g.out.data(), first.out.data(), g.out.size() * 8) == 0 &&
+                            std::memcmp(g.lse.data(), first.lse.data(), g.lse.size() * 4) == 0;
+          mismatches += !same;
+        }
+        std::printf("%s %s | %d of 99 repeats differ\n", mismatches ? "FAIL" : "ok  ",
+                    label.c_str(), mismatches);
+        return mismatches == 0;
+      });
     }
   }
   return failures;
 }
 
-// CUDA-specific errors: dropout and the backward pass are not there yet.
-int run_errors(cudaStream_t stream) {
-  int failures = 0;
+// CUDA-specific errors: dropout is not on CUDA yet.
+int run_errors(const Target& t, const Cli& cli) {
+  const std::string label = "error: dropout_p on the CUDA forward";
+  if (t.host || !cli.selected(label)) return 0;  // the CPU backend has dropout
   const Case c{1, 8, 8, 1, 1, false, -1, -1, Kind::contiguous, false, false};
   const Shape s = shape_of(c, 64);
   std::mt19937 rng(5);
   const auto hx = random_values(8 * 64, rng);
-  GpuInputs in(c, s, DType::float16, hx, hx, hx);
-  DeviceBuffer out(8 * 64 * 2), lse(8 * 4), dq(8 * 64 * 2), dk(8 * 64 * 2), dv(8 * 64 * 2);
-  const Layout L = in.lq;
-  const Layout ll{{1, 1, 8, 1}, {8, 8, 1, 1}, 8};
-  auto view = [&](void* p) { return device_view(p, DType::float16, L, 4); };
-  auto expect = [&](const char* what, const char* needle, auto&& call) {
-    bool ok = false;
-    try {
-      call();
-    } catch (const flashdl::Error& e) {
-      ok = e.kind() == flashdl::ErrorKind::unsupported && std::string(e.what()).find(needle) != std::string::npos;
-      std::printf("%s %s -> %s\n", ok ? "ok  " : "FAIL", what, e.what());
-    }
-    if (!ok) std::printf("FAIL %s: expected Error(unsupported) mentioning '%s'\n", what, needle);
-    failures += !ok;
-  };
+  const GpuInputs in(t, c, s, DType::float16, hx, hx, hx);
+  const Layout ll = lse_layout(1, 1, 8, false);
+  Buffer out(size_t(in.lq.span) * 2, false), lse(size_t(ll.span) * 4, false);
   flashdl::Options o;
-  o.stream = stream;
+  o.stream = t.stream;
   o.dropout_p = 0.1f;
-  expect("dropout on CUDA", "dropout_p", [&] {
-    flashdl::forward(view(in.q.ptr), view(in.k.ptr), view(in.v.ptr), view(out.ptr),
-                     device_view(lse.ptr, DType::float32, ll, 3), o);
+  return expect_unsupported(label, "dropout_p", [&] {
+    const DType dt = DType::float16;
+    flashdl::forward(view_of(in.q, dt, in.lq, 4), view_of(in.k, dt, in.lk, 4),
+                     view_of(in.v, dt, in.lk, 4), view_of(out, dt, in.lq, 4),
+                     view_of(lse, DType::float32, ll, 3), o);
   });
-  o.dropout_p = 0.0f;
-  expect("backward on CUDA", "backward", [&] {
-    flashdl::backward(view(in.q.ptr), view(in.q.ptr), view(in.k.ptr), view(in.v.ptr),
-                      view(out.ptr), device_view(lse.ptr, DType::float32, ll, 3), view(dq.ptr),
-                      view(dk.ptr), view(dv.ptr), o);
-  });
-  return failures;
 }
 
 }  // namespace
 
-int main() {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    std::printf("skipped: no CUDA device\n");
-    return 77;
-  }
-  CUDA_TEST_CHECK(cudaSetDevice(0));
-  cudaStream_t stream;
-  CUDA_TEST_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+int main(int argc, char** argv) {
+  Cli cli;
+  if (const int rc = parse_cli(argc, argv, cli); rc >= 0) return rc;
+  Target t;
+  if (const int rc = open_target(cli, t); rc >= 0) return rc;
   int failures = 0;
   try {
-    failures += run_accuracy(stream);
-    failures += run_race(stream);
-    failures += run_errors(stream);
+    failures += run_accuracy(t, cli);
+    if (cli.repeats()) failures += run_race(t, cli);
+    failures += run_errors(t, cli);
   } catch (const std::exception& e) {
     std::printf("FAIL unexpected exception: %s\n", e.what());
     ++failures;
   }
-  int current = -1;
-  CUDA_TEST_CHECK(cudaGetDevice(&current));
-  if (current != 0) {
-    std::printf("FAIL the current device changed to %d\n", current);
-    ++failures;
-  }
-  CUDA_TEST_CHECK(cudaStreamDestroy(stream));
-  std::printf("%d failure(s)\n", failures);
+  failures += close_target(t);
+  std::printf("%d case(s) run, %d failure(s)\n", cases_run(), failures);
   return failures == 0 ? 0 : 1;
 }

@@ -1,0 +1,90 @@
+// The steps of one (query block, key block) pair of the backward pass, shared by the fa1 and fa2
+// backward kernels (Algorithm 4, lines 11-20):
+//   S = Q K^T and dP = dO V^T on tensor cores (float, in shared memory);
+//   P = exp2(S * scale * log2(e) - lse2) (masked entries 0), dS = P * (dP - D),
+//   written as T over S and dP in place, ready for the dV, dK and dQ products.
+// The softmax scale is left out of dS; the callers apply it once to dK and dQ.
+#pragma once
+
+#include <cstdint>
+
+#include "flashdl/detail/mask.hpp"
+#include "fragment.cuh"
+
+namespace flashdl::cuda::bwd {
+
+// S = Q K^T and dP = dO V^T for an (m_tiles x 16) x (n_tiles x 16) block: the CTA's warps take the
+// 2 * m_tiles * n_tiles output tiles in turn. Q, dO: rows x kD (ld_qkv); K, V: keys x kD (ld_qkv);
+// S, dP: float, ld_s.
+template <typename T, int kD>
+__device__ __forceinline__ void scores_and_dp(const T* sQ, const T* sdO, const T* sK, const T* sV,
+                                              int ld_qkv, float* sS, float* sdP, int ld_s,
+                                              int m_tiles, int n_tiles, int nwarps) {
+  const int per = m_tiles * n_tiles;
+  for (int t = threadIdx.x / 32; t < 2 * per; t += nwarps) {
+    const bool dp = t >= per;
+    const int u = dp ? t - per : t, rf = u / n_tiles, nf = u % n_tiles;
+    const T* a_base = (dp ? sdO : sQ) + rf * kFrag * ld_qkv;
+    const T* b_base = (dp ? sV : sK) + nf * kFrag * ld_qkv;
+    FragAcc acc;
+    wmma::fill_fragment(acc, 0.0f);
+#pragma unroll
+    for (int kf = 0; kf < kD / kFrag; ++kf) {
+      FragA<T> a;
+      FragBt<T> b;
+      wmma::load_matrix_sync(a, a_base + kf * kFrag, ld_qkv);
+      wmma::load_matrix_sync(b, b_base + kf * kFrag, ld_qkv);
+      wmma::mma_sync(acc, a, b, acc);
+    }
+    wmma::store_matrix_sync((dp ? sdP : sS) + rf * kFrag * ld_s + nf * kFrag, acc, ld_s,
+                            wmma::mem_row_major);
+  }
+}
+
+// Lines 13 and 20, a warp per row: P and dS of `rows` x `cols` (whole tiles), written as T over S
+// and dP with row stride 2 * ld_s (row r of the T matrix starts where row r of the float one
+// does). Row r is query i0 + r, column c key j0 + c; kMasked applies the window (and drops keys
+// past seqlen_k). lse2 = -inf (a row with no visible key, or a padding row) gives P = 0.
+template <typename T, bool kMasked>
+__device__ __forceinline__ void probs_and_ds(float* sS, float* sdP, int ld_s, int rows, int cols,
+                                             const float* sL2, const float* sD, int64_t i0,
+                                             int64_t j0, const detail::Mask& mask,
+                                             float scale_log2, int nwarps) {
+  const int lane = threadIdx.x % 32;
+  for (int r = threadIdx.x / 32; r < rows; r += nwarps) {
+    float* s = sS + r * ld_s;
+    float* dp = sdP + r * ld_s;
+    T* p_out = reinterpret_cast<T*>(s);
+    T* ds_out = reinterpret_cast<T*>(dp);
+    const float l2 = sL2[r], d = sD[r];
+    const bool empty = l2 == -INFINITY;
+    for (int c0 = 0; c0 < cols; c0 += 32) {
+      const int c = c0 + lane;
+      float p = 0.0f, ds = 0.0f;
+      if (c < cols && !empty && (!kMasked || mask.visible(i0 + r, j0 + c))) {
+        p = exp2f(s[c] * scale_log2 - l2);
+        ds = p * (dp[c] - d);
+      }
+      // T values [c0, c0 + 32) overwrite floats [c0 / 2, c0 / 2 + 16): all read by now.
+      __syncwarp();
+      if (c < cols) {
+        p_out[c] = from_float<T>(p);
+        ds_out[c] = from_float<T>(ds);
+      }
+    }
+  }
+}
+
+// lse2 and D of query rows [i0, i0 + tile_rows) of one (batch, head) from the fa2 workspace
+// (rows past seqlen_q: lse2 = -inf, D = 0, so their P and dS are 0).
+__device__ __forceinline__ void load_stats(float* sL2, float* sD, const float* gL2, const float* gD,
+                                           int64_t i0, int tile_rows, int64_t seqlen_q,
+                                           int threads) {
+  for (int r = threadIdx.x; r < tile_rows; r += threads) {
+    const bool in = i0 + r < seqlen_q;
+    sL2[r] = in ? gL2[i0 + r] : -INFINITY;
+    sD[r] = in ? gD[i0 + r] : 0.0f;
+  }
+}
+
+}  // namespace flashdl::cuda::bwd

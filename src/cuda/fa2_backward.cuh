@@ -1,0 +1,433 @@
+// The FlashAttention-2 backward on tensor cores.
+//
+// 1. preprocess: D = rowsum(dO * O) and lse2 = lse * log2(e) for every query row (a warp per row).
+// 2. main kernel, grid (key block, kv head, batch), 8 warps: K_j and V_j are loaded once; for each
+//    query head of the group and each query block some key of the block can see, Q_i, dO_i, lse2
+//    and D stream through a double buffer (cp.async) and the CTA computes S = Q K^T and
+//    dP = dO V^T, then P and dS (bwd_block.cuh), then dV_j += P^T dO_i and dK_j += dS^T Q_i into
+//    registers (each warp a 16-key band and a slice of the head dim) and, unless deterministic,
+//    dQ_i += dS K_j into a float32 accumulator with atomics. dK_j (times the scale) and dV_j are
+//    written once at the end; with GQA they already sum over the group, so no reduction follows.
+// 3. dQ: either converted from the accumulator (times the scale), or, with deterministic=True, a
+//    second pass parallel over query blocks recomputes S, dP and dS for each visible key block
+//    and accumulates dQ_i in registers: no atomics, bitwise reproducible, at the cost of
+//    recomputing two of the five products.
+#pragma once
+
+#include <cuda_pipeline.h>
+
+#include <cstdint>
+#include <string>
+
+#include "bwd_block.cuh"
+#include "check.hpp"
+#include "fa2_bwd_traits.cuh"
+#include "fa2_traits.cuh"
+#include "flashdl/detail/block_range.hpp"
+#include "flashdl/detail/mask.hpp"
+#include "flashdl/detail/softmax.hpp"
+#include "flashdl/detail/tiles.hpp"
+#include "fragment.cuh"
+#include "tile_io.cuh"
+
+namespace flashdl::cuda {
+namespace fa2bwd {
+
+constexpr int kPreRows = 8;  // rows per preprocess CTA: a warp each
+
+template <typename T>
+__global__ void __launch_bounds__(kPreRows * 32)
+    preprocess_kernel(const __grid_constant__ Params p, float* ws_l2, float* ws_d) {
+  const int lane = threadIdx.x % 32;
+  const int64_t i = int64_t(blockIdx.x) * kPreRows + threadIdx.x / 32;
+  const int64_t h = blockIdx.y, b = blockIdx.z;
+  if (i >= p.seqlen_q) return;
+  const T* o = static_cast<const T*>(p.o_ptr) + b * p.o_batch_stride + i * p.o_row_stride +
+               h * p.o_head_stride;
+  const T* dout = static_cast<const T*>(p.do_ptr) + b * p.do_batch_stride + i * p.do_row_stride +
+                  h * p.do_head_stride;
+  float acc = 0.0f;
+  for (int64_t c = lane; c < p.headdim; c += 32) acc += to_float(o[c]) * to_float(dout[c]);
+  acc = warp_sum(acc);
+  if (lane == 0) {
+    const int64_t row = (b * p.nheads + h) * p.seqlen_q + i;
+    const float lse =
+        p.lse_ptr[b * p.lse_batch_stride + h * p.lse_head_stride + i * p.lse_row_stride];
+    ws_d[row] = acc;
+    ws_l2[row] = lse * float(detail::kLog2e);  // -inf (an empty row) stays -inf
+  }
+}
+
+// dq = scale * dQ accumulator, converted to T: a thread per 8 elements.
+template <typename T>
+__global__ void __launch_bounds__(256)
+    convert_dq_kernel(const __grid_constant__ Params p, const float* ws_dq, const bool vec_store) {
+  const int64_t chunks = p.headdim / 8;
+  const int64_t idx = int64_t(blockIdx.x) * 256 + threadIdx.x;
+  const int64_t h = blockIdx.y, b = blockIdx.z;
+  if (idx >= p.seqlen_q * chunks) return;
+  const int64_t i = idx / chunks, c = (idx % chunks) * 8;
+  const float* src = ws_dq + ((b * p.nheads + h) * p.seqlen_q + i) * p.headdim + c;
+  const float scale = float(p.scale_softmax);
+  float v[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) v[e] = src[e] * scale;
+  store8(static_cast<T*>(p.dq_ptr) + b * p.dq_batch_stride + i * p.dq_row_stride +
+             h * p.dq_head_stride + c,
+         v, vec_store);
+}
+
+// S, dP, then P and dS for the pair (query rows [i0, i0 + rows), keys [j0, j0 + Bc)); the whole
+// block's loads are complete and visible. Leaves P, dS as T in sS, sdP; ends with a barrier.
+template <typename Tr>
+__device__ __forceinline__ void pair_probs(const typename Tr::T* sQ, const typename Tr::T* sdO,
+                                           const typename Tr::T* sK, const typename Tr::T* sV,
+                                           float* sS, float* sdP, const float* sL2, const float* sD,
+                                           int64_t i0, int rows, int64_t j0,
+                                           const detail::Mask& mask, float scale_log2) {
+  using T = typename Tr::T;
+  bwd::scores_and_dp<T, Tr::kHeadDim>(sQ, sdO, sK, sV, Tr::kLd, sS, sdP, Tr::kLdS, Tr::kFragsM,
+                                      Tr::kFragsN, Tr::kNWarps);
+  __syncthreads();
+  if (mask.block_fully_visible(i0, i0 + rows, j0, j0 + Tr::kBlockN))
+    bwd::probs_and_ds<T, false>(sS, sdP, Tr::kLdS, Tr::kBlockM, Tr::kBlockN, sL2, sD, i0, j0,
+                                mask, scale_log2, Tr::kNWarps);
+  else
+    bwd::probs_and_ds<T, true>(sS, sdP, Tr::kLdS, Tr::kBlockM, Tr::kBlockN, sL2, sD, i0, j0, mask,
+                               scale_log2, Tr::kNWarps);
+  __syncthreads();
+}
+
+// One dQ tile (16 query rows rf, 16 columns df of the head dim) of dS K_j, accumulated into acc.
+template <typename Tr>
+__device__ __forceinline__ void dq_tile(const typename Tr::T* sdS, const typename Tr::T* sK, int rf,
+                                        int df, FragAcc& acc) {
+  using T = typename Tr::T;
+#pragma unroll
+  for (int kf = 0; kf < Tr::kFragsN; ++kf) {
+    FragA<T> a;
+    FragB<T> b;
+    wmma::load_matrix_sync(a, sdS + rf * kFrag * Tr::kLdP + kf * kFrag, Tr::kLdP);
+    wmma::load_matrix_sync(b, sK + kf * kFrag * Tr::kLd + df * kFrag, Tr::kLd);
+    wmma::mma_sync(acc, a, b, acc);
+  }
+}
+
+// One CTA per SM is what the shared memory allows for most head dims; the bound lets ptxas use
+// the registers that leaves instead of spilling to fit two.
+template <typename Tr>
+__global__ void __launch_bounds__(Tr::kThreads, 1)
+    backward_kernel(const __grid_constant__ Params p, const float* ws_l2, const float* ws_d,
+                    float* ws_dq, const bool vec_load) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  __trap();  // the launcher refuses devices below sm_80 (bfloat16 wmma, cp.async)
+#else
+  using T = typename Tr::T;
+  constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kD = Tr::kHeadDim, kLd = Tr::kLd;
+  constexpr Fa2BwdLayout L = Tr::kMain;
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* sK = reinterpret_cast<T*>(smem + L.off_k);
+  T* sV = reinterpret_cast<T*>(smem + L.off_v);
+  float* sS = reinterpret_cast<float*>(smem + L.off_s);
+  float* sdP = reinterpret_cast<float*>(smem + L.off_dp);
+  auto q_stage = [&](std::size_t off, int stage) {
+    return reinterpret_cast<T*>(smem + off + stage * L.q_stage_bytes);
+  };
+  auto stat_stage = [&](std::size_t off, int stage) {
+    return reinterpret_cast<float*>(smem + off + stage * L.stat_stage_bytes);
+  };
+  const int warp = threadIdx.x / 32;
+
+  const int64_t batch = blockIdx.z, kv_head = blockIdx.y, group = p.h_h_k_ratio;
+  const int64_t n0 = int64_t(blockIdx.x) * kN;
+  const int kv_rows = int(p.seqlen_k - n0 < kN ? p.seqlen_k - n0 : kN);
+
+  // The query blocks some key of this block is visible to, for each head of the group.
+  const detail::Mask mask = detail::make_mask(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
+  const detail::BlockRange qb = detail::query_blocks_for_keys(mask, n0, n0 + kv_rows, kM);
+  const int64_t m_begin = qb.begin, nm = qb.size(), total = group * nm;
+
+  auto load_q = [&](int64_t it, int stage) {
+    const int64_t h = kv_head * group + it / nm, i0 = (m_begin + it % nm) * kM;
+    const int rows = int(p.seqlen_q - i0 < kM ? p.seqlen_q - i0 : kM);
+    const T* gQ = static_cast<const T*>(p.q_ptr) + batch * p.q_batch_stride +
+                  h * p.q_head_stride + i0 * p.q_row_stride;
+    const T* gdO = static_cast<const T*>(p.do_ptr) + batch * p.do_batch_stride +
+                   h * p.do_head_stride + i0 * p.do_row_stride;
+    load_tile<kD, Tr::kThreads>(q_stage(L.off_q, stage), kLd, gQ, p.q_row_stride, kM, rows, vec_load);
+    load_tile<kD, Tr::kThreads>(q_stage(L.off_do, stage), kLd, gdO, p.do_row_stride, kM, rows,
+                                vec_load);
+    const int64_t row0 = (batch * p.nheads + h) * p.seqlen_q;
+    bwd::load_stats(stat_stage(L.off_l2, stage), stat_stage(L.off_d, stage), ws_l2 + row0,
+                    ws_d + row0, i0, kM, p.seqlen_q, Tr::kThreads);
+  };
+
+  if (total > 0) {
+    const T* gK = static_cast<const T*>(p.k_ptr) + batch * p.k_batch_stride +
+                  kv_head * p.k_head_stride + n0 * p.k_row_stride;
+    const T* gV = static_cast<const T*>(p.v_ptr) + batch * p.v_batch_stride +
+                  kv_head * p.v_head_stride + n0 * p.v_row_stride;
+    load_tile<kD, Tr::kThreads>(sK, kLd, gK, p.k_row_stride, kN, kv_rows, vec_load);
+    load_tile<kD, Tr::kThreads>(sV, kLd, gV, p.v_row_stride, kN, kv_rows, vec_load);
+    load_q(0, 0);
+  }
+  __pipeline_commit();
+
+  fill_fragment_map(sS, sdP, Tr::kLdS, Tr::kThreads);
+  __syncthreads();
+  const FragMap map = accumulator_map(sS, sdP, Tr::kLdS);
+  __syncthreads();  // S and dP are overwritten below
+
+  const int band = warp % Tr::kKeyBands, split = warp / Tr::kKeyBands;
+  FragAcc acc_dk[Tr::kFragsDW], acc_dv[Tr::kFragsDW];
+#pragma unroll
+  for (int f = 0; f < Tr::kFragsDW; ++f) {
+    wmma::fill_fragment(acc_dk[f], 0.0f);
+    wmma::fill_fragment(acc_dv[f], 0.0f);
+  }
+
+  for (int64_t it = 0; it < total; ++it) {
+    int stage = 0;
+    if constexpr (Tr::kStages == 2) {
+      stage = int(it % 2);
+      if (it + 1 < total) load_q(it + 1, stage ^ 1);  // prefetch the next query block
+      __pipeline_commit();
+      __pipeline_wait_prior(1);  // block it has landed; it + 1 may still be in flight
+    } else {
+      if (it > 0) load_q(it, 0);
+      __pipeline_commit();
+      __pipeline_wait_prior(0);
+    }
+    __syncthreads();
+
+    const int64_t h = kv_head * group + it / nm, i0 = (m_begin + it % nm) * kM;
+    const int rows = int(p.seqlen_q - i0 < kM ? p.seqlen_q - i0 : kM);
+    const T* sQ = q_stage(L.off_q, stage);
+    const T* sdO = q_stage(L.off_do, stage);
+    pair_probs<Tr>(sQ, sdO, sK, sV, sS, sdP, stat_stage(L.off_l2, stage),
+                   stat_stage(L.off_d, stage), i0, rows, n0, mask, float(p.scale_softmax_log2));
+    const T* sP = reinterpret_cast<const T*>(sS);
+    const T* sdS = reinterpret_cast<const T*>(sdP);
+
+    // dV_j += P^T dO_i and dK_j += dS^T Q_i: this warp's 16 keys x kFragsDW * 16 columns. Not
+    // unrolled over kf: hoisting every fragment load made ptxas spill (bfloat16, d = 128).
+#pragma unroll 1
+    for (int kf = 0; kf < Tr::kFragsM; ++kf) {
+      FragAt<T> a_p, a_ds;
+      wmma::load_matrix_sync(a_p, sP + kf * kFrag * Tr::kLdP + band * kFrag, Tr::kLdP);
+      wmma::load_matrix_sync(a_ds, sdS + kf * kFrag * Tr::kLdP + band * kFrag, Tr::kLdP);
+#pragma unroll
+      for (int f = 0; f < Tr::kFragsDW; ++f) {
+        const int col = (split * Tr::kFragsDW + f) * kFrag;
+        FragB<T> b;
+        wmma::load_matrix_sync(b, sdO + kf * kFrag * kLd + col, kLd);
+        wmma::mma_sync(acc_dv[f], a_p, b, acc_dv[f]);
+        wmma::load_matrix_sync(b, sQ + kf * kFrag * kLd + col, kLd);
+        wmma::mma_sync(acc_dk[f], a_ds, b, acc_dk[f]);
+      }
+    }
+
+    // dQ_i += dS K_j into the float32 accumulator (the deterministic mode has a pass of its own).
+    if (ws_dq != nullptr) {
+      float* gdq = ws_dq + ((batch * p.nheads + h) * p.seqlen_q + i0) * kD;
+      for (int t = warp; t < Tr::kDqTiles; t += Tr::kNWarps) {
+        const int rf = t / Tr::kFragsD, df = t % Tr::kFragsD;
+        FragAcc acc;
+        wmma::fill_fragment(acc, 0.0f);
+        dq_tile<Tr>(sdS, sK, rf, df, acc);
+#pragma unroll
+        for (int e = 0; e < FragAcc::num_elements; ++e) {
+          const int r = rf * kFrag + map.r[e];
+          if (r < rows) atomicAdd(gdq + r * kD + df * kFrag + map.c[e], acc.x[e]);
+        }
+      }
+    }
+    __syncthreads();  // this stage, S and dP are refilled by the next iteration
+  }
+  __pipeline_wait_prior(0);  // no copy may still be in flight when the CTA retires
+
+  // dK_j = scale * dS^T Q summed, dV_j: straight from the registers, keys past seqlen_k dropped.
+  const float scale = float(p.scale_softmax);
+  T* gdK = static_cast<T*>(p.dk_ptr) + batch * p.dk_batch_stride + kv_head * p.dk_head_stride;
+  T* gdV = static_cast<T*>(p.dv_ptr) + batch * p.dv_batch_stride + kv_head * p.dv_head_stride;
+#pragma unroll
+  for (int f = 0; f < Tr::kFragsDW; ++f) {
+    const int col = (split * Tr::kFragsDW + f) * kFrag;
+#pragma unroll
+    for (int e = 0; e < FragAcc::num_elements; ++e) {
+      const int64_t key = n0 + band * kFrag + map.r[e];
+      if (key >= p.seqlen_k) continue;
+      gdK[key * p.dk_row_stride + col + map.c[e]] = from_float<T>(acc_dk[f].x[e] * scale);
+      gdV[key * p.dv_row_stride + col + map.c[e]] = from_float<T>(acc_dv[f].x[e]);
+    }
+  }
+#endif
+}
+
+// deterministic=True: dQ_i = scale * sum_j dS_ij K_j for one query block, in registers, key
+// blocks in order. K_j and V_j are loaded one block at a time (no double buffer).
+template <typename Tr>
+__global__ void __launch_bounds__(Tr::kThreads, 1)
+    dq_kernel(const __grid_constant__ Params p, const float* ws_l2, const float* ws_d,
+              const bool vec_load) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  __trap();
+#else
+  using T = typename Tr::T;
+  constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kD = Tr::kHeadDim, kLd = Tr::kLd;
+  constexpr Fa2BwdLayout L = Tr::kDqPass;
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* sK = reinterpret_cast<T*>(smem + L.off_k);
+  T* sV = reinterpret_cast<T*>(smem + L.off_v);
+  T* sQ = reinterpret_cast<T*>(smem + L.off_q);
+  T* sdO = reinterpret_cast<T*>(smem + L.off_do);
+  float* sS = reinterpret_cast<float*>(smem + L.off_s);
+  float* sdP = reinterpret_cast<float*>(smem + L.off_dp);
+  float* sL2 = reinterpret_cast<float*>(smem + L.off_l2);
+  float* sD = reinterpret_cast<float*>(smem + L.off_d);
+  const int warp = threadIdx.x / 32;
+
+  const int64_t batch = blockIdx.z, h = blockIdx.y, kv_head = h / p.h_h_k_ratio;
+  const int64_t m0 = int64_t(blockIdx.x) * kM;
+  const int rows = int(p.seqlen_q - m0 < kM ? p.seqlen_q - m0 : kM);
+  const detail::Mask mask = detail::make_mask(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
+  const detail::BlockRange kb = detail::key_blocks_for_queries(mask, m0, m0 + rows, kN);
+  const int64_t n_begin = kb.begin, n_end = kb.end;
+
+  const T* gK = static_cast<const T*>(p.k_ptr) + batch * p.k_batch_stride + kv_head * p.k_head_stride;
+  const T* gV = static_cast<const T*>(p.v_ptr) + batch * p.v_batch_stride + kv_head * p.v_head_stride;
+  if (n_begin < n_end) {
+    load_tile<kD, Tr::kThreads>(sQ, kLd, static_cast<const T*>(p.q_ptr) + batch * p.q_batch_stride +
+                                             h * p.q_head_stride + m0 * p.q_row_stride,
+                                p.q_row_stride, kM, rows, vec_load);
+    load_tile<kD, Tr::kThreads>(sdO, kLd, static_cast<const T*>(p.do_ptr) + batch * p.do_batch_stride +
+                                              h * p.do_head_stride + m0 * p.do_row_stride,
+                                p.do_row_stride, kM, rows, vec_load);
+    const int64_t row0 = (batch * p.nheads + h) * p.seqlen_q;
+    bwd::load_stats(sL2, sD, ws_l2 + row0, ws_d + row0, m0, kM, p.seqlen_q, Tr::kThreads);
+  }
+  fill_fragment_map(sS, sdP, Tr::kLdS, Tr::kThreads);
+  __syncthreads();
+  const FragMap map = accumulator_map(sS, sdP, Tr::kLdS);
+  __syncthreads();
+
+  FragAcc acc[Tr::kDqTilesPerWarp];
+#pragma unroll
+  for (int u = 0; u < Tr::kDqTilesPerWarp; ++u) wmma::fill_fragment(acc[u], 0.0f);
+
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const int64_t n0 = n * kN;
+    const int kv_rows = int(p.seqlen_k - n0 < kN ? p.seqlen_k - n0 : kN);
+    load_tile<kD, Tr::kThreads>(sK, kLd, gK + n0 * p.k_row_stride, p.k_row_stride, kN, kv_rows, vec_load);
+    load_tile<kD, Tr::kThreads>(sV, kLd, gV + n0 * p.v_row_stride, p.v_row_stride, kN, kv_rows, vec_load);
+    __pipeline_commit();
+    __pipeline_wait_prior(0);
+    __syncthreads();
+    pair_probs<Tr>(sQ, sdO, sK, sV, sS, sdP, sL2, sD, m0, rows, n0, mask,
+                   float(p.scale_softmax_log2));
+    const T* sdS = reinterpret_cast<const T*>(sdP);
+#pragma unroll
+    for (int u = 0; u < Tr::kDqTilesPerWarp; ++u) {
+      const int t = warp + u * Tr::kNWarps;
+      if (t < Tr::kDqTiles) dq_tile<Tr>(sdS, sK, t / Tr::kFragsD, t % Tr::kFragsD, acc[u]);
+    }
+    __syncthreads();  // K, V, S and dP are overwritten by the next block
+  }
+  __pipeline_wait_prior(0);
+
+  const float scale = float(p.scale_softmax);
+  T* gdQ = static_cast<T*>(p.dq_ptr) + batch * p.dq_batch_stride + h * p.dq_head_stride;
+#pragma unroll
+  for (int u = 0; u < Tr::kDqTilesPerWarp; ++u) {
+    const int t = warp + u * Tr::kNWarps;
+    if (t >= Tr::kDqTiles) continue;
+    const int rf = t / Tr::kFragsD, df = t % Tr::kFragsD;
+#pragma unroll
+    for (int e = 0; e < FragAcc::num_elements; ++e) {
+      const int r = rf * kFrag + map.r[e];
+      if (r < rows)
+        gdQ[(m0 + r) * p.dq_row_stride + df * kFrag + map.c[e]] = from_float<T>(acc[u].x[e] * scale);
+    }
+  }
+#endif
+}
+
+}  // namespace fa2bwd
+
+// Launches for one tile variant: preprocess, the main kernel, then the dQ conversion or the
+// deterministic dQ pass, all on the caller's stream with one stream-ordered workspace.
+template <typename Tr>
+void launch_fa2_bwd(const Params& p, const LaunchContext& ctx) {
+  const int64_t n_blocks = detail::ceil_div(p.seqlen_k, Tr::kBlockN);
+  const int64_t m_blocks = detail::ceil_div(p.seqlen_q, Tr::kBlockM);
+  const int64_t pre_blocks = detail::ceil_div(p.seqlen_q, fa2bwd::kPreRows);
+  const int64_t cvt_blocks = detail::ceil_div(p.seqlen_q * (Tr::kHeadDim / 8), 256);
+  if (p.nheads > ctx.max_grid_y || p.batch > ctx.max_grid_z || n_blocks > INT32_MAX ||
+      pre_blocks > INT32_MAX || cvt_blocks > INT32_MAX)
+    throw Error(ErrorKind::unsupported,
+                "q: too large for one fa2 backward launch: nheads " + std::to_string(p.nheads) +
+                    " (max " + std::to_string(ctx.max_grid_y) + "), batch " +
+                    std::to_string(p.batch) + " (max " + std::to_string(ctx.max_grid_z) +
+                    "), seqlen_q " + std::to_string(p.seqlen_q));
+  const Fa2BwdWorkspace w =
+      fa2_bwd_workspace(p.batch, p.nheads, p.seqlen_q, Tr::kHeadDim, p.deterministic);
+  StreamWorkspace ws(static_cast<std::size_t>(w.floats() > 0 ? w.floats() : 1) * sizeof(float),
+                     ctx.stream);
+  float* l2 = ws.get<float>();
+  float* d = l2 + w.stats;
+  float* dq = w.dq > 0 ? d + w.stats : nullptr;
+  if (dq != nullptr)
+    FLASHDL_CUDA_CHECK(cudaMemsetAsync(dq, 0, static_cast<std::size_t>(w.dq) * sizeof(float),
+                                       ctx.stream));
+  const auto y = static_cast<unsigned>(p.nheads), z = static_cast<unsigned>(p.batch);
+  if (p.seqlen_q > 0) {
+    fa2bwd::preprocess_kernel<typename Tr::T>
+        <<<dim3(static_cast<unsigned>(pre_blocks), y, z), fa2bwd::kPreRows * 32, 0, ctx.stream>>>(
+            p, l2, d);
+    FLASHDL_CUDA_CHECK_LAUNCH("fa2 backward preprocess kernel launch");
+  }
+  if (p.seqlen_k > 0) {
+    const auto kernel = fa2bwd::backward_kernel<Tr>;
+    FLASHDL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(Tr::kMain.bytes)));
+    kernel<<<dim3(static_cast<unsigned>(n_blocks), static_cast<unsigned>(p.nheads_kv), z),
+             Tr::kThreads, Tr::kMain.bytes, ctx.stream>>>(p, l2, d, dq, ctx.vec_load);
+    FLASHDL_CUDA_CHECK_LAUNCH("fa2 backward kernel launch");
+  }
+  if (p.seqlen_q > 0 && p.deterministic) {
+    const auto kernel = fa2bwd::dq_kernel<Tr>;
+    FLASHDL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(Tr::kDqPass.bytes)));
+    kernel<<<dim3(static_cast<unsigned>(m_blocks), y, z), Tr::kThreads, Tr::kDqPass.bytes,
+             ctx.stream>>>(p, l2, d, ctx.vec_load);
+    FLASHDL_CUDA_CHECK_LAUNCH("fa2 backward dQ kernel launch");
+  } else if (p.seqlen_q > 0) {
+    fa2bwd::convert_dq_kernel<typename Tr::T>
+        <<<dim3(static_cast<unsigned>(cvt_blocks), y, z), 256, 0, ctx.stream>>>(p, dq, ctx.vec_store);
+    FLASHDL_CUDA_CHECK_LAUNCH("fa2 backward dQ conversion launch");
+  }
+  ws.release();
+}
+
+// The standard tiles where the device has the shared memory, else the 99 KiB fallback (compiled
+// only for the head dims whose standard tiles exceed the smallest sm_80+ opt-in, as the forward
+// does), else a clear error. bwd_plan.hpp sizes both.
+template <typename T, int kHeadDim>
+void launch_fa2_backward(const Params& p, const LaunchContext& ctx) {
+  constexpr bool kHasFallback =
+      fa2_bwd_smem_bytes(kHeadDim, fa2_bwd_config(kHeadDim)) > kFa2SmallestOptin;
+  const Fa2BwdVariant v = pick_fa2_bwd(kHeadDim, ctx.smem_optin);
+  if (v == Fa2BwdVariant::standard) return launch_fa2_bwd<Fa2BwdStandard<T, kHeadDim>>(p, ctx);
+  if constexpr (kHasFallback) {
+    if (v == Fa2BwdVariant::fallback) return launch_fa2_bwd<Fa2BwdFallback<T, kHeadDim>>(p, ctx);
+  }
+  const Fa2BwdConfig needed = kHasFallback ? fa2_bwd_fallback(kHeadDim) : fa2_bwd_config(kHeadDim);
+  throw Error(ErrorKind::unsupported,
+              "q: the fa2 backward kernel for headdim " + std::to_string(kHeadDim) + " needs " +
+                  std::to_string(fa2_bwd_smem_bytes(kHeadDim, needed)) +
+                  " bytes of shared memory per block; device " + std::to_string(ctx.device) +
+                  " offers " + std::to_string(ctx.smem_optin) +
+                  " (schedule='fa1' sizes its tiles to the device)");
+}
+
+}  // namespace flashdl::cuda

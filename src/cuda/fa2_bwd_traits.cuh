@@ -1,0 +1,57 @@
+// Every constant of the FA-2 backward kernels for one (dtype, head dim, tile config): the warp grid
+// over dK / dV, the dQ tiles per warp and the shared-memory layout (bwd_plan.hpp, host-tested).
+#pragma once
+
+#include "bwd_plan.hpp"
+#include "fragment.cuh"
+
+namespace flashdl::cuda {
+
+template <typename T_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
+struct Fa2BwdTraits {
+  using T = T_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;  // Br: query rows per streamed block
+  static constexpr int kBlockN = kBlockN_;  // Bc: keys per CTA of the main kernel
+  static constexpr int kStages = kStages_;
+  static constexpr Fa2BwdConfig kConfig{kBlockM, kBlockN, kStages};
+  static constexpr int kNWarps = kBwdWarps;
+  static constexpr int kThreads = kBwdThreads;
+
+  static constexpr int kFragsM = kBlockM / kFrag;
+  static constexpr int kFragsN = kBlockN / kFrag;
+  static constexpr int kFragsD = kHeadDim / kFrag;
+
+  // dK_j, dV_j: warp w owns key band w % kKeyBands and head-dim slice w / kKeyBands.
+  static constexpr int kKeyBands = fa2_bwd_key_bands(kConfig);
+  static constexpr int kDimSplits = fa2_bwd_dim_splits(kConfig);
+  static constexpr int kFragsDW = kFragsD / kDimSplits;  // dK (and dV) fragments per warp
+
+  // dQ tiles (kFragsM x kFragsD) dealt to the warps in turn: at most this many per warp.
+  static constexpr int kDqTiles = kFragsM * kFragsD;
+  static constexpr int kDqTilesPerWarp = (kDqTiles + kNWarps - 1) / kNWarps;
+
+  static constexpr Fa2BwdLayout kMain = fa2_bwd_layout(kHeadDim, kConfig, kStages);
+  static constexpr Fa2BwdLayout kDqPass = fa2_bwd_layout(kHeadDim, kConfig, 1);
+  static constexpr int kLd = kMain.ld_qkv;
+  static constexpr int kLdS = kMain.ld_s;
+  static constexpr int kLdP = 2 * kLdS;  // P and dS (elements of T) over S and dP in place
+
+  static_assert(sizeof(T) == 2, "float16 or bfloat16 storage");
+  static_assert(fa2_bwd_config_valid(kHeadDim, kConfig), "the warp grid must tile dK and dV");
+  static_assert(kLd % 8 == 0 && kLdS % 4 == 0 && kLdP % 8 == 0, "wmma ldm rules");
+  static_assert(kMain.bytes <= 227 * 1024, "beyond any current GPU's shared memory");
+  static_assert(kDqPass.bytes <= kMain.bytes, "the dQ pass fits wherever the main kernel does");
+  static_assert(kBlockM >= kFrag, "S and dP each hold one fragment-map tile");
+};
+
+template <typename T, int kHeadDim>
+using Fa2BwdStandard = Fa2BwdTraits<T, kHeadDim, fa2_bwd_config(kHeadDim).block_m,
+                                    fa2_bwd_config(kHeadDim).block_n,
+                                    fa2_bwd_config(kHeadDim).stages>;
+template <typename T, int kHeadDim>
+using Fa2BwdFallback = Fa2BwdTraits<T, kHeadDim, fa2_bwd_fallback(kHeadDim).block_m,
+                                    fa2_bwd_fallback(kHeadDim).block_n,
+                                    fa2_bwd_fallback(kHeadDim).stages>;
+
+}  // namespace flashdl::cuda

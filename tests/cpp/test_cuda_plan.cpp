@@ -1,0 +1,177 @@
+// Host-side checks of the CUDA launch planning, runnable on any machine (no GPU, no CUDA headers):
+// the fa2 backward's tile configs, shared-memory layouts and variant choice per device limit, its
+// workspace, the fa1 forward and backward tile plans, and the block ranges the backward kernels
+// loop over (against brute force over the window mask).
+#include <cstddef>
+#include <random>
+#include <string>
+
+#include "check.hpp"
+#include "cuda/bwd_plan.hpp"
+#include "cuda/fa1_plan.hpp"
+#include "flashdl/detail/block_range.hpp"
+
+using namespace flashdl_test;
+namespace fc = flashdl::cuda;
+namespace fd = flashdl::detail;
+
+namespace {
+
+const int kHeadDims[] = {32, 64, 96, 128, 192, 256};
+constexpr int kH100 = 227 * 1024, kA100 = 163 * 1024, kSmall = 99 * 1024;  // opt-in per block
+
+// Regions in order, 128-byte aligned, each large enough for its tile, and the total in bounds.
+void check_fa2_layout(int d, fc::Fa2BwdConfig c, int q_stages) {
+  const fc::Fa2BwdLayout L = fc::fa2_bwd_layout(d, c, q_stages);
+  const std::size_t kv = std::size_t(c.block_n) * L.ld_qkv * 2;
+  const std::size_t q = std::size_t(c.block_m) * L.ld_qkv * 2;
+  const std::size_t s = std::size_t(c.block_m) * L.ld_s * 4;
+  const std::size_t offs[] = {L.off_k, L.off_v, L.off_q, L.off_do, L.off_s, L.off_dp, L.off_l2, L.off_d};
+  for (std::size_t o : offs) CHECK_EQ(o % 128, std::size_t(0));
+  CHECK(L.off_v - L.off_k >= kv);
+  CHECK(L.off_q - L.off_v >= kv);
+  CHECK(L.q_stage_bytes >= q);
+  CHECK(L.off_do - L.off_q >= q_stages * q);
+  CHECK(L.off_s - L.off_do >= q_stages * q);
+  CHECK(L.off_dp - L.off_s >= s);
+  CHECK(L.off_l2 - L.off_dp >= s);
+  CHECK(L.off_d - L.off_l2 >= std::size_t(q_stages) * c.block_m * 4);
+  CHECK(L.bytes - L.off_d >= std::size_t(q_stages) * c.block_m * 4);
+  // wmma: ld a multiple of 8 halves (16 bytes) and of 4 floats; P, dS in place need 2 * ld_s.
+  CHECK_EQ(L.ld_qkv % 8, 0);
+  CHECK_EQ(L.ld_s % 4, 0);
+  CHECK_EQ((2 * L.ld_s) % 8, 0);
+  // A T row of P (Bc elements) fits in the float row of S it overwrites.
+  CHECK(std::size_t(c.block_n) * 2 <= std::size_t(L.ld_s) * 4);
+}
+
+void test_fa2_backward_configs() {
+  for (int d : kHeadDims) {
+    context() = "d=" + std::to_string(d);
+    const fc::Fa2BwdConfig std_c = fc::fa2_bwd_config(d), fb = fc::fa2_bwd_fallback(d);
+    CHECK(fc::fa2_bwd_config_valid(d, std_c));
+    CHECK(fc::fa2_bwd_config_valid(d, fb));
+    for (int st : {1, 2}) {
+      check_fa2_layout(d, std_c, st);
+      check_fa2_layout(d, fb, st);
+    }
+    // The standard tiles fit an A100 (and so an H100); the fallback fits 99 KiB parts.
+    CHECK(fc::fa2_bwd_smem_bytes(d, std_c) <= std::size_t(kA100));
+    CHECK(fc::fa2_bwd_smem_bytes(d, fb) <= std::size_t(kSmall));
+    // The deterministic dQ pass (one buffer) never needs more than the main kernel.
+    CHECK(fc::fa2_bwd_layout(d, std_c, 1).bytes <= fc::fa2_bwd_smem_bytes(d, std_c));
+    CHECK(fc::pick_fa2_bwd(d, kH100) == fc::Fa2BwdVariant::standard);
+    CHECK(fc::pick_fa2_bwd(d, kA100) == fc::Fa2BwdVariant::standard);
+    const bool std_fits_small = fc::fa2_bwd_smem_bytes(d, std_c) <= std::size_t(kSmall);
+    CHECK(fc::pick_fa2_bwd(d, kSmall) ==
+          (std_fits_small ? fc::Fa2BwdVariant::standard : fc::Fa2BwdVariant::fallback));
+    CHECK(fc::pick_fa2_bwd(d, 16 * 1024) == fc::Fa2BwdVariant::none);
+    // The warp grid: 8 warps = key bands x head-dim slices, every slice whole 16-column tiles.
+    CHECK_EQ(fc::fa2_bwd_key_bands(std_c) * fc::fa2_bwd_dim_splits(std_c), fc::kBwdWarps);
+    CHECK_EQ((d / 16) % fc::fa2_bwd_dim_splits(std_c), 0);
+    CHECK_EQ((d / 16) % fc::fa2_bwd_dim_splits(fb), 0);
+  }
+  // A config that leaves warps without a whole slice is refused.
+  CHECK(!fc::fa2_bwd_config_valid(96, fc::Fa2BwdConfig{64, 32, 2}));  // 4 slices of 6 tiles
+  CHECK(!fc::fa2_bwd_config_valid(64, fc::Fa2BwdConfig{64, 48, 2}));  // 3 bands of 8 warps
+}
+
+void test_fa2_backward_workspace() {
+  const fc::Fa2BwdWorkspace w = fc::fa2_bwd_workspace(2, 3, 5, 64, false);
+  CHECK_EQ(w.stats, int64_t(30));
+  CHECK_EQ(w.dq, int64_t(30 * 64));
+  CHECK_EQ(w.floats(), int64_t(60 + 30 * 64));
+  const fc::Fa2BwdWorkspace det = fc::fa2_bwd_workspace(2, 3, 5, 64, true);
+  CHECK_EQ(det.dq, int64_t(0));
+  CHECK_EQ(fc::fa2_bwd_workspace(2, 3, 0, 64, false).floats(), int64_t(0));
+}
+
+void test_fa1_plans() {
+  for (int d : kHeadDims)
+    for (int optin : {kH100, kA100, kSmall})
+      for (int64_t sram : {int64_t(0), int64_t(8192)})
+        for (int64_t sq : {int64_t(1), int64_t(100), int64_t(5000)}) {
+          context() = "d=" + std::to_string(d) + " optin=" + std::to_string(optin) +
+                      " sram=" + std::to_string(sram) + " sq=sk=" + std::to_string(sq);
+          const fc::Fa1Layout f = fc::plan_fa1(sram, sq, sq, d, 2, optin);
+          const fc::Fa1BwdLayout b = fc::plan_fa1_backward(sram, sq, sq, d, 2, optin);
+          CHECK(f.bytes <= unsigned(optin));
+          CHECK(b.bytes <= unsigned(optin));
+          for (int t : {f.Br, f.Bc, b.Br, b.Bc}) {
+            CHECK(t >= 16);
+            CHECK_EQ(t % 16, 0);
+            CHECK(t <= fd::round_up(sq, 16));
+          }
+          // Never above the rule's sizes (Algorithm 4, line 2), except the one-tile minimum.
+          const fd::Fa1Tiles rule = fd::fa1_tiles((sram > 0 ? sram : optin) / 2, d);
+          CHECK(b.Bc <= (rule.Bc < 16 ? 16 : rule.Bc));
+          CHECK(b.Br <= (rule.Br < 16 ? 16 : rule.Br));
+          CHECK_EQ(b.ld_s % 4, 0);
+          CHECK_EQ(b.ld_o % 4, 0);
+          CHECK_EQ(b.ld_kv % 8, 0);
+          const unsigned offs[] = {b.off_k, b.off_v, b.off_dk, b.off_dv, b.off_q, b.off_do,
+                                   b.off_s, b.off_dp, b.off_dq, b.off_l2, b.off_d};
+          for (unsigned o : offs) CHECK_EQ(o % 128, 0u);
+        }
+  // docs/cuda.md's table, H100, long sequences: the forward plan keeps its sizes.
+  const fc::Fa1Layout h128 = fc::plan_fa1(0, 1 << 20, 1 << 20, 128, 2, kH100);
+  CHECK_EQ(h128.Bc, 112);
+  CHECK_EQ(h128.Br, 112);
+  CHECK_EQ(h128.bytes, 203392u);
+  const fc::Fa1Layout h64 = fc::plan_fa1(0, 1 << 20, 1 << 20, 64, 2, kH100);
+  CHECK_EQ(h64.Bc, 368);
+  CHECK_EQ(h64.Br, 64);
+  // Too little shared memory for 16 x 16 tiles: a clear error naming the kernel.
+  bool threw = false;
+  try {
+    fc::plan_fa1_backward(0, 100, 100, 256, 2, 8 * 1024);
+  } catch (const flashdl::Error& e) {
+    threw = e.kind() == flashdl::ErrorKind::unsupported &&
+            std::string(e.what()).find("fa1 backward") != std::string::npos;
+  }
+  CHECK(threw);
+}
+
+// Every visible (i, j) lies in a block the range covers, for key blocks (query ranges) and query
+// blocks (key ranges), over random windows and shapes; empty ranges have no visible pair.
+void test_block_ranges() {
+  std::mt19937 rng(42);
+  std::uniform_int_distribution<int> len(0, 90), win(-1, 20), blk(1, 24);
+  for (int trial = 0; trial < 400; ++trial) {
+    const int64_t sq = len(rng), sk = len(rng), left = win(rng), right = win(rng), block = blk(rng);
+    const fd::Mask m = fd::make_mask(sq, sk, left, right);
+    context() = "sq=" + std::to_string(sq) + " sk=" + std::to_string(sk) + " w=(" +
+                std::to_string(left) + "," + std::to_string(right) + ") block=" +
+                std::to_string(block);
+    for (int64_t j0 = 0; j0 < sk; j0 += block) {
+      const int64_t j1 = j0 + block < sk ? j0 + block : sk;
+      const fd::BlockRange r = fd::query_blocks_for_keys(m, j0, j1, block);
+      for (int64_t i = 0; i < sq; ++i)
+        for (int64_t j = j0; j < j1; ++j)
+          if (m.visible(i, j)) CHECK(i / block >= r.begin && i / block < r.end);
+      CHECK(r.begin <= r.end);
+      CHECK(r.end <= fd::ceil_div(sq, block));
+    }
+    for (int64_t i0 = 0; i0 < sq; i0 += block) {
+      const int64_t i1 = i0 + block < sq ? i0 + block : sq;
+      const fd::BlockRange r = fd::key_blocks_for_queries(m, i0, i1, block);
+      for (int64_t i = i0; i < i1; ++i)
+        for (int64_t j = 0; j < sk; ++j)
+          if (m.visible(i, j)) CHECK(j / block >= r.begin && j / block < r.end);
+      CHECK(r.begin <= r.end);
+      CHECK(r.end <= fd::ceil_div(sk, block));
+    }
+  }
+  CHECK_EQ(fd::query_blocks_for_keys(fd::make_mask(0, 10, -1, -1), 0, 10, 4).size(), int64_t(0));
+  CHECK_EQ(fd::key_blocks_for_queries(fd::make_mask(10, 0, -1, -1), 0, 10, 4).size(), int64_t(0));
+}
+
+}  // namespace
+
+int main() {
+  run_test("cuda plan: fa2 backward configs, layouts, variants", test_fa2_backward_configs);
+  run_test("cuda plan: fa2 backward workspace", test_fa2_backward_workspace);
+  run_test("cuda plan: fa1 forward and backward tiles", test_fa1_plans);
+  run_test("cuda plan: block ranges vs brute force", test_block_ranges);
+  return finish();
+}
