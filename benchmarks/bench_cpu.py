@@ -22,18 +22,13 @@ import sys
 import time
 
 import flashdl
-from tables import cpu_model, emit
+from tables import attention_flops, cpu_model, emit
 
 TARGETS = {  # (dtype, pass) -> minimum speed ratio flashdl / torch (the targets)
     ("float32", "fwd"): 0.8,
     ("bfloat16", "fwd+bwd"): 1.0,
     ("float32", "fwd+bwd"): 0.7,
 }
-
-
-def flops_fwd(b, h, sq, sk, d, causal):
-    f = 4.0 * b * h * sq * sk * d
-    return f / 2 if causal else f
 
 
 def median_time(fn, reps):
@@ -71,12 +66,11 @@ def speed_rows(torch, reps):
         dout = torch.randn(b, s, h, d, generator=gen).to(dt)
         qt, kt, vt, doutt = (x.transpose(1, 2).contiguous() for x in (q, k, v, dout))
         for causal in (False, True):
-            fl = flops_fwd(b, h, s, s, d, causal)
             for ps in passes:
+                total = attention_flops(b, h, s, s, d, causal, ps)
                 if ps == "fwd":
                     f_fd = lambda: flashdl.attention(q, k, v, causal=causal)
                     f_th = lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-                    total = fl
                 else:
                     def f_fd():
                         out, lse = flashdl.attention(q, k, v, causal=causal, return_lse=True)
@@ -88,7 +82,6 @@ def speed_rows(torch, reps):
                         out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
                         out.backward(doutt)
 
-                    total = 3.5 * fl
                 t_fd, t_th = alternate([f_fd, f_th], reps)
                 rows.append(dict(dtype=dtype_name, causal=causal, pass_=ps,
                                  t_fd=t_fd, t_th=t_th, gf_fd=total / t_fd / 1e9,

@@ -222,9 +222,6 @@ void check_block_mask(const Options& o, const Shapes& s, Device device,
     fail(ErrorKind::value, std::string("block_mask: expected rank 2 or 4 ") + layout + ", got shape " +
                                shape_str(m));
   check_dtype("block_mask", m, DType::boolean, "one flag per block");
-  if (device.type != DeviceType::cpu)
-    fail(ErrorKind::unsupported, "block_mask: block-sparse attention runs on the CPU only for now "
-                                 "(q is on " + std::string(device_name(device.type)) + ")");
   check_device("block_mask", m, device);
   // ceil(n / block) without n + block - 1, which overflows for blocks near 2^63.
   auto nblocks = [](int64_t n, int64_t block) { return n == 0 ? 0 : 1 + (n - 1) / block; };

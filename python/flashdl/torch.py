@@ -29,21 +29,23 @@ def _last_dim_contiguous(dout):
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, softmax_scale, schedule, window_size, dropout_p, seed,
-                offset, block_mask, block_size):
+                offset, block_mask, block_size, deterministic):
         opts = dict(causal=causal, softmax_scale=softmax_scale, schedule=schedule,
                     window_size=window_size, dropout_p=dropout_p, seed=seed, offset=offset,
                     block_mask=block_mask, block_size=block_size)
         out, lse = _attention(q, k, v, return_lse=True, **opts)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.opts = opts
+        ctx.deterministic = deterministic
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _attention_backward(_last_dim_contiguous(dout), q, k, v, out, lse, **ctx.opts)
-        return (dq, dk, dv) + (None,) * 9
+        dq, dk, dv = _attention_backward(_last_dim_contiguous(dout), q, k, v, out, lse,
+                                         deterministic=ctx.deterministic, **ctx.opts)
+        return (dq, dk, dv) + (None,) * 10
 
 
 def _torch_seed():
@@ -53,11 +55,16 @@ def _torch_seed():
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, schedule="auto",
               window_size=(-1, -1), dropout_p=0.0, seed=None, offset=0, block_mask=None,
-              block_size=128):
+              block_size=128, deterministic=False):
     """flashdl.attention for torch tensors, differentiable with respect to q, k and v.
 
-    q (batch, seqlen_q, nheads, headdim); k, v (batch, seqlen_k, nheads_kv, headdim). On CUDA
-    tensors the backward raises RuntimeError while the CUDA backward kernels are not built.
+    q (batch, seqlen_q, nheads, headdim); k, v (batch, seqlen_k, nheads_kv, headdim); CPU or
+    CUDA tensors (on CUDA: float16 or bfloat16, the work on the current stream).
+
+    deterministic: passed to the backward (flashdl.attention_backward). On CUDA, fa2 accumulates
+    dq with float atomics by default, so dq may differ in the last bits from run to run;
+    deterministic=True makes dq bitwise reproducible at some cost in speed. dk and dv are always
+    reproducible, and so is every gradient on the CPU (for a given thread count).
 
     dropout_p in [0, 1) drops attention probabilities (kept ones scaled by 1 / (1 - dropout_p)),
     as flashdl.attention does; seed None draws one from torch's default CPU generator (so
@@ -71,7 +78,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, schedule="auto",
         seed = _torch_seed() if _dropout(dropout_p, 0, offset)[0] > 0 else 0
     dropout_p, seed, offset = _dropout(dropout_p, seed, offset)
     return _Attention.apply(q, k, v, causal, softmax_scale, schedule, window_size, dropout_p,
-                            seed, offset, block_mask, block_size)
+                            seed, offset, block_mask, block_size, bool(deterministic))
 
 
 class _AttentionVarlen(torch.autograd.Function):

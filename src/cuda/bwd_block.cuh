@@ -1,13 +1,16 @@
 // The steps of one (query block, key block) pair of the backward pass, shared by the fa1 and fa2
 // backward kernels (Algorithm 4, lines 11-20):
 //   S = Q K^T and dP = dO V^T on tensor cores (float, in shared memory);
-//   P = exp2(S * scale * log2(e) - lse2) (masked entries 0), dS = P * (dP - D),
-//   written as T over S and dP in place, ready for the dV, dK and dQ products.
+//   P = exp2(S * scale * log2(e) - lse2) (masked entries 0), with dropout multipliers Z
+//   (lines 14-18): P Z and dS = P * (dP Z - D), written as T over S and dP in place, ready for
+//   the dV (P Z), dK and dQ (dS) products.
 // The softmax scale is left out of dS; the callers apply it once to dK and dQ.
 #pragma once
 
 #include <cstdint>
 
+#include "flashdl/detail/block_mask.hpp"
+#include "flashdl/detail/dropout.hpp"
 #include "flashdl/detail/mask.hpp"
 #include "fragment.cuh"
 
@@ -43,13 +46,16 @@ __device__ __forceinline__ void scores_and_dp(const T* sQ, const T* sdO, const T
 
 // Lines 13 and 20, a warp per row: P and dS of `rows` x `cols` (whole tiles), written as T over S
 // and dP with row stride 2 * ld_s (row r of the T matrix starts where row r of the float one
-// does). Row r is query i0 + r, column c key j0 + c; kMasked applies the window (and drops keys
-// past seqlen_k). lse2 = -inf (a row with no visible key, or a padding row) gives P = 0.
+// does). Row r is query i0 + r, column c key j0 + c; kMasked applies the window and the block mask
+// (and drops keys past seqlen_k). lse2 = -inf (a row with no visible key, or a padding row) gives
+// P = 0 without looking at either mask.
 template <typename T, bool kMasked>
 __device__ __forceinline__ void probs_and_ds(float* sS, float* sdP, int ld_s, int rows, int cols,
                                              const float* sL2, const float* sD, int64_t i0,
                                              int64_t j0, const detail::Mask& mask,
-                                             float scale_log2, int nwarps) {
+                                             const detail::BlockMask& bm,
+                                             const detail::Dropout& drop, float scale_log2,
+                                             int nwarps) {
   const int lane = threadIdx.x % 32;
   for (int r = threadIdx.x / 32; r < rows; r += nwarps) {
     float* s = sS + r * ld_s;
@@ -61,9 +67,12 @@ __device__ __forceinline__ void probs_and_ds(float* sS, float* sdP, int ld_s, in
     for (int c0 = 0; c0 < cols; c0 += 32) {
       const int c = c0 + lane;
       float p = 0.0f, ds = 0.0f;
-      if (c < cols && !empty && (!kMasked || mask.visible(i0 + r, j0 + c))) {
-        p = exp2f(s[c] * scale_log2 - l2);
-        ds = p * (dp[c] - d);
+      if (c < cols && !empty &&
+          (!kMasked || (mask.visible(i0 + r, j0 + c) && bm.visible(i0 + r, j0 + c)))) {
+        const float prob = exp2f(s[c] * scale_log2 - l2);
+        const float z = drop.on() ? drop.multiplier(i0 + r, j0 + c) : 1.0f;
+        p = prob * z;
+        ds = prob * (dp[c] * z - d);
       }
       // T values [c0, c0 + 32) overwrite floats [c0 / 2, c0 / 2 + 16): all read by now.
       __syncwarp();

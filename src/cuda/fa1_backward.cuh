@@ -4,7 +4,7 @@
 // computed from dO_i and O_i, P recomputed from the saved lse), and dQ_i is read, updated and
 // written back to a float32 workspace in global memory for every pair (line 21). The CTA owns
 // the dQ rows of its heads, so no atomics are needed and the result is deterministic. Pairs no
-// query can see are skipped. The paper's IO pattern, kept for study; fa2 is the fast path.
+// query can see, and pairs only zero blocks of a block mask cover, are skipped. The paper's IO pattern, kept for study; fa2 is the fast path.
 #pragma once
 
 #include <cuda_pipeline.h>
@@ -15,6 +15,7 @@
 #include "bwd_block.cuh"
 #include "bwd_plan.hpp"
 #include "check.hpp"
+#include "flashdl/detail/block_mask.hpp"
 #include "flashdl/detail/block_range.hpp"
 #include "flashdl/detail/mask.hpp"
 #include "flashdl/detail/softmax.hpp"
@@ -170,17 +171,28 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int64_t j0 = j * L.Bc;
     const int kv_rows = int(p.seqlen_k - j0 < L.Bc ? p.seqlen_k - j0 : L.Bc);
     const detail::BlockRange qb = detail::query_blocks_for_keys(mask, j0, j0 + kv_rows, L.Br);
+    auto cover = [&](int64_t h, int64_t i) {  // the block mask of head h over (block i, block j)
+      const int64_t i0 = i * L.Br, i1 = i0 + L.Br < p.seqlen_q ? i0 + L.Br : p.seqlen_q;
+      return detail::block_mask_of(p, batch, h).cover(i0, i1, j0, j0 + kv_rows);
+    };
+    bool needed = false;  // some pair of this key block is computed
+    for (int64_t hg = 0; hg < group && !needed; ++hg)
+      for (int64_t i = qb.begin; i < qb.end && !needed; ++i) needed = cover(head0 + hg, i).any;
     // Lines 7-8 (a block no query sees keeps dK_j = dV_j = 0 and loads nothing).
     for (int idx = threadIdx.x; idx < L.Bc * L.ld_o; idx += kThreads) sdK[idx] = sdV[idx] = 0.0f;
-    if (qb.size() > 0) {
+    if (needed) {
       load_tile<kD, kThreads>(sK, L.ld_kv, gK + j0 * p.k_row_stride, p.k_row_stride, L.Bc, kv_rows, vec_load);
       load_tile<kD, kThreads>(sV, L.ld_kv, gV + j0 * p.v_row_stride, p.v_row_stride, L.Bc, kv_rows, vec_load);
     }
-    for (int64_t hg = 0; hg < group && qb.size() > 0; ++hg) {
+    for (int64_t hg = 0; hg < group && needed; ++hg) {
       const int64_t h = head0 + hg;
+      const detail::Dropout drop = detail::dropout_of(p, batch, h);
+      const detail::BlockMask bm = detail::block_mask_of(p, batch, h);
       const T* gQ = static_cast<const T*>(p.q_ptr) + batch * p.q_batch_stride + h * p.q_head_stride;
       const T* gdO = static_cast<const T*>(p.do_ptr) + batch * p.do_batch_stride + h * p.do_head_stride;
       for (int64_t i = qb.begin; i < qb.end; ++i) {  // line 9: query blocks inner
+        const detail::BlockMask::Cover c = cover(h, i);
+        if (!c.any) continue;  // a zero block of the block mask: never loaded or computed
         const int64_t i0 = i * L.Br;
         const int rows = int(p.seqlen_q - i0 < L.Br ? p.seqlen_q - i0 : L.Br);
         // Line 10: Q_i, dO_i to shared memory; O_i, lse_i read by row_stats, dQ_i by update_dq.
@@ -194,12 +206,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         bwd::scores_and_dp<T, kD>(sQ, sdO, sK, sV, L.ld_kv, sS, sdP, L.ld_s, L.Br / kFrag,
                                   L.Bc / kFrag, kWarps);
         __syncthreads();
-        // Lines 12, 13 and 20: mask, P, dS.
-        if (mask.block_fully_visible(i0, i0 + rows, j0, j0 + L.Bc))
-          bwd::probs_and_ds<T, false>(sS, sdP, L.ld_s, L.Br, L.Bc, sL2, sD, i0, j0, mask,
-                                      scale_log2, kWarps);
+        // Lines 12-15, 18 and 20: mask, P, the dropout mask Z, dS.
+        if (c.all && mask.block_fully_visible(i0, i0 + rows, j0, j0 + L.Bc))
+          bwd::probs_and_ds<T, false>(sS, sdP, L.ld_s, L.Br, L.Bc, sL2, sD, i0, j0, mask, bm,
+                                      drop, scale_log2, kWarps);
         else
-          bwd::probs_and_ds<T, true>(sS, sdP, L.ld_s, L.Br, L.Bc, sL2, sD, i0, j0, mask,
+          bwd::probs_and_ds<T, true>(sS, sdP, L.ld_s, L.Br, L.Bc, sL2, sD, i0, j0, mask, bm, drop,
                                      scale_log2, kWarps);
         __syncthreads();
         // Lines 16, 22 and the product of line 21.

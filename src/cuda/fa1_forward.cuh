@@ -2,7 +2,8 @@
 // the outer loop walks the K/V blocks, the inner loop the Q blocks; O (float32), l and m live in a
 // global workspace and are read and written back for every (K/V block, Q block) pair. Blocks no
 // query can see (causal, windows) are skipped. This is the paper's IO pattern, kept for study and
-// comparison; the FA-2 kernel is the fast path.
+// comparison; the FA-2 kernel is the fast path. Pairs that only zero blocks of a block mask cover
+// are skipped too, and a K/V block no computed pair needs is never loaded.
 #pragma once
 
 #include <cuda_pipeline.h>
@@ -12,6 +13,9 @@
 
 #include "check.hpp"
 #include "fa1_plan.hpp"
+#include "flashdl/detail/block_mask.hpp"
+#include "flashdl/detail/block_range.hpp"
+#include "flashdl/detail/dropout.hpp"
 #include "flashdl/detail/mask.hpp"
 #include "flashdl/detail/softmax.hpp"
 #include "flashdl/detail/tiles.hpp"
@@ -55,13 +59,15 @@ __device__ void scores(const T* sQ, const T* sK, float* sS, const Fa1Layout& L) 
   }
 }
 
-// Lines 10, 11 and 13, a warp per row: masked row max, P = exp2(t - m_new) written as T over S in
-// place, the new m and l written back to the workspace, and the two factors of line 12 into sScale:
+// Lines 10, 11 and 13, a warp per row: masked row max, P = exp2(t - m_new) (times the dropout
+// multipliers when dropout is on; l sums the undropped values) written as T over S in place, the
+// new m and l written back to the workspace, and the two factors of line 12 into sScale:
 // O_new = O_old * (alpha * l_old / l_new) + (P V) * (1 / l_new). P is taken relative to m_new
 // instead of the block max (the paper's P~ e^(m~ - m_new)): the same numbers with one exp fewer.
 template <typename T, bool kMasked>
 __device__ void softmax_rows(float* sS, float* sScale, float* gM, float* gL, const Fa1Layout& L,
                              int64_t i0, int rows, int64_t j0, const detail::Mask& mask,
+                             const detail::BlockMask& bm, const detail::Dropout& drop,
                              float scale_log2) {
   const int lane = threadIdx.x % 32;
   for (int r = threadIdx.x / 32; r < L.Br; r += kWarps) {
@@ -76,7 +82,7 @@ __device__ void softmax_rows(float* sS, float* sScale, float* gM, float* gL, con
     const int64_t lo = mask.col_begin(i) - j0, hi = mask.col_end(i) - j0;  // visible columns
     auto score = [&](int c) {
       const float v = s[c] * scale_log2;
-      return kMasked && (c < lo || c >= hi) ? -INFINITY : v;
+      return kMasked && (c < lo || c >= hi || !bm.visible(i, j0 + c)) ? -INFINITY : v;
     };
     float block_max = -INFINITY;
     for (int c = lane; c < L.Bc; c += 32) block_max = fmaxf(block_max, score(c));
@@ -94,7 +100,7 @@ __device__ void softmax_rows(float* sS, float* sScale, float* gM, float* gL, con
       const float pc = c < L.Bc ? exp2f(score(c) - ref) : 0.0f;
       // P[c0, c0 + 32) overwrites S[c0/2, c0/2 + 16): read the whole chunk first.
       __syncwarp();
-      if (c < L.Bc) pr[c] = from_float<T>(pc);
+      if (c < L.Bc) pr[c] = from_float<T>(drop.on() ? pc * drop.multiplier(i, j0 + c) : pc);
       block_sum += pc;
     }
     block_sum = warp_sum(block_sum);
@@ -199,16 +205,27 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
 
   const detail::Mask mask = detail::make_mask(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
+  const detail::Dropout drop = detail::dropout_of(p, batch, head);
+  const detail::BlockMask bm = detail::block_mask_of(p, batch, head);
   const int64_t Tc = detail::ceil_div(p.seqlen_k, L.Bc);
   for (int64_t j = 0; j < Tc; ++j) {  // line 5: K/V blocks outer
     const int64_t j0 = j * L.Bc;
     const int kv_rows = int(p.seqlen_k - j0 < L.Bc ? p.seqlen_k - j0 : L.Bc);
-    const int64_t i_lo = mask.row_begin(j0), i_hi = mask.row_end(j0 + kv_rows - 1);
-    if (i_lo >= i_hi) continue;  // no query sees these keys: skipped, not computed
+    const detail::BlockRange qb = detail::query_blocks_for_keys(mask, j0, j0 + kv_rows, L.Br);
+    auto cover = [&](int64_t i) {  // the block mask over the pair (query block i, this block)
+      const int64_t i0 = i * L.Br, i1 = i0 + L.Br < p.seqlen_q ? i0 + L.Br : p.seqlen_q;
+      return bm.cover(i0, i1, j0, j0 + kv_rows);
+    };
+    int64_t first = qb.begin;
+    while (first < qb.end && !cover(first).any) ++first;
+    if (first >= qb.end) continue;  // no query sees these keys: skipped, not loaded or computed
     // Line 6 (the previous pair's last barrier ordered every read of sK and sV before this).
     load_tile<kD, kThreads>(sK, L.ld_kv, gK + j0 * p.k_row_stride, p.k_row_stride, L.Bc, kv_rows, vec_load);
     load_tile<kD, kThreads>(sV, L.ld_kv, gV + j0 * p.v_row_stride, p.v_row_stride, L.Bc, kv_rows, vec_load);
-    for (int64_t i0 = i_lo / L.Br * L.Br; i0 < i_hi; i0 += L.Br) {  // line 7: Q blocks inner
+    for (int64_t i = first; i < qb.end; ++i) {  // line 7: Q blocks inner
+      const detail::BlockMask::Cover c = cover(i);
+      if (!c.any) continue;  // a zero block of the block mask
+      const int64_t i0 = i * L.Br;
       const int rows = int(p.seqlen_q - i0 < L.Br ? p.seqlen_q - i0 : L.Br);
       // Line 8: Q_i to shared memory; O_i, l_i, m_i are read from the workspace where used.
       load_tile<kD, kThreads>(sQ, L.ld_kv, gQ + i0 * p.q_row_stride, p.q_row_stride, L.Br, rows, vec_load);
@@ -217,10 +234,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       __syncthreads();
       scores<T, kD>(sQ, sK, sS, L);
       __syncthreads();
-      if (mask.block_fully_visible(i0, i0 + rows, j0, j0 + L.Bc))
-        softmax_rows<T, false>(sS, sScale, gM, gL, L, i0, rows, j0, mask, p.scale_softmax_log2);
+      if (c.all && mask.block_fully_visible(i0, i0 + rows, j0, j0 + L.Bc))
+        softmax_rows<T, false>(sS, sScale, gM, gL, L, i0, rows, j0, mask, bm, drop,
+                               p.scale_softmax_log2);
       else
-        softmax_rows<T, true>(sS, sScale, gM, gL, L, i0, rows, j0, mask, p.scale_softmax_log2);
+        softmax_rows<T, true>(sS, sScale, gM, gL, L, i0, rows, j0, mask, bm, drop,
+                              p.scale_softmax_log2);
       __syncthreads();
       pv<T, kD>(reinterpret_cast<const T*>(sS), sV, sO, L);
       __syncthreads();

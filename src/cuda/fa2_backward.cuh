@@ -4,7 +4,8 @@
 // 2. main kernel, grid (key block, kv head, batch), 8 warps: K_j and V_j are loaded once; for each
 //    query head of the group and each query block some key of the block can see, Q_i, dO_i, lse2
 //    and D stream through a double buffer (cp.async) and the CTA computes S = Q K^T and
-//    dP = dO V^T, then P and dS (bwd_block.cuh), then dV_j += P^T dO_i and dK_j += dS^T Q_i into
+//    dP = dO V^T, then P and dS (bwd_block.cuh, with the dropout mask regenerated from its
+//    Philox counters), then dV_j += (P Z)^T dO_i and dK_j += dS^T Q_i into
 //    registers (each warp a 16-key band and a slice of the head dim) and, unless deterministic,
 //    dQ_i += dS K_j into a float32 accumulator with atomics. dK_j (times the scale) and dV_j are
 //    written once at the end; with GQA they already sum over the group, so no reduction follows.
@@ -23,6 +24,7 @@
 #include "check.hpp"
 #include "fa2_bwd_traits.cuh"
 #include "fa2_traits.cuh"
+#include "flashdl/detail/block_mask.hpp"
 #include "flashdl/detail/block_range.hpp"
 #include "flashdl/detail/mask.hpp"
 #include "flashdl/detail/softmax.hpp"
@@ -78,23 +80,26 @@ __global__ void __launch_bounds__(256)
 }
 
 // S, dP, then P and dS for the pair (query rows [i0, i0 + rows), keys [j0, j0 + Bc)); the whole
-// block's loads are complete and visible. Leaves P, dS as T in sS, sdP; ends with a barrier.
+// block's loads are complete and visible. bm_all: every block-mask block the pair touches is
+// set. Leaves P, dS as T in sS, sdP; ends with a barrier.
 template <typename Tr>
 __device__ __forceinline__ void pair_probs(const typename Tr::T* sQ, const typename Tr::T* sdO,
                                            const typename Tr::T* sK, const typename Tr::T* sV,
                                            float* sS, float* sdP, const float* sL2, const float* sD,
                                            int64_t i0, int rows, int64_t j0,
-                                           const detail::Mask& mask, float scale_log2) {
+                                           const detail::Mask& mask, const detail::BlockMask& bm,
+                                           bool bm_all, const detail::Dropout& drop,
+                                           float scale_log2) {
   using T = typename Tr::T;
   bwd::scores_and_dp<T, Tr::kHeadDim>(sQ, sdO, sK, sV, Tr::kLd, sS, sdP, Tr::kLdS, Tr::kFragsM,
                                       Tr::kFragsN, Tr::kNWarps);
   __syncthreads();
-  if (mask.block_fully_visible(i0, i0 + rows, j0, j0 + Tr::kBlockN))
+  if (bm_all && mask.block_fully_visible(i0, i0 + rows, j0, j0 + Tr::kBlockN))
     bwd::probs_and_ds<T, false>(sS, sdP, Tr::kLdS, Tr::kBlockM, Tr::kBlockN, sL2, sD, i0, j0,
-                                mask, scale_log2, Tr::kNWarps);
+                                mask, bm, drop, scale_log2, Tr::kNWarps);
   else
     bwd::probs_and_ds<T, true>(sS, sdP, Tr::kLdS, Tr::kBlockM, Tr::kBlockN, sL2, sD, i0, j0, mask,
-                               scale_log2, Tr::kNWarps);
+                               bm, drop, scale_log2, Tr::kNWarps);
   __syncthreads();
 }
 
@@ -147,6 +152,18 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const detail::BlockRange qb = detail::query_blocks_for_keys(mask, n0, n0 + kv_rows, kM);
   const int64_t m_begin = qb.begin, nm = qb.size(), total = group * nm;
 
+  // Pair `it` is (query head kv_head * group + it / nm, query block m_begin + it % nm); pairs that
+  // only zero blocks of the head's block mask cover are skipped, never loaded or computed.
+  auto cover = [&](int64_t it) {
+    const int64_t h = kv_head * group + it / nm, i0 = (m_begin + it % nm) * kM;
+    const int64_t i1 = i0 + kM < p.seqlen_q ? i0 + kM : p.seqlen_q;
+    return detail::block_mask_of(p, batch, h).cover(i0, i1, n0, n0 + kv_rows);
+  };
+  auto next_pair = [&](int64_t it) {
+    while (it < total && !cover(it).any) ++it;
+    return it;
+  };
+
   auto load_q = [&](int64_t it, int stage) {
     const int64_t h = kv_head * group + it / nm, i0 = (m_begin + it % nm) * kM;
     const int rows = int(p.seqlen_q - i0 < kM ? p.seqlen_q - i0 : kM);
@@ -162,14 +179,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                     ws_d + row0, i0, kM, p.seqlen_q, Tr::kThreads);
   };
 
-  if (total > 0) {
+  int64_t it = next_pair(0);
+  if (it < total) {
     const T* gK = static_cast<const T*>(p.k_ptr) + batch * p.k_batch_stride +
                   kv_head * p.k_head_stride + n0 * p.k_row_stride;
     const T* gV = static_cast<const T*>(p.v_ptr) + batch * p.v_batch_stride +
                   kv_head * p.v_head_stride + n0 * p.v_row_stride;
     load_tile<kD, Tr::kThreads>(sK, kLd, gK, p.k_row_stride, kN, kv_rows, vec_load);
     load_tile<kD, Tr::kThreads>(sV, kLd, gV, p.v_row_stride, kN, kv_rows, vec_load);
-    load_q(0, 0);
+    load_q(it, 0);
   }
   __pipeline_commit();
 
@@ -186,15 +204,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     wmma::fill_fragment(acc_dv[f], 0.0f);
   }
 
-  for (int64_t it = 0; it < total; ++it) {
-    int stage = 0;
+  bool first = true;
+  for (int stage = 0; it < total; first = false) {
+    const int64_t next = next_pair(it + 1);
     if constexpr (Tr::kStages == 2) {
-      stage = int(it % 2);
-      if (it + 1 < total) load_q(it + 1, stage ^ 1);  // prefetch the next query block
+      if (next < total) load_q(next, stage ^ 1);  // prefetch the next query block
       __pipeline_commit();
-      __pipeline_wait_prior(1);  // block it has landed; it + 1 may still be in flight
+      __pipeline_wait_prior(1);  // block it has landed; the next may still be in flight
     } else {
-      if (it > 0) load_q(it, 0);
+      if (!first) load_q(it, 0);
       __pipeline_commit();
       __pipeline_wait_prior(0);
     }
@@ -205,7 +223,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const T* sQ = q_stage(L.off_q, stage);
     const T* sdO = q_stage(L.off_do, stage);
     pair_probs<Tr>(sQ, sdO, sK, sV, sS, sdP, stat_stage(L.off_l2, stage),
-                   stat_stage(L.off_d, stage), i0, rows, n0, mask, float(p.scale_softmax_log2));
+                   stat_stage(L.off_d, stage), i0, rows, n0, mask,
+                   detail::block_mask_of(p, batch, h), cover(it).all,
+                   detail::dropout_of(p, batch, h), float(p.scale_softmax_log2));
     const T* sP = reinterpret_cast<const T*>(sS);
     const T* sdS = reinterpret_cast<const T*>(sdP);
 
@@ -243,6 +263,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       }
     }
     __syncthreads();  // this stage, S and dP are refilled by the next iteration
+    it = next;
+    if constexpr (Tr::kStages == 2) stage ^= 1;
   }
   __pipeline_wait_prior(0);  // no copy may still be in flight when the CTA retires
 
@@ -292,6 +314,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const int rows = int(p.seqlen_q - m0 < kM ? p.seqlen_q - m0 : kM);
   const detail::Mask mask = detail::make_mask(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
   const detail::BlockRange kb = detail::key_blocks_for_queries(mask, m0, m0 + rows, kN);
+  const detail::Dropout drop = detail::dropout_of(p, batch, h);
+  const detail::BlockMask bm = detail::block_mask_of(p, batch, h);
+  auto cover = [&](int64_t n) {
+    const int64_t n0 = n * kN;
+    return bm.cover(m0, m0 + rows, n0, n0 + kN < p.seqlen_k ? n0 + kN : p.seqlen_k);
+  };
   const int64_t n_begin = kb.begin, n_end = kb.end;
 
   const T* gK = static_cast<const T*>(p.k_ptr) + batch * p.k_batch_stride + kv_head * p.k_head_stride;
@@ -316,6 +344,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   for (int u = 0; u < Tr::kDqTilesPerWarp; ++u) wmma::fill_fragment(acc[u], 0.0f);
 
   for (int64_t n = n_begin; n < n_end; ++n) {
+    const detail::BlockMask::Cover c = cover(n);
+    if (!c.any) continue;  // a zero block of the block mask: never loaded
     const int64_t n0 = n * kN;
     const int kv_rows = int(p.seqlen_k - n0 < kN ? p.seqlen_k - n0 : kN);
     load_tile<kD, Tr::kThreads>(sK, kLd, gK + n0 * p.k_row_stride, p.k_row_stride, kN, kv_rows, vec_load);
@@ -323,7 +353,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     __pipeline_commit();
     __pipeline_wait_prior(0);
     __syncthreads();
-    pair_probs<Tr>(sQ, sdO, sK, sV, sS, sdP, sL2, sD, m0, rows, n0, mask,
+    pair_probs<Tr>(sQ, sdO, sK, sV, sS, sdP, sL2, sD, m0, rows, n0, mask, bm, c.all, drop,
                    float(p.scale_softmax_log2));
     const T* sdS = reinterpret_cast<const T*>(sdP);
 #pragma unroll

@@ -15,6 +15,9 @@
 
 #include "check.hpp"
 #include "fa2_traits.cuh"
+#include "flashdl/detail/block_mask.hpp"
+#include "flashdl/detail/block_range.hpp"
+#include "flashdl/detail/dropout.hpp"
 #include "flashdl/detail/mask.hpp"
 #include "flashdl/detail/softmax.hpp"
 #include "flashdl/detail/tiles.hpp"
@@ -50,12 +53,16 @@ __device__ __forceinline__ void compute_scores(const typename Tr::T* sQw,
 
 // One online-softmax step for the row this lane pair owns (lanes 2r and 2r+1 share row r, taking
 // alternate columns). Scales the scores into the exp2 domain, masks keys outside [col_lo, col_hi)
-// when kMasked, updates {m, l} and writes P = exp2(t - m) as T over the scores in place. Returns
+// and in zero blocks of the block mask (row_in: the row, clamped into the sequence) when kMasked,
+// updates {m, l} and writes P = exp2(t - m) as T over the scores in place, times
+// the dropout multiplier of (row, key) when dropout is on (l sums the undropped values). Returns
 // the factor by which the row's output accumulator must be rescaled.
 template <typename Tr, bool kMasked>
 __device__ __forceinline__ float softmax_step(float* sS, detail::OnlineSoftmax<float>& sm,
                                               float scale_log2, int64_t n0, int64_t col_lo,
-                                              int64_t col_hi) {
+                                              int64_t col_hi, const detail::BlockMask& bm,
+                                              int64_t row_in, const detail::Dropout& drop,
+                                              int64_t row) {
   using T = typename Tr::T;
   const int lane = threadIdx.x % 32;
   const int r = lane / 2, half = lane % 2;
@@ -65,7 +72,8 @@ __device__ __forceinline__ float softmax_step(float* sS, detail::OnlineSoftmax<f
   for (int k = 0; k < Tr::kColsPerLane; ++k) {
     const int c = 2 * k + half;
     float v = sS[r * Tr::kLdS + c] * scale_log2;
-    if (kMasked && (n0 + c < col_lo || n0 + c >= col_hi)) v = -INFINITY;
+    if (kMasked && (n0 + c < col_lo || n0 + c >= col_hi || !bm.visible(row_in, n0 + c)))
+      v = -INFINITY;
     t[k] = v;
     block_max = fmaxf(block_max, v);
   }
@@ -79,7 +87,8 @@ __device__ __forceinline__ float softmax_step(float* sS, detail::OnlineSoftmax<f
   for (int k = 0; k < Tr::kColsPerLane; ++k) {
     const float pk = exp2f(t[k] - ref);
     block_sum += pk;
-    sP[r * Tr::kLdP + 2 * k + half] = from_float<T>(pk);
+    const float z = drop.on() ? drop.multiplier(row, n0 + 2 * k + half) : 1.0f;
+    sP[r * Tr::kLdP + 2 * k + half] = from_float<T>(pk * z);
   }
   block_sum += __shfl_xor_sync(kFullMask, block_sum, 1);
   sm.accumulate(alpha, block_sum);
@@ -160,11 +169,20 @@ __global__ void __launch_bounds__(Tr::kThreads)
   const T* gK = static_cast<const T*>(p.k_ptr) + batch * p.k_batch_stride + kv_head * p.k_head_stride;
   const T* gV = static_cast<const T*>(p.v_ptr) + batch * p.v_batch_stride + kv_head * p.v_head_stride;
 
-  // K/V blocks that some row of this Q block can see; the others are skipped, not computed.
+  // K/V blocks that some row of this Q block can see and the block mask does not zero; the
+  // others are skipped: never loaded, never computed.
   const detail::Mask mask = detail::make_mask(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
-  const int64_t key_lo = mask.block_col_begin(m0), key_hi = mask.block_col_end(m0 + m_rows);
-  const int n_begin = int(key_lo / kBlockN);
-  const int n_end = key_hi > key_lo ? int(detail::ceil_div(key_hi, kBlockN)) : n_begin;
+  const detail::BlockRange kb = detail::key_blocks_for_queries(mask, m0, m0 + m_rows, kBlockN);
+  const int n_begin = int(kb.begin), n_end = int(kb.end);
+  const detail::BlockMask bm = detail::block_mask_of(p, batch, head);
+  auto cover = [&](int n) {
+    const int64_t n0 = int64_t(n) * kBlockN;
+    return bm.cover(m0, m0 + m_rows, n0, n0 + kBlockN < p.seqlen_k ? n0 + kBlockN : p.seqlen_k);
+  };
+  auto next_block = [&](int n) {  // the first block from n on that is computed
+    while (n < n_end && !cover(n).any) ++n;
+    return n;
+  };
 
   auto load_kv = [&](int n, int stage) {
     const int64_t n0 = int64_t(n) * kBlockN;
@@ -178,20 +196,23 @@ __global__ void __launch_bounds__(Tr::kThreads)
   // Load Q (once) and the first K/V block.
   load_tile<kD, Tr::kThreads>(sQ, kLd, gQ + m0 * p.q_row_stride, p.q_row_stride, kBlockM, m_rows,
                               vec_load);
-  if (n_begin < n_end) load_kv(n_begin, 0);
+  int n = next_block(n_begin);
+  if (n < n_end) load_kv(n, 0);
   __pipeline_commit();
 
   const FragRows frag_rows = accumulator_rows(sS, Tr::kLdS);
   const int64_t row = m0 + warp * Tr::kWarpRows + lane / 2;  // the row this lane pair owns
   const int64_t col_lo = mask.col_begin(row), col_hi = mask.col_end(row);
+  const int64_t row_in = row < p.seqlen_q ? row : p.seqlen_q - 1;
+  const detail::Dropout drop = detail::dropout_of(p, batch, head);
   detail::OnlineSoftmax<float> softmax;
   FragAcc acc_o[Tr::kFragsD];
 #pragma unroll
   for (int df = 0; df < Tr::kFragsD; ++df) wmma::fill_fragment(acc_o[df], 0.0f);
 
-  for (int n = n_begin; n < n_end; ++n) {
-    const int stage = (n - n_begin) % Tr::kStages;
-    if (n + 1 < n_end) load_kv(n + 1, stage ^ 1);  // prefetch the next block into the other buffer
+  for (int stage = 0; n < n_end; stage ^= 1) {
+    const int next = next_block(n + 1);
+    if (next < n_end) load_kv(next, stage ^ 1);  // prefetch the next block into the other buffer
     __pipeline_commit();
     __pipeline_wait_prior(1);  // block n has landed; block n + 1 may still be in flight
     __syncthreads();
@@ -201,13 +222,17 @@ __global__ void __launch_bounds__(Tr::kThreads)
     compute_scores<Tr>(sQ + warp * Tr::kWarpRows * kLd, sKn, sS);  // S = Q K^T
     __syncwarp();
     const int64_t n0 = int64_t(n) * kBlockN;
-    const float alpha =                                               // mask, online softmax
-        mask.block_fully_visible(m0, m0 + m_rows, n0, n0 + kBlockN)
-            ? softmax_step<Tr, false>(sS, softmax, p.scale_softmax_log2, n0, col_lo, col_hi)
-            : softmax_step<Tr, true>(sS, softmax, p.scale_softmax_log2, n0, col_lo, col_hi);
+    const bool full = mask.block_fully_visible(m0, m0 + m_rows, n0, n0 + kBlockN) && cover(n).all;
+    const float scale_log2 = p.scale_softmax_log2;
+    const float alpha =  // mask, online softmax
+        full ? softmax_step<Tr, false>(sS, softmax, scale_log2, n0, col_lo, col_hi, bm, row_in,
+                                       drop, row)
+             : softmax_step<Tr, true>(sS, softmax, scale_log2, n0, col_lo, col_hi, bm, row_in,
+                                      drop, row);
     scale_rows(acc_o, frag_rows, alpha);
     accumulate_pv<Tr>(reinterpret_cast<const T*>(sS), sVn, acc_o);  // O += P V
     __syncthreads();  // this stage is refilled by the next iteration's prefetch
+    n = next;
   }
   __pipeline_wait_prior(0);  // no copy may still be in flight when the CTA retires
 

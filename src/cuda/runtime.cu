@@ -93,13 +93,6 @@ LaunchContext make_context(const Params& p, bool backward) {
   return c;
 }
 
-void refuse_dropout(const Params& p) {
-  if (p.p_dropout > 0.0f)
-    throw Error(ErrorKind::unsupported,
-                "dropout_p: dropout is not yet on CUDA (got " + std::to_string(p.p_dropout) +
-                    "); pass dropout_p=0, or CPU arrays");
-}
-
 [[noreturn]] void no_kernel(const Params& p) {
   throw Error(ErrorKind::unsupported, std::string("schedule: no CUDA kernel for '") +
                                           schedule_name(p.schedule) + "'");
@@ -108,7 +101,6 @@ void refuse_dropout(const Params& p) {
 }  // namespace
 
 void forward(const Params& p) {
-  refuse_dropout(p);
   DeviceGuard guard(p.device.id);
   const LaunchContext ctx = make_context(p, false);
   FLASHDL_DTYPE_SWITCH(p.dtype, T, [&] {
@@ -124,7 +116,6 @@ void forward(const Params& p) {
 }
 
 void backward(const Params& p) {
-  refuse_dropout(p);
   DeviceGuard guard(p.device.id);
   const LaunchContext ctx = make_context(p, true);
   FLASHDL_DTYPE_SWITCH(p.dtype, T, [&] {

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import flashdl
-from attn_oracle import assert_rule, forward
+from attn_oracle import assert_rule, backward, forward, grad_magnitude
 
 if flashdl.info()["cuda_device_count"] == 0:
     pytest.skip("no CUDA device: " + flashdl.info()["cuda_status"], allow_module_level=True)
@@ -57,19 +57,27 @@ def test_torch_cuda_forward(dtype, causal, schedule):
     check_against_oracle(out.double().cpu().numpy(), host, dtype, causal)
 
 
-def test_torch_cuda_autograd_or_clear_error():
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_torch_cuda_autograd(dtype):
+    """loss.backward() through flashdl.torch.attention on CUDA: gradients on the device, in the
+    dtype of the inputs, within flash-attn's rule for gradients (3x the naive low-precision
+    backward's error) of the float64 oracle."""
     torch = _torch()
-    q, k, v = (torch.randn(1, 32, 2, 64, device="cuda", dtype=torch.float16, requires_grad=True)
-               for _ in range(3))
     import flashdl.torch
 
+    tdt = getattr(torch, dtype)
+    host = host_inputs(shape=(1, 32, 32, 2, 2, 64), seed=1)
+    q, k, v = (torch.from_numpy(x).to("cuda", tdt).requires_grad_() for x in host)
+    host = [x.detach().double().cpu().numpy() for x in (q, k, v)]
     out = flashdl.torch.attention(q, k, v, causal=True)
-    try:
-        out.float().sum().backward()
-    except RuntimeError as e:  # the CUDA backward kernels may not be built yet
-        assert "backward" in str(e) or "CUDA" in str(e)
-        return
-    assert q.grad.device == q.device
+    out.float().sum().backward()
+    dout = np.ones(host[0].shape)
+    exact = backward(dout, *host, causal=True)
+    low = backward(dout, *host, causal=True, dtype=dtype, exact=False)
+    for name, x, e, lo in zip(("dq", "dk", "dv"), (q, k, v), exact, low):
+        assert x.grad.device == x.device and x.grad.dtype == tdt and x.grad.shape == x.shape
+        assert_rule(x.grad.double().cpu().numpy(), e, lo, dtype, factor=3.0, what=name,
+                    grad=True, magnitude=grad_magnitude(exact))
 
 
 @pytest.mark.parametrize("dtype", ["float16"])

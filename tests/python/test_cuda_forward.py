@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import flashdl
+from cuda_arrays import host, torch_array
 
 if flashdl.info()["cuda_device_count"] == 0:
     pytest.skip("no CUDA device: " + flashdl.info()["cuda_status"], allow_module_level=True)
@@ -116,26 +117,7 @@ def check(out, lse, q, k, v, causal, window, dtype):
     assert np.all(out[np.broadcast_to(empty.transpose(0, 2, 1)[..., None], out.shape)] == 0)
 
 
-# ---- torch -----------------------------------------------------------------------------------------
-def torch_array(x, dtype, layout, device="cuda"):
-    """x (b, s, h, d) as a CUDA tensor viewed through `layout`: contiguous, transposed (stored as
-    (b, h, s, d)), padded (rows of d + 8) or odd (rows of d + 3: no 16-byte alignment)."""
-    tdt = getattr(torch, dtype)
-    t = torch.from_numpy(x).to(device=device, dtype=tdt)
-    if layout == "transposed":
-        return t.transpose(1, 2).contiguous().transpose(1, 2)
-    if layout in ("padded", "odd"):
-        pad = 8 if layout == "padded" else 3
-        buf = torch.full(t.shape[:-1] + (t.shape[-1] + pad,), float("nan"), device=device, dtype=tdt)
-        buf[..., : t.shape[-1]] = t
-        return buf[..., : t.shape[-1]]
-    return t
-
-
-def host(t):
-    return t.to(torch.float64).cpu().numpy()
-
-
+# ---- torch ---------------------------------------------------------------------------------------
 def inputs(rng, b, sq, sk, h, hk, d, dtype):
     """Random inputs rounded to dtype, as float32 host arrays."""
     shapes = ((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d))
@@ -211,11 +193,24 @@ def test_torch_repeatable_bitwise(schedule):
 
 
 @needs_torch
-def test_torch_backward_is_a_clear_error():
-    q = torch.randn(1, 8, 2, 64, device="cuda", dtype=torch.float16)
-    out, lse = flashdl.attention(q, q, q, return_lse=True)
-    with pytest.raises(RuntimeError, match="backward"):
-        flashdl.attention_backward(torch.ones_like(out), q, q, q, out, lse)
+@pytest.mark.parametrize("schedule", ["fa1", "fa2"])
+def test_torch_backward_runs(schedule):
+    """The CUDA backward runs: gradients on q's device in q's dtype, finite, and close to the CPU
+    backend's float32 gradients of the same values (test_cuda_backward.py checks them in depth)."""
+    rng = np.random.default_rng(11)
+    hq, hk, hv = inputs(rng, 1, 40, 40, 2, 1, 64, "float16")
+    hdout = inputs(rng, 1, 40, 40, 2, 1, 64, "float16")[0]
+    q, k, v, dout = (torch_array(x, "float16", "contiguous") for x in (hq, hk, hv, hdout))
+    out, lse = flashdl.attention(q, k, v, causal=True, schedule=schedule, return_lse=True)
+    grads = flashdl.attention_backward(dout, q, k, v, out, lse, causal=True, schedule=schedule)
+    torch.cuda.current_stream().synchronize()
+    cpu_out, cpu_lse = flashdl.attention(hq, hk, hv, causal=True, return_lse=True)
+    cpu = flashdl.attention_backward(hdout, hq, hk, hv, cpu_out, cpu_lse, causal=True)
+    for name, g, like, ref in zip(("dq", "dk", "dv"), grads, (q, k, v), cpu):
+        assert g.device == like.device and g.dtype == like.dtype and g.shape == like.shape, name
+        assert torch.isfinite(g).all(), f"{name}: not finite"
+        err = np.abs(host(g) - ref).max()
+        assert err <= 1e-2 * max(1.0, np.abs(ref).max()), f"{name}: max error {err:.3e}"
 
 
 @needs_torch

@@ -20,6 +20,25 @@ struct BlockMask {
     return blocks == nullptr || blocks[qb * row_stride + kb] != 0;
   }
   FLASHDL_HD bool visible(int64_t i, int64_t j) const { return block(i / block_q, j / block_k); }
+
+  // The blocks a tile [i0, i1) x [j0, j1) of in-range rows and keys touches (i1 <= seqlen_q,
+  // j1 <= seqlen_k, both non-empty): `any` set means the tile must be computed, `all` set means
+  // no element of it needs this mask. Used by the CUDA kernels, whose tiles need not line up
+  // with the mask's blocks.
+  struct Cover {
+    bool any, all;
+  };
+  FLASHDL_HD Cover cover(int64_t i0, int64_t i1, int64_t j0, int64_t j1) const {
+    if (blocks == nullptr) return {true, true};
+    bool any = false, all = true;
+    for (int64_t qb = i0 / block_q; qb <= (i1 - 1) / block_q; ++qb)
+      for (int64_t kb = j0 / block_k; kb <= (j1 - 1) / block_k; ++kb) {
+        const bool b = block(qb, kb);
+        any = any || b;
+        all = all && b;
+      }
+    return {any, all};
+  }
 };
 
 // The mask plane of batch b, head h (Params strides of 0 broadcast it over batches or heads).

@@ -1,0 +1,81 @@
+"""The GPU session's tools on a machine without a GPU: tools/gpu_check.sh reports every step
+SKIPPED (no GPU), builds nothing, finishes in seconds and exits 0; benchmarks/bench_cuda.py exits
+with a clear message. Where a GPU exists both would really run (minutes): skipped there."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tools" / "gpu_check.sh"
+
+
+def _detect():
+    """The script's own verdict ("gpu: ..." or "no gpu: why"), so this file never disagrees with it."""
+    res = subprocess.run(["bash", str(SCRIPT), "--detect"], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    return res.stdout.strip()
+
+
+VERDICT = _detect()
+needs_no_gpu = pytest.mark.skipif(not VERDICT.startswith("no gpu"),
+                                  reason=f"a GPU is present ({VERDICT}): the script would build")
+
+
+def steps():
+    res = subprocess.run(["bash", str(SCRIPT), "--list"], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stderr
+    return res.stdout.split()
+
+
+def test_steps_are_listed():
+    names = steps()
+    assert names[:2] == ["env", "build"] and "pytest_cuda" in names and names[-1] == "bench"
+    for tool in ("memcheck", "racecheck", "synccheck"):
+        assert f"{tool}_forward" in names and f"{tool}_backward" in names
+
+
+@needs_no_gpu
+def test_without_a_gpu_every_step_is_skipped_fast(tmp_path):
+    out = tmp_path / "gpu_check"
+    start = time.monotonic()
+    # From another directory: the script finds the repository itself.
+    res = subprocess.run(["bash", str(SCRIPT), str(out)], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    elapsed = time.monotonic() - start
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert elapsed < 30, f"took {elapsed:.1f} s: something ran that needs no GPU check"
+    summary = (out / "summary.txt").read_text()
+    assert "# gpu: none (" in summary
+    lines = {line.split()[0]: line for line in summary.splitlines()
+             if line and not line.startswith("#")}
+    for name in steps():
+        assert name in lines, f"{name} missing from summary.txt:\n{summary}"
+        assert "SKIPPED (no GPU)" in lines[name], lines[name]
+    assert "overall: PASS" in summary
+    assert sorted(p.name for p in out.iterdir()) == ["summary.txt"], "a step wrote a log"
+    assert "[gpu_check]" not in res.stdout, "a step was started"
+
+
+def test_usage_errors(tmp_path):
+    res = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "usage" in res.stderr
+    res = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out"), "no_such_step"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "no_such_step" in res.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@needs_no_gpu
+def test_bench_cuda_without_a_gpu_says_so():
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_cuda.py"), "--quick"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    assert "no CUDA device" in res.stderr, res.stderr

@@ -1,0 +1,355 @@
+#!/usr/bin/env bash
+# The first command a GPU session runs: environment, build for sm_90, the CUDA C++ tests (in full,
+# then the small-tile fallback kernels), the CUDA pytest files, compute-sanitizer, and the quick
+# CUDA benchmark.
+#
+#   bash tools/gpu_check.sh OUTDIR [STEP ...]     (from any directory)
+#   bash tools/gpu_check.sh --list                (the step names, in order)
+#   bash tools/gpu_check.sh --detect              ("gpu: ..." or "no gpu: why"; nothing else runs)
+#
+# Each step writes its own log into OUTDIR and one line into OUTDIR/summary.txt: the step, PASS,
+# FAIL (exit code) or SKIPPED (why), its wall seconds, its log and the log's last line. A failing
+# step is reported and the next one still runs. Every step runs under `timeout`, capped both by its
+# own limit and by what is left of the run's budget (GPU_CHECK_BUDGET_S, default 480 s, so that a
+# run ends well inside ten minutes). A step the budget no longer covers is SKIPPED (time budget)
+# and the closing `rerun:` line names it: a first run on a fresh machine also builds, so a second
+# run may be needed to finish the list.
+# Naming steps runs only those (build is added when build/gpu or the installed flashdl is missing).
+# After every step OUTDIR/gpu_check.tar.gz is rewritten with all of OUTDIR, so two files
+# (summary.txt and that archive) carry the whole run off the machine.
+#
+# With no GPU (nvidia-smi missing or failing and the driver library seeing no device, or an
+# installed CUDA build of flashdl reporting 0 devices) every step is SKIPPED (no GPU) at once,
+# nothing is built, and the exit status is 0. The exit status is 1 iff some step FAILED.
+set -uo pipefail
+
+STEPS=(env build cpp_forward cpp_backward cpp_forward_fallback cpp_backward_fallback pytest_cuda
+       memcheck_forward memcheck_backward racecheck_forward racecheck_backward synccheck_forward
+       synccheck_backward bench)
+
+usage() {
+  echo "usage: bash tools/gpu_check.sh OUTDIR [STEP ...] | --list | --detect" >&2
+  echo "steps: ${STEPS[*]}" >&2
+  exit 2
+}
+
+if [ "${1:-}" = "--list" ]; then
+  printf '%s\n' "${STEPS[@]}"
+  exit 0
+fi
+DETECT_ONLY=""
+OUT=""
+if [ "${1:-}" = "--detect" ]; then
+  DETECT_ONLY=1
+  set --
+else
+  [ $# -ge 1 ] && [ -n "$1" ] && [ "${1#-}" = "$1" ] || usage
+  OUTDIR_ARG=$1
+  shift
+  for s in "$@"; do
+    [[ " ${STEPS[*]} " == *" $s "* ]] || { echo "unknown step '$s'" >&2; usage; }
+  done
+  mkdir -p "$OUTDIR_ARG" || usage
+  OUT=$(cd "$OUTDIR_ARG" && pwd)
+fi
+SELECTED=("$@")
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
+PYTHON=${PYTHON:-python3}
+BUDGET=${GPU_CHECK_BUDGET_S:-480}
+MIN_STEP_S=15  # a step with less time than this left is not started: it could only time out
+BUILD_DIR=build/gpu
+CUDA_TESTS=$BUILD_DIR/tests/cpp/cuda
+# The smallest opt-in shared memory of an sm_80+ GPU (sm_86/89/120, 99 KiB): under this cap the
+# launchers pick the smaller-tile variants that an H100 (227 KiB) never does.
+SMEM_LIMIT=101376
+START=$(date +%s)
+SUMMARY=$OUT/summary.txt
+FAILED=0
+BUDGET_SKIPPED=()
+
+# ---- is there a GPU? (decided before anything is built, so a machine without one is done fast) ----
+# Devices the driver library itself counts: a GPU is usable even where nvidia-smi is not installed.
+DRIVER_DEVICES='
+import ctypes
+try:
+    cuda = ctypes.CDLL("libcuda.so.1")
+except OSError:
+    print(0)
+else:
+    n = ctypes.c_int(0)
+    ok = cuda.cuInit(0) == 0 and cuda.cuDeviceGetCount(ctypes.byref(n)) == 0
+    print(n.value if ok else 0)'
+# An installed CUDA build of flashdl: its device count and status ("-" when there is none to ask).
+FLASHDL_DEVICES='
+import flashdl
+i = flashdl.info()
+print(i["cuda_device_count"] if "cuda" in i["backends"] else "-", i["cuda_status"])'
+
+GPU=""
+NO_GPU_WHY=""
+if command -v nvidia-smi >/dev/null 2>&1; then
+  GPU=$(timeout 30 nvidia-smi -L 2>/dev/null | grep -m1 '^GPU ')
+fi
+if [ -z "$GPU" ]; then
+  n=$(timeout 30 "$PYTHON" -c "$DRIVER_DEVICES" 2>/dev/null)
+  if [ "${n:-0}" -gt 0 ] 2>/dev/null; then
+    GPU="$n device(s) counted by libcuda (nvidia-smi unavailable)"
+  elif command -v nvidia-smi >/dev/null 2>&1; then
+    NO_GPU_WHY="nvidia-smi fails or lists no GPU, and libcuda counts none"
+  else
+    NO_GPU_WHY="nvidia-smi not found, and libcuda counts none"
+  fi
+fi
+if [ -n "$GPU" ]; then
+  read -r fd_count fd_status <<<"$(cd /tmp && timeout 60 "$PYTHON" -c "$FLASHDL_DEVICES" 2>/dev/null || echo -)"
+  if [ "${fd_count:--}" = "0" ]; then
+    NO_GPU_WHY="the installed flashdl (a CUDA build) sees 0 devices: ${fd_status:-}"
+    GPU=""
+  fi
+fi
+
+if [ -n "$DETECT_ONLY" ]; then
+  if [ -n "$GPU" ]; then echo "gpu: $GPU"; else echo "no gpu: $NO_GPU_WHY"; fi
+  exit 0
+fi
+
+# ---- which steps run -----------------------------------------------------------------------------
+selected() {
+  [ ${#SELECTED[@]} -eq 0 ] && return 0
+  [[ " ${SELECTED[*]} " == *" $1 "* ]]
+}
+
+if [ -n "$GPU" ] && [ ${#SELECTED[@]} -gt 0 ] && ! selected build; then
+  # A fresh device machine starts bare: later steps need the build, so run it when it is missing.
+  if [ ! -x "$CUDA_TESTS/test_cuda_forward" ] ||
+     ! (cd /tmp && "$PYTHON" -c "import flashdl, sys; sys.exit('cuda' not in flashdl.info()['backends'])") 2>/dev/null; then
+    SELECTED+=(build)
+    BUILD_ADDED=1
+  fi
+fi
+
+COMPUTE_SANITIZER=""
+for c in "$(command -v compute-sanitizer 2>/dev/null)" \
+         "$(dirname "$(readlink -f "$(command -v nvcc 2>/dev/null || echo /nonexistent)")")/compute-sanitizer" \
+         /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda/compute-sanitizer/compute-sanitizer; do
+  if [ -n "$c" ] && [ -x "$c" ]; then COMPUTE_SANITIZER=$c; break; fi
+done
+
+# ---- the summary -----------------------------------------------------------------------------------
+{
+  echo "# tools/gpu_check.sh $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')$( [ -n "$(git status --porcelain 2>/dev/null)" ] && echo ' with local changes')"
+  echo "# gpu: ${GPU:-none (${NO_GPU_WHY})}"
+  echo "# budget ${BUDGET} s; steps: ${SELECTED[*]:-all}${BUILD_ADDED:+ (build added: no build or install found)}"
+  printf '%-22s %-22s %6s  %-26s %s\n' "step" "status" "secs" "log" "last line of the log"
+} >"$SUMMARY"
+cat "$SUMMARY"
+
+record() {  # record NAME STATUS SECONDS LOG
+  local note="" line
+  if [ "$4" != "-" ] && [ -s "$OUT/$4" ]; then
+    note=$(grep -v '^[[:space:]]*$' "$OUT/$4" | tail -n 1 | cut -c1-100)
+  fi
+  line=$(printf '%-22s %-22s %6s  %-26s %s' "$1" "$2" "$3" "$4" "$note" | sed 's/ *$//')
+  echo "$line" >>"$SUMMARY"
+  echo "$line"
+}
+
+# run_step NAME CAP_SECONDS LOG FUNCTION: FUNCTION runs in its own bash under `timeout`, its output
+# in OUTDIR/LOG. Functions and the variables they read are exported for that bash.
+run_step() {
+  local name=$1 cap=$2 log=$3 fn=$4
+  if [ -z "$GPU" ]; then record "$name" "SKIPPED (no GPU)" 0 "-"; return; fi
+  if ! selected "$name"; then record "$name" "SKIPPED (not named)" 0 "-"; return; fi
+  local left=$((BUDGET - ($(date +%s) - START)))
+  if [ "$left" -lt "$MIN_STEP_S" ]; then
+    record "$name" "SKIPPED (time budget)" 0 "-"
+    BUDGET_SKIPPED+=("$name")
+    return
+  fi
+  local limit=$((cap < left ? cap : left))
+  echo "[gpu_check] $name (limit ${limit} s) ..."
+  local t0 rc
+  t0=$(date +%s)
+  timeout -k 10 "$limit" bash -c "$fn" </dev/null >"$OUT/$log" 2>&1
+  rc=$?
+  local secs=$(($(date +%s) - t0))
+  case $rc in
+    0) record "$name" "PASS" "$secs" "$log" ;;
+    124|137) echo "[gpu_check] timed out after ${limit} s" >>"$OUT/$log"
+             record "$name" "FAIL ($rc: timed out)" "$secs" "$log"; FAILED=1 ;;
+    *) record "$name" "FAIL ($rc)" "$secs" "$log"; FAILED=1 ;;
+  esac
+  archive
+}
+
+archive() {  # written beside, then moved in: tar must not see OUTDIR change while it reads it
+  local part
+  part=$(mktemp "${TMPDIR:-/tmp}/gpu_check.XXXXXX") || return
+  tar -czf "$part" -C "$OUT" --exclude=gpu_check.tar.gz . && mv -f "$part" "$OUT/gpu_check.tar.gz"
+  rm -f "$part"
+}
+
+# ---- the steps (each runs in a fresh bash: see run_step) --------------------------------------------
+step_env() {
+  echo "== date"; date -u
+  echo "== git"; git rev-parse HEAD; git status --short
+  echo "== nvidia-smi"; nvidia-smi; local rc=$?
+  echo "== gpu"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap,clocks.max.sm,clocks.max.mem \
+    --format=csv
+  echo "== nvcc"; nvcc --version
+  echo "== compute-sanitizer: ${COMPUTE_SANITIZER:-not found}"
+  [ -n "$COMPUTE_SANITIZER" ] && "$COMPUTE_SANITIZER" --version
+  echo "== cmake, ninja"; cmake --version | head -n 1; ninja --version
+  echo "== cpu"; nproc; free -g | head -n 2
+  echo "== python: $(command -v "$PYTHON")"
+  # jax would otherwise reserve most of the GPU's memory when it lists the devices.
+  XLA_PYTHON_CLIENT_PREALLOCATE=false "$PYTHON" - <<'EOF'
+import importlib, sys
+print(sys.version.replace("\n", " "))
+for name in ("numpy", "ml_dtypes", "pytest", "hypothesis", "xdist", "pytest_timeout", "nanobind",
+             "scikit_build_core", "torch", "cupy", "jax"):
+    try:
+        m = importlib.import_module(name)
+        print(f"{name} {getattr(m, '__version__', '?')}")
+    except Exception as e:  # report and go on: every package here is optional for some step
+        print(f"{name}: not importable ({type(e).__name__}: {e})")
+try:
+    import torch
+    print("torch CUDA", torch.version.cuda, "cudnn", torch.backends.cudnn.version(),
+          "available", torch.cuda.is_available())
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        print("torch device 0:", p.name, f"sm_{p.major}{p.minor}", p.multi_processor_count, "SMs",
+              round(p.total_memory / 2**30, 1), "GiB")
+except Exception as e:
+    print("torch CUDA query failed:", e)
+try:
+    import cupy
+    rt = cupy.cuda.runtime
+    print("cupy runtime", rt.runtimeGetVersion(), "driver", rt.driverGetVersion(),
+          "devices", rt.getDeviceCount())
+except Exception as e:
+    print("cupy CUDA query failed:", e)
+try:
+    import jax
+    print("jax devices", jax.devices())
+except Exception as e:
+    print("jax device query failed:", e)
+EOF
+  return $rc
+}
+
+step_build() {
+  # CUDAARCHS is what the project's CMake reads; the explicit define also wins over an architecture
+  # list cached in build/gpu by an earlier configure. scikit-build-core runs `cmake --build`, which
+  # takes its job count from CMAKE_BUILD_PARALLEL_LEVEL.
+  CUDAARCHS=90 CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) "$PYTHON" -m pip install -v \
+    --no-build-isolation --no-deps \
+    -Cbuild-dir="$BUILD_DIR" \
+    -Ccmake.define.FLASHDL_BUILD_TESTS=ON \
+    -Ccmake.define.FLASHDL_CUDA=ON \
+    -Ccmake.define.CMAKE_CUDA_ARCHITECTURES=90 \
+    . || return
+  ls -l "$CUDA_TESTS"
+  # The installed module must see the GPU; a CPU-only or driver-less module would make every
+  # Python test skip and pass vacuously.
+  (cd /tmp && "$PYTHON" -c "
+import flashdl, json
+i = flashdl.info()
+print(json.dumps(i))
+assert 'cuda' in i['backends'] and i['cuda_device_count'] > 0, 'flashdl sees no GPU: ' + i['cuda_status']
+print('flashdl sees', i['cuda_device_count'], 'CUDA device(s)')")
+}
+
+cpp_test() {  # cpp_test NAME [ARGS...]
+  local exe=$CUDA_TESTS/$1
+  shift
+  if [ ! -x "$exe" ]; then
+    echo "missing: $exe (did the build step fail?)"
+    return 127
+  fi
+  echo "$ $exe $*  (FLASHDL_CUDA_SMEM_LIMIT=${FLASHDL_CUDA_SMEM_LIMIT:-unset})"
+  "$exe" "$@"
+  local rc=$?
+  [ $rc -eq 77 ] && echo "exit 77: the test saw no CUDA device although this machine has one"
+  return $rc
+}
+
+step_cpp_forward() { cpp_test test_cuda_forward; }
+step_cpp_backward() { cpp_test test_cuda_backward; }
+step_cpp_forward_fallback() { FLASHDL_CUDA_SMEM_LIMIT=$SMEM_LIMIT cpp_test test_cuda_forward --quick; }
+step_cpp_backward_fallback() { FLASHDL_CUDA_SMEM_LIMIT=$SMEM_LIMIT cpp_test test_cuda_backward --quick; }
+
+step_pytest_cuda() {
+  local args=(-q -rfEs -p no:cacheprovider --junitxml="$OUT/pytest_cuda.xml")
+  # Worker processes: a test that crashes the process (a device fault) loses only its worker, and
+  # the host oracles run in parallel. Per-test timeouts keep a hung kernel from eating the step.
+  local workers=4
+  if "$PYTHON" -c "import xdist" 2>/dev/null; then
+    args+=(-n "$workers")
+    export OMP_NUM_THREADS=$(( $(nproc) / workers > 0 ? $(nproc) / workers : 1 ))
+  fi
+  "$PYTHON" -c "import pytest_timeout" 2>/dev/null && args+=(--timeout 180)
+  echo "$ $PYTHON -m pytest tests/python/test_cuda*.py ${args[*]}"
+  "$PYTHON" -m pytest tests/python/test_cuda*.py "${args[@]}"
+}
+
+sanitize() {  # sanitize TOOL TEST
+  if [ -z "$COMPUTE_SANITIZER" ]; then
+    echo "compute-sanitizer not found (PATH, next to nvcc, /usr/local/cuda)"
+    return 127
+  fi
+  local exe=$CUDA_TESTS/$2
+  if [ ! -x "$exe" ]; then
+    echo "missing: $exe (did the build step fail?)"
+    return 127
+  fi
+  echo "$ $COMPUTE_SANITIZER --tool $1 --error-exitcode 1 $exe --quick"
+  "$COMPUTE_SANITIZER" --tool "$1" --error-exitcode 1 "$exe" --quick
+}
+
+step_memcheck_forward() { sanitize memcheck test_cuda_forward; }
+step_memcheck_backward() { sanitize memcheck test_cuda_backward; }
+step_racecheck_forward() { sanitize racecheck test_cuda_forward; }
+step_racecheck_backward() { sanitize racecheck test_cuda_backward; }
+step_synccheck_forward() { sanitize synccheck test_cuda_forward; }
+step_synccheck_backward() { sanitize synccheck test_cuda_backward; }
+
+step_bench() {
+  PYTHONUNBUFFERED=1 "$PYTHON" benchmarks/bench_cuda.py --quick --out "$OUT/bench_cuda_quick.md"
+}
+
+export PYTHON OUT BUILD_DIR CUDA_TESTS SMEM_LIMIT COMPUTE_SANITIZER
+export -f cpp_test sanitize
+for s in "${STEPS[@]}"; do export -f "step_$s"; done
+
+# ---- run them ----------------------------------------------------------------------------------------
+# name                    cap (s)  log
+run_step env                  60   env.txt                    step_env
+run_step build               420   build.log                  step_build
+run_step cpp_forward         240   cpp_forward.log            step_cpp_forward
+run_step cpp_backward        240   cpp_backward.log           step_cpp_backward
+run_step cpp_forward_fallback  90  cpp_forward_fallback.log   step_cpp_forward_fallback
+run_step cpp_backward_fallback 90  cpp_backward_fallback.log  step_cpp_backward_fallback
+run_step pytest_cuda         240   pytest_cuda.log            step_pytest_cuda
+for tool in memcheck racecheck synccheck; do
+  for t in forward backward; do
+    run_step "${tool}_$t"    120   "${tool}_$t.log"           "step_${tool}_$t"
+  done
+done
+run_step bench               120   bench.log                  step_bench
+
+total=$(($(date +%s) - START))
+n_pass=$(grep -c '^[a-z_]* *PASS ' "$SUMMARY")
+n_fail=$(grep -c '^[a-z_]* *FAIL ' "$SUMMARY")
+n_skip=$(grep -c '^[a-z_]* *SKIPPED ' "$SUMMARY")
+{
+  if [ ${#BUDGET_SKIPPED[@]} -gt 0 ]; then
+    echo "rerun: bash tools/gpu_check.sh ${OUT}_2 ${BUDGET_SKIPPED[*]}"
+  fi
+  echo "overall: $([ $FAILED -eq 0 ] && echo PASS || echo FAIL), $n_pass passed, $n_fail failed, $n_skip skipped, ${total} s"
+} | tee -a "$SUMMARY"
+[ -n "$GPU" ] && archive
+exit $FAILED
