@@ -1,5 +1,7 @@
-// Variable-length batches (flash-attn's varlen layout): validated once whole, then each sequence
-// runs as a batch-1 dense problem over its own rows, so no padding is computed.
+// Variable-length batches (flash-attn's varlen layout): validated once whole. On the CPU each
+// sequence then runs as a batch-1 dense problem over its own rows; on CUDA the whole packed batch
+// is one launch whose CTAs read their sequence's offsets (Params.cu_seqlens_*). No padding is
+// computed either way.
 #include <string>
 #include <vector>
 
@@ -41,21 +43,32 @@ TensorView slice(const TensorView& t, int dim, int64_t start, int64_t len) {
   return r;
 }
 
-// cu_seqlens read on the host and checked against the total length and max_seqlen.
-std::vector<int64_t> read_cu_seqlens(const char* name, const TensorView& cu, const char* total_name,
-                                     int64_t total, const char* max_name, int64_t max_seqlen) {
+// cu_seqlens checked for rank, dtype and device and, in host memory, read and checked against
+// the total length and max_seqlen. CPU q: the offsets must be on the CPU. CUDA q: on the CPU
+// (read and checked here; the backend copies them to the device) or on the device of q (read by
+// the kernels only: no host round trip, and so no check of the values here; the kernels clamp
+// them into range, see detail::sequence_of). Returns the offsets read, or an empty vector.
+std::vector<int64_t> read_cu_seqlens(const char* name, const TensorView& cu, Device q_device,
+                                     const char* total_name, int64_t total, const char* max_name,
+                                     int64_t max_seqlen) {
   check_rank(name, cu, 1, "(batch + 1,)");
   check_dtype(name, cu, DType::int32, "cumulative sequence lengths are int32");
-  if (cu.device.type != DeviceType::cpu)
-    fail(ErrorKind::value, std::string(name) + ": expected an array on the CPU (host memory; the "
-                               "offsets are read on the host), got " +
-                               device_name(cu.device.type) + ":" + std::to_string(cu.device.id));
+  if (cu.device.type != DeviceType::cpu && cu.device != q_device)
+    fail(ErrorKind::value, std::string(name) + ": expected an array on the CPU (host memory) " +
+                               (q_device.type == DeviceType::cpu
+                                    ? std::string("")
+                                    : std::string("or on the device of q, ") +
+                                          device_name(q_device.type) + ":" +
+                                          std::to_string(q_device.id)) +
+                               ", got " + device_name(cu.device.type) + ":" +
+                               std::to_string(cu.device.id));
   if (cu.shape[0] < 1)
     fail(ErrorKind::value, std::string(name) + ": expected shape (batch + 1,) with cu[0] == 0, "
                                "got an empty array");
   if (max_seqlen < 0)
     fail(ErrorKind::value, std::string(max_name) + ": expected >= 0, got " +
                                std::to_string(max_seqlen));
+  if (cu.device.type != DeviceType::cpu) return {};
   const auto* c = static_cast<const int32_t*>(cu.data);
   std::vector<int64_t> off(static_cast<size_t>(cu.shape[0]));
   for (int64_t i = 0; i < cu.shape[0]; ++i) off[i] = c[i * cu.strides[0]];
@@ -82,8 +95,9 @@ std::vector<int64_t> read_cu_seqlens(const char* name, const TensorView& cu, con
 }
 
 struct VarlenBatch {
-  std::vector<int64_t> cu_q, cu_k;
-  int64_t batch() const { return static_cast<int64_t>(cu_q.size()) - 1; }
+  std::vector<int64_t> cu_q, cu_k;  // the offsets, when read on the host
+  int64_t nseq = 0;                 // sequences in the batch
+  int64_t batch() const { return nseq; }
 };
 
 // The varlen-only checks: ranks and shapes of the packed arrays, the device, the offsets.
@@ -98,10 +112,6 @@ VarlenBatch check_varlen_layout(const TensorView& q, const TensorView& k, const 
   check_rank("v", v, 3, "(total_k, nheads_kv, headdim)");
   check_rank("out", out, 3, "(total_q, nheads, headdim)");
   check_rank("lse", lse, 2, "(nheads, total_q)");
-  if (q.device.type != DeviceType::cpu)
-    fail(ErrorKind::unsupported, std::string("q: variable-length attention runs on the CPU only "
-                                             "for now, got an array on ") +
-                                     device_name(q.device.type) + ":" + std::to_string(q.device.id));
   if (k.shape[2] != q.shape[2])
     fail(ErrorKind::value, "k: headdim " + std::to_string(k.shape[2]) +
                                " does not match the headdim of q, " + std::to_string(q.shape[2]));
@@ -109,13 +119,20 @@ VarlenBatch check_varlen_layout(const TensorView& q, const TensorView& k, const 
   check_shape("out", out, {q.shape[0], q.shape[1], q.shape[2]}, "(the shape of q)");
   check_shape("lse", lse, {q.shape[1], q.shape[0]}, "(nheads, total_q)");
   VarlenBatch vb;
-  vb.cu_q = read_cu_seqlens("cu_seqlens_q", cu_seqlens_q, "total_q", q.shape[0], "max_seqlen_q",
-                            max_seqlen_q);
-  vb.cu_k = read_cu_seqlens("cu_seqlens_k", cu_seqlens_k, "total_k", k.shape[0], "max_seqlen_k",
-                            max_seqlen_k);
-  if (vb.cu_k.size() != vb.cu_q.size())
+  vb.cu_q = read_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device, "total_q", q.shape[0],
+                            "max_seqlen_q", max_seqlen_q);
+  vb.cu_k = read_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device, "total_k", k.shape[0],
+                            "max_seqlen_k", max_seqlen_k);
+  if (cu_seqlens_k.device != cu_seqlens_q.device)
+    fail(ErrorKind::value, std::string("cu_seqlens_k: expected an array on the device of "
+                                       "cu_seqlens_q, ") + device_name(cu_seqlens_q.device.type) +
+                               ":" + std::to_string(cu_seqlens_q.device.id) + ", got " +
+                               device_name(cu_seqlens_k.device.type) + ":" +
+                               std::to_string(cu_seqlens_k.device.id));
+  if (cu_seqlens_k.shape[0] != cu_seqlens_q.shape[0])
     fail(ErrorKind::value, "cu_seqlens_k: expected shape " + shape_str({cu_seqlens_q.shape[0]}) +
                                " (batch + 1, as cu_seqlens_q), got " + shape_str(cu_seqlens_k));
+  vb.nseq = cu_seqlens_q.shape[0] - 1;
   return vb;
 }
 
@@ -135,6 +152,20 @@ void select_sequence(Params& p, int64_t b) {
   p.dropout_batch_offset = b;
 }
 
+// The one-launch form (CUDA): Params made with mask_extents' shapes (batch = the sequences,
+// seqlen bounds = max_seqlen; the batch-1 views already have batch stride 0), plus the offsets.
+// Sequence b's block-mask plane and dropout stream follow from its batch index as in a dense call.
+void set_offsets(Params& p, const TensorView& cu_q, const TensorView& cu_k, int64_t total_q,
+                 int64_t total_k) {
+  p.cu_seqlens_q = static_cast<const int32_t*>(cu_q.data);
+  p.cu_seqlens_k = static_cast<const int32_t*>(cu_k.data);
+  p.cu_seqlens_q_stride = cu_q.strides[0];
+  p.cu_seqlens_k_stride = cu_k.strides[0];
+  p.cu_seqlens_host = cu_q.device.type == DeviceType::cpu;  // cu_k is on the same device
+  p.total_q = total_q;
+  p.total_k = total_k;
+}
+
 }  // namespace
 
 void forward_varlen(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -148,7 +179,14 @@ void forward_varlen(const TensorView& q, const TensorView& k, const TensorView& 
   const Shapes whole = check_attention_args(q4, k4, v4, o4, l3, options);
   check_block_mask(options, mask_extents(vb, whole, max_seqlen_q, max_seqlen_k), q.device,
                    {{"out", &out}, {"lse", &lse}});
-  if (whole.nheads == 0) return;
+  if (whole.nheads == 0 || vb.batch() == 0) return;
+  if (q.device.type != DeviceType::cpu) {
+    if (max_seqlen_q == 0) return;  // nothing to write
+    Params p = make_params(q4, k4, v4, o4, l3, options,
+                           mask_extents(vb, whole, max_seqlen_q, max_seqlen_k));
+    set_offsets(p, cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0]);
+    return dispatch_forward(p);
+  }
   // Each sequence is a batch-1 dense problem over its own rows: causal and window alignment are
   // per sequence for free, and no padding is computed.
   for (int64_t b = 0; b < vb.batch(); ++b) {
@@ -184,7 +222,13 @@ void backward_varlen(const TensorView& dout, const TensorView& q, const TensorVi
   const Shapes whole = check_backward_args(do4, q4, k4, v4, o4, l3, dq4, dk4, dv4, options);
   check_block_mask(options, mask_extents(vb, whole, max_seqlen_q, max_seqlen_k), q.device,
                    {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}});
-  if (whole.nheads == 0) return;
+  if (whole.nheads == 0 || vb.batch() == 0) return;
+  if (q.device.type != DeviceType::cpu) {
+    Params p = make_backward_params(do4, q4, k4, v4, o4, l3, dq4, dk4, dv4, options,
+                                    mask_extents(vb, whole, max_seqlen_q, max_seqlen_k));
+    set_offsets(p, cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0]);
+    return dispatch_backward(p);
+  }
   // Sequences with no query rows still run: the backend writes their dk, dv (zeros).
   for (int64_t b = 0; b < vb.batch(); ++b) {
     const int64_t q0 = vb.cu_q[b], sq = vb.cu_q[b + 1] - q0;

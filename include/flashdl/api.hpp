@@ -41,12 +41,14 @@ void backward(const TensorView& dout, const TensorView& q, const TensorView& k,
 
 // Variable-length batches (flash-attn's varlen layout): the batch's sequences are packed along
 // the first axis. q (total_q, nheads, headdim); k, v (total_k, nheads_kv, headdim); out like q;
-// lse float32 (nheads, total_q). cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) on the CPU (host
-// memory), cu[0] == 0, non-decreasing, cu[batch] == total; sequence b is rows
-// [cu[b], cu[b + 1]) and no padding is computed. Every sequence length must be <= its
+// lse float32 (nheads, total_q). cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,), cu[0] == 0,
+// non-decreasing, cu[batch] == total; sequence b is rows [cu[b], cu[b + 1]) and no padding is
+// computed. Every sequence length must be <= its
 // max_seqlen. Causal masks and windows are aligned per sequence (bottom-right within each one).
 // A sequence with no query rows writes nothing (and gets zero dk, dv in the backward); one with
-// no keys gets out 0 and lse -inf. CPU only for now: CUDA arrays throw Error(unsupported).
+// no keys gets out 0 and lse -inf. CUDA arrays: one launch for the whole batch; cu_seqlens on the
+// host (checked, then copied to the device on the call's stream) or on the device of q (read by
+// the kernels, not checked: bad offsets give unspecified results but are clamped into the arrays).
 // Dropout: the mask of sequence b is keyed (seed, offset, b, head, row, col), rows and columns
 // counted within the sequence -- the mask dense batch b would get. Options::block_mask:
 // (nblocks_q, nblocks_k) or (batch or 1, nheads or 1, nblocks_q, nblocks_k) with nblocks from

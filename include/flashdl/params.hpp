@@ -83,6 +83,18 @@ struct Params {
   // as a batch-1 call with offset s, so its mask is that of batch s.
   int64_t dropout_batch_offset;
 
+  // Variable-length batches in one launch (null: dense). Sequence b is rows [cu_seqlens_q[b],
+  // cu_seqlens_q[b + 1]) of the packed q (and out, lse, dout, dq) and [cu_seqlens_k[b],
+  // cu_seqlens_k[b + 1]) of k (v, dk, dv); batch counts sequences, seqlen_q and seqlen_k are the
+  // max_seqlen bounds (grid sizes, workspace strides), batch strides are 0. Read on the device
+  // through detail::sequence_of, which clamps every offset into [0, total] and every length to
+  // its bound, so offsets never checked on the host (device arrays) stay memory-safe.
+  const int32_t* cu_seqlens_q;
+  const int32_t* cu_seqlens_k;
+  int64_t cu_seqlens_q_stride, cu_seqlens_k_stride;  // in elements
+  bool cu_seqlens_host;  // in host memory (checked by varlen.cpp); the backend copies them over
+  int64_t total_q, total_k;
+
   // Block-sparse mask (null: dense): element (b, h, i, j) may be visible only where
   // block_mask[b, h, i / block_q, j / block_k] is non-zero. Strides in elements (bytes); a stride
   // of 0 broadcasts over batches or heads. Read through detail::block_mask_of.

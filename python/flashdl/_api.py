@@ -129,8 +129,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, schedule="auto", ret
     block_size = block_q query rows by block_k keys (an int for both; default 128), with
     nblocks_q = ceil(seqlen_q / block_q) and nblocks_k = ceil(seqlen_k / block_k): key j is
     visible to query i only where block_mask[..., i // block_q, j // block_k] is True (and causal
-    and the window allow it). Zero blocks are never loaded or computed. A NumPy array, or a CPU
-    array of the framework of q. CPU only for now.
+    and the window allow it). Zero blocks are never loaded or computed. For CPU arrays a NumPy
+    array or a CPU array of the framework of q; for CUDA arrays an array on the device of q.
 
     Returns out (like q, in the caller's framework and device); (out, lse) with
     return_lse=True, lse float32 (batch, nheads, seqlen_q), the natural-log sum of exp of the
@@ -251,7 +251,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
     q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim). cu_seqlens_q and
     cu_seqlens_k: int32 arrays (batch + 1,) on the CPU (NumPy, or CPU tensors of the framework
-    of q), the cumulative sequence lengths: sequence b is q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]
+    of q; checked before anything runs) or, for CUDA q, on the device of q (read by the kernels
+    with no host round trip, and so not checked: offsets that break the rules below give
+    unspecified results, though never an access outside the arrays), the cumulative sequence
+    lengths: sequence b is q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]
     attending to k, v[cu_seqlens_k[b]:cu_seqlens_k[b+1]]. They start at 0, never decrease and
     end at total_q (total_k); no sequence may be longer than max_seqlen_q (max_seqlen_k).
     Each sequence is attention(...) of its own rows: causal masks and windows are aligned
@@ -261,7 +264,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     row, col) with row and col counted within the sequence. block_mask: (nblocks_q, nblocks_k)
     for every sequence, or (batch or 1, nheads or 1, nblocks_q, nblocks_k) with one plane per
     sequence, nblocks = ceil(max_seqlen / block_size); blocks are counted from each sequence's
-    start. CPU only for now (CUDA arrays raise RuntimeError).
+    start. On CUDA the whole batch is one launch.
 
     Returns out (like q); (out, lse) with return_lse=True, lse float32 (nheads, total_q).
     """

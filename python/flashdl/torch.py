@@ -111,7 +111,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     """flashdl.attention_varlen for torch tensors, differentiable with respect to q, k and v.
 
     q (total_q, nheads, headdim); k, v (total_k, nheads_kv, headdim); cu_seqlens_q,
-    cu_seqlens_k int32 (batch + 1,) CPU tensors (or NumPy arrays). CPU only for now. With
+    cu_seqlens_k int32 (batch + 1,) CPU tensors (or NumPy arrays), or for CUDA q tensors on
+    its device (see flashdl.attention_varlen). With
     dropout, sequence b gets the mask dense batch b would get (flashdl.dropout_mask); with a
     block_mask, its plane b (or the shared one), blocks counted from the sequence's start.
     """

@@ -18,6 +18,7 @@
 #include "flashdl/detail/block_mask.hpp"
 #include "flashdl/detail/block_range.hpp"
 #include "flashdl/detail/mask.hpp"
+#include "flashdl/detail/sequence.hpp"
 #include "flashdl/detail/softmax.hpp"
 #include "flashdl/detail/tiles.hpp"
 #include "fragment.cuh"
@@ -33,7 +34,7 @@ constexpr int kThreads = kBwdThreads;
 // memory and O_i from global memory, lse2 = lse * log2(e). Padding rows get lse2 = -inf, D = 0.
 template <typename T, int kD>
 __device__ void row_stats(const Params& p, const T* sdO, int ld_kv, float* sL2, float* sD,
-                          int64_t batch, int64_t head, int64_t i0, int rows, int br) {
+                          int64_t batch, int64_t head, int64_t q0, int64_t i0, int rows, int br) {
   const int lane = threadIdx.x % 32;
   for (int r = threadIdx.x / 32; r < br; r += kWarps) {
     if (r >= rows) {
@@ -43,7 +44,7 @@ __device__ void row_stats(const Params& p, const T* sdO, int ld_kv, float* sL2, 
       }
       continue;
     }
-    const int64_t i = i0 + r;
+    const int64_t i = q0 + i0 + r;  // the row in the (packed) arrays
     const T* o = static_cast<const T*>(p.o_ptr) + batch * p.o_batch_stride + i * p.o_row_stride +
                  head * p.o_head_stride;
     float acc = 0.0f;
@@ -154,9 +155,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int64_t bhk = blockIdx.x, batch = bhk / p.nheads_kv, kv_head = bhk % p.nheads_kv;
   const int64_t group = p.h_h_k_ratio, head0 = kv_head * group;
-  const T* gK = static_cast<const T*>(p.k_ptr) + batch * p.k_batch_stride + kv_head * p.k_head_stride;
-  const T* gV = static_cast<const T*>(p.v_ptr) + batch * p.v_batch_stride + kv_head * p.v_head_stride;
-  // The dQ workspace (batch, nheads, seqlen_q, d): this CTA's heads are `group` consecutive ones.
+  const detail::Sequence seq = detail::sequence_of(p, batch);  // dense: the whole batch entry
+  const int64_t seqlen_q = seq.sq, seqlen_k = seq.sk;
+  const T* gK = static_cast<const T*>(p.k_ptr) + batch * p.k_batch_stride +
+                kv_head * p.k_head_stride + seq.k0 * p.k_row_stride;
+  const T* gV = static_cast<const T*>(p.v_ptr) + batch * p.v_batch_stride +
+                kv_head * p.v_head_stride + seq.k0 * p.v_row_stride;
+  // The dQ workspace (batch, nheads, p.seqlen_q (a varlen call's max_seqlen_q), d): this CTA's
+  // heads are `group` consecutive ones.
   float* gdQ = ws + (batch * p.nheads + head0) * p.seqlen_q * kD;
 
   // Line 5: dQ = 0 (dK, dV are written whole, block by block).
@@ -164,15 +170,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     reinterpret_cast<float4*>(gdQ)[idx] = make_float4(0.f, 0.f, 0.f, 0.f);
   __syncthreads();
 
-  const detail::Mask mask = detail::make_mask(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
+  const detail::Mask mask = detail::make_mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
   const float scale = float(p.scale_softmax), scale_log2 = float(p.scale_softmax_log2);
-  const int64_t Tc = detail::ceil_div(p.seqlen_k, L.Bc);
+  const int64_t Tc = detail::ceil_div(seqlen_k, L.Bc);
   for (int64_t j = 0; j < Tc; ++j) {  // line 6: key blocks outer
     const int64_t j0 = j * L.Bc;
-    const int kv_rows = int(p.seqlen_k - j0 < L.Bc ? p.seqlen_k - j0 : L.Bc);
+    const int kv_rows = int(seqlen_k - j0 < L.Bc ? seqlen_k - j0 : L.Bc);
     const detail::BlockRange qb = detail::query_blocks_for_keys(mask, j0, j0 + kv_rows, L.Br);
     auto cover = [&](int64_t h, int64_t i) {  // the block mask of head h over (block i, block j)
-      const int64_t i0 = i * L.Br, i1 = i0 + L.Br < p.seqlen_q ? i0 + L.Br : p.seqlen_q;
+      const int64_t i0 = i * L.Br, i1 = i0 + L.Br < seqlen_q ? i0 + L.Br : seqlen_q;
       return detail::block_mask_of(p, batch, h).cover(i0, i1, j0, j0 + kv_rows);
     };
     bool needed = false;  // some pair of this key block is computed
@@ -188,20 +194,22 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int64_t h = head0 + hg;
       const detail::Dropout drop = detail::dropout_of(p, batch, h);
       const detail::BlockMask bm = detail::block_mask_of(p, batch, h);
-      const T* gQ = static_cast<const T*>(p.q_ptr) + batch * p.q_batch_stride + h * p.q_head_stride;
-      const T* gdO = static_cast<const T*>(p.do_ptr) + batch * p.do_batch_stride + h * p.do_head_stride;
+      const T* gQ = static_cast<const T*>(p.q_ptr) + batch * p.q_batch_stride +
+                    h * p.q_head_stride + seq.q0 * p.q_row_stride;
+      const T* gdO = static_cast<const T*>(p.do_ptr) + batch * p.do_batch_stride +
+                     h * p.do_head_stride + seq.q0 * p.do_row_stride;
       for (int64_t i = qb.begin; i < qb.end; ++i) {  // line 9: query blocks inner
         const detail::BlockMask::Cover c = cover(h, i);
         if (!c.any) continue;  // a zero block of the block mask: never loaded or computed
         const int64_t i0 = i * L.Br;
-        const int rows = int(p.seqlen_q - i0 < L.Br ? p.seqlen_q - i0 : L.Br);
+        const int rows = int(seqlen_q - i0 < L.Br ? seqlen_q - i0 : L.Br);
         // Line 10: Q_i, dO_i to shared memory; O_i, lse_i read by row_stats, dQ_i by update_dq.
         load_tile<kD, kThreads>(sQ, L.ld_kv, gQ + i0 * p.q_row_stride, p.q_row_stride, L.Br, rows, vec_load);
         load_tile<kD, kThreads>(sdO, L.ld_kv, gdO + i0 * p.do_row_stride, p.do_row_stride, L.Br, rows, vec_load);
         __pipeline_commit();
         __pipeline_wait_prior(0);
         __syncthreads();
-        row_stats<T, kD>(p, sdO, L.ld_kv, sL2, sD, batch, h, i0, rows, L.Br);
+        row_stats<T, kD>(p, sdO, L.ld_kv, sL2, sD, batch, h, seq.q0, i0, rows, L.Br);
         // Lines 11 and 17: S = Q_i K_j^T, dP = dO_i V_j^T.
         bwd::scores_and_dp<T, kD>(sQ, sdO, sK, sV, L.ld_kv, sS, sdP, L.ld_s, L.Br / kFrag,
                                   L.Bc / kFrag, kWarps);
@@ -226,9 +234,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncthreads();
     // Line 24: dK_j (times the scale) and dV_j to global memory.
     T* gdK = static_cast<T*>(p.dk_ptr) + batch * p.dk_batch_stride + kv_head * p.dk_head_stride +
-             j0 * p.dk_row_stride;
+             (seq.k0 + j0) * p.dk_row_stride;
     T* gdV = static_cast<T*>(p.dv_ptr) + batch * p.dv_batch_stride + kv_head * p.dv_head_stride +
-             j0 * p.dv_row_stride;
+             (seq.k0 + j0) * p.dv_row_stride;
     store_rows<T, kD>(gdK, p.dk_row_stride, sdK, L.ld_o, kv_rows, scale, vec_store);
     store_rows<T, kD>(gdV, p.dv_row_stride, sdV, L.ld_o, kv_rows, 1.0f, vec_store);
     __syncthreads();  // the next block zeroes sdK and sdV
@@ -237,8 +245,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   // dq = scale * dQ for the group's heads (this CTA's own workspace rows, visible after the
   // barriers above).
   for (int64_t hg = 0; hg < group; ++hg) {
-    T* gdq = static_cast<T*>(p.dq_ptr) + batch * p.dq_batch_stride + (head0 + hg) * p.dq_head_stride;
-    store_rows<T, kD>(gdq, p.dq_row_stride, gdQ + hg * p.seqlen_q * kD, kD, p.seqlen_q, scale,
+    T* gdq = static_cast<T*>(p.dq_ptr) + batch * p.dq_batch_stride +
+             (head0 + hg) * p.dq_head_stride + seq.q0 * p.dq_row_stride;
+    store_rows<T, kD>(gdq, p.dq_row_stride, gdQ + hg * p.seqlen_q * kD, kD, seqlen_q, scale,
                       vec_store);
   }
 #endif

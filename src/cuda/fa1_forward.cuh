@@ -17,6 +17,7 @@
 #include "flashdl/detail/block_range.hpp"
 #include "flashdl/detail/dropout.hpp"
 #include "flashdl/detail/mask.hpp"
+#include "flashdl/detail/sequence.hpp"
 #include "flashdl/detail/softmax.hpp"
 #include "flashdl/detail/tiles.hpp"
 #include "fragment.cuh"
@@ -155,11 +156,13 @@ __device__ void update_output(float* gO, const float* sO, const float* sScale, c
 
 // Line 16: out = O in the storage type, lse = m + log l (natural log; -inf for an empty row).
 template <typename T, int kD>
-__device__ void write_result(const Params& p, const float* gO, const float* gM, const float* gL,
-                             int64_t batch, int64_t head, bool vec_store) {
-  T* out = static_cast<T*>(p.o_ptr) + batch * p.o_batch_stride + head * p.o_head_stride;
+__device__ void write_result(const Params& p, const detail::Sequence& seq, const float* gO,
+                             const float* gM, const float* gL, int64_t batch, int64_t head,
+                             bool vec_store) {
+  T* out = static_cast<T*>(p.o_ptr) + batch * p.o_batch_stride + head * p.o_head_stride +
+           seq.q0 * p.o_row_stride;
   constexpr int kChunks = kD / 8;
-  for (int64_t idx = threadIdx.x; idx < p.seqlen_q * kChunks; idx += kThreads) {
+  for (int64_t idx = threadIdx.x; idx < seq.sq * kChunks; idx += kThreads) {
     const int64_t i = idx / kChunks;
     const int c = int(idx % kChunks) * 8;
     float v[8];
@@ -167,11 +170,12 @@ __device__ void write_result(const Params& p, const float* gO, const float* gM, 
     for (int e = 0; e < 8; ++e) v[e] = gO[i * kD + c + e];
     store8(out + i * p.o_row_stride + c, v, vec_store);
   }
-  for (int64_t i = threadIdx.x; i < p.seqlen_q; i += kThreads) {
+  for (int64_t i = threadIdx.x; i < seq.sq; i += kThreads) {
     detail::OnlineSoftmax<float> sm;
     sm.m = gM[i];
     sm.l = gL[i];
-    p.lse_ptr[batch * p.lse_batch_stride + head * p.lse_head_stride + i * p.lse_row_stride] = sm.lse();
+    p.lse_ptr[batch * p.lse_batch_stride + head * p.lse_head_stride +
+              (seq.q0 + i) * p.lse_row_stride] = sm.lse();
   }
 }
 
@@ -192,28 +196,34 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int64_t bh = blockIdx.x, batch = bh / p.nheads, head = bh % p.nheads;
   const int64_t kv_head = head / p.h_h_k_ratio;
-  const T* gQ = static_cast<const T*>(p.q_ptr) + batch * p.q_batch_stride + head * p.q_head_stride;
-  const T* gK = static_cast<const T*>(p.k_ptr) + batch * p.k_batch_stride + kv_head * p.k_head_stride;
-  const T* gV = static_cast<const T*>(p.v_ptr) + batch * p.v_batch_stride + kv_head * p.v_head_stride;
-  // The workspace: O (rows, d) for every (batch, head), then m, then l.
+  const detail::Sequence seq = detail::sequence_of(p, batch);  // dense: the whole batch entry
+  const int64_t seqlen_q = seq.sq, seqlen_k = seq.sk;
+  const T* gQ = static_cast<const T*>(p.q_ptr) + batch * p.q_batch_stride + head * p.q_head_stride +
+                seq.q0 * p.q_row_stride;
+  const T* gK = static_cast<const T*>(p.k_ptr) + batch * p.k_batch_stride +
+                kv_head * p.k_head_stride + seq.k0 * p.k_row_stride;
+  const T* gV = static_cast<const T*>(p.v_ptr) + batch * p.v_batch_stride +
+                kv_head * p.v_head_stride + seq.k0 * p.v_row_stride;
+  // The workspace: O (rows, d) for every (batch, head), then m, then l; p.seqlen_q rows each (the
+  // max_seqlen_q of a varlen call).
   const int64_t all_rows = p.batch * p.nheads * p.seqlen_q;
   float* gO = ws + bh * p.seqlen_q * kD;
   float* gM = ws + all_rows * kD + bh * p.seqlen_q;
   float* gL = gM + all_rows;
 
-  init_state<kD>(gO, gM, gL, p.seqlen_q);
+  init_state<kD>(gO, gM, gL, seqlen_q);
   __syncthreads();
 
-  const detail::Mask mask = detail::make_mask(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
+  const detail::Mask mask = detail::make_mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
   const detail::Dropout drop = detail::dropout_of(p, batch, head);
   const detail::BlockMask bm = detail::block_mask_of(p, batch, head);
-  const int64_t Tc = detail::ceil_div(p.seqlen_k, L.Bc);
+  const int64_t Tc = detail::ceil_div(seqlen_k, L.Bc);
   for (int64_t j = 0; j < Tc; ++j) {  // line 5: K/V blocks outer
     const int64_t j0 = j * L.Bc;
-    const int kv_rows = int(p.seqlen_k - j0 < L.Bc ? p.seqlen_k - j0 : L.Bc);
+    const int kv_rows = int(seqlen_k - j0 < L.Bc ? seqlen_k - j0 : L.Bc);
     const detail::BlockRange qb = detail::query_blocks_for_keys(mask, j0, j0 + kv_rows, L.Br);
     auto cover = [&](int64_t i) {  // the block mask over the pair (query block i, this block)
-      const int64_t i0 = i * L.Br, i1 = i0 + L.Br < p.seqlen_q ? i0 + L.Br : p.seqlen_q;
+      const int64_t i0 = i * L.Br, i1 = i0 + L.Br < seqlen_q ? i0 + L.Br : seqlen_q;
       return bm.cover(i0, i1, j0, j0 + kv_rows);
     };
     int64_t first = qb.begin;
@@ -226,7 +236,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const detail::BlockMask::Cover c = cover(i);
       if (!c.any) continue;  // a zero block of the block mask
       const int64_t i0 = i * L.Br;
-      const int rows = int(p.seqlen_q - i0 < L.Br ? p.seqlen_q - i0 : L.Br);
+      const int rows = int(seqlen_q - i0 < L.Br ? seqlen_q - i0 : L.Br);
       // Line 8: Q_i to shared memory; O_i, l_i, m_i are read from the workspace where used.
       load_tile<kD, kThreads>(sQ, L.ld_kv, gQ + i0 * p.q_row_stride, p.q_row_stride, L.Br, rows, vec_load);
       __pipeline_commit();
@@ -249,7 +259,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   __syncthreads();  // the last updates of O, l and m are visible to every thread
-  write_result<T, kD>(p, gO, gM, gL, batch, head, vec_store);
+  write_result<T, kD>(p, seq, gO, gM, gL, batch, head, vec_store);
 #endif
 }
 

@@ -27,6 +27,7 @@
 #include "flashdl/detail/block_mask.hpp"
 #include "flashdl/detail/block_range.hpp"
 #include "flashdl/detail/mask.hpp"
+#include "flashdl/detail/sequence.hpp"
 #include "flashdl/detail/softmax.hpp"
 #include "flashdl/detail/tiles.hpp"
 #include "fragment.cuh"
@@ -43,10 +44,12 @@ __global__ void __launch_bounds__(kPreRows * 32)
   const int lane = threadIdx.x % 32;
   const int64_t i = int64_t(blockIdx.x) * kPreRows + threadIdx.x / 32;
   const int64_t h = blockIdx.y, b = blockIdx.z;
-  if (i >= p.seqlen_q) return;
-  const T* o = static_cast<const T*>(p.o_ptr) + b * p.o_batch_stride + i * p.o_row_stride +
+  const detail::Sequence seq = detail::sequence_of(p, b);
+  if (i >= seq.sq) return;
+  const T* o = static_cast<const T*>(p.o_ptr) + b * p.o_batch_stride + (seq.q0 + i) * p.o_row_stride +
                h * p.o_head_stride;
-  const T* dout = static_cast<const T*>(p.do_ptr) + b * p.do_batch_stride + i * p.do_row_stride +
+  const T* dout = static_cast<const T*>(p.do_ptr) + b * p.do_batch_stride +
+                  (seq.q0 + i) * p.do_row_stride +
                   h * p.do_head_stride;
   float acc = 0.0f;
   for (int64_t c = lane; c < p.headdim; c += 32) acc += to_float(o[c]) * to_float(dout[c]);
@@ -54,7 +57,7 @@ __global__ void __launch_bounds__(kPreRows * 32)
   if (lane == 0) {
     const int64_t row = (b * p.nheads + h) * p.seqlen_q + i;
     const float lse =
-        p.lse_ptr[b * p.lse_batch_stride + h * p.lse_head_stride + i * p.lse_row_stride];
+        p.lse_ptr[b * p.lse_batch_stride + h * p.lse_head_stride + (seq.q0 + i) * p.lse_row_stride];
     ws_d[row] = acc;
     ws_l2[row] = lse * float(detail::kLog2e);  // -inf (an empty row) stays -inf
   }
@@ -67,14 +70,15 @@ __global__ void __launch_bounds__(256)
   const int64_t chunks = p.headdim / 8;
   const int64_t idx = int64_t(blockIdx.x) * 256 + threadIdx.x;
   const int64_t h = blockIdx.y, b = blockIdx.z;
-  if (idx >= p.seqlen_q * chunks) return;
+  const detail::Sequence seq = detail::sequence_of(p, b);
+  if (idx >= seq.sq * chunks) return;
   const int64_t i = idx / chunks, c = (idx % chunks) * 8;
   const float* src = ws_dq + ((b * p.nheads + h) * p.seqlen_q + i) * p.headdim + c;
   const float scale = float(p.scale_softmax);
   float v[8];
 #pragma unroll
   for (int e = 0; e < 8; ++e) v[e] = src[e] * scale;
-  store8(static_cast<T*>(p.dq_ptr) + b * p.dq_batch_stride + i * p.dq_row_stride +
+  store8(static_cast<T*>(p.dq_ptr) + b * p.dq_batch_stride + (seq.q0 + i) * p.dq_row_stride +
              h * p.dq_head_stride + c,
          v, vec_store);
 }
@@ -145,10 +149,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
   const int64_t batch = blockIdx.z, kv_head = blockIdx.y, group = p.h_h_k_ratio;
   const int64_t n0 = int64_t(blockIdx.x) * kN;
-  const int kv_rows = int(p.seqlen_k - n0 < kN ? p.seqlen_k - n0 : kN);
+  const detail::Sequence seq = detail::sequence_of(p, batch);  // dense: the whole batch entry
+  const int64_t seqlen_q = seq.sq, seqlen_k = seq.sk;
+  if (n0 >= seqlen_k) return;  // a varlen sequence shorter than the grid's max_seqlen_k
+  const int kv_rows = int(seqlen_k - n0 < kN ? seqlen_k - n0 : kN);
 
   // The query blocks some key of this block is visible to, for each head of the group.
-  const detail::Mask mask = detail::make_mask(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
+  const detail::Mask mask = detail::make_mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
   const detail::BlockRange qb = detail::query_blocks_for_keys(mask, n0, n0 + kv_rows, kM);
   const int64_t m_begin = qb.begin, nm = qb.size(), total = group * nm;
 
@@ -156,7 +163,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   // only zero blocks of the head's block mask cover are skipped, never loaded or computed.
   auto cover = [&](int64_t it) {
     const int64_t h = kv_head * group + it / nm, i0 = (m_begin + it % nm) * kM;
-    const int64_t i1 = i0 + kM < p.seqlen_q ? i0 + kM : p.seqlen_q;
+    const int64_t i1 = i0 + kM < seqlen_q ? i0 + kM : seqlen_q;
     return detail::block_mask_of(p, batch, h).cover(i0, i1, n0, n0 + kv_rows);
   };
   auto next_pair = [&](int64_t it) {
@@ -166,25 +173,25 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
   auto load_q = [&](int64_t it, int stage) {
     const int64_t h = kv_head * group + it / nm, i0 = (m_begin + it % nm) * kM;
-    const int rows = int(p.seqlen_q - i0 < kM ? p.seqlen_q - i0 : kM);
+    const int rows = int(seqlen_q - i0 < kM ? seqlen_q - i0 : kM);
     const T* gQ = static_cast<const T*>(p.q_ptr) + batch * p.q_batch_stride +
-                  h * p.q_head_stride + i0 * p.q_row_stride;
+                  h * p.q_head_stride + (seq.q0 + i0) * p.q_row_stride;
     const T* gdO = static_cast<const T*>(p.do_ptr) + batch * p.do_batch_stride +
-                   h * p.do_head_stride + i0 * p.do_row_stride;
+                   h * p.do_head_stride + (seq.q0 + i0) * p.do_row_stride;
     load_tile<kD, Tr::kThreads>(q_stage(L.off_q, stage), kLd, gQ, p.q_row_stride, kM, rows, vec_load);
     load_tile<kD, Tr::kThreads>(q_stage(L.off_do, stage), kLd, gdO, p.do_row_stride, kM, rows,
                                 vec_load);
-    const int64_t row0 = (batch * p.nheads + h) * p.seqlen_q;
+    const int64_t row0 = (batch * p.nheads + h) * p.seqlen_q;  // workspace rows: max_seqlen_q
     bwd::load_stats(stat_stage(L.off_l2, stage), stat_stage(L.off_d, stage), ws_l2 + row0,
-                    ws_d + row0, i0, kM, p.seqlen_q, Tr::kThreads);
+                    ws_d + row0, i0, kM, seqlen_q, Tr::kThreads);
   };
 
   int64_t it = next_pair(0);
   if (it < total) {
     const T* gK = static_cast<const T*>(p.k_ptr) + batch * p.k_batch_stride +
-                  kv_head * p.k_head_stride + n0 * p.k_row_stride;
+                  kv_head * p.k_head_stride + (seq.k0 + n0) * p.k_row_stride;
     const T* gV = static_cast<const T*>(p.v_ptr) + batch * p.v_batch_stride +
-                  kv_head * p.v_head_stride + n0 * p.v_row_stride;
+                  kv_head * p.v_head_stride + (seq.k0 + n0) * p.v_row_stride;
     load_tile<kD, Tr::kThreads>(sK, kLd, gK, p.k_row_stride, kN, kv_rows, vec_load);
     load_tile<kD, Tr::kThreads>(sV, kLd, gV, p.v_row_stride, kN, kv_rows, vec_load);
     load_q(it, 0);
@@ -219,7 +226,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     __syncthreads();
 
     const int64_t h = kv_head * group + it / nm, i0 = (m_begin + it % nm) * kM;
-    const int rows = int(p.seqlen_q - i0 < kM ? p.seqlen_q - i0 : kM);
+    const int rows = int(seqlen_q - i0 < kM ? seqlen_q - i0 : kM);
     const T* sQ = q_stage(L.off_q, stage);
     const T* sdO = q_stage(L.off_do, stage);
     pair_probs<Tr>(sQ, sdO, sK, sV, sS, sdP, stat_stage(L.off_l2, stage),
@@ -270,15 +277,17 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
   // dK_j = scale * dS^T Q summed, dV_j: straight from the registers, keys past seqlen_k dropped.
   const float scale = float(p.scale_softmax);
-  T* gdK = static_cast<T*>(p.dk_ptr) + batch * p.dk_batch_stride + kv_head * p.dk_head_stride;
-  T* gdV = static_cast<T*>(p.dv_ptr) + batch * p.dv_batch_stride + kv_head * p.dv_head_stride;
+  T* gdK = static_cast<T*>(p.dk_ptr) + batch * p.dk_batch_stride + kv_head * p.dk_head_stride +
+           seq.k0 * p.dk_row_stride;
+  T* gdV = static_cast<T*>(p.dv_ptr) + batch * p.dv_batch_stride + kv_head * p.dv_head_stride +
+           seq.k0 * p.dv_row_stride;
 #pragma unroll
   for (int f = 0; f < Tr::kFragsDW; ++f) {
     const int col = (split * Tr::kFragsDW + f) * kFrag;
 #pragma unroll
     for (int e = 0; e < FragAcc::num_elements; ++e) {
       const int64_t key = n0 + band * kFrag + map.r[e];
-      if (key >= p.seqlen_k) continue;
+      if (key >= seqlen_k) continue;
       gdK[key * p.dk_row_stride + col + map.c[e]] = from_float<T>(acc_dk[f].x[e] * scale);
       gdV[key * p.dv_row_stride + col + map.c[e]] = from_float<T>(acc_dv[f].x[e]);
     }
@@ -311,28 +320,33 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
   const int64_t batch = blockIdx.z, h = blockIdx.y, kv_head = h / p.h_h_k_ratio;
   const int64_t m0 = int64_t(blockIdx.x) * kM;
-  const int rows = int(p.seqlen_q - m0 < kM ? p.seqlen_q - m0 : kM);
-  const detail::Mask mask = detail::make_mask(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
+  const detail::Sequence seq = detail::sequence_of(p, batch);  // dense: the whole batch entry
+  const int64_t seqlen_q = seq.sq, seqlen_k = seq.sk;
+  if (m0 >= seqlen_q) return;  // a varlen sequence shorter than the grid's max_seqlen_q
+  const int rows = int(seqlen_q - m0 < kM ? seqlen_q - m0 : kM);
+  const detail::Mask mask = detail::make_mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
   const detail::BlockRange kb = detail::key_blocks_for_queries(mask, m0, m0 + rows, kN);
   const detail::Dropout drop = detail::dropout_of(p, batch, h);
   const detail::BlockMask bm = detail::block_mask_of(p, batch, h);
   auto cover = [&](int64_t n) {
     const int64_t n0 = n * kN;
-    return bm.cover(m0, m0 + rows, n0, n0 + kN < p.seqlen_k ? n0 + kN : p.seqlen_k);
+    return bm.cover(m0, m0 + rows, n0, n0 + kN < seqlen_k ? n0 + kN : seqlen_k);
   };
   const int64_t n_begin = kb.begin, n_end = kb.end;
 
-  const T* gK = static_cast<const T*>(p.k_ptr) + batch * p.k_batch_stride + kv_head * p.k_head_stride;
-  const T* gV = static_cast<const T*>(p.v_ptr) + batch * p.v_batch_stride + kv_head * p.v_head_stride;
+  const T* gK = static_cast<const T*>(p.k_ptr) + batch * p.k_batch_stride +
+                kv_head * p.k_head_stride + seq.k0 * p.k_row_stride;
+  const T* gV = static_cast<const T*>(p.v_ptr) + batch * p.v_batch_stride +
+                kv_head * p.v_head_stride + seq.k0 * p.v_row_stride;
   if (n_begin < n_end) {
     load_tile<kD, Tr::kThreads>(sQ, kLd, static_cast<const T*>(p.q_ptr) + batch * p.q_batch_stride +
-                                             h * p.q_head_stride + m0 * p.q_row_stride,
+                                             h * p.q_head_stride + (seq.q0 + m0) * p.q_row_stride,
                                 p.q_row_stride, kM, rows, vec_load);
     load_tile<kD, Tr::kThreads>(sdO, kLd, static_cast<const T*>(p.do_ptr) + batch * p.do_batch_stride +
-                                              h * p.do_head_stride + m0 * p.do_row_stride,
+                                              h * p.do_head_stride + (seq.q0 + m0) * p.do_row_stride,
                                 p.do_row_stride, kM, rows, vec_load);
     const int64_t row0 = (batch * p.nheads + h) * p.seqlen_q;
-    bwd::load_stats(sL2, sD, ws_l2 + row0, ws_d + row0, m0, kM, p.seqlen_q, Tr::kThreads);
+    bwd::load_stats(sL2, sD, ws_l2 + row0, ws_d + row0, m0, kM, seqlen_q, Tr::kThreads);
   }
   fill_fragment_map(sS, sdP, Tr::kLdS, Tr::kThreads);
   __syncthreads();
@@ -347,7 +361,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const detail::BlockMask::Cover c = cover(n);
     if (!c.any) continue;  // a zero block of the block mask: never loaded
     const int64_t n0 = n * kN;
-    const int kv_rows = int(p.seqlen_k - n0 < kN ? p.seqlen_k - n0 : kN);
+    const int kv_rows = int(seqlen_k - n0 < kN ? seqlen_k - n0 : kN);
     load_tile<kD, Tr::kThreads>(sK, kLd, gK + n0 * p.k_row_stride, p.k_row_stride, kN, kv_rows, vec_load);
     load_tile<kD, Tr::kThreads>(sV, kLd, gV + n0 * p.v_row_stride, p.v_row_stride, kN, kv_rows, vec_load);
     __pipeline_commit();
@@ -366,7 +380,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   __pipeline_wait_prior(0);
 
   const float scale = float(p.scale_softmax);
-  T* gdQ = static_cast<T*>(p.dq_ptr) + batch * p.dq_batch_stride + h * p.dq_head_stride;
+  T* gdQ = static_cast<T*>(p.dq_ptr) + batch * p.dq_batch_stride + h * p.dq_head_stride +
+           seq.q0 * p.dq_row_stride;
 #pragma unroll
   for (int u = 0; u < Tr::kDqTilesPerWarp; ++u) {
     const int t = warp + u * Tr::kNWarps;

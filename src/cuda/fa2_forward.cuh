@@ -19,6 +19,7 @@
 #include "flashdl/detail/block_range.hpp"
 #include "flashdl/detail/dropout.hpp"
 #include "flashdl/detail/mask.hpp"
+#include "flashdl/detail/sequence.hpp"
 #include "flashdl/detail/softmax.hpp"
 #include "flashdl/detail/tiles.hpp"
 #include "fragment.cuh"
@@ -164,20 +165,26 @@ __global__ void __launch_bounds__(Tr::kThreads)
 
   const int64_t batch = blockIdx.z, head = blockIdx.y, kv_head = head / p.h_h_k_ratio;
   const int64_t m0 = int64_t(blockIdx.x) * kBlockM;
-  const int m_rows = int(p.seqlen_q - m0 < kBlockM ? p.seqlen_q - m0 : kBlockM);
-  const T* gQ = static_cast<const T*>(p.q_ptr) + batch * p.q_batch_stride + head * p.q_head_stride;
-  const T* gK = static_cast<const T*>(p.k_ptr) + batch * p.k_batch_stride + kv_head * p.k_head_stride;
-  const T* gV = static_cast<const T*>(p.v_ptr) + batch * p.v_batch_stride + kv_head * p.v_head_stride;
+  const detail::Sequence seq = detail::sequence_of(p, batch);  // dense: the whole batch entry
+  const int64_t seqlen_q = seq.sq, seqlen_k = seq.sk;
+  if (m0 >= seqlen_q) return;  // a varlen sequence shorter than the grid's max_seqlen_q
+  const int m_rows = int(seqlen_q - m0 < kBlockM ? seqlen_q - m0 : kBlockM);
+  const T* gQ = static_cast<const T*>(p.q_ptr) + batch * p.q_batch_stride + head * p.q_head_stride +
+                seq.q0 * p.q_row_stride;
+  const T* gK = static_cast<const T*>(p.k_ptr) + batch * p.k_batch_stride +
+                kv_head * p.k_head_stride + seq.k0 * p.k_row_stride;
+  const T* gV = static_cast<const T*>(p.v_ptr) + batch * p.v_batch_stride +
+                kv_head * p.v_head_stride + seq.k0 * p.v_row_stride;
 
   // K/V blocks that some row of this Q block can see and the block mask does not zero; the
   // others are skipped: never loaded, never computed.
-  const detail::Mask mask = detail::make_mask(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
+  const detail::Mask mask = detail::make_mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
   const detail::BlockRange kb = detail::key_blocks_for_queries(mask, m0, m0 + m_rows, kBlockN);
   const int n_begin = int(kb.begin), n_end = int(kb.end);
   const detail::BlockMask bm = detail::block_mask_of(p, batch, head);
   auto cover = [&](int n) {
     const int64_t n0 = int64_t(n) * kBlockN;
-    return bm.cover(m0, m0 + m_rows, n0, n0 + kBlockN < p.seqlen_k ? n0 + kBlockN : p.seqlen_k);
+    return bm.cover(m0, m0 + m_rows, n0, n0 + kBlockN < seqlen_k ? n0 + kBlockN : seqlen_k);
   };
   auto next_block = [&](int n) {  // the first block from n on that is computed
     while (n < n_end && !cover(n).any) ++n;
@@ -186,7 +193,7 @@ __global__ void __launch_bounds__(Tr::kThreads)
 
   auto load_kv = [&](int n, int stage) {
     const int64_t n0 = int64_t(n) * kBlockN;
-    const int rows = int(p.seqlen_k - n0 < kBlockN ? p.seqlen_k - n0 : kBlockN);
+    const int rows = int(seqlen_k - n0 < kBlockN ? seqlen_k - n0 : kBlockN);
     load_tile<kD, Tr::kThreads>(sK + stage * kBlockN * kLd, kLd, gK + n0 * p.k_row_stride,
                                 p.k_row_stride, kBlockN, rows, vec_load);
     load_tile<kD, Tr::kThreads>(sV + stage * kBlockN * kLd, kLd, gV + n0 * p.v_row_stride,
@@ -203,7 +210,7 @@ __global__ void __launch_bounds__(Tr::kThreads)
   const FragRows frag_rows = accumulator_rows(sS, Tr::kLdS);
   const int64_t row = m0 + warp * Tr::kWarpRows + lane / 2;  // the row this lane pair owns
   const int64_t col_lo = mask.col_begin(row), col_hi = mask.col_end(row);
-  const int64_t row_in = row < p.seqlen_q ? row : p.seqlen_q - 1;
+  const int64_t row_in = row < seqlen_q ? row : seqlen_q - 1;
   const detail::Dropout drop = detail::dropout_of(p, batch, head);
   detail::OnlineSoftmax<float> softmax;
   FragAcc acc_o[Tr::kFragsD];
@@ -239,12 +246,13 @@ __global__ void __launch_bounds__(Tr::kThreads)
   // Epilogue: O / l and lse.
   const int w0 = warp * Tr::kWarpRows;
   T* gO = static_cast<T*>(p.o_ptr) + batch * p.o_batch_stride + head * p.o_head_stride +
-          (m0 + w0) * p.o_row_stride;
+          (seq.q0 + m0 + w0) * p.o_row_stride;
   __syncwarp();
   store_output<Tr>(acc_o, frag_rows, softmax.inv_l(), sS, gO, p.o_row_stride, m_rows - w0,
                    vec_store);
-  if (lane % 2 == 0 && row < p.seqlen_q)
-    p.lse_ptr[batch * p.lse_batch_stride + head * p.lse_head_stride + row * p.lse_row_stride] =
+  if (lane % 2 == 0 && row < seqlen_q)
+    p.lse_ptr[batch * p.lse_batch_stride + head * p.lse_head_stride +
+              (seq.q0 + row) * p.lse_row_stride] =
         softmax.lse();
 #endif
 }

@@ -5,7 +5,9 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "backend.hpp"
 #include "check.hpp"
@@ -98,11 +100,43 @@ LaunchContext make_context(const Params& p, bool backward) {
                                           schedule_name(p.schedule) + "'");
 }
 
+// Offsets of a varlen call that arrived in host memory (checked there by varlen.cpp) are copied to
+// a stream-ordered device buffer, so the kernels always read device memory. From pageable memory
+// the copy waits for the stream's earlier work: pass device arrays to avoid that round trip.
+class DeviceOffsets {
+ public:
+  DeviceOffsets(Params& p, cudaStream_t stream) {
+    if (p.cu_seqlens_q == nullptr || !p.cu_seqlens_host) return;
+    const int64_t n = p.batch + 1;
+    std::vector<int32_t> host(static_cast<std::size_t>(2 * n));
+    for (int64_t i = 0; i < n; ++i) {
+      host[i] = p.cu_seqlens_q[i * p.cu_seqlens_q_stride];
+      host[n + i] = p.cu_seqlens_k[i * p.cu_seqlens_k_stride];
+    }
+    ws_ = std::make_unique<StreamWorkspace>(host.size() * sizeof(int32_t), stream);
+    int32_t* dev = ws_->get<int32_t>();
+    FLASHDL_CUDA_CHECK(cudaMemcpyAsync(dev, host.data(), host.size() * sizeof(int32_t),
+                                       cudaMemcpyHostToDevice, stream));
+    p.cu_seqlens_q = dev;
+    p.cu_seqlens_k = dev + n;
+    p.cu_seqlens_q_stride = p.cu_seqlens_k_stride = 1;
+    p.cu_seqlens_host = false;
+  }
+  void release() {
+    if (ws_) ws_->release();
+  }
+
+ private:
+  std::unique_ptr<StreamWorkspace> ws_;
+};
+
 }  // namespace
 
-void forward(const Params& p) {
-  DeviceGuard guard(p.device.id);
-  const LaunchContext ctx = make_context(p, false);
+void forward(const Params& params) {
+  DeviceGuard guard(params.device.id);
+  const LaunchContext ctx = make_context(params, false);
+  Params p = params;
+  DeviceOffsets offsets(p, ctx.stream);
   FLASHDL_DTYPE_SWITCH(p.dtype, T, [&] {
     FLASHDL_HEADDIM_SWITCH(p.headdim, kHeadDim, [&] {
       switch (p.schedule) {
@@ -113,11 +147,14 @@ void forward(const Params& p) {
       }
     });
   });
+  offsets.release();
 }
 
-void backward(const Params& p) {
-  DeviceGuard guard(p.device.id);
-  const LaunchContext ctx = make_context(p, true);
+void backward(const Params& params) {
+  DeviceGuard guard(params.device.id);
+  const LaunchContext ctx = make_context(params, true);
+  Params p = params;
+  DeviceOffsets offsets(p, ctx.stream);
   FLASHDL_DTYPE_SWITCH(p.dtype, T, [&] {
     FLASHDL_HEADDIM_SWITCH(p.headdim, kHeadDim, [&] {
       switch (p.schedule) {
@@ -128,6 +165,7 @@ void backward(const Params& p) {
       }
     });
   });
+  offsets.release();
 }
 
 }  // namespace flashdl::cuda

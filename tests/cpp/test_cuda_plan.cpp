@@ -10,6 +10,7 @@
 #include "cuda/bwd_plan.hpp"
 #include "cuda/fa1_plan.hpp"
 #include "flashdl/detail/block_range.hpp"
+#include "flashdl/detail/sequence.hpp"
 
 using namespace flashdl_test;
 namespace fc = flashdl::cuda;
@@ -166,6 +167,39 @@ void test_block_ranges() {
   CHECK_EQ(fd::key_blocks_for_queries(fd::make_mask(10, 0, -1, -1), 0, 10, 4).size(), int64_t(0));
 }
 
+// Varlen offsets as the kernels read them: exact for valid offsets (strided too), clamped into the
+// arrays and the max_seqlen bounds for any others; dense calls see the whole batch entry.
+void test_sequences() {
+  flashdl::Params p{};
+  p.seqlen_q = 7;
+  p.seqlen_k = 9;
+  fd::Sequence d = fd::sequence_of(p, 3);
+  CHECK(d.q0 == 0 && d.k0 == 0 && d.sq == 7 && d.sk == 9);
+  const int32_t cq[] = {0, -1, 3, -1, 3, -1, 10, -1}, ck[] = {0, 4, 4, 9};
+  p.cu_seqlens_q = cq;
+  p.cu_seqlens_k = ck;
+  p.cu_seqlens_q_stride = 2;
+  p.cu_seqlens_k_stride = 1;
+  p.total_q = 10;
+  p.total_k = 9;
+  const fd::Sequence s0 = fd::sequence_of(p, 0), s1 = fd::sequence_of(p, 1),
+                     s2 = fd::sequence_of(p, 2);
+  CHECK(s0.q0 == 0 && s0.sq == 3 && s0.k0 == 0 && s0.sk == 4);
+  CHECK(s1.q0 == 3 && s1.sq == 0 && s1.k0 == 4 && s1.sk == 0);
+  CHECK(s2.q0 == 3 && s2.sq == 7 && s2.k0 == 4 && s2.sk == 5);
+  // Offsets that break the rules: decreasing, negative, past the total, longer than max_seqlen.
+  const int32_t bad_q[] = {5, 2, -4, 100}, bad_k[] = {0, 50, 60, 70};
+  p.cu_seqlens_q = bad_q;
+  p.cu_seqlens_k = bad_k;
+  p.cu_seqlens_q_stride = 1;
+  p.seqlen_q = 4;  // max_seqlen_q
+  for (int64_t b = 0; b < 3; ++b) {
+    const fd::Sequence s = fd::sequence_of(p, b);
+    CHECK(s.q0 >= 0 && s.q0 + s.sq <= p.total_q && s.sq >= 0 && s.sq <= p.seqlen_q);
+    CHECK(s.k0 >= 0 && s.k0 + s.sk <= p.total_k && s.sk >= 0 && s.sk <= p.seqlen_k);
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -173,5 +207,6 @@ int main() {
   run_test("cuda plan: fa2 backward workspace", test_fa2_backward_workspace);
   run_test("cuda plan: fa1 forward and backward tiles", test_fa1_plans);
   run_test("cuda plan: block ranges vs brute force", test_block_ranges);
+  run_test("cuda plan: varlen sequences and their clamping", test_sequences);
   return finish();
 }

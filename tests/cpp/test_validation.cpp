@@ -194,7 +194,7 @@ void test_accepted() {
   }
 }
 
-// Varlen: CUDA arrays are refused in every build (CPU only for now), and cu_seqlens is checked
+// Varlen: arrays on the device of q (offsets on the host or that device), and cu_seqlens is checked
 // before anything runs. Packed q (8, 4, 8), k, v (6, 2, 8), two sequences.
 void test_varlen() {
   Problem p;
@@ -213,7 +213,14 @@ void test_varlen() {
   fwd(q.view(), tcq, 5)();  // valid
   TensorView qc = q.view();
   qc.device = {flashdl::DeviceType::cuda, 0};
-  expect_error("varlen on cuda", ErrorKind::unsupported, "q", fwd(qc, tcq, 5), p, "CPU only");
+  // CUDA q: every array on its device; the offsets on the host or on that same device.
+  expect_error("varlen cuda q, cpu k", ErrorKind::value, "k", fwd(qc, tcq, 5), p, "cuda:0");
+  TensorView cq_other = tcq;
+  cq_other.device = {flashdl::DeviceType::cuda, 1};
+  expect_error("varlen offsets on another gpu", ErrorKind::value, "cu_seqlens_q",
+               fwd(qc, cq_other, 5), p, "device of q");
+  expect_error("varlen offsets on a gpu, cpu q", ErrorKind::value, "cu_seqlens_q",
+               fwd(q.view(), cq_other, 5), p, "CPU");
   expect_error("varlen decreasing", ErrorKind::value, "cu_seqlens_q", fwd(q.view(), tbad, 5), p,
                "non-decreasing");
   expect_error("varlen max_seqlen", ErrorKind::value, "max_seqlen_q", fwd(q.view(), tcq, 4), p);

@@ -20,7 +20,6 @@
 #include <string>
 
 #include "cuda_harness.hpp"
-#include "flashdl/api.hpp"
 
 namespace cuda_test {
 
@@ -130,24 +129,6 @@ int run_case(const std::string& label, F&& check) {
   } catch (const std::exception& e) {
     std::printf("FAIL %s: exception: %s\n", label.c_str(), e.what());
   }
-  std::fflush(stdout);
-  return ok ? 0 : 1;
-}
-
-// `call` must throw flashdl::Error(unsupported) whose message contains `needle`. Returns 1 if not.
-template <typename F>
-int expect_unsupported(const std::string& label, const char* needle, F&& call) {
-  announce(label);
-  bool ok = false;
-  try {
-    call();
-  } catch (const flashdl::Error& e) {
-    ok = e.kind() == flashdl::ErrorKind::unsupported &&
-         std::string(e.what()).find(needle) != std::string::npos;
-    std::printf("%s %s -> %s\n", ok ? "ok  " : "FAIL", label.c_str(), e.what());
-  }
-  if (!ok)
-    std::printf("FAIL %s: expected Error(unsupported) mentioning '%s'\n", label.c_str(), needle);
   std::fflush(stdout);
   return ok ? 0 : 1;
 }

@@ -3,9 +3,9 @@
 // seqlen_q != seqlen_k, seqlen 0, empty rows and unseen keys (whose gradients must be exactly 0),
 // strided and misaligned inputs and gradients. The backward is given consistent saved tensors: out
 // and lse of the float64 forward (out rounded to the dtype). Gradients are poisoned with NaN before
-// every call, their gaps must stay untouched and the inputs unchanged. Then repeat tests (bitwise
-// equal gradients) and the error CUDA must raise for dropout. Exit code 77 (skipped) when there is
-// no CUDA device.
+// every call, their gaps must stay untouched and the inputs unchanged. Then dropout
+// (dropout_backward.hpp) and repeat tests (bitwise equal gradients, with and without dropout).
+// Exit code 77 (skipped) when there is no CUDA device.
 //
 // FLASHDL_CUDA_SMEM_LIMIT=101376 (bytes) caps the shared memory the launchers plan against, which
 // exercises the 99 KiB fallback variants (smaller tiles) that an H100 never selects.
@@ -21,6 +21,7 @@
 #include "backward_oracle.hpp"
 #include "cli.hpp"
 #include "cuda_harness.hpp"
+#include "dropout_backward.hpp"
 #include "flashdl/api.hpp"
 
 using namespace cuda_test;
@@ -312,31 +313,6 @@ int run_repeats(const Target& t, const Cli& cli) {
   return failures;
 }
 
-// CUDA-specific errors: dropout is not on CUDA yet, in the backward as in the forward.
-int run_errors(const Target& t, const Cli& cli) {
-  const std::string label = "error: dropout_p on the CUDA backward";
-  if (t.host || !cli.selected(label)) return 0;  // the CPU backend has dropout
-  const Case c{1, 8, 8, 1, 1, false, -1, -1, Kind::contiguous, Kind::contiguous, false};
-  const Shape s = shape_of(c, 64);
-  std::mt19937 rng(5);
-  const BwdInputs in = random_inputs(s, rng);
-  const BwdOracle ref = reference_backward(s, options_of(c), in, false);
-  const Saved saved(t, c, s, DType::float16, in, rounded(ref.out, DType::float16), ref.lse);
-  Buffer dq(saved.hq.size() * 2, false), dk(saved.hk.size() * 2, false),
-      dv(saved.hv.size() * 2, false);
-  flashdl::Options o;
-  o.stream = t.stream;
-  o.dropout_p = 0.1f;
-  const DType dt = DType::float16;
-  return expect_unsupported(label, "dropout_p", [&] {
-    flashdl::backward(view_of(saved.dout, dt, saved.lq, 4), view_of(saved.q, dt, saved.lq, 4),
-                      view_of(saved.k, dt, saved.lk, 4), view_of(saved.v, dt, saved.lk, 4),
-                      view_of(saved.out, dt, saved.lq, 4),
-                      view_of(saved.lse, DType::float32, saved.ll, 3), view_of(dq, dt, saved.lq, 4),
-                      view_of(dk, dt, saved.lk, 4), view_of(dv, dt, saved.lk, 4), o);
-  });
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -347,8 +323,11 @@ int main(int argc, char** argv) {
   int failures = 0;
   try {
     failures += run_accuracy(t, cli);
-    if (cli.repeats()) failures += run_repeats(t, cli);
-    failures += run_errors(t, cli);
+    failures += dropout::run_backward_accuracy(t, cli);
+    if (cli.repeats()) {
+      failures += run_repeats(t, cli);
+      failures += dropout::run_backward_repeats(t, cli);
+    }
   } catch (const std::exception& e) {
     std::printf("FAIL unexpected exception: %s\n", e.what());
     ++failures;

@@ -1,8 +1,9 @@
 // The CUDA forward kernels (fa1 and fa2) against the CPU float64 reference: both dtypes, every head
 // dim, causal and windows, GQA/MQA, seqlen_q != seqlen_k, odd lengths, strided and misaligned
 // arrays, empty rows; outputs poisoned with NaN before every call and their padding checked to stay
-// untouched. Then a race test (100 identical calls, bitwise equal) and the error CUDA must raise
-// for dropout. Exit code 77 (skipped) when there is no CUDA device.
+// untouched. Then a race test (100 identical calls, bitwise equal) and dropout: the exact keep-mask
+// and accuracy with dropout (dropout_forward.hpp). Exit code 77 (skipped) when there is no CUDA
+// device.
 //
 // FLASHDL_CUDA_SMEM_LIMIT=101376 (bytes) caps the shared memory the launchers plan against, which
 // exercises the 99 KiB fallback variants (smaller tiles) that an H100 never selects.
@@ -19,6 +20,7 @@
 
 #include "cli.hpp"
 #include "cuda_harness.hpp"
+#include "dropout_forward.hpp"
 #include "flashdl/api.hpp"
 
 using namespace cuda_test;
@@ -268,28 +270,6 @@ int run_race(const Target& t, const Cli& cli) {
   return failures;
 }
 
-// CUDA-specific errors: dropout is not on CUDA yet.
-int run_errors(const Target& t, const Cli& cli) {
-  const std::string label = "error: dropout_p on the CUDA forward";
-  if (t.host || !cli.selected(label)) return 0;  // the CPU backend has dropout
-  const Case c{1, 8, 8, 1, 1, false, -1, -1, Kind::contiguous, false, false};
-  const Shape s = shape_of(c, 64);
-  std::mt19937 rng(5);
-  const auto hx = random_values(8 * 64, rng);
-  const GpuInputs in(t, c, s, DType::float16, hx, hx, hx);
-  const Layout ll = lse_layout(1, 1, 8, false);
-  Buffer out(size_t(in.lq.span) * 2, false), lse(size_t(ll.span) * 4, false);
-  flashdl::Options o;
-  o.stream = t.stream;
-  o.dropout_p = 0.1f;
-  return expect_unsupported(label, "dropout_p", [&] {
-    const DType dt = DType::float16;
-    flashdl::forward(view_of(in.q, dt, in.lq, 4), view_of(in.k, dt, in.lk, 4),
-                     view_of(in.v, dt, in.lk, 4), view_of(out, dt, in.lq, 4),
-                     view_of(lse, DType::float32, ll, 3), o);
-  });
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -301,7 +281,8 @@ int main(int argc, char** argv) {
   try {
     failures += run_accuracy(t, cli);
     if (cli.repeats()) failures += run_race(t, cli);
-    failures += run_errors(t, cli);
+    failures += dropout::run_mask_tests(t, cli);
+    failures += dropout::run_forward_accuracy(t, cli);
   } catch (const std::exception& e) {
     std::printf("FAIL unexpected exception: %s\n", e.what());
     ++failures;
