@@ -292,8 +292,8 @@ step_pytest_cuda() {
     export OMP_NUM_THREADS=$(( $(nproc) / workers > 0 ? $(nproc) / workers : 1 ))
   fi
   "$PYTHON" -c "import pytest_timeout" 2>/dev/null && args+=(--timeout 180)
-  echo "$ $PYTHON -m pytest tests/python/test_cuda*.py ${args[*]}"
-  "$PYTHON" -m pytest tests/python/test_cuda*.py "${args[@]}"
+  echo "$ $PYTHON -m pytest tests/python/test_cuda*.py tests/python/test_varlen.py ${args[*]}"
+  "$PYTHON" -m pytest tests/python/test_cuda*.py tests/python/test_varlen.py "${args[@]}"
 }
 
 sanitize() {  # sanitize TOOL TEST
