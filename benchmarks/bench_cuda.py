@@ -4,6 +4,9 @@ Run:  python benchmarks/bench_cuda.py [--quick] [--out benchmarks/results/cuda.m
       [--dtypes fp16,bf16] [--headdims 64,128,256] [--seqlens 512,1024,2048,4096,8192,16384]
       [--causal both|yes|no] [--schedules fa2,fa1] [--fa1-max-seqlen 4096] [--warmup 5]
       [--reps 20]
+      python benchmarks/bench_cuda.py --features [...]: block-sparse attention against mask
+      density, the cost of dropout, varlen packed against padded (benchmarks/cuda_features.py;
+      --cpu-dry-run checks that mode on the CPU backend without a GPU)
 
 Shapes are the FlashAttention-2 paper's benchmark: 16k tokens per batch (batch = 16384 // seqlen),
 nheads = 2048 // headdim, seqlen_q = seqlen_k, forward and forward+backward, causal and not.
@@ -103,13 +106,14 @@ class Cell:
         return f"{self.flops / self.ms / 1e9:.1f} ({self.ms:.3f})"
 
 
-def measure(torch, fn, flops, warmup, reps, refused):
-    """A Cell for fn; an exception is `refused` (n/a or error). SDPA explains a refusal in
-    warnings before it raises: the first one becomes the reason."""
+def measure(torch, fn, flops, warmup, reps, refused, timer=None):
+    """A Cell for fn, timed by `timer` (default cuda_time_ms); an exception is `refused` (n/a or
+    error). SDPA explains a refusal in warnings before it raises: the first one becomes the
+    reason."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            return Cell(cuda_time_ms(torch, fn, warmup, reps), flops)
+            return Cell((timer or cuda_time_ms)(torch, fn, warmup, reps), flops)
         except Exception as e:  # a backend that refuses the shape, out of memory, a flashdl failure
             try:  # after a device fault the context is gone: report, never raise again here
                 torch.cuda.synchronize()
@@ -239,7 +243,18 @@ def main():
                     help="longest sequence fa1 runs at (it is slow by design: the paper's IO)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--features", action="store_true",
+                    help="block-sparse attention against density, dropout, varlen")
+    ap.add_argument("--cpu-dry-run", action="store_true",
+                    help="with --features: run that mode on the CPU backend, tiny shapes, one "
+                         "call per cell (checks the script without a GPU)")
     args = ap.parse_args()
+    if args.cpu_dry_run and not args.features:
+        ap.error("--cpu-dry-run goes with --features")
+    if args.features:
+        from cuda_features import run_features  # beside this file, like tables
+
+        return run_features(ap, args, sys.modules[__name__])
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)

@@ -23,6 +23,7 @@
 #include "flashdl/detail/tiles.hpp"
 #include "fragment.cuh"
 #include "tile_io.cuh"
+#include "zero_blocks.cuh"
 
 namespace flashdl::cuda {
 namespace fa1bwd {
@@ -186,9 +187,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int64_t i = qb.begin; i < qb.end && !needed; ++i) needed = cover(head0 + hg, i).any;
     // Lines 7-8 (a block no query sees keeps dK_j = dV_j = 0 and loads nothing).
     for (int idx = threadIdx.x; idx < L.Bc * L.ld_o; idx += kThreads) sdK[idx] = sdV[idx] = 0.0f;
-    if (needed) {
-      load_tile<kD, kThreads>(sK, L.ld_kv, gK + j0 * p.k_row_stride, p.k_row_stride, L.Bc, kv_rows, vec_load);
-      load_tile<kD, kThreads>(sV, L.ld_kv, gV + j0 * p.v_row_stride, p.v_row_stride, L.Bc, kv_rows, vec_load);
+    if (needed) {  // keys only zero blocks cover for every pair computed: zero-filled
+      unsigned char* flags = reinterpret_cast<unsigned char*>(sS);
+      const int64_t rows_end = qb.end * L.Br < seqlen_q ? qb.end * L.Br : seqlen_q;
+      needed_key_rows(p, batch, head0, group, qb.begin * L.Br, rows_end, j0, kv_rows, flags,
+                      kThreads);
+      auto keep = [&](int r) { return flags[r] != 0; };
+      load_tile<kD, kThreads>(sK, L.ld_kv, gK + j0 * p.k_row_stride, p.k_row_stride, L.Bc,
+                              kv_rows, vec_load, keep);
+      load_tile<kD, kThreads>(sV, L.ld_kv, gV + j0 * p.v_row_stride, p.v_row_stride, L.Bc,
+                              kv_rows, vec_load, keep);
     }
     for (int64_t hg = 0; hg < group && needed; ++hg) {
       const int64_t h = head0 + hg;
@@ -204,8 +212,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int64_t i0 = i * L.Br;
         const int rows = int(seqlen_q - i0 < L.Br ? seqlen_q - i0 : L.Br);
         // Line 10: Q_i, dO_i to shared memory; O_i, lse_i read by row_stats, dQ_i by update_dq.
-        load_tile<kD, kThreads>(sQ, L.ld_kv, gQ + i0 * p.q_row_stride, p.q_row_stride, L.Br, rows, vec_load);
-        load_tile<kD, kThreads>(sdO, L.ld_kv, gdO + i0 * p.do_row_stride, p.do_row_stride, L.Br, rows, vec_load);
+        // Rows the block mask hides from every key of this block are zero-filled, not read.
+        auto keep = [&](int r) { return bm.row_any(i0 + r, j0, j0 + kv_rows); };
+        load_tile<kD, kThreads>(sQ, L.ld_kv, gQ + i0 * p.q_row_stride, p.q_row_stride, L.Br, rows,
+                                vec_load, keep);
+        load_tile<kD, kThreads>(sdO, L.ld_kv, gdO + i0 * p.do_row_stride, p.do_row_stride, L.Br,
+                                rows, vec_load, keep);
         __pipeline_commit();
         __pipeline_wait_prior(0);
         __syncthreads();

@@ -22,6 +22,7 @@
 #include "flashdl/detail/tiles.hpp"
 #include "fragment.cuh"
 #include "tile_io.cuh"
+#include "zero_blocks.cuh"
 
 namespace flashdl::cuda {
 namespace fa1 {
@@ -229,9 +230,16 @@ __global__ void __launch_bounds__(kThreads, 1)
     int64_t first = qb.begin;
     while (first < qb.end && !cover(first).any) ++first;
     if (first >= qb.end) continue;  // no query sees these keys: skipped, not loaded or computed
-    // Line 6 (the previous pair's last barrier ordered every read of sK and sV before this).
-    load_tile<kD, kThreads>(sK, L.ld_kv, gK + j0 * p.k_row_stride, p.k_row_stride, L.Bc, kv_rows, vec_load);
-    load_tile<kD, kThreads>(sV, L.ld_kv, gV + j0 * p.v_row_stride, p.v_row_stride, L.Bc, kv_rows, vec_load);
+    // Line 6 (the previous pair's last barrier ordered every read of sK, sV and sS before this).
+    // Keys that only zero blocks cover for every query block computed are zero-filled, not read.
+    unsigned char* flags = reinterpret_cast<unsigned char*>(sS);
+    const int64_t rows_end = qb.end * L.Br < seqlen_q ? qb.end * L.Br : seqlen_q;
+    needed_key_rows(p, batch, head, 1, first * L.Br, rows_end, j0, kv_rows, flags, kThreads);
+    auto keep = [&](int r) { return flags[r] != 0; };
+    load_tile<kD, kThreads>(sK, L.ld_kv, gK + j0 * p.k_row_stride, p.k_row_stride, L.Bc, kv_rows,
+                            vec_load, keep);
+    load_tile<kD, kThreads>(sV, L.ld_kv, gV + j0 * p.v_row_stride, p.v_row_stride, L.Bc, kv_rows,
+                            vec_load, keep);
     for (int64_t i = first; i < qb.end; ++i) {  // line 7: Q blocks inner
       const detail::BlockMask::Cover c = cover(i);
       if (!c.any) continue;  // a zero block of the block mask

@@ -32,6 +32,7 @@
 #include "flashdl/detail/tiles.hpp"
 #include "fragment.cuh"
 #include "tile_io.cuh"
+#include "zero_blocks.cuh"
 
 namespace flashdl::cuda {
 namespace fa2bwd {
@@ -178,9 +179,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                   h * p.q_head_stride + (seq.q0 + i0) * p.q_row_stride;
     const T* gdO = static_cast<const T*>(p.do_ptr) + batch * p.do_batch_stride +
                    h * p.do_head_stride + (seq.q0 + i0) * p.do_row_stride;
-    load_tile<kD, Tr::kThreads>(q_stage(L.off_q, stage), kLd, gQ, p.q_row_stride, kM, rows, vec_load);
+    // Query rows the head's block mask hides from every key of this block: zero-filled.
+    const detail::BlockMask bm = detail::block_mask_of(p, batch, h);
+    auto keep = [&](int r) { return bm.row_any(i0 + r, n0, n0 + kv_rows); };
+    load_tile<kD, Tr::kThreads>(q_stage(L.off_q, stage), kLd, gQ, p.q_row_stride, kM, rows,
+                                vec_load, keep);
     load_tile<kD, Tr::kThreads>(q_stage(L.off_do, stage), kLd, gdO, p.do_row_stride, kM, rows,
-                                vec_load);
+                                vec_load, keep);
     const int64_t row0 = (batch * p.nheads + h) * p.seqlen_q;  // workspace rows: max_seqlen_q
     bwd::load_stats(stat_stage(L.off_l2, stage), stat_stage(L.off_d, stage), ws_l2 + row0,
                     ws_d + row0, i0, kM, seqlen_q, Tr::kThreads);
@@ -192,11 +197,18 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                   kv_head * p.k_head_stride + (seq.k0 + n0) * p.k_row_stride;
     const T* gV = static_cast<const T*>(p.v_ptr) + batch * p.v_batch_stride +
                   kv_head * p.v_head_stride + (seq.k0 + n0) * p.v_row_stride;
-    load_tile<kD, Tr::kThreads>(sK, kLd, gK, p.k_row_stride, kN, kv_rows, vec_load);
-    load_tile<kD, Tr::kThreads>(sV, kLd, gV, p.v_row_stride, kN, kv_rows, vec_load);
+    // Keys that only zero blocks cover for every head and query block visited: zero-filled.
+    unsigned char* flags = reinterpret_cast<unsigned char*>(sS);
+    const int64_t rows_end = (m_begin + nm) * kM < seqlen_q ? (m_begin + nm) * kM : seqlen_q;
+    needed_key_rows(p, batch, kv_head * group, group, m_begin * kM, rows_end, n0, kv_rows, flags,
+                    Tr::kThreads);
+    auto keep = [&](int r) { return flags[r] != 0; };
+    load_tile<kD, Tr::kThreads>(sK, kLd, gK, p.k_row_stride, kN, kv_rows, vec_load, keep);
+    load_tile<kD, Tr::kThreads>(sV, kLd, gV, p.v_row_stride, kN, kv_rows, vec_load, keep);
     load_q(it, 0);
   }
   __pipeline_commit();
+  __syncthreads();  // the flags in S are read before the fragment map overwrites them
 
   fill_fragment_map(sS, sdP, Tr::kLdS, Tr::kThreads);
   __syncthreads();
@@ -362,8 +374,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     if (!c.any) continue;  // a zero block of the block mask: never loaded
     const int64_t n0 = n * kN;
     const int kv_rows = int(seqlen_k - n0 < kN ? seqlen_k - n0 : kN);
-    load_tile<kD, Tr::kThreads>(sK, kLd, gK + n0 * p.k_row_stride, p.k_row_stride, kN, kv_rows, vec_load);
-    load_tile<kD, Tr::kThreads>(sV, kLd, gV + n0 * p.v_row_stride, p.v_row_stride, kN, kv_rows, vec_load);
+    // Keys no row of this query block may see through the block mask: zero-filled, never read.
+    auto keep = [&](int r) { return bm.col_any(n0 + r, m0, m0 + rows); };
+    load_tile<kD, Tr::kThreads>(sK, kLd, gK + n0 * p.k_row_stride, p.k_row_stride, kN, kv_rows,
+                                vec_load, keep);
+    load_tile<kD, Tr::kThreads>(sV, kLd, gV + n0 * p.v_row_stride, p.v_row_stride, kN, kv_rows,
+                                vec_load, keep);
     __pipeline_commit();
     __pipeline_wait_prior(0);
     __syncthreads();

@@ -55,9 +55,11 @@ __device__ __forceinline__ void compute_scores(const typename Tr::T* sQw,
 // One online-softmax step for the row this lane pair owns (lanes 2r and 2r+1 share row r, taking
 // alternate columns). Scales the scores into the exp2 domain, masks keys outside [col_lo, col_hi)
 // and in zero blocks of the block mask (row_in: the row, clamped into the sequence) when kMasked,
-// updates {m, l} and writes P = exp2(t - m) as T over the scores in place, times
-// the dropout multiplier of (row, key) when dropout is on (l sums the undropped values). Returns
-// the factor by which the row's output accumulator must be rescaled.
+// updates {m, l} and writes P = exp2(t - m) as T over the scores in place, with the elements
+// dropout drops set to 0 (l sums the undropped values; the kept ones' 1 / (1 - p) is applied with
+// 1 / l in the epilogue, so P is rounded once, as without dropout). Returns the factor by which
+// the row's output accumulator must be rescaled. The block mask and dropout run in loops of their
+// own, not unrolled: inlined into the unrolled score loop they made ptxas spill.
 template <typename Tr, bool kMasked>
 __device__ __forceinline__ float softmax_step(float* sS, detail::OnlineSoftmax<float>& sm,
                                               float scale_log2, int64_t n0, int64_t col_lo,
@@ -67,14 +69,20 @@ __device__ __forceinline__ float softmax_step(float* sS, detail::OnlineSoftmax<f
   using T = typename Tr::T;
   const int lane = threadIdx.x % 32;
   const int r = lane / 2, half = lane % 2;
+  if (kMasked && !bm.dense()) {  // zero blocks: -inf before the row max (each lane its own scores)
+#pragma unroll 1
+    for (int k = 0; k < Tr::kColsPerLane; ++k) {
+      const int c = 2 * k + half;
+      if (n0 + c < col_hi && !bm.visible(row_in, n0 + c)) sS[r * Tr::kLdS + c] = -INFINITY;
+    }
+  }
   float t[Tr::kColsPerLane];
   float block_max = -INFINITY;
 #pragma unroll
   for (int k = 0; k < Tr::kColsPerLane; ++k) {
     const int c = 2 * k + half;
     float v = sS[r * Tr::kLdS + c] * scale_log2;
-    if (kMasked && (n0 + c < col_lo || n0 + c >= col_hi || !bm.visible(row_in, n0 + c)))
-      v = -INFINITY;
+    if (kMasked && (n0 + c < col_lo || n0 + c >= col_hi)) v = -INFINITY;
     t[k] = v;
     block_max = fmaxf(block_max, v);
   }
@@ -88,8 +96,12 @@ __device__ __forceinline__ float softmax_step(float* sS, detail::OnlineSoftmax<f
   for (int k = 0; k < Tr::kColsPerLane; ++k) {
     const float pk = exp2f(t[k] - ref);
     block_sum += pk;
-    const float z = drop.on() ? drop.multiplier(row, n0 + 2 * k + half) : 1.0f;
-    sP[r * Tr::kLdP + 2 * k + half] = from_float<T>(pk * z);
+    sP[r * Tr::kLdP + 2 * k + half] = from_float<T>(pk);
+  }
+  if (drop.on()) {  // this lane's own elements of P: no barrier needed
+#pragma unroll 1
+    for (int k = 0; k < Tr::kColsPerLane; ++k)
+      if (!drop.keep(row, n0 + 2 * k + half)) sP[r * Tr::kLdP + 2 * k + half] = from_float<T>(0.0f);
   }
   block_sum += __shfl_xor_sync(kFullMask, block_sum, 1);
   sm.accumulate(alpha, block_sum);
@@ -148,8 +160,10 @@ __device__ __forceinline__ void store_output(FragAcc (&acc)[Tr::kFragsD], const 
   }
 }
 
+// Two CTAs per SM is what the shared memory allows from d = 96 on; the bound lets ptxas use the
+// registers that leaves (without it, it capped some variants at 168 and spilled).
 template <typename Tr>
-__global__ void __launch_bounds__(Tr::kThreads)
+__global__ void __launch_bounds__(Tr::kThreads, 2)
     forward_kernel(const __grid_constant__ Params p, const bool vec_load, const bool vec_store) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   __trap();  // the launcher refuses devices below sm_80 (bfloat16 wmma, cp.async)
@@ -194,10 +208,12 @@ __global__ void __launch_bounds__(Tr::kThreads)
   auto load_kv = [&](int n, int stage) {
     const int64_t n0 = int64_t(n) * kBlockN;
     const int rows = int(seqlen_k - n0 < kBlockN ? seqlen_k - n0 : kBlockN);
+    // Keys no row of this Q block may see through the block mask are zero-filled, never read.
+    auto keep = [&](int r) { return bm.col_any(n0 + r, m0, m0 + m_rows); };
     load_tile<kD, Tr::kThreads>(sK + stage * kBlockN * kLd, kLd, gK + n0 * p.k_row_stride,
-                                p.k_row_stride, kBlockN, rows, vec_load);
+                                p.k_row_stride, kBlockN, rows, vec_load, keep);
     load_tile<kD, Tr::kThreads>(sV + stage * kBlockN * kLd, kLd, gV + n0 * p.v_row_stride,
-                                p.v_row_stride, kBlockN, rows, vec_load);
+                                p.v_row_stride, kBlockN, rows, vec_load, keep);
   };
 
   // Load Q (once) and the first K/V block.
@@ -248,8 +264,8 @@ __global__ void __launch_bounds__(Tr::kThreads)
   T* gO = static_cast<T*>(p.o_ptr) + batch * p.o_batch_stride + head * p.o_head_stride +
           (seq.q0 + m0 + w0) * p.o_row_stride;
   __syncwarp();
-  store_output<Tr>(acc_o, frag_rows, softmax.inv_l(), sS, gO, p.o_row_stride, m_rows - w0,
-                   vec_store);
+  store_output<Tr>(acc_o, frag_rows, softmax.inv_l() * drop.kept_scale, sS, gO, p.o_row_stride,
+                   m_rows - w0, vec_store);
   if (lane % 2 == 0 && row < seqlen_q)
     p.lse_ptr[batch * p.lse_batch_stride + head * p.lse_head_stride +
               (seq.q0 + row) * p.lse_row_stride] =

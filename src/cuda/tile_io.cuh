@@ -12,13 +12,18 @@
 
 namespace flashdl::cuda {
 
+struct KeepAllRows {
+  __device__ __forceinline__ bool operator()(int) const { return true; }
+};
+
 // Copies rows [0, rows) of a (tile_rows x kHeadDim) tile at g (row stride g_stride elements) to s
-// (row stride ld_s elements) and zero-fills rows [rows, tile_rows). With vec, the copies are
+// (row stride ld_s elements) and zero-fills rows [rows, tile_rows), and rows r with !keep(r) (rows
+// that only zero blocks of a block mask cover: never read). With vec, the copies are
 // cp.async: the caller commits and waits (__pipeline_commit / __pipeline_wait_prior) and then
 // synchronises the block; otherwise they are plain loads, visible after the same barrier.
-template <int kHeadDim, int kThreads, typename T>
+template <int kHeadDim, int kThreads, typename T, typename Keep = KeepAllRows>
 __device__ __forceinline__ void load_tile(T* s, int ld_s, const T* g, int64_t g_stride,
-                                          int tile_rows, int rows, bool vec) {
+                                          int tile_rows, int rows, bool vec, Keep keep = Keep()) {
   static_assert(kHeadDim % 8 == 0, "16-byte chunks of 8 elements");
   constexpr int kChunks = kHeadDim / 8;
   const int n = tile_rows * kChunks;
@@ -26,7 +31,7 @@ __device__ __forceinline__ void load_tile(T* s, int ld_s, const T* g, int64_t g_
     const int r = idx / kChunks;
     const int c = (idx % kChunks) * 8;
     T* dst = s + r * ld_s + c;
-    if (r >= rows) {
+    if (r >= rows || !keep(r)) {
       *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
       continue;
     }

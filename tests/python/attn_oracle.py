@@ -196,3 +196,20 @@ def assert_lse(got, oracle, rtol=2e-5, atol=2e-5):
     inf = np.isneginf(oracle)
     assert np.array_equal(np.isneginf(got), inf), "lse: -inf exactly where a row sees no key"
     np.testing.assert_allclose(got[~inf], oracle[~inf], rtol=rtol, atol=atol)
+
+
+def assert_dropout_rule(got, oracle, naive_err, dtype, p, factor=2.0, what="out",
+                        magnitude=None, grad=False):
+    """flash-attn's rule under dropout: the naive algorithm in the input precision has no
+    dropout, so its error `naive_err` is measured on the same inputs without dropout and scaled
+    by 1 / (1 - p) (the kept probabilities, and their rounding errors, grow by that factor):
+    max|got - oracle| <= factor * naive_err / (1 - p) + eps(dtype), oracle with dropout."""
+    got = f64(got)
+    assert not np.isnan(got).any(), f"{what}: NaN in the result"
+    err = max_err(got, oracle)
+    if magnitude is None:
+        magnitude = float(np.max(np.abs(oracle), initial=0.0))
+    eps = (EPS_GRAD if grad else EPS)[dtype] * max(1.0, magnitude)
+    bound = factor * naive_err / (1.0 - float(np.float32(p))) + eps
+    assert err <= bound, (f"{what}: max error {err:.3e} > {factor}*{naive_err:.3e}/(1-{p}) + "
+                          f"{eps:.1e} ({dtype}, dropout)")

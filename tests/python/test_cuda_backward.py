@@ -3,15 +3,14 @@ torch and cupy arrays: every head dim, both dtypes, causal and windows, GQA/MQA,
 seqlen_k, odd lengths, transposed and misaligned views; against the float64 oracle with
 flash-attn's rule for gradients (max|gpu - oracle| <= 3 max|naive_lowp - oracle| + eps); exact zero
 gradients where the mask leaves nothing; deterministic=True bitwise; the caller's stream; the
-small-tile fallbacks (FLASHDL_CUDA_SMEM_LIMIT); dropout and block masks refused (dropout, once the
-kernels apply it, the CPU's mask). Skipped entirely unless flashdl sees a CUDA device
-and torch.cuda or cupy is usable."""
+small-tile fallbacks (FLASHDL_CUDA_SMEM_LIMIT); dropout with the CPU's mask; a CPU block mask with
+CUDA arrays refused (test_cuda_features.py covers dropout and block masks in depth). Skipped
+entirely unless flashdl sees a CUDA device and torch.cuda or cupy is usable."""
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import zlib
@@ -21,7 +20,8 @@ import pytest
 
 import flashdl
 import masked_oracle as mo
-from attn_oracle import assert_rule, backward, f64, grad_magnitude, make, make_qkv
+from attn_oracle import (assert_dropout_rule, assert_rule, backward, f64, forward,
+                         grad_magnitude, make, make_qkv, max_err)
 from cuda_arrays import host, torch_array
 
 if flashdl.info()["cuda_device_count"] == 0:
@@ -254,41 +254,45 @@ def test_torch_autograd(dtype, schedule):
 
 
 @needs_torch
-def test_torch_block_mask_backward_is_a_clear_error():
-    """Block-sparse masks run on the CPU only for now: the CUDA backward refuses them with a
-    RuntimeError naming block_mask, never computes gradients without the mask."""
+def test_torch_cpu_block_mask_backward_is_refused():
+    """The backward's block mask must be on the device of q too: a NumPy mask with CUDA arrays is
+    a ValueError naming block_mask and the device (test_cuda_features.py runs CUDA masks)."""
     q = torch.randn(1, 8, 2, 64, device="cuda", dtype=torch.float16)
-    out, lse = flashdl.attention(q, q, q, return_lse=True)
-    with pytest.raises(RuntimeError, match=r"\bblock_mask\b"):
+    out, lse = flashdl.attention(q, q, q, return_lse=True,
+                                 block_mask=torch.ones(1, 1, dtype=torch.bool, device=q.device))
+    with pytest.raises(ValueError, match=rf"\bblock_mask\b.*\bcuda:{q.device.index}\b"):
         flashdl.attention_backward(torch.ones_like(out), q, q, q, out, lse,
                                    block_mask=np.ones((1, 1), dtype=bool))
 
 
 @needs_torch
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_torch_dropout_is_refused_or_the_cpu_mask(schedule):
-    """Dropout on CUDA arrays: refused with a RuntimeError naming dropout_p (forward and backward)
-    while the kernels lack it; once they apply it, it must be exactly the mask flashdl.dropout_mask
-    returns (the CPU's), forward and backward, against the float64 oracle."""
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_torch_dropout_is_the_cpu_mask(schedule, deterministic):
+    """Dropout on CUDA arrays applies the mask flashdl.dropout_mask returns (the CPU's), forward
+    and backward: against the float64 oracle with that mask, flash-attn's rule with the naive
+    low-precision error taken without dropout and scaled by 1 / (1 - p) (test_cuda_features.py
+    checks the mask bit for bit)."""
     hq, hk, hv, hdout = problem(29, 2, 70, 90, 4, 2, 64, "float16")
     q, k, v, dout = on_gpu((hq, hk, hv, hdout), "float16")
     opts = dict(dropout_p=0.2, seed=31337, offset=3)
-    try:
-        out, lse = flashdl.attention(q, k, v, schedule=schedule, return_lse=True, **opts)
-    except RuntimeError as e:
-        assert re.search(r"\bdropout_p\b", str(e)), str(e)
-        out, lse = flashdl.attention(q, k, v, schedule=schedule, return_lse=True)
-        with pytest.raises(RuntimeError, match=r"\bdropout_p\b"):
-            flashdl.attention_backward(dout, q, k, v, out, lse, schedule=schedule, **opts)
-        return
-    grads = flashdl.attention_backward(dout, q, k, v, out, lse, schedule=schedule, **opts)
+    out, lse = flashdl.attention(q, k, v, schedule=schedule, return_lse=True, **opts)
+    grads = flashdl.attention_backward(dout, q, k, v, out, lse, schedule=schedule,
+                                       deterministic=deterministic, **opts)
     torch.cuda.current_stream().synchronize()
+    hq, hk, hv, hdout = (f64(x) for x in (hq, hk, hv, hdout))
     keep = flashdl.dropout_mask(2, 4, 70, 90, opts["dropout_p"], opts["seed"], opts["offset"])
     visible = np.ones((70, 90), dtype=bool)
-    want = (mo.forward(hq, hk, hv, visible, keep, opts["dropout_p"])[:1] +
-            mo.backward(hdout, hq, hk, hv, visible, keep, opts["dropout_p"]))
-    for name, g, w in zip(("out", "dq", "dk", "dv"), (out,) + tuple(grads), want):
-        mo.close(host(g), w, 4e-3, name)  # test_dropout.py's float16 tolerance on the CPU
+    want_out = mo.forward(hq, hk, hv, visible, keep, opts["dropout_p"])[0]
+    low_err = max_err(forward(hq, hk, hv, dtype="float16", exact=False)[0],
+                      forward(hq, hk, hv)[0])
+    assert_dropout_rule(host(out), want_out, low_err, "float16", opts["dropout_p"])
+    want = mo.backward(hdout, hq, hk, hv, visible, keep, opts["dropout_p"])
+    exact = backward(hdout, hq, hk, hv)
+    naive = backward(hdout, hq, hk, hv, dtype="float16", exact=False)
+    for name, g, w, e, n in zip(("dq", "dk", "dv"), grads, want, exact, naive):
+        assert_dropout_rule(host(g), w, max_err(n, e), "float16", opts["dropout_p"], factor=3.0,
+                            what=name, magnitude=grad_magnitude(want), grad=True)
 
 
 # The child of test_torch_fallback_tiles: fwd + bwd under FLASHDL_CUDA_SMEM_LIMIT, gradients saved.

@@ -214,16 +214,21 @@ def test_torch_backward_runs(schedule):
 
 
 @needs_torch
-@pytest.mark.parametrize("kwargs,name", [
-    (dict(dropout_p=0.1, seed=1), "dropout_p"),
-    (dict(block_mask=np.ones((1, 1), dtype=bool)), "block_mask"),
-])
-def test_torch_cpu_only_features_are_clear_errors(kwargs, name):
-    """Dropout and block-sparse masks run on the CPU only for now: CUDA arrays are refused with a
-    RuntimeError naming the argument, never computed without the feature."""
+@pytest.mark.parametrize("where", ["numpy", "torch-cpu"])
+def test_torch_cpu_block_mask_is_refused(where):
+    """A block mask for CUDA arrays must be on the device of q, dense or varlen: a NumPy or CPU
+    torch mask is a ValueError naming block_mask and the device it should be on, never copied
+    behind the caller's back (test_cuda_features.py runs CUDA masks)."""
     q = torch.randn(1, 8, 2, 64, device="cuda", dtype=torch.float16)
-    with pytest.raises(RuntimeError, match=rf"\b{name}\b"):
-        flashdl.attention(q, q, q, **kwargs)
+    mask = np.ones((1, 1), dtype=bool)
+    if where == "torch-cpu":
+        mask = torch.from_numpy(mask)
+    match = rf"\bblock_mask\b.*\bcuda:{q.device.index}\b"
+    with pytest.raises(ValueError, match=match):
+        flashdl.attention(q, q, q, block_mask=mask)
+    cu = np.array([0, 3, 8], dtype=np.int32)
+    with pytest.raises(ValueError, match=match):
+        flashdl.attention_varlen(q[0], q[0], q[0], cu, cu, 5, 5, block_mask=mask)
 
 
 # ---- cupy (float16: cupy has no bfloat16) ---------------------------------------------------------

@@ -1,6 +1,8 @@
 """The GPU session's tools on a machine without a GPU: tools/gpu_check.sh reports every step
-SKIPPED (no GPU), builds nothing, finishes in seconds and exits 0; benchmarks/bench_cuda.py exits
-with a clear message. Where a GPU exists both would really run (minutes): skipped there."""
+SKIPPED (no GPU), builds nothing, finishes in seconds and exits 0; benchmarks/bench_cuda.py (and
+its --features mode) exits with a clear message. Where a GPU exists both would really run
+(minutes): skipped there. On any machine, bench_cuda.py --features --cpu-dry-run runs that mode's
+code on the CPU backend."""
 
 from __future__ import annotations
 
@@ -79,3 +81,28 @@ def test_bench_cuda_without_a_gpu_says_so():
                          capture_output=True, text=True, timeout=120)
     assert res.returncode != 0
     assert "no CUDA device" in res.stderr, res.stderr
+
+
+@needs_no_gpu
+def test_bench_cuda_features_without_a_gpu_says_so():
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_cuda.py"), "--features",
+                          "--quick"], capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    assert "no CUDA device" in res.stderr, res.stderr
+
+
+def test_bench_cuda_features_cpu_dry_run(tmp_path):
+    """--features --cpu-dry-run runs that mode's code on the CPU backend (tiny shapes): the
+    three tables are written, every density row present, no flashdl call failed."""
+    pytest.importorskip("torch")
+    out = tmp_path / "features.md"
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_cuda.py"), "--features",
+                          "--cpu-dry-run", "--out", str(out)], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    text = out.read_text()
+    for density in ("1.0000", "0.5000", "0.2500", "0.1250", "0.0625"):
+        assert f"| fa2 | random | {density} |" in text
+    assert "| float16 | True | 64 |" in text  # the causal dropout row
+    assert "| float16 | 64 | 16 |" in text  # the varlen row: 16 packed sequences
+    assert "failures" not in text

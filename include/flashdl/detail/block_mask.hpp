@@ -21,6 +21,22 @@ struct BlockMask {
   }
   FLASHDL_HD bool visible(int64_t i, int64_t j) const { return block(i / block_q, j / block_k); }
 
+  // Whether a set block covers query row i for some key of [j0, j1), or key j for some query row
+  // of [i0, i1) (in-range indices, non-empty ranges). A row or key no set block covers is not
+  // loaded: the CUDA kernels zero-fill it, so a NaN there cannot reach a product as 0 * NaN.
+  FLASHDL_HD bool row_any(int64_t i, int64_t j0, int64_t j1) const {
+    if (blocks == nullptr) return true;
+    for (int64_t kb = j0 / block_k; kb <= (j1 - 1) / block_k; ++kb)
+      if (block(i / block_q, kb)) return true;
+    return false;
+  }
+  FLASHDL_HD bool col_any(int64_t j, int64_t i0, int64_t i1) const {
+    if (blocks == nullptr) return true;
+    for (int64_t qb = i0 / block_q; qb <= (i1 - 1) / block_q; ++qb)
+      if (block(qb, j / block_k)) return true;
+    return false;
+  }
+
   // The blocks a tile [i0, i1) x [j0, j1) of in-range rows and keys touches (i1 <= seqlen_q,
   // j1 <= seqlen_k, both non-empty): `any` set means the tile must be computed, `all` set means
   // no element of it needs this mask. Used by the CUDA kernels, whose tiles need not line up

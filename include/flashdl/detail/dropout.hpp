@@ -17,11 +17,12 @@ struct Dropout {
   uint64_t seed = 0, offset = 0, bh = 0;
 
   FLASHDL_HD bool on() const { return p > 0.0f; }
-  FLASHDL_HD float multiplier(int64_t row, int64_t col) const {
+  FLASHDL_HD bool keep(int64_t row, int64_t col) const {
     return dropout_keep(p, seed, offset, bh, static_cast<uint64_t>(row),
-                        static_cast<uint64_t>(col))
-               ? kept_scale
-               : 0.0f;
+                        static_cast<uint64_t>(col));
+  }
+  FLASHDL_HD float multiplier(int64_t row, int64_t col) const {
+    return keep(row, col) ? kept_scale : 0.0f;
   }
 };
 
