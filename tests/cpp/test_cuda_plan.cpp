@@ -1,14 +1,18 @@
 // Host-side checks of the CUDA launch planning, runnable on any machine (no GPU, no CUDA headers):
 // the fa2 backward's tile configs, shared-memory layouts and variant choice per device limit, its
-// workspace, the fa1 forward and backward tile plans, and the block ranges the backward kernels
-// loop over (against brute force over the window mask).
+// workspace, the fa1 forward and backward tile plans, the block ranges the kernels loop over
+// (against brute force over the window mask), the block-mask tile questions (cover, rows and keys
+// to zero-fill) and the varlen sequence offsets with their clamping.
 #include <cstddef>
+#include <algorithm>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "check.hpp"
 #include "cuda/bwd_plan.hpp"
 #include "cuda/fa1_plan.hpp"
+#include "flashdl/detail/block_mask.hpp"
 #include "flashdl/detail/block_range.hpp"
 #include "flashdl/detail/sequence.hpp"
 
@@ -167,6 +171,52 @@ void test_block_ranges() {
   CHECK_EQ(fd::key_blocks_for_queries(fd::make_mask(10, 0, -1, -1), 0, 10, 4).size(), int64_t(0));
 }
 
+// The block-mask questions the CUDA kernels ask of a tile (which pairs to compute, which take the
+// unmasked path, which rows to zero-fill instead of load) against brute force over its elements.
+void test_block_mask_tiles() {
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<int> len(1, 70), blk(1, 30), tile(1, 40);
+  for (int trial = 0; trial < 300; ++trial) {
+    const int64_t sq = len(rng), sk = len(rng), bq = blk(rng), bk = blk(rng);
+    const int64_t nbq = fd::ceil_div(sq, bq), nbk = fd::ceil_div(sk, bk);
+    std::vector<uint8_t> bits(static_cast<size_t>(nbq * nbk));
+    for (auto& b : bits) b = static_cast<uint8_t>(rng() % 3 == 0);
+    fd::BlockMask m;
+    m.blocks = bits.data();
+    m.row_stride = nbk;
+    m.block_q = bq;
+    m.block_k = bk;
+    context() = "sq=" + std::to_string(sq) + " sk=" + std::to_string(sk) + " blocks=(" +
+                std::to_string(bq) + "," + std::to_string(bk) + ")";
+    const int64_t tm = tile(rng), tn = tile(rng);
+    for (int64_t i0 = 0; i0 < sq; i0 += tm)
+      for (int64_t j0 = 0; j0 < sk; j0 += tn) {
+        const int64_t i1 = std::min(i0 + tm, sq), j1 = std::min(j0 + tn, sk);
+        bool any = false, all = true;
+        for (int64_t i = i0; i < i1; ++i)
+          for (int64_t j = j0; j < j1; ++j) {
+            any = any || m.visible(i, j);
+            all = all && m.visible(i, j);
+          }
+        const fd::BlockMask::Cover c = m.cover(i0, i1, j0, j1);
+        CHECK(c.any == any);
+        CHECK(c.all == all);
+        for (int64_t i = i0; i < i1; ++i) {
+          bool row = false;
+          for (int64_t j = j0; j < j1; ++j) row = row || m.visible(i, j);
+          CHECK(m.row_any(i, j0, j1) == row);
+        }
+        for (int64_t j = j0; j < j1; ++j) {
+          bool col = false;
+          for (int64_t i = i0; i < i1; ++i) col = col || m.visible(i, j);
+          CHECK(m.col_any(j, i0, i1) == col);
+        }
+      }
+  }
+  const fd::BlockMask dense;
+  CHECK(dense.cover(0, 5, 0, 5).all && dense.row_any(3, 0, 5) && dense.col_any(3, 0, 5));
+}
+
 // Varlen offsets as the kernels read them: exact for valid offsets (strided too), clamped into the
 // arrays and the max_seqlen bounds for any others; dense calls see the whole batch entry.
 void test_sequences() {
@@ -208,5 +258,6 @@ int main() {
   run_test("cuda plan: fa1 forward and backward tiles", test_fa1_plans);
   run_test("cuda plan: block ranges vs brute force", test_block_ranges);
   run_test("cuda plan: varlen sequences and their clamping", test_sequences);
+  run_test("cuda plan: block-mask tile cover, rows and keys vs brute force", test_block_mask_tiles);
   return finish();
 }
