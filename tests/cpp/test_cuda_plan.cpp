@@ -3,8 +3,8 @@
 // workspace, the fa1 forward and backward tile plans, the block ranges the kernels loop over
 // (against brute force over the window mask), the block-mask tile questions (cover, rows and keys
 // to zero-fill) and the varlen sequence offsets with their clamping.
-#include <cstddef>
 #include <algorithm>
+#include <cstddef>
 #include <random>
 #include <string>
 #include <vector>
