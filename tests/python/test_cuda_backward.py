@@ -22,29 +22,9 @@ import flashdl
 import masked_oracle as mo
 from attn_oracle import (assert_dropout_rule, assert_rule, backward, f64, forward,
                          grad_magnitude, make, make_qkv, max_err)
-from cuda_arrays import host, torch_array
+from cuda_arrays import gpu_frameworks, host, torch_array
 
-if flashdl.info()["cuda_device_count"] == 0:
-    pytest.skip("no CUDA device: " + flashdl.info()["cuda_status"], allow_module_level=True)
-
-try:
-    import torch
-
-    if not torch.cuda.is_available():
-        torch = None
-except ImportError:
-    torch = None
-
-try:
-    import cupy
-
-    if cupy.cuda.runtime.getDeviceCount() == 0:
-        cupy = None
-except Exception:  # ImportError or cupy's CUDA errors
-    cupy = None
-
-if torch is None and cupy is None:
-    pytest.skip("neither torch.cuda nor cupy is usable", allow_module_level=True)
+torch, cupy = gpu_frameworks()
 
 needs_torch = pytest.mark.skipif(torch is None, reason="torch.cuda is not usable")
 needs_cupy = pytest.mark.skipif(cupy is None, reason="cupy is not usable")

@@ -25,21 +25,9 @@ import flashdl
 import masked_oracle as mo
 from attn_oracle import (assert_dropout_rule, assert_lse, assert_rule, backward, f64, forward,
                          grad_magnitude, make, make_qkv, max_err, visible)
-from cuda_arrays import host, torch_array
+from cuda_arrays import gpu_frameworks, host, torch_array
 
-if flashdl.info()["cuda_device_count"] == 0:
-    pytest.skip("no CUDA device: " + flashdl.info()["cuda_status"], allow_module_level=True)
-
-try:
-    import torch
-
-    if not torch.cuda.is_available():
-        torch = None
-except ImportError:
-    torch = None
-
-if torch is None:
-    pytest.skip("torch.cuda is not usable", allow_module_level=True)
+torch, _ = gpu_frameworks(need_torch=True)
 
 DTYPES = ["float16", "bfloat16"]
 SCHEDULES = ["fa1", "fa2"]
