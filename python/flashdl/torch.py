@@ -37,11 +37,13 @@ class _Attention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.opts = opts
         ctx.deterministic = deterministic
-        return out
+        # lse is returned for callers that want it (return_lse=True); no gradient flows into it.
+        ctx.mark_non_differentiable(lse)
+        return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, dout):
+    def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _attention_backward(_last_dim_contiguous(dout), q, k, v, out, lse,
                                          deterministic=ctx.deterministic, **ctx.opts)
@@ -55,7 +57,7 @@ def _torch_seed():
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, schedule="auto",
               window_size=(-1, -1), dropout_p=0.0, seed=None, offset=0, block_mask=None,
-              block_size=128, deterministic=False):
+              block_size=128, deterministic=False, return_lse=False):
     """flashdl.attention for torch tensors, differentiable with respect to q, k and v.
 
     q (batch, seqlen_q, nheads, headdim); k, v (batch, seqlen_k, nheads_kv, headdim); CPU or
@@ -73,19 +75,23 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, schedule="auto",
 
     block_mask, block_size: block-sparse attention as in flashdl.attention (a bool CPU tensor or
     NumPy array); the backward skips the same zero blocks.
+
+    return_lse=True returns (out, lse), lse float32 (batch, nheads, seqlen_q) as in
+    flashdl.attention; lse carries no gradient (it is marked non-differentiable).
     """
     if seed is None:
         seed = _torch_seed() if _dropout(dropout_p, 0, offset)[0] > 0 else 0
     dropout_p, seed, offset = _dropout(dropout_p, seed, offset)
-    return _Attention.apply(q, k, v, causal, softmax_scale, schedule, window_size, dropout_p,
-                            seed, offset, block_mask, block_size, bool(deterministic))
+    out, lse = _Attention.apply(q, k, v, causal, softmax_scale, schedule, window_size, dropout_p,
+                                seed, offset, block_mask, block_size, bool(deterministic))
+    return (out, lse) if return_lse else out
 
 
 class _AttentionVarlen(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                 softmax_scale, schedule, window_size, dropout_p, seed, offset, block_mask,
-                block_size):
+                block_size, deterministic):
         opts = dict(causal=causal, softmax_scale=softmax_scale, schedule=schedule,
                     window_size=window_size, dropout_p=dropout_p, seed=seed, offset=offset,
                     block_mask=block_mask, block_size=block_size)
@@ -94,20 +100,24 @@ class _AttentionVarlen(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         ctx.opts = opts
-        return out
+        ctx.deterministic = deterministic
+        ctx.mark_non_differentiable(lse)
+        return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, dout):
+    def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _attention_varlen_backward(_last_dim_contiguous(dout), q, k, v, out, lse,
-                                                *ctx.varlen, **ctx.opts)
-        return (dq, dk, dv) + (None,) * 13
+                                                *ctx.varlen, deterministic=ctx.deterministic,
+                                                **ctx.opts)
+        return (dq, dk, dv) + (None,) * 14
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                      causal=False, softmax_scale=None, schedule="auto", window_size=(-1, -1),
-                     dropout_p=0.0, seed=None, offset=0, block_mask=None, block_size=128):
+                     dropout_p=0.0, seed=None, offset=0, block_mask=None, block_size=128,
+                     deterministic=False, return_lse=False):
     """flashdl.attention_varlen for torch tensors, differentiable with respect to q, k and v.
 
     q (total_q, nheads, headdim); k, v (total_k, nheads_kv, headdim); cu_seqlens_q,
@@ -115,10 +125,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     its device (see flashdl.attention_varlen). With
     dropout, sequence b gets the mask dense batch b would get (flashdl.dropout_mask); with a
     block_mask, its plane b (or the shared one), blocks counted from the sequence's start.
+    deterministic and return_lse (lse (nheads, total_q), no gradient) as in attention.
     """
     if seed is None:
         seed = _torch_seed() if _dropout(dropout_p, 0, offset)[0] > 0 else 0
     dropout_p, seed, offset = _dropout(dropout_p, seed, offset)
-    return _AttentionVarlen.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                  max_seqlen_k, causal, softmax_scale, schedule, window_size,
-                                  dropout_p, seed, offset, block_mask, block_size)
+    out, lse = _AttentionVarlen.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                      max_seqlen_k, causal, softmax_scale, schedule, window_size,
+                                      dropout_p, seed, offset, block_mask, block_size,
+                                      bool(deterministic))
+    return (out, lse) if return_lse else out

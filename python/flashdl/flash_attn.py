@@ -1,0 +1,234 @@
+"""A flash-attn 2.x drop-in: `import flashdl.flash_attn as flash_attn`.
+
+flash_attn_func, flash_attn_qkvpacked_func, flash_attn_kvpacked_func, flash_attn_varlen_func,
+flash_attn_varlen_qkvpacked_func and flash_attn_varlen_kvpacked_func with flash-attn 2.x's
+signatures, defaults and return values, over flashdl.torch (autograd) on CPU or CUDA tensors.
+Same layouts as flash-attn: q (batch, seqlen, nheads, headdim), qkv (batch, seqlen, 3, nheads,
+headdim), kv (batch, seqlen, 2, nheads_k, headdim); varlen (total, nheads, headdim) with int32
+cu_seqlens. Differences from flash-attn (also in README.md, "Coming from flash-attn"):
+
+- softcap > 0, alibi_slopes and block_table (paged KV) raise NotImplementedError naming the
+  argument; flash_attn_with_kvcache is not provided.
+- softmax_lse of a query that sees no key is -inf (flashdl's contract; flash-attn gives +inf).
+- S_dmask (return_attn_probs=True) is described in _attn_probs below: the normalised attention
+  probabilities in q's dtype, (batch, nheads, seqlen_q, seqlen_k) with no rounding up of the
+  sequence lengths, dropped entries negated; an empty tensor when dropout_p == 0, as flash-attn.
+
+This module only adapts arguments: validation and every kernel are flashdl's.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from . import torch as _fdt
+from ._api import dropout_mask as _dropout_mask
+
+__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
+           "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
+           "flash_attn_varlen_kvpacked_func"]
+
+
+def _maybe_contiguous(x):
+    # flash-attn copies a tensor whose last dimension is strided; flashdl requires stride 1 there.
+    return x.contiguous() if isinstance(x, torch.Tensor) and x.stride(-1) != 1 else x
+
+
+def _unsupported(softcap, alibi_slopes, block_table=None):
+    try:
+        softcap = float(softcap)
+    except (TypeError, ValueError):
+        raise TypeError(f"softcap: expected a float, got {type(softcap).__name__}") from None
+    # flash-attn's kernel treats softcap <= 0 as off.
+    if softcap > 0:
+        raise NotImplementedError(f"softcap: softcapping is not implemented in flashdl yet "
+                                  f"(got softcap={softcap}; use 0.0)")
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes: ALiBi is not implemented in flashdl yet "
+                                  "(use alibi_slopes=None)")
+    if block_table is not None:
+        raise NotImplementedError("block_table: paged KV caches are not implemented in flashdl "
+                                  "yet (use block_table=None)")
+
+
+def _window(window_size):
+    # flash-attn's kernel treats any negative side as unbounded; flashdl takes only -1 for that.
+    # Anything that is not a pair of ints is left for flashdl's own error (naming window_size).
+    try:
+        left, right = window_size
+        return (-1 if left < -1 else left, -1 if right < -1 else right)
+    except (TypeError, ValueError):
+        return window_size
+
+
+def _seed(q, dropout_p):
+    """63 bits from the generator of q's device (torch.cuda's for CUDA tensors, the CPU one
+    otherwise), as torch's dropout draws from, so torch.manual_seed makes dropout repeatable.
+    On CUDA reading it back synchronises once: the core takes the seed as a host integer."""
+    if not isinstance(dropout_p, numbers.Real) or dropout_p <= 0:
+        return 0  # no dropout (or a bad dropout_p, which flashdl then reports)
+    device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
+    return int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64, device=device).item())
+
+
+def _visible(sq, sk, causal, window, device):
+    """(sq, sk) bool, DESIGN.md's predicate (bottom-right aligned; causal is right = 0)."""
+    left, right = window
+    if causal:
+        right = 0
+    i = torch.arange(sq, device=device)[:, None] + (sk - sq)
+    j = torch.arange(sk, device=device)[None, :]
+    ok = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if left >= 0:
+        ok &= j >= i - left
+    if right >= 0:
+        ok &= j <= i + right
+    return ok
+
+
+def _attn_probs(q, k, lse, scale, causal, window, keep):
+    """S_dmask for one dense batch: (batch, nheads, seqlen_q, seqlen_k) in q's dtype.
+
+    Entry (b, h, i, j) is the attention probability P = exp(q_i k_j * scale - lse_i) of the
+    undropped softmax (0 where key j is invisible to query i), negated where dropout dropped it:
+    the sign bit (torch.signbit) is exactly ~flashdl.dropout_mask(...) for every entry, and
+    flash-attn's tests' `S_dmask >= 0` recovers the keep-mask wherever P != 0. flash-attn's kernel
+    stores unnormalised exp(s - running max) with the same sign convention and sequence lengths
+    rounded up to 128; its tests normalise and crop it, which here is the identity.
+    Only for testing, as in flash-attn: it materialises the seqlen_q x seqlen_k matrix.
+    """
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    group = q.shape[2] // k.shape[2]
+    kk = k.to(work).repeat_interleave(group, dim=2) if group > 1 else k.to(work)
+    s = torch.einsum("bihd,bjhd->bhij", q.to(work), kk) * scale
+    vis = _visible(q.shape[1], k.shape[1], causal, window, q.device)
+    p = torch.where(vis, torch.exp(s - lse.to(work)[..., None]), torch.zeros((), dtype=work,
+                                                                            device=q.device))
+    keep = torch.as_tensor(keep, device=q.device)
+    return torch.where(keep, p, -p).to(q.dtype)
+
+
+def _empty_probs(q):
+    # flash-attn returns torch.empty(0) for S_dmask when there is no dropout.
+    return torch.empty(0, dtype=q.dtype, device=q.device)
+
+
+def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+           deterministic, return_attn_probs):
+    _unsupported(softcap, alibi_slopes)
+    q, k, v = (_maybe_contiguous(x) for x in (q, k, v))
+    window = _window(window_size)
+    seed = _seed(q, dropout_p)
+    out, lse = _fdt.attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                              window_size=window, dropout_p=dropout_p, seed=seed,
+                              deterministic=deterministic, return_lse=True)
+    if not return_attn_probs:
+        return out
+    if not dropout_p > 0:
+        return out, lse, _empty_probs(q)
+    b, sq, h, d = q.shape
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    keep = _dropout_mask(b, h, sq, k.shape[1], dropout_p, seed)
+    with torch.no_grad():
+        probs = _attn_probs(q.detach(), k.detach(), lse, scale, causal, window, keep)
+    return out, lse, probs
+
+
+def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+            softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+            return_attn_probs, block_table=None):
+    _unsupported(softcap, alibi_slopes, block_table)
+    q, k, v = (_maybe_contiguous(x) for x in (q, k, v))
+    window = _window(window_size)
+    seed = _seed(q, dropout_p)
+    out, lse = _fdt.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                     max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
+                                     window_size=window, dropout_p=dropout_p, seed=seed,
+                                     deterministic=deterministic, return_lse=True)
+    if not return_attn_probs:
+        return out
+    if not dropout_p > 0:
+        return out, lse, _empty_probs(q)
+    # Sequence b gets dense batch b's dropout mask (flashdl.attention_varlen), so its probabilities
+    # sit in the top-left corner of plane b, zeros elsewhere, as in flash-attn's layout.
+    cq, ck = (torch.as_tensor(c).tolist() for c in (cu_seqlens_q, cu_seqlens_k))
+    batch, h, d = len(cq) - 1, q.shape[1], q.shape[2]
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    keep = _dropout_mask(batch, h, max_seqlen_q, max_seqlen_k, dropout_p, seed)
+    probs = torch.zeros(batch, h, max_seqlen_q, max_seqlen_k, dtype=q.dtype, device=q.device)
+    with torch.no_grad():
+        for b in range(batch):
+            sq, sk = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
+            probs[b, :, :sq, :sk] = _attn_probs(
+                q.detach()[None, cq[b]:cq[b + 1]], k.detach()[None, ck[b]:ck[b + 1]],
+                lse[None, :, cq[b]:cq[b + 1]], scale, causal, window,
+                keep[b:b + 1, :, :sq, :sk])[0]
+    return out, lse, probs
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                    return_attn_probs=False):
+    """flash_attn.flash_attn_func: q (batch, seqlen_q, nheads, headdim); k, v (batch, seqlen_k,
+    nheads_k, headdim), nheads a multiple of nheads_k (MQA/GQA). Causal and windows are
+    bottom-right aligned. Returns out (batch, seqlen_q, nheads, headdim), or with
+    return_attn_probs=True (out, softmax_lse float32 (batch, nheads, seqlen_q), S_dmask)."""
+    return _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                  deterministic, return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
+                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                              deterministic=False, return_attn_probs=False):
+    """flash_attn.flash_attn_qkvpacked_func: qkv (batch, seqlen, 3, nheads, headdim); the
+    gradient flows back into qkv. Returns as flash_attn_func."""
+    return _dense(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal,
+                  window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                             deterministic=False, return_attn_probs=False):
+    """flash_attn.flash_attn_kvpacked_func: q (batch, seqlen_q, nheads, headdim); kv (batch,
+    seqlen_k, 2, nheads_k, headdim). Returns as flash_attn_func."""
+    return _dense(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size,
+                  softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, deterministic=False,
+                           return_attn_probs=False, block_table=None):
+    """flash_attn.flash_attn_varlen_func: q (total_q, nheads, headdim); k, v (total_k, nheads_k,
+    headdim); cu_seqlens_q, cu_seqlens_k int32 (batch + 1,) (CPU, or on q's CUDA device).
+    Returns out (total_q, nheads, headdim), or with return_attn_probs=True (out, softmax_lse
+    float32 (nheads, total_q), S_dmask (batch, nheads, max_seqlen_q, max_seqlen_k))."""
+    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                   return_attn_probs, block_table)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
+                                     softmax_scale=None, causal=False, window_size=(-1, -1),
+                                     softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """flash_attn.flash_attn_varlen_qkvpacked_func: qkv (total, 3, nheads, headdim), one
+    cu_seqlens and max_seqlen for queries and keys. Returns as flash_attn_varlen_func."""
+    return _varlen(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen,
+                   max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap,
+                   alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+                                    causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False,
+                                    return_attn_probs=False):
+    """flash_attn.flash_attn_varlen_kvpacked_func: q (total_q, nheads, headdim); kv (total_k, 2,
+    nheads_k, headdim). Returns as flash_attn_varlen_func."""
+    return _varlen(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                   max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
+                   alibi_slopes, deterministic, return_attn_probs)

@@ -1,0 +1,337 @@
+"""flashdl.flash_attn, the flash-attn 2.x drop-in: flash-attn's signatures; every function against
+the float64 oracle (forward, lse, autograd gradients, float32 and bfloat16); packed layouts equal
+the unpacked call; varlen equals each sequence alone; return_attn_probs (shapes, dtypes, lse, and
+the dropout keep-mask recovered from S_dmask equals flashdl.dropout_mask); windows below -1;
+strided last dimensions; NotImplementedError for softcap, alibi_slopes and block_table."""
+
+import inspect
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import flashdl  # noqa: E402
+import flashdl.torch  # noqa: E402
+import flashdl.flash_attn as flash_attn  # noqa: E402
+import masked_oracle  # noqa: E402
+from attn_oracle import (assert_lse, assert_rule, backward, forward, fwd_ulps,  # noqa: E402
+                         grad_magnitude, grad_ulps, visible)
+
+COMMON = [("dropout_p", 0.0), ("softmax_scale", None), ("causal", False),
+          ("window_size", (-1, -1)), ("softcap", 0.0), ("alibi_slopes", None),
+          ("deterministic", False), ("return_attn_probs", False)]
+# flash-attn 2.x's flash_attn_interface.py: (positional arguments, defaulted arguments).
+SIGNATURES = {
+    "flash_attn_func": (["q", "k", "v"], COMMON),
+    "flash_attn_qkvpacked_func": (["qkv"], COMMON),
+    "flash_attn_kvpacked_func": (["q", "kv"], COMMON),
+    "flash_attn_varlen_func": (["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
+                                "max_seqlen_k"], COMMON + [("block_table", None)]),
+    "flash_attn_varlen_qkvpacked_func": (["qkv", "cu_seqlens", "max_seqlen"], COMMON),
+    "flash_attn_varlen_kvpacked_func": (["q", "kv", "cu_seqlens_q", "cu_seqlens_k",
+                                         "max_seqlen_q", "max_seqlen_k"], COMMON),
+}
+
+
+def randn(*shape, dtype=torch.float32, seed=0, grad=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+    return x.requires_grad_(grad)
+
+
+def qkv_of(b, sq, sk, h, hk, d, dtype=torch.float32, grad=False):
+    return (randn(b, sq, h, d, dtype=dtype, seed=1, grad=grad),
+            randn(b, sk, hk, d, dtype=dtype, seed=2, grad=grad),
+            randn(b, sk, hk, d, dtype=dtype, seed=3, grad=grad))
+
+
+def np64(*xs):
+    return [x.detach().double().numpy() for x in xs]
+
+
+def grads(fn, leaves, w):
+    for x in leaves:
+        x.grad = None
+    (fn() * w).sum().backward()
+    return [x.grad.clone() for x in leaves]
+
+
+def test_signatures_match_flash_attn():
+    for name, (positional, defaulted) in SIGNATURES.items():
+        params = list(inspect.signature(getattr(flash_attn, name)).parameters.values())
+        assert [p.name for p in params] == positional + [n for n, _ in defaulted], name
+        assert all(p.default is inspect.Parameter.empty for p in params[:len(positional)])
+        assert [p.default for p in params[len(positional):]] == [v for _, v in defaulted], name
+
+
+def test_import_flashdl_does_not_import_torch_or_the_dropin():
+    code = "import sys, flashdl; print('torch' in sys.modules, 'flashdl.flash_attn' in sys.modules)"
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert got.stdout.split() == ["False", "False"]
+
+
+SHAPES = [(2, 13, 21, 4, 4, 32), (1, 17, 9, 6, 2, 16), (2, 19, 19, 4, 1, 64)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (5, 2))])
+def test_func_matches_oracle(shape, causal, window):
+    b, sq, sk, h, hk, d = shape
+    leaves = qkv_of(b, sq, sk, h, hk, d, grad=True)
+    w = randn(b, sq, h, d, seed=9)
+    out, lse, s_dmask = flash_attn.flash_attn_func(*leaves, causal=causal, window_size=window,
+                                                   return_attn_probs=True)
+    assert out.dtype == torch.float32 and out.shape == (b, sq, h, d)
+    assert lse.dtype == torch.float32 and lse.shape == (b, h, sq)
+    assert s_dmask.numel() == 0  # flash-attn returns an empty S_dmask without dropout
+    q, k, v = np64(*leaves)
+    o_ref, lse_ref = forward(q, k, v, causal=causal, window=window)
+    o_low, _ = forward(q, k, v, causal=causal, window=window, dtype="float32", exact=False)
+    assert_rule(out.detach().numpy(), o_ref, o_low, "float32", ulps=fwd_ulps("float32", q, k))
+    assert_lse(lse.numpy(), lse_ref)
+
+    got = grads(lambda: flash_attn.flash_attn_func(*leaves, causal=causal, window_size=window),
+                leaves, w)
+    dout = w.double().numpy()
+    exact = backward(dout, q, k, v, causal=causal, window=window)
+    naive = backward(dout, q, k, v, causal=causal, window=window, dtype="float32", exact=False)
+    mag = grad_magnitude(exact)
+    for g, e, n, u, name in zip(got, exact, naive, grad_ulps("float32", q, k), "qkv"):
+        assert_rule(g.numpy(), e, n, "float32", what=f"d{name}", ulps=u, magnitude=mag, grad=True)
+
+
+def test_bfloat16_matches_oracle():
+    leaves = qkv_of(2, 24, 24, 4, 2, 32, dtype=torch.bfloat16, grad=True)
+    out = flash_attn.flash_attn_func(*leaves, causal=True)
+    assert out.dtype == torch.bfloat16
+    q, k, v = np64(*leaves)
+    o_ref, _ = forward(q, k, v, causal=True)
+    o_low, _ = forward(q, k, v, causal=True, dtype="bfloat16", exact=False)
+    assert_rule(out.detach().double().numpy(), o_ref, o_low, "bfloat16")
+    w = randn(*out.shape, dtype=torch.bfloat16, seed=9)
+    got = grads(lambda: flash_attn.flash_attn_func(*leaves, causal=True), leaves, w)
+    dout = w.double().numpy()
+    exact = backward(dout, q, k, v, causal=True)
+    naive = backward(dout, q, k, v, causal=True, dtype="bfloat16", exact=False)
+    mag = grad_magnitude(exact)
+    for g, e, n, name in zip(got, exact, naive, "qkv"):
+        assert_rule(g.double().numpy(), e, n, "bfloat16", what=f"d{name}", magnitude=mag,
+                    grad=True)
+
+
+def test_empty_rows_get_lse_minus_inf():
+    # seqlen_q > seqlen_k with causal: the first rows see no key. flash-attn's kernel gives +inf
+    # there; flashdl's contract (and this drop-in) gives -inf, with out 0.
+    q, k, v = qkv_of(1, 6, 3, 2, 2, 8)
+    out, lse, _ = flash_attn.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert torch.isneginf(lse[:, :, :3]).all() and torch.isfinite(lse[:, :, 3:]).all()
+    assert (out[:, :3] == 0).all()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_equal_unpacked_forward_and_backward(causal):
+    b, s, h, d = 2, 11, 4, 16
+    qkv = randn(b, s, 3, h, d, seed=4, grad=True)
+    kv = randn(b, s, 2, 2, d, seed=5, grad=True)
+    q = randn(b, s, h, d, seed=6, grad=True)
+    w = randn(b, s, h, d, seed=9)
+    ref = flash_attn.flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=causal)
+    assert torch.equal(flash_attn.flash_attn_qkvpacked_func(qkv, causal=causal), ref)
+    (dqkv,) = grads(lambda: flash_attn.flash_attn_qkvpacked_func(qkv, causal=causal), [qkv], w)
+    parts = [x.detach().clone().requires_grad_() for x in qkv.unbind(2)]
+    sep = grads(lambda: flash_attn.flash_attn_func(*parts, causal=causal), parts, w)
+    assert torch.equal(dqkv, torch.stack(sep, dim=2))
+
+    ref = flash_attn.flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], causal=causal)
+    assert torch.equal(flash_attn.flash_attn_kvpacked_func(q, kv, causal=causal), ref)
+    dq, dkv = grads(lambda: flash_attn.flash_attn_kvpacked_func(q, kv, causal=causal), [q, kv], w)
+    parts = [q.detach().clone().requires_grad_()] + [
+        x.detach().clone().requires_grad_() for x in kv.unbind(2)]
+    sep = grads(lambda: flash_attn.flash_attn_func(*parts, causal=causal), parts, w)
+    assert torch.equal(dq, sep[0]) and torch.equal(dkv, torch.stack(sep[1:], dim=2))
+
+
+LENS = [(5, 5), (9, 13), (1, 1), (17, 6), (0, 4)]
+
+
+def cu(lengths):
+    return torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+
+
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (3, 1))])
+def test_varlen_equals_each_sequence_alone(causal, window):
+    h, hk, d = 4, 2, 16
+    sq, sk = [a for a, _ in LENS], [b for _, b in LENS]
+    q = randn(sum(sq), h, d, seed=1, grad=True)
+    k, v = (randn(sum(sk), hk, d, seed=s, grad=True) for s in (2, 3))
+    cq, ck = cu(sq), cu(sk)
+    opts = dict(causal=causal, window_size=window)
+    out, lse, _ = flash_attn.flash_attn_varlen_func(q, k, v, cq, ck, max(sq), max(sk),
+                                                    return_attn_probs=True, **opts)
+    assert out.shape == q.shape and lse.shape == (h, sum(sq)) and lse.dtype == torch.float32
+    w = randn(*q.shape, seed=9)
+    dq, dk, dv = grads(lambda: flash_attn.flash_attn_varlen_func(q, k, v, cq, ck, max(sq),
+                                                                 max(sk), **opts), [q, k, v], w)
+    for b in range(len(LENS)):
+        rq, rk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        one = [x.detach()[r][None].clone().requires_grad_() for x, r in ((q, rq), (k, rk),
+                                                                          (v, rk))]
+        o1, l1, _ = flash_attn.flash_attn_func(*one, return_attn_probs=True, **opts)
+        torch.testing.assert_close(out[rq], o1[0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(lse[:, rq], l1[0], rtol=1e-6, atol=1e-6)
+        if sq[b]:
+            g1 = grads(lambda: flash_attn.flash_attn_func(*one, **opts), one, w[rq][None])
+            for g, ref in zip((dq[rq], dk[rk], dv[rk]), g1):
+                torch.testing.assert_close(g, ref[0], rtol=1e-5, atol=1e-6)
+
+
+def test_varlen_packed_equal_unpacked():
+    s, h, d = [7, 12, 3], 4, 16
+    c, total = cu(s), sum(s)
+    qkv = randn(total, 3, h, d, seed=4, grad=True)
+    w = randn(total, h, d, seed=9)
+    ref = flash_attn.flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], c, c, max(s), max(s),
+                                            causal=True)
+    got = flash_attn.flash_attn_varlen_qkvpacked_func(qkv, c, max(s), causal=True)
+    assert torch.equal(got, ref)
+    (dqkv,) = grads(lambda: flash_attn.flash_attn_varlen_qkvpacked_func(qkv, c, max(s),
+                                                                        causal=True), [qkv], w)
+    parts = [x.detach().clone().requires_grad_() for x in qkv.unbind(1)]
+    sep = grads(lambda: flash_attn.flash_attn_varlen_func(*parts, c, c, max(s), max(s),
+                                                          causal=True), parts, w)
+    assert torch.equal(dqkv, torch.stack(sep, dim=1))
+
+    q, kv = randn(total, h, d, seed=5, grad=True), randn(total, 2, 2, d, seed=6, grad=True)
+    ref = flash_attn.flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], c, c, max(s), max(s))
+    assert torch.equal(flash_attn.flash_attn_varlen_kvpacked_func(q, kv, c, c, max(s), max(s)),
+                       ref)
+    dq, dkv = grads(lambda: flash_attn.flash_attn_varlen_kvpacked_func(q, kv, c, c, max(s),
+                                                                       max(s)), [q, kv], w)
+    parts = [q.detach().clone().requires_grad_()] + [
+        x.detach().clone().requires_grad_() for x in kv.unbind(1)]
+    sep = grads(lambda: flash_attn.flash_attn_varlen_func(*parts, c, c, max(s), max(s)), parts, w)
+    assert torch.equal(dq, sep[0]) and torch.equal(dkv, torch.stack(sep[1:], dim=1))
+
+
+def probs_oracle(q, k, causal, window):
+    """The undropped attention probabilities (b, h, sq, sk) in float64."""
+    vis = visible(q.shape[1], k.shape[1], causal, window)
+    q, k = masked_oracle._heads(q), masked_oracle._heads(k, q.shape[2] // k.shape[2])
+    return masked_oracle._probs(q, k, vis, 1.0 / np.sqrt(q.shape[-1]))[0]
+
+
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (4, -1))])
+def test_dropout_mask_recovered_from_s_dmask(causal, window):
+    b, sq, sk, h, hk, d, p = 2, 15, 19, 4, 2, 16, 0.3
+    leaves = qkv_of(b, sq, sk, h, hk, d, grad=True)
+    torch.manual_seed(123)
+    out, lse, s_dmask = flash_attn.flash_attn_func(*leaves, dropout_p=p, causal=causal,
+                                                   window_size=window, return_attn_probs=True)
+    assert s_dmask.shape == (b, h, sq, sk) and s_dmask.dtype == torch.float32
+    # The seed came from torch's generator: the same torch seed gives the same dropout.
+    torch.manual_seed(123)
+    seed = int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64).item())
+    keep = flashdl.dropout_mask(b, h, sq, sk, p, seed)
+    assert np.array_equal(torch.signbit(s_dmask).numpy(), ~keep)
+    nonzero = (s_dmask != 0).numpy()
+    assert np.array_equal((s_dmask >= 0).numpy()[nonzero], keep[nonzero])  # flash-attn's tests'
+    q, k, v = np64(*leaves)
+    vis = visible(sq, sk, causal, window)
+    np.testing.assert_allclose(s_dmask.abs().numpy(), probs_oracle(q, k, causal, window),
+                               rtol=1e-5, atol=1e-6)
+    o_ref, lse_ref = masked_oracle.forward(q, k, v, vis, keep, p)
+    masked_oracle.close(out.detach().numpy(), o_ref, 1e-5, "out")
+    assert_lse(lse.numpy(), lse_ref)
+
+    w = randn(b, sq, h, d, seed=9)
+    torch.manual_seed(123)
+    got = grads(lambda: flash_attn.flash_attn_func(*leaves, dropout_p=p, causal=causal,
+                                                   window_size=window), leaves, w)
+    exact = masked_oracle.backward(w.double().numpy(), q, k, v, vis, keep, p)
+    mag = grad_magnitude(exact)
+    for g, e, name in zip(got, exact, "qkv"):
+        masked_oracle.close(g.numpy(), e, 1e-4, f"d{name}", magnitude=mag)
+
+
+def test_varlen_dropout_s_dmask():
+    h, d, p = 2, 8, 0.25
+    sq, sk = [4, 9, 1], [6, 3, 5]
+    q, k, v = randn(sum(sq), h, d, seed=1), randn(sum(sk), h, d, seed=2), randn(sum(sk), h, d,
+                                                                               seed=3)
+    cq, ck = cu(sq), cu(sk)
+    torch.manual_seed(7)
+    out, lse, s_dmask = flash_attn.flash_attn_varlen_func(q, k, v, cq, ck, max(sq), max(sk),
+                                                          dropout_p=p, causal=True,
+                                                          return_attn_probs=True)
+    assert s_dmask.shape == (3, h, max(sq), max(sk)) and lse.shape == (h, sum(sq))
+    torch.manual_seed(7)
+    seed = int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64).item())
+    keep = flashdl.dropout_mask(3, h, max(sq), max(sk), p, seed)
+    for b in range(3):
+        plane = s_dmask[b, :, :sq[b], :sk[b]]
+        assert np.array_equal(torch.signbit(plane).numpy(), ~keep[b, :, :sq[b], :sk[b]])
+        q1, k1 = np64(q[cq[b]:cq[b + 1]][None], k[ck[b]:ck[b + 1]][None])
+        np.testing.assert_allclose(plane.abs().numpy(), probs_oracle(q1, k1, True, (-1, -1))[0],
+                                   rtol=1e-5, atol=1e-6)
+        rest = s_dmask[b].clone()
+        rest[:, :sq[b], :sk[b]] = 0
+        assert (rest == 0).all()
+
+
+def test_window_below_minus_one_is_unbounded():
+    q, k, v = qkv_of(1, 9, 12, 2, 2, 8)
+    for window, same in [((-5, -2), (-1, -1)), ((-3, 2), (-1, 2)), ((3, -100), (3, -1))]:
+        assert torch.equal(flash_attn.flash_attn_func(q, k, v, window_size=window),
+                           flash_attn.flash_attn_func(q, k, v, window_size=same))
+
+
+def test_strided_last_dim_is_copied():
+    q, k, v = qkv_of(2, 7, 7, 2, 2, 8)
+    wide = [torch.stack([x, torch.zeros_like(x)], dim=-1) for x in (q, k, v)]
+    strided = [x[..., 0] for x in wide]  # last-dimension stride 2
+    assert strided[0].stride(-1) == 2
+    assert torch.equal(flash_attn.flash_attn_func(*strided, causal=True),
+                       flash_attn.flash_attn_func(q, k, v, causal=True))
+    leaves = [x.clone().requires_grad_() for x in strided]
+    out = flash_attn.flash_attn_func(*[x[..., None].expand(*x.shape, 2)[..., 0] for x in leaves])
+    out.sum().backward()
+    assert all(x.grad is not None and x.grad.shape == x.shape for x in leaves)
+
+
+def test_unsupported_arguments_raise_naming_them():
+    q, k, v = qkv_of(1, 4, 4, 2, 2, 8)
+    with pytest.raises(NotImplementedError, match="softcap"):
+        flash_attn.flash_attn_func(q, k, v, softcap=30.0)
+    with pytest.raises(NotImplementedError, match="alibi_slopes"):
+        flash_attn.flash_attn_func(q, k, v, alibi_slopes=torch.ones(2))
+    qkv = torch.stack([q, k, v], dim=2)
+    with pytest.raises(NotImplementedError, match="alibi_slopes"):
+        flash_attn.flash_attn_qkvpacked_func(qkv, alibi_slopes=torch.ones(2))
+    c = cu([4])
+    with pytest.raises(NotImplementedError, match="softcap"):
+        flash_attn.flash_attn_varlen_func(q[0], k[0], v[0], c, c, 4, 4, softcap=1.0)
+    with pytest.raises(NotImplementedError, match="block_table"):
+        flash_attn.flash_attn_varlen_func(q[0], k[0], v[0], c, c, 4, 4,
+                                          block_table=torch.zeros(1, 1, dtype=torch.int32))
+    # Everything else is flashdl's own validation, which names the argument.
+    with pytest.raises(ValueError, match="dropout_p"):
+        flash_attn.flash_attn_func(q, k, v, dropout_p=1.5)
+    with pytest.raises((ValueError, TypeError), match="k"):
+        flash_attn.flash_attn_func(q, k[..., :4], v)
+
+
+def test_torch_return_lse_carries_no_gradient():
+    leaves = qkv_of(1, 5, 6, 2, 1, 8, grad=True)
+    out, lse = flashdl.torch.attention(*leaves, return_lse=True)
+    assert not lse.requires_grad and torch.equal(out, flashdl.torch.attention(*leaves))
+    (out.sum() + lse.sum()).backward()  # lse in the graph adds nothing to the gradients
+    with_lse = [x.grad.clone() for x in leaves]
+    assert all(torch.equal(g, r) for g, r in
+               zip(with_lse, grads(lambda: flashdl.torch.attention(*leaves), leaves, 1.0)))
+    c = cu([5])
+    out, lse = flashdl.torch.attention_varlen(*(x[0] for x in leaves), c, cu([6]), 5, 6,
+                                              return_lse=True, deterministic=True)
+    assert lse.shape == (2, 5) and not lse.requires_grad
