@@ -108,13 +108,16 @@ void fa2_forward_impl(const Params& p, int threads) {
 // at row tile_row(g, qt) (blocks.inl).
 template <typename T>
 struct BackwardInputs {
-  std::vector<T> Q, dO, L2, D;
+  // Left uninitialised on allocation: every tile's rows, padding included, are written once by
+  // prepare_backward_inputs (zero-filling them first doubled the memory traffic, which dominated
+  // long-query, few-key backward passes; benchmarks/results/cpu_tuning.md).
+  std::unique_ptr<T[]> Q, dO, L2, D;
   int64_t rows_alloc;
 
-  T* q(int64_t bh, int64_t i) { return Q.data() + (bh * rows_alloc + i) * dp_; }
-  T* dout(int64_t bh, int64_t i) { return dO.data() + (bh * rows_alloc + i) * dp_; }
-  T* l2(int64_t bh, int64_t i) { return L2.data() + bh * rows_alloc + i; }
-  T* d(int64_t bh, int64_t i) { return D.data() + bh * rows_alloc + i; }
+  T* q(int64_t bh, int64_t i) { return Q.get() + (bh * rows_alloc + i) * dp_; }
+  T* dout(int64_t bh, int64_t i) { return dO.get() + (bh * rows_alloc + i) * dp_; }
+  T* l2(int64_t bh, int64_t i) { return L2.get() + bh * rows_alloc + i; }
+  T* d(int64_t bh, int64_t i) { return D.get() + bh * rows_alloc + i; }
   int64_t dp_ = 0;
 };
 
@@ -123,26 +126,30 @@ void prepare_backward_inputs(const Params& p, const Geometry<T>& g, int threads,
                              BackwardInputs<T>& in) {
   in.dp_ = g.dp;
   in.rows_alloc = padded_rows(g);
-  const int64_t nbh = p.batch * p.nheads;
-  in.Q.assign(static_cast<size_t>(nbh * in.rows_alloc * g.dp), T(0));
-  in.dO.assign(in.Q.size(), T(0));
-  in.L2.assign(static_cast<size_t>(nbh * in.rows_alloc), T(0));
-  in.D.assign(in.L2.size(), T(0));
-  parallel_for(nbh * g.nqb, threads, [&](int64_t begin, int64_t end, int) {
+  const auto rows_all = static_cast<size_t>(p.batch * p.nheads * in.rows_alloc);
+  in.Q.reset(new T[rows_all * static_cast<size_t>(g.dp)]);
+  in.dO.reset(new T[rows_all * static_cast<size_t>(g.dp)]);
+  in.L2.reset(new T[rows_all]);
+  in.D.reset(new T[rows_all]);
+  parallel_for(p.batch * p.nheads * g.nqb, threads, [&](int64_t begin, int64_t end, int) {
     Buffer<T> obuf;
-    T* O = obuf.get(g.dp);
+    T* O = obuf.get(g.Brp * g.dp);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / g.nqb, b = bh / p.nheads, h = bh % p.nheads, qt = task % g.nqb;
       const int64_t i0 = g.qt.start(qt), rows = g.qt.size(qt), t0 = tile_row(g, qt);
+      // Padding rows of the tile are zeros: Q = dO = 0 there makes their dS and dV terms 0.
       load_rows(element(p.q_ptr, p.dtype, q_offset(p, b, i0, h)), p.dtype, p.q_row_stride, rows,
-                g.d, in.q(bh, t0), g.dp, rows);
+                g.d, in.q(bh, t0), g.dp, g.Brp);
       load_rows(element(p.do_ptr, p.dtype, do_offset(p, b, i0, h)), p.dtype, p.do_row_stride, rows,
-                g.d, in.dout(bh, t0), g.dp, rows);
-      for (int64_t r = 0; r < rows; ++r) {
-        load_rows(element(p.o_ptr, p.dtype, o_offset(p, b, i0 + r, h)), p.dtype, 0, 1, g.d, O,
-                  g.dp, 1);
-        *in.d(bh, t0 + r) = row_dot(in.dout(bh, t0 + r), O, g.dp);
-        *in.l2(bh, t0 + r) = static_cast<T>(lse_at(p, b, h, i0 + r)) * static_cast<T>(detail::kLog2e);
+                g.d, in.dout(bh, t0), g.dp, g.Brp);
+      load_rows(element(p.o_ptr, p.dtype, o_offset(p, b, i0, h)), p.dtype, p.o_row_stride, rows,
+                g.d, O, g.dp, rows);
+      for (int64_t r = 0; r < g.Brp; ++r) {
+        const bool in_tile = r < rows;
+        *in.d(bh, t0 + r) = in_tile ? row_dot(in.dout(bh, t0 + r), O + r * g.dp, g.dp) : T(0);
+        *in.l2(bh, t0 + r) =
+            in_tile ? static_cast<T>(lse_at(p, b, h, i0 + r)) * static_cast<T>(detail::kLog2e)
+                    : T(0);
       }
     }
   });
