@@ -60,7 +60,7 @@ void dropout_mask(const TensorView& mask_out, double p, uint64_t seed, uint64_t 
   // The same rounding and range check as Options.dropout_p in forward() and backward().
   const float pf = static_cast<float>(p);
   if (!(pf >= 0.0f && pf < 1.0f))
-    fail(ErrorKind::value, "dropout_p: expected a probability in [0, 1), got " + std::to_string(p));
+    fail(ErrorKind::value, "dropout_p: expected a probability in [0, 1), got " + num_str(p));
   if (offset >= (uint64_t{1} << 32))
     fail(ErrorKind::value, "offset: expected a dropout stream offset below 2^32, got " +
                                std::to_string(offset));

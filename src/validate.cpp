@@ -2,6 +2,7 @@
 #include "validate.hpp"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <sstream>
 #include <string>
@@ -51,6 +52,19 @@ std::string shape_str(std::initializer_list<int64_t> shape) {
   for (int64_t s : shape) t.shape[i++] = s;
   return shape_str(t);
 }
+
+// std::to_chars without a precision writes the shortest text that reads back to the same value,
+// so a dropout_p of 1.5 prints as "1.5" (std::to_string gives "1.500000", and 1e-9 as "0.000000").
+// A float prints as the shortest float text: the 0.3 a caller wrote, not 0.300000012.
+template <typename T>
+static std::string shortest(T x) {
+  char buf[64];
+  const auto r = std::to_chars(buf, buf + sizeof buf, x);
+  return std::string(buf, r.ptr);
+}
+
+std::string num_str(double x) { return shortest(x); }
+std::string num_str(float x) { return shortest(x); }
 
 [[noreturn]] void fail(ErrorKind kind, const std::string& msg) { throw Error(kind, msg); }
 
@@ -176,14 +190,14 @@ Shapes check_attention_args(const TensorView& q, const TensorView& k, const Tens
 
   if (!std::isnan(o.softmax_scale) && !std::isfinite(o.softmax_scale))
     fail(ErrorKind::value, "softmax_scale: expected a finite number or None, got " +
-                               std::to_string(o.softmax_scale));
+                               num_str(o.softmax_scale));
   if (o.window_left < -1 || o.window_right < -1)
     fail(ErrorKind::value, "window_size: expected (left, right) with each >= 0 or -1 for "
                            "unbounded, got (" + std::to_string(o.window_left) + ", " +
                                std::to_string(o.window_right) + ")");
   if (!(o.dropout_p >= 0.0f && o.dropout_p < 1.0f))
     fail(ErrorKind::value, "dropout_p: expected a probability in [0, 1), got " +
-                               std::to_string(o.dropout_p));
+                               num_str(o.dropout_p));
   if (o.offset >= (uint64_t{1} << 32))
     fail(ErrorKind::value, "offset: expected a dropout stream offset below 2^32, got " +
                                std::to_string(o.offset));

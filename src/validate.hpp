@@ -16,6 +16,9 @@ struct Shapes {
 };
 
 [[noreturn]] void fail(ErrorKind kind, const std::string& msg);
+// A number in an error message as the caller wrote it: the shortest text that reads back exactly.
+std::string num_str(double x);
+std::string num_str(float x);
 std::string shape_str(const TensorView& t);
 std::string shape_str(std::initializer_list<int64_t> shape);
 

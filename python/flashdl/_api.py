@@ -114,7 +114,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, schedule="auto", ret
     softmax_scale defaults to 1/sqrt(headdim). schedule: 'auto', 'fa1', 'fa2' or 'reference'
     (naive float64, the test oracle). window_size=(left, right) limits the visible keys: key j
     is visible to query i iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q +
-    right, -1 for unbounded on that side (causal is (left, 0)).
+    right, -1 for unbounded on that side. causal=True is the window (-1, 0): no bound on the
+    left, and no key past the bottom-right diagonal j = i + seqlen_k - seqlen_q; causal with a
+    window (left, right) keeps that left bound and sets right to 0.
 
     Dropout: dropout_p in [0, 1) drops each attention probability independently and scales the
     kept ones by 1 / (1 - dropout_p). The mask is a counter-based (Philox) function of
@@ -139,6 +141,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, schedule="auto", ret
     was given), which the backward needs: (out, seed) or (out, lse, seed).
     """
     frame = Frame({"q": q, "k": k, "v": v}, _FLOATS_FWD)
+    frame.refuse_autograd({"q": q, "k": k, "v": v}, "flashdl.attention",
+                          "flashdl.torch.attention")
     opts = _options(causal, softmax_scale, schedule, window_size, frame)
     opts.update(_block_sparse(block_mask, block_size))
     dropout_p, seed, offset = _dropout(dropout_p, seed, offset)
@@ -269,6 +273,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     Returns out (like q); (out, lse) with return_lse=True, lse float32 (nheads, total_q).
     """
     frame = Frame({"q": q, "k": k, "v": v}, _FLOATS_FWD)
+    frame.refuse_autograd({"q": q, "k": k, "v": v}, "flashdl.attention_varlen",
+                          "flashdl.torch.attention_varlen")
     opts = _options(causal, softmax_scale, schedule, window_size, frame)
     dropout_p, seed, offset = _dropout(dropout_p, seed, offset)
     cu_q, cu_k = _cu_seqlens("cu_seqlens_q", cu_seqlens_q), _cu_seqlens("cu_seqlens_k",

@@ -111,6 +111,20 @@ class Frame:
         return 0
 
     # ---- inputs -----------------------------------------------------------------------------
+    def refuse_autograd(self, arrays: dict, api: str, instead: str):
+        """ValueError naming the first torch tensor that requires grad while grad mode is on: the
+        NumPy-level API returns plain tensors, so the caller's graph would silently end there.
+        flashdl.torch's autograd Functions call the same API with grad mode off (torch disables
+        it inside Function.forward), so they pass."""
+        if self.kind != "torch" or not sys.modules["torch"].is_grad_enabled():
+            return
+        for name, x in arrays.items():
+            if x.requires_grad:
+                raise ValueError(
+                    f"{name}: a tensor that requires grad was given to {api}, whose result has no "
+                    f"autograd history (gradients would silently stop there); use {instead} for "
+                    f"autograd, or pass {name}.detach() or call it under torch.no_grad()")
+
     def export(self, x):
         """What the extension receives for an input: an object it can read over DLPack."""
         if self.kind == "torch" and x.requires_grad:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import torch
 
+from . import _sdpa
 from ._api import _dropout
 from ._api import attention as _attention
 from ._api import attention_backward as _attention_backward
 from ._api import attention_varlen as _attention_varlen
 from ._api import attention_varlen_backward as _attention_varlen_backward
 
-__all__ = ["attention", "attention_varlen"]
+__all__ = ["attention", "attention_varlen", "scaled_dot_product_attention"]
 
 
 def _last_dim_contiguous(dout):
@@ -135,3 +136,45 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                                       dropout_p, seed, offset, block_mask, block_size,
                                       bool(deterministic))
     return (out, lse) if return_lse else out
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, *, scale=None, enable_gqa=False):
+    """torch.nn.functional.scaled_dot_product_attention computed by flashdl (autograd included).
+
+    PyTorch's signature and layout: query (batch, heads, seq_q, dim), key and value
+    (batch, heads_kv, seq_k, dim) (or rank 3, (batch, seq, dim)); returns (batch, heads, seq_q,
+    dim) as a view of flashdl's (batch, seq_q, heads, dim) output. The inputs reach flashdl as
+    transposed views, not copies (a strided last dimension is copied, as flashdl needs stride 1
+    there).
+
+    is_causal is PyTorch's TOP-LEFT alignment (key j visible to query i iff j <= i), unlike
+    flashdl.torch.attention's bottom-right causal; the two agree when seq_q == seq_k.
+    enable_gqa=True allows heads_kv dividing heads (query head h reads kv head
+    h // (heads // heads_kv)); with False the heads must be equal, or heads_kv 1 (torch
+    broadcasts it). scale None is 1/sqrt(dim). attn_mask: None or an all-True bool mask
+    (float masks and other bool masks raise NotImplementedError). dropout_p > 0 uses flashdl's
+    Philox dropout with a seed drawn from torch's CPU generator (torch.manual_seed repeats it):
+    the same distribution as torch's dropout, but not the same mask as torch's RNG stream would
+    give. Value's head dim must equal query's.
+    """
+    _sdpa.check_layout(query, key, value, enable_gqa)
+    rank3 = query.dim() == 3
+    seq = 1 if rank3 else 2  # the seq axis in PyTorch's layout
+    sq, sk = query.shape[seq], key.shape[seq]
+    shape = (query.shape[0], sq, sk) if rank3 else (query.shape[0], query.shape[1], sq, sk)
+    _sdpa.check_mask(attn_mask, shape)
+    keep, causal, window = _sdpa.causal_args(is_causal, sq, sk)
+
+    def flashdl_layout(x, n):
+        x = x.narrow(seq, 0, n)  # a view; only top-left causal with sq < sk drops keys
+        x = x.unsqueeze(2) if rank3 else x.transpose(1, 2)
+        return x.contiguous() if x.shape[-1] > 1 and x.stride(-1) != 1 else x
+
+    try:
+        out = attention(flashdl_layout(query, sq), flashdl_layout(key, keep),
+                        flashdl_layout(value, keep), causal=causal, softmax_scale=scale,
+                        window_size=window, dropout_p=dropout_p)
+    except (ValueError, TypeError) as err:
+        raise _sdpa.renamed(err) from None
+    return out.squeeze(2) if rank3 else out.transpose(1, 2)

@@ -24,7 +24,13 @@ int device_count(std::string* status) {
   int n = 0;
   const cudaError_t err = cudaGetDeviceCount(&n);
   if (err != cudaSuccess) {
-    if (status) *status = std::string("no usable GPU: ") + cudaGetErrorString(err);
+    // With no driver the static runtime reports "CUDA driver version is insufficient for CUDA
+    // runtime version", which reads like a version mismatch; say what it means on such machines.
+    const char* what = err == cudaErrorNoDevice ? "no NVIDIA GPU found"
+                       : err == cudaErrorInsufficientDriver
+                           ? "no NVIDIA driver found, or one older than this build's CUDA runtime"
+                           : "no usable GPU";
+    if (status) *status = std::string(what) + " (" + cudaGetErrorString(err) + ")";
     cudaGetLastError();  // clear the sticky error so later calls start clean
     return 0;
   }

@@ -120,6 +120,32 @@ void test_options() {
   CHECK(flashdl::parse_schedule("reference") == flashdl::Schedule::reference);
 }
 
+// Numbers in messages read as the caller wrote them (shortest round trip), not std::to_string's
+// fixed six decimals ("1.500000", and "0.000000" for 1e-9).
+void test_numbers_as_written() {
+  Problem p;
+  auto message = [](const std::function<void()>& fn) {
+    try { fn(); } catch (const Error& e) { return std::string(e.what()); }
+    return std::string("no exception");
+  };
+  auto ends_with = [](const std::string& msg, const std::string& tail) {
+    context() = msg;
+    CHECK(msg.size() >= tail.size() && msg.compare(msg.size() - tail.size(), tail.size(), tail) == 0);
+  };
+  const std::pair<float, const char*> dropouts[] = {
+      {1.5f, "got 1.5"}, {-0.1f, "got -0.1"}, {1.0f, "got 1"}, {-1e-9f, "got -1e-09"}};
+  for (auto [d, tail] : dropouts) {
+    Call c(p);
+    c.o.dropout_p = d;
+    ends_with(message([&] { c.forward(); }), tail);
+  }
+  Call c(p);
+  c.o.softmax_scale = INFINITY;
+  ends_with(message([&] { c.forward(); }), "got inf");
+  Array mask(DType::boolean, {1, 1, 2, 2});
+  ends_with(message([&] { flashdl::dropout_mask(mask.view(), 2.5, 0, 0); }), "got 2.5");
+}
+
 // Arrays on a CUDA device: in a build without CUDA the call is refused as unsupported.
 void test_cuda_arrays() {
   const flashdl::BuildInfo info = flashdl::build_info();
@@ -382,6 +408,7 @@ int main() {
   run_test("validation: ranks and shapes", test_shapes_and_ranks);
   run_test("validation: dtypes, devices, strides, overlaps", test_dtypes_devices_strides);
   run_test("validation: options", test_options);
+  run_test("validation: numbers as written", test_numbers_as_written);
   run_test("validation: CUDA arrays", test_cuda_arrays);
   run_test("validation: valid and zero-length calls", test_accepted);
   run_test("validation: varlen", test_varlen);

@@ -123,6 +123,21 @@ def test_mixed_frameworks():
         DOUT, Q, K, V, OUT)), LSE)
 
 
+def test_tensors_requiring_grad():
+    """The NumPy-level API would silently cut the graph: refused, pointing to flashdl.torch; under
+    torch.no_grad (as inside flashdl.torch's own autograd Function) the same call runs."""
+    torch = pytest.importorskip("torch")
+    q, k, v = (torch.from_numpy(x) for x in (Q, K, V))
+    err = expect(ValueError, "k", flashdl.attention, q, k.requires_grad_(), v)
+    assert str(err).startswith("k: ") and "flashdl.torch.attention" in str(err)
+    with torch.no_grad():
+        flashdl.attention(q, k, v)
+    cu_q, cu_k = (torch.tensor([0, 5], dtype=torch.int32), torch.tensor([0, 7], dtype=torch.int32))
+    err = expect(ValueError, "q", flashdl.attention_varlen, q[0].requires_grad_(), k[0], v[0],
+                 cu_q, cu_k, 5, 7)
+    assert "flashdl.torch.attention_varlen" in str(err)
+
+
 @pytest.mark.parametrize("schedule", ["fa1", "fa2", "reference"])
 @pytest.mark.parametrize("b,sq,sk,h,hk", [(0, 5, 7, 4, 2), (2, 0, 7, 4, 2), (2, 5, 0, 4, 2),
                                          (2, 0, 0, 4, 2), (1, 3, 4, 0, 0)])

@@ -99,9 +99,15 @@ def test_strided_views():
         torch.testing.assert_close(g, x.grad, rtol=1e-4, atol=1e-5)
 
 
-def test_plain_api_accepts_tensors_that_require_grad():
+def test_plain_api_and_tensors_that_require_grad():
+    """flashdl.attention refuses them while grad mode is on (its result would silently cut the
+    graph; test_errors checks the message) and takes them under torch.no_grad; the backward, whose
+    gradients are explicit results, takes them either way."""
     q, k, v = (randn(1, 5, 2, 8, seed=s, requires_grad=True) for s in range(3))
-    out, lse = flashdl.attention(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match=r"^q: .*flashdl\.torch\.attention"):
+        flashdl.attention(q, k, v)
+    with torch.no_grad():
+        out, lse = flashdl.attention(q, k, v, return_lse=True)
     assert not out.requires_grad
     dq, dk, dv = flashdl.attention_backward(torch.ones_like(out), q, k, v, out, lse)
     assert dq.shape == q.shape and isinstance(dk, torch.Tensor)

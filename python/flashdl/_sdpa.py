@@ -1,0 +1,92 @@
+"""Argument mapping for flashdl.torch.scaled_dot_product_attention (PyTorch's SDPA drop-in).
+
+Only what PyTorch's semantics define and flashdl's core cannot know is decided here: the
+(batch, heads, seq, dim) layout, top-left causal alignment, enable_gqa, attn_mask. Shapes,
+dtypes, devices and the remaining options are validated by the core, whose messages name q, k, v
+and softmax_scale; _renamed maps those names back to PyTorch's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# flashdl's argument name -> PyTorch's, for the leading "name:" of a core error.
+_TORCH_NAMES = {"q": "query", "k": "key", "v": "value", "softmax_scale": "scale"}
+
+
+def check_layout(query, key, value, enable_gqa):
+    """Rank 3 (batch, seq, dim) or 4 (batch, heads, seq, dim) tensors, heads as torch allows."""
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        if x.dim() not in (3, 4) or x.dim() != query.dim():
+            raise ValueError(f"{name}: expected rank 4 (batch, heads, seq, dim) or rank 3 "
+                             f"(batch, seq, dim), the rank of query, got shape {tuple(x.shape)}")
+    if value.shape[-1] != query.shape[-1]:
+        raise NotImplementedError(
+            f"value: flashdl needs the head dim of value equal to that of query and key "
+            f"({query.shape[-1]}), got {value.shape[-1]}")
+    hq, hk = query.shape[-3], key.shape[-3]
+    if query.dim() == 3 or hq == hk:
+        return
+    if hq < hk or hq % hk != 0:
+        raise ValueError(f"key: {hk} heads do not divide the {hq} heads of query")
+    # torch broadcasts a single kv head even without enable_gqa; more need enable_gqa=True.
+    if hk != 1 and not enable_gqa:
+        raise ValueError(f"key: {hk} heads for {hq} query heads needs enable_gqa=True "
+                         f"(grouped-query attention), or as many heads as query")
+
+
+def check_mask(attn_mask, shape):
+    """None, or a bool mask flashdl computes exactly: all True (attention unmasked)."""
+    if attn_mask is None:
+        return
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask: expected None or a torch.Tensor, got "
+                        f"{type(attn_mask).__name__}")
+    try:
+        # The mask may broadcast to the scores' shape but not enlarge it.
+        fits = torch.broadcast_shapes(attn_mask.shape, shape) == torch.Size(shape)
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(f"attn_mask: shape {tuple(attn_mask.shape)} does not broadcast to "
+                         f"the scores' shape {tuple(shape)}")
+    if attn_mask.dtype != torch.bool:
+        raise NotImplementedError(
+            f"attn_mask: float (additive) masks are not supported by flashdl, got "
+            f"{attn_mask.dtype}; use is_causal, flashdl.torch.attention's window_size or "
+            f"block_mask, or attn_mask=None")
+    # Reading the mask synchronises once on CUDA; an all-True mask is plain attention.
+    if not bool(attn_mask.all()):
+        raise NotImplementedError(
+            "attn_mask: arbitrary boolean masks are not supported by flashdl (only an all-True "
+            "mask is); use is_causal, flashdl.torch.attention's window_size or block_mask, or "
+            "attn_mask=None")
+
+
+def causal_args(is_causal, seqlen_q, seqlen_k):
+    """(keys to keep, flashdl causal, window_size) for PyTorch's TOP-LEFT causal mask.
+
+    torch: key j is visible to query i iff j <= i. flashdl's window (left=-1, right) keeps
+    j <= i + (seqlen_k - seqlen_q) + right, so right = seqlen_q - seqlen_k when that is >= 0.
+    When seqlen_q < seqlen_k no query sees a key j >= seqlen_q: attending to the first seqlen_q
+    keys (a view) with flashdl's bottom-right causal, which is then top-left, is exact, and
+    autograd gives the dropped keys zero gradient.
+    """
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal: expected a bool, got {type(is_causal).__name__}")
+    if not is_causal:
+        return seqlen_k, False, (-1, -1)
+    if seqlen_q <= seqlen_k:
+        return seqlen_q, True, (-1, -1)
+    return seqlen_k, False, (-1, seqlen_q - seqlen_k)
+
+
+def renamed(err):
+    """A core error (ValueError/TypeError) with its leading flashdl name replaced by torch's."""
+    msg = str(err)
+    name, sep, rest = msg.partition(":")
+    if sep and name in _TORCH_NAMES:
+        msg = f"{_TORCH_NAMES[name]}:{rest}"
+    return type(err)(msg)
