@@ -14,6 +14,8 @@ Layout (batch, seqlen, nheads, headdim). `python -m flashdl` runs a check and a 
 naive attention; `flashdl.info()` says what this build and machine offer.
 """
 
+from typing import TYPE_CHECKING
+
 from ._api import (attention, attention_backward, attention_varlen, attention_varlen_backward,
                    dropout_mask)
 from ._info import info, set_num_threads
@@ -23,11 +25,13 @@ __all__ = ["attention", "attention_backward", "attention_varlen", "attention_var
            "dropout_mask", "info", "set_num_threads",
            "__version__"]
 
+if not TYPE_CHECKING:
+    # Hidden from type checkers, which would otherwise accept any flashdl.<name>: for them,
+    # `import flashdl.torch` (as documented) is what makes flashdl.torch known.
+    def __getattr__(name):
+        # flashdl.torch imports torch: load it only when asked for.
+        if name == "torch":
+            import importlib
 
-def __getattr__(name):
-    # flashdl.torch imports torch: load it only when asked for.
-    if name == "torch":
-        import importlib
-
-        return importlib.import_module(".torch", __name__)
-    raise AttributeError(f"module 'flashdl' has no attribute {name!r}")
+            return importlib.import_module(".torch", __name__)
+        raise AttributeError(f"module 'flashdl' has no attribute {name!r}")

@@ -10,11 +10,23 @@ from __future__ import annotations
 import numbers
 import operator
 import secrets
+from typing import TYPE_CHECKING, Any, Literal, Optional, Tuple, Union, overload
 
 import numpy as np
 
 from . import _ext
 from ._frameworks import Frame
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
+
+ArrayLike = Any
+"""An array of NumPy, PyTorch, JAX or CuPy (or any CPU array with __dlpack__); the outputs come
+back in the caller's framework: the same type for NumPy, PyTorch, JAX and CuPy, NumPy arrays for
+other DLPack CPU arrays. Any, as no common array type covers these frameworks."""
+
+BlockSize = Union[int, Tuple[int, int]]
+"""block_size: an int for both, or a pair (block_q, block_k)."""
 
 _FLOATS_FWD = ("q", "k", "v")
 _FLOATS_BWD = ("dout", "q", "k", "v", "out")
@@ -48,7 +60,7 @@ def _dropout_p(dropout_p):
     return float(dropout_p)
 
 
-def draw_seed():
+def draw_seed() -> int:
     """A fresh random dropout seed, 63 bits from the OS (secrets), never NumPy's global state."""
     return secrets.randbits(63)
 
@@ -102,9 +114,49 @@ def _lse_shape(q):
     return (shape[0], shape[2], shape[1]) if len(shape) == 4 else (0, 0, 0)
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, schedule="auto", return_lse=False,
-              window_size=(-1, -1), dropout_p=0.0, seed=None, offset=0, return_seed=False,
-              block_mask=None, block_size=128):
+@overload
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
+              softmax_scale: Optional[float] = ..., schedule: str = ...,
+              return_lse: Literal[False] = ..., window_size: Tuple[int, int] = ...,
+              dropout_p: float = ..., seed: Optional[int] = ..., offset: int = ...,
+              return_seed: Literal[False] = ..., block_mask: Optional[ArrayLike] = ...,
+              block_size: BlockSize = ...) -> ArrayLike: ...
+@overload
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
+              softmax_scale: Optional[float] = ..., schedule: str = ...,
+              return_lse: Literal[True], window_size: Tuple[int, int] = ...,
+              dropout_p: float = ..., seed: Optional[int] = ..., offset: int = ...,
+              return_seed: Literal[False] = ..., block_mask: Optional[ArrayLike] = ...,
+              block_size: BlockSize = ...) -> Tuple[ArrayLike, ArrayLike]: ...
+@overload
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
+              softmax_scale: Optional[float] = ..., schedule: str = ...,
+              return_lse: Literal[False] = ..., window_size: Tuple[int, int] = ...,
+              dropout_p: float = ..., seed: Optional[int] = ..., offset: int = ...,
+              return_seed: Literal[True], block_mask: Optional[ArrayLike] = ...,
+              block_size: BlockSize = ...) -> Tuple[ArrayLike, int]: ...
+@overload
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
+              softmax_scale: Optional[float] = ..., schedule: str = ...,
+              return_lse: Literal[True], window_size: Tuple[int, int] = ...,
+              dropout_p: float = ..., seed: Optional[int] = ..., offset: int = ...,
+              return_seed: Literal[True], block_mask: Optional[ArrayLike] = ...,
+              block_size: BlockSize = ...) -> Tuple[ArrayLike, ArrayLike, int]: ...
+@overload
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
+              softmax_scale: Optional[float] = ..., schedule: str = ...,
+              return_lse: bool = ..., window_size: Tuple[int, int] = ...,
+              dropout_p: float = ..., seed: Optional[int] = ..., offset: int = ...,
+              return_seed: bool = ..., block_mask: Optional[ArrayLike] = ...,
+              block_size: BlockSize = ...) -> Any: ...
+
+
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
+              softmax_scale: Optional[float] = None, schedule: str = "auto",
+              return_lse: bool = False, window_size: Tuple[int, int] = (-1, -1),
+              dropout_p: float = 0.0, seed: Optional[int] = None, offset: int = 0,
+              return_seed: bool = False, block_mask: Optional[ArrayLike] = None,
+              block_size: BlockSize = 128) -> Any:
     """Exact attention softmax(q k^T * scale) v, computed without materialising the N x N matrix.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim), with
@@ -151,7 +203,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, schedule="auto", ret
     _ext.forward(frame.export(q), frame.export(k), frame.export(v), frame.dest(out),
                  frame.dest(lse), dropout_p=dropout_p, seed=seed, offset=offset, **opts)
     out, lse = frame.finish(out), frame.finish(lse)
-    result = (out, lse) if return_lse else (out,)
+    result: tuple[Any, ...] = (out, lse) if return_lse else (out,)
     if return_seed:
         result += (seed,)
     return result if len(result) > 1 else out
@@ -169,9 +221,13 @@ def _backward_options(causal, softmax_scale, schedule, window_size, frame, dropo
     return opts
 
 
-def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None,
-                       schedule="auto", window_size=(-1, -1), deterministic=False,
-                       dropout_p=0.0, seed=0, offset=0, block_mask=None, block_size=128):
+def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike,
+                       out: ArrayLike, lse: ArrayLike, *, causal: bool = False,
+                       softmax_scale: Optional[float] = None, schedule: str = "auto",
+                       window_size: Tuple[int, int] = (-1, -1), deterministic: bool = False,
+                       dropout_p: float = 0.0, seed: int = 0, offset: int = 0,
+                       block_mask: Optional[ArrayLike] = None, block_size: BlockSize = 128
+                       ) -> Tuple[ArrayLike, ArrayLike, ArrayLike]:
     """Gradients (dq, dk, dv) of attention(q, k, v) for the upstream gradient dout.
 
     out and lse are what attention(..., return_lse=True) returned for the same arguments and
@@ -193,7 +249,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     return frame.finish(dq), frame.finish(dk), frame.finish(dv)
 
 
-def dropout_mask(batch, nheads, seqlen_q, seqlen_k, dropout_p, seed, offset=0):
+def dropout_mask(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, dropout_p: float,
+                 seed: int, offset: int = 0) -> npt.NDArray[np.bool_]:
     """The keep-mask attention(..., dropout_p, seed, offset) applies: a NumPy bool array
     (batch, nheads, seqlen_q, seqlen_k), True where the probability of query row i and key
     column j of head h in batch b is kept (and scaled by 1 / (1 - dropout_p)). Computed by the
@@ -246,10 +303,42 @@ def _varlen_lse_shape(q):
     return (shape[1], shape[0]) if len(shape) == 3 else (0, 0)
 
 
-def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                     causal=False, softmax_scale=None, schedule="auto", return_lse=False,
-                     window_size=(-1, -1), dropout_p=0.0, seed=None, offset=0, block_mask=None,
-                     block_size=128):
+@overload
+def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
+                     cu_seqlens_k: ArrayLike, max_seqlen_q: int, max_seqlen_k: int, *,
+                     causal: bool = ..., softmax_scale: Optional[float] = ...,
+                     schedule: str = ..., return_lse: Literal[False] = ...,
+                     window_size: Tuple[int, int] = ..., dropout_p: float = ...,
+                     seed: Optional[int] = ..., offset: int = ...,
+                     block_mask: Optional[ArrayLike] = ..., block_size: BlockSize = ...
+                     ) -> ArrayLike: ...
+@overload
+def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
+                     cu_seqlens_k: ArrayLike, max_seqlen_q: int, max_seqlen_k: int, *,
+                     causal: bool = ..., softmax_scale: Optional[float] = ...,
+                     schedule: str = ..., return_lse: Literal[True],
+                     window_size: Tuple[int, int] = ..., dropout_p: float = ...,
+                     seed: Optional[int] = ..., offset: int = ...,
+                     block_mask: Optional[ArrayLike] = ..., block_size: BlockSize = ...
+                     ) -> Tuple[ArrayLike, ArrayLike]: ...
+@overload
+def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
+                     cu_seqlens_k: ArrayLike, max_seqlen_q: int, max_seqlen_k: int, *,
+                     causal: bool = ..., softmax_scale: Optional[float] = ...,
+                     schedule: str = ..., return_lse: bool = ...,
+                     window_size: Tuple[int, int] = ..., dropout_p: float = ...,
+                     seed: Optional[int] = ..., offset: int = ...,
+                     block_mask: Optional[ArrayLike] = ..., block_size: BlockSize = ...
+                     ) -> Any: ...
+
+
+def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
+                     cu_seqlens_k: ArrayLike, max_seqlen_q: int, max_seqlen_k: int, *,
+                     causal: bool = False, softmax_scale: Optional[float] = None,
+                     schedule: str = "auto", return_lse: bool = False,
+                     window_size: Tuple[int, int] = (-1, -1), dropout_p: float = 0.0,
+                     seed: Optional[int] = None, offset: int = 0,
+                     block_mask: Optional[ArrayLike] = None, block_size: BlockSize = 128) -> Any:
     """attention over a batch of sequences of different lengths, packed with no padding
     (flash-attn's flash_attn_varlen_func layout).
 
@@ -291,10 +380,15 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     return (out, lse) if return_lse else out
 
 
-def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                              max_seqlen_k, *, causal=False, softmax_scale=None, schedule="auto",
-                              window_size=(-1, -1), deterministic=False, dropout_p=0.0, seed=0,
-                              offset=0, block_mask=None, block_size=128):
+def attention_varlen_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike,
+                              out: ArrayLike, lse: ArrayLike, cu_seqlens_q: ArrayLike,
+                              cu_seqlens_k: ArrayLike, max_seqlen_q: int, max_seqlen_k: int, *,
+                              causal: bool = False, softmax_scale: Optional[float] = None,
+                              schedule: str = "auto", window_size: Tuple[int, int] = (-1, -1),
+                              deterministic: bool = False, dropout_p: float = 0.0, seed: int = 0,
+                              offset: int = 0, block_mask: Optional[ArrayLike] = None,
+                              block_size: BlockSize = 128
+                              ) -> Tuple[ArrayLike, ArrayLike, ArrayLike]:
     """Gradients (dq, dk, dv) of attention_varlen for the upstream gradient dout
     (total_q, nheads, headdim); out and lse (nheads, total_q) as attention_varlen(...,
     return_lse=True) returned them for the same arguments and options. A sequence with no

@@ -3,11 +3,25 @@
 from __future__ import annotations
 
 import operator
+from typing import TypedDict
 
 from . import _ext
 
 
-def info() -> dict:
+class Info(TypedDict):
+    """What flashdl.info() returns (a plain dict at runtime)."""
+
+    version: str
+    backends: list[str]
+    cuda_architectures: list[str]
+    cuda_device_count: int
+    cuda_status: str
+    cpu_isa: str
+    num_threads: int
+    fa1_sram_bytes: int
+
+
+def info() -> Info:
     """Version, backends compiled in, CUDA architectures and devices, CPU ISA, threads and the fa1
     on-chip budget M (bytes) of the CPU backend."""
     b = _ext.build_info()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Literal, Optional, Tuple, Union, overload
 
 import torch
 
@@ -30,6 +31,10 @@ from ._api import dropout_mask as _dropout_mask
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
            "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
            "flash_attn_varlen_kvpacked_func"]
+
+# return_attn_probs=True: (out, softmax_lse, S_dmask); False: out alone.
+_WithProbs = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+_OutOrProbs = Union[torch.Tensor, _WithProbs]
 
 
 def _maybe_contiguous(x):
@@ -169,9 +174,34 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     return out, lse, probs
 
 
-def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
-                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                    return_attn_probs=False):
+@overload
+def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = ...,
+                    softmax_scale: Optional[float] = ..., causal: bool = ...,
+                    window_size: Tuple[int, int] = ..., softcap: float = ...,
+                    alibi_slopes: Optional[torch.Tensor] = ..., deterministic: bool = ...,
+                    return_attn_probs: Literal[False] = ...) -> torch.Tensor: ...
+@overload
+def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = ...,
+                    softmax_scale: Optional[float] = ..., causal: bool = ...,
+                    window_size: Tuple[int, int] = ..., softcap: float = ...,
+                    alibi_slopes: Optional[torch.Tensor] = ..., deterministic: bool = ..., *,
+                    return_attn_probs: Literal[True]
+                    ) -> _WithProbs: ...
+@overload
+def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = ...,
+                    softmax_scale: Optional[float] = ..., causal: bool = ...,
+                    window_size: Tuple[int, int] = ..., softcap: float = ...,
+                    alibi_slopes: Optional[torch.Tensor] = ..., deterministic: bool = ...,
+                    return_attn_probs: bool = ...
+                    ) -> _OutOrProbs: ...
+
+
+def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                    softmax_scale: Optional[float] = None, causal: bool = False,
+                    window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                    alibi_slopes: Optional[torch.Tensor] = None, deterministic: bool = False,
+                    return_attn_probs: bool = False
+                    ) -> _OutOrProbs:
     """flash_attn.flash_attn_func: q (batch, seqlen_q, nheads, headdim); k, v (batch, seqlen_k,
     nheads_k, headdim), nheads a multiple of nheads_k (MQA/GQA). Causal and windows are
     bottom-right aligned. Returns out (batch, seqlen_q, nheads, headdim), or with
@@ -180,28 +210,116 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                   deterministic, return_attn_probs)
 
 
-def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
-                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                              deterministic=False, return_attn_probs=False):
+@overload
+def flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = ...,
+                              softmax_scale: Optional[float] = ..., causal: bool = ...,
+                              window_size: Tuple[int, int] = ..., softcap: float = ...,
+                              alibi_slopes: Optional[torch.Tensor] = ...,
+                              deterministic: bool = ..., return_attn_probs: Literal[False] = ...
+                              ) -> torch.Tensor: ...
+@overload
+def flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = ...,
+                              softmax_scale: Optional[float] = ..., causal: bool = ...,
+                              window_size: Tuple[int, int] = ..., softcap: float = ...,
+                              alibi_slopes: Optional[torch.Tensor] = ...,
+                              deterministic: bool = ..., *, return_attn_probs: Literal[True]
+                              ) -> _WithProbs: ...
+@overload
+def flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = ...,
+                              softmax_scale: Optional[float] = ..., causal: bool = ...,
+                              window_size: Tuple[int, int] = ..., softcap: float = ...,
+                              alibi_slopes: Optional[torch.Tensor] = ...,
+                              deterministic: bool = ..., return_attn_probs: bool = ...
+                              ) -> _OutOrProbs: ...
+
+
+def flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = 0.0,
+                              softmax_scale: Optional[float] = None, causal: bool = False,
+                              window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                              alibi_slopes: Optional[torch.Tensor] = None,
+                              deterministic: bool = False, return_attn_probs: bool = False
+                              ) -> _OutOrProbs:
     """flash_attn.flash_attn_qkvpacked_func: qkv (batch, seqlen, 3, nheads, headdim); the
     gradient flows back into qkv. Returns as flash_attn_func."""
     return _dense(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal,
                   window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
 
 
-def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
-                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                             deterministic=False, return_attn_probs=False):
+@overload
+def flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float = ...,
+                             softmax_scale: Optional[float] = ..., causal: bool = ...,
+                             window_size: Tuple[int, int] = ..., softcap: float = ...,
+                             alibi_slopes: Optional[torch.Tensor] = ...,
+                             deterministic: bool = ..., return_attn_probs: Literal[False] = ...
+                             ) -> torch.Tensor: ...
+@overload
+def flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float = ...,
+                             softmax_scale: Optional[float] = ..., causal: bool = ...,
+                             window_size: Tuple[int, int] = ..., softcap: float = ...,
+                             alibi_slopes: Optional[torch.Tensor] = ...,
+                             deterministic: bool = ..., *, return_attn_probs: Literal[True]
+                             ) -> _WithProbs: ...
+@overload
+def flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float = ...,
+                             softmax_scale: Optional[float] = ..., causal: bool = ...,
+                             window_size: Tuple[int, int] = ..., softcap: float = ...,
+                             alibi_slopes: Optional[torch.Tensor] = ...,
+                             deterministic: bool = ..., return_attn_probs: bool = ...
+                             ) -> _OutOrProbs: ...
+
+
+def flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float = 0.0,
+                             softmax_scale: Optional[float] = None, causal: bool = False,
+                             window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                             alibi_slopes: Optional[torch.Tensor] = None,
+                             deterministic: bool = False, return_attn_probs: bool = False
+                             ) -> _OutOrProbs:
     """flash_attn.flash_attn_kvpacked_func: q (batch, seqlen_q, nheads, headdim); kv (batch,
     seqlen_k, 2, nheads_k, headdim). Returns as flash_attn_func."""
     return _dense(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size,
                   softcap, alibi_slopes, deterministic, return_attn_probs)
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                           softcap=0.0, alibi_slopes=None, deterministic=False,
-                           return_attn_probs=False, block_table=None):
+@overload
+def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = ...,
+                           softmax_scale: Optional[float] = ..., causal: bool = ...,
+                           window_size: Tuple[int, int] = ..., softcap: float = ...,
+                           alibi_slopes: Optional[torch.Tensor] = ..., deterministic: bool = ...,
+                           return_attn_probs: Literal[False] = ...,
+                           block_table: Optional[torch.Tensor] = ...) -> torch.Tensor: ...
+@overload
+def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = ...,
+                           softmax_scale: Optional[float] = ..., causal: bool = ...,
+                           window_size: Tuple[int, int] = ..., softcap: float = ...,
+                           alibi_slopes: Optional[torch.Tensor] = ..., deterministic: bool = ...,
+                           *, return_attn_probs: Literal[True],
+                           block_table: Optional[torch.Tensor] = ...
+                           ) -> _WithProbs: ...
+@overload
+def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = ...,
+                           softmax_scale: Optional[float] = ..., causal: bool = ...,
+                           window_size: Tuple[int, int] = ..., softcap: float = ...,
+                           alibi_slopes: Optional[torch.Tensor] = ..., deterministic: bool = ...,
+                           return_attn_probs: bool = ...,
+                           block_table: Optional[torch.Tensor] = ...
+                           ) -> _OutOrProbs: ...
+
+
+def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
+                           softmax_scale: Optional[float] = None, causal: bool = False,
+                           window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                           alibi_slopes: Optional[torch.Tensor] = None,
+                           deterministic: bool = False, return_attn_probs: bool = False,
+                           block_table: Optional[torch.Tensor] = None
+                           ) -> _OutOrProbs:
     """flash_attn.flash_attn_varlen_func: q (total_q, nheads, headdim); k, v (total_k, nheads_k,
     headdim); cu_seqlens_q, cu_seqlens_k int32 (batch + 1,) (CPU, or on q's CUDA device).
     Returns out (total_q, nheads, headdim), or with return_attn_probs=True (out, softmax_lse
@@ -211,10 +329,41 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                    return_attn_probs, block_table)
 
 
-def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
-                                     softmax_scale=None, causal=False, window_size=(-1, -1),
-                                     softcap=0.0, alibi_slopes=None, deterministic=False,
-                                     return_attn_probs=False):
+@overload
+def flash_attn_varlen_qkvpacked_func(qkv: torch.Tensor, cu_seqlens: torch.Tensor,
+                                     max_seqlen: int, dropout_p: float = ...,
+                                     softmax_scale: Optional[float] = ..., causal: bool = ...,
+                                     window_size: Tuple[int, int] = ..., softcap: float = ...,
+                                     alibi_slopes: Optional[torch.Tensor] = ...,
+                                     deterministic: bool = ...,
+                                     return_attn_probs: Literal[False] = ...) -> torch.Tensor: ...
+@overload
+def flash_attn_varlen_qkvpacked_func(qkv: torch.Tensor, cu_seqlens: torch.Tensor,
+                                     max_seqlen: int, dropout_p: float = ...,
+                                     softmax_scale: Optional[float] = ..., causal: bool = ...,
+                                     window_size: Tuple[int, int] = ..., softcap: float = ...,
+                                     alibi_slopes: Optional[torch.Tensor] = ...,
+                                     deterministic: bool = ..., *,
+                                     return_attn_probs: Literal[True]
+                                     ) -> _WithProbs: ...
+@overload
+def flash_attn_varlen_qkvpacked_func(qkv: torch.Tensor, cu_seqlens: torch.Tensor,
+                                     max_seqlen: int, dropout_p: float = ...,
+                                     softmax_scale: Optional[float] = ..., causal: bool = ...,
+                                     window_size: Tuple[int, int] = ..., softcap: float = ...,
+                                     alibi_slopes: Optional[torch.Tensor] = ...,
+                                     deterministic: bool = ..., return_attn_probs: bool = ...
+                                     ) -> _OutOrProbs: ...
+
+
+def flash_attn_varlen_qkvpacked_func(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                                     dropout_p: float = 0.0,
+                                     softmax_scale: Optional[float] = None, causal: bool = False,
+                                     window_size: Tuple[int, int] = (-1, -1),
+                                     softcap: float = 0.0,
+                                     alibi_slopes: Optional[torch.Tensor] = None,
+                                     deterministic: bool = False, return_attn_probs: bool = False
+                                     ) -> _OutOrProbs:
     """flash_attn.flash_attn_varlen_qkvpacked_func: qkv (total, 3, nheads, headdim), one
     cu_seqlens and max_seqlen for queries and keys. Returns as flash_attn_varlen_func."""
     return _varlen(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen,
@@ -222,11 +371,43 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                    alibi_slopes, deterministic, return_attn_probs)
 
 
-def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                    max_seqlen_k, dropout_p=0.0, softmax_scale=None,
-                                    causal=False, window_size=(-1, -1), softcap=0.0,
-                                    alibi_slopes=None, deterministic=False,
-                                    return_attn_probs=False):
+@overload
+def flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor,
+                                    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                                    max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = ...,
+                                    softmax_scale: Optional[float] = ..., causal: bool = ...,
+                                    window_size: Tuple[int, int] = ..., softcap: float = ...,
+                                    alibi_slopes: Optional[torch.Tensor] = ...,
+                                    deterministic: bool = ...,
+                                    return_attn_probs: Literal[False] = ...) -> torch.Tensor: ...
+@overload
+def flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor,
+                                    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                                    max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = ...,
+                                    softmax_scale: Optional[float] = ..., causal: bool = ...,
+                                    window_size: Tuple[int, int] = ..., softcap: float = ...,
+                                    alibi_slopes: Optional[torch.Tensor] = ...,
+                                    deterministic: bool = ..., *, return_attn_probs: Literal[True]
+                                    ) -> _WithProbs: ...
+@overload
+def flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor,
+                                    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                                    max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = ...,
+                                    softmax_scale: Optional[float] = ..., causal: bool = ...,
+                                    window_size: Tuple[int, int] = ..., softcap: float = ...,
+                                    alibi_slopes: Optional[torch.Tensor] = ...,
+                                    deterministic: bool = ..., return_attn_probs: bool = ...
+                                    ) -> _OutOrProbs: ...
+
+
+def flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                                    max_seqlen_k: int, dropout_p: float = 0.0,
+                                    softmax_scale: Optional[float] = None, causal: bool = False,
+                                    window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                                    alibi_slopes: Optional[torch.Tensor] = None,
+                                    deterministic: bool = False, return_attn_probs: bool = False
+                                    ) -> _OutOrProbs:
     """flash_attn.flash_attn_varlen_kvpacked_func: q (total_q, nheads, headdim); kv (total_k, 2,
     nheads_k, headdim). Returns as flash_attn_varlen_func."""
     return _varlen(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,

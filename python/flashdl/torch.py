@@ -7,10 +7,12 @@ the backward recomputes the attention matrix and the dropout mask block by block
 
 from __future__ import annotations
 
+from typing import Literal, Optional, Tuple, Union, overload
+
 import torch
 
 from . import _sdpa
-from ._api import _dropout
+from ._api import ArrayLike, BlockSize, _dropout
 from ._api import attention as _attention
 from ._api import attention_backward as _attention_backward
 from ._api import attention_varlen as _attention_varlen
@@ -51,14 +53,40 @@ class _Attention(torch.autograd.Function):
         return (dq, dk, dv) + (None,) * 10
 
 
-def _torch_seed():
+def _torch_seed() -> int:
     """63 bits from torch's default CPU generator, so torch.manual_seed makes dropout repeatable."""
     return int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64).item())
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, schedule="auto",
-              window_size=(-1, -1), dropout_p=0.0, seed=None, offset=0, block_mask=None,
-              block_size=128, deterministic=False, return_lse=False):
+@overload
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
+              softmax_scale: Optional[float] = ..., schedule: str = ...,
+              window_size: Tuple[int, int] = ..., dropout_p: float = ...,
+              seed: Optional[int] = ..., offset: int = ..., block_mask: Optional[ArrayLike] = ...,
+              block_size: BlockSize = ..., deterministic: bool = ...,
+              return_lse: Literal[False] = ...) -> torch.Tensor: ...
+@overload
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
+              softmax_scale: Optional[float] = ..., schedule: str = ...,
+              window_size: Tuple[int, int] = ..., dropout_p: float = ...,
+              seed: Optional[int] = ..., offset: int = ..., block_mask: Optional[ArrayLike] = ...,
+              block_size: BlockSize = ..., deterministic: bool = ...,
+              return_lse: Literal[True]) -> Tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
+              softmax_scale: Optional[float] = ..., schedule: str = ...,
+              window_size: Tuple[int, int] = ..., dropout_p: float = ...,
+              seed: Optional[int] = ..., offset: int = ..., block_mask: Optional[ArrayLike] = ...,
+              block_size: BlockSize = ..., deterministic: bool = ..., return_lse: bool = ...
+              ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]: ...
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+              softmax_scale: Optional[float] = None, schedule: str = "auto",
+              window_size: Tuple[int, int] = (-1, -1), dropout_p: float = 0.0,
+              seed: Optional[int] = None, offset: int = 0, block_mask: Optional[ArrayLike] = None,
+              block_size: BlockSize = 128, deterministic: bool = False, return_lse: bool = False
+              ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """flashdl.attention for torch tensors, differentiable with respect to q, k and v.
 
     q (batch, seqlen_q, nheads, headdim); k, v (batch, seqlen_k, nheads_kv, headdim); CPU or
@@ -115,10 +143,47 @@ class _AttentionVarlen(torch.autograd.Function):
         return (dq, dk, dv) + (None,) * 14
 
 
-def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                     causal=False, softmax_scale=None, schedule="auto", window_size=(-1, -1),
-                     dropout_p=0.0, seed=None, offset=0, block_mask=None, block_size=128,
-                     deterministic=False, return_lse=False):
+@overload
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     cu_seqlens_q: ArrayLike, cu_seqlens_k: ArrayLike, max_seqlen_q: int,
+                     max_seqlen_k: int, *, causal: bool = ...,
+                     softmax_scale: Optional[float] = ..., schedule: str = ...,
+                     window_size: Tuple[int, int] = ..., dropout_p: float = ...,
+                     seed: Optional[int] = ..., offset: int = ...,
+                     block_mask: Optional[ArrayLike] = ..., block_size: BlockSize = ...,
+                     deterministic: bool = ..., return_lse: Literal[False] = ...
+                     ) -> torch.Tensor: ...
+@overload
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     cu_seqlens_q: ArrayLike, cu_seqlens_k: ArrayLike, max_seqlen_q: int,
+                     max_seqlen_k: int, *, causal: bool = ...,
+                     softmax_scale: Optional[float] = ..., schedule: str = ...,
+                     window_size: Tuple[int, int] = ..., dropout_p: float = ...,
+                     seed: Optional[int] = ..., offset: int = ...,
+                     block_mask: Optional[ArrayLike] = ..., block_size: BlockSize = ...,
+                     deterministic: bool = ..., return_lse: Literal[True]
+                     ) -> Tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     cu_seqlens_q: ArrayLike, cu_seqlens_k: ArrayLike, max_seqlen_q: int,
+                     max_seqlen_k: int, *, causal: bool = ...,
+                     softmax_scale: Optional[float] = ..., schedule: str = ...,
+                     window_size: Tuple[int, int] = ..., dropout_p: float = ...,
+                     seed: Optional[int] = ..., offset: int = ...,
+                     block_mask: Optional[ArrayLike] = ..., block_size: BlockSize = ...,
+                     deterministic: bool = ..., return_lse: bool = ...
+                     ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]: ...
+
+
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     cu_seqlens_q: ArrayLike, cu_seqlens_k: ArrayLike, max_seqlen_q: int,
+                     max_seqlen_k: int, *, causal: bool = False,
+                     softmax_scale: Optional[float] = None, schedule: str = "auto",
+                     window_size: Tuple[int, int] = (-1, -1), dropout_p: float = 0.0,
+                     seed: Optional[int] = None, offset: int = 0,
+                     block_mask: Optional[ArrayLike] = None, block_size: BlockSize = 128,
+                     deterministic: bool = False, return_lse: bool = False
+                     ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """flashdl.attention_varlen for torch tensors, differentiable with respect to q, k and v.
 
     q (total_q, nheads, headdim); k, v (total_k, nheads_kv, headdim); cu_seqlens_q,
@@ -138,8 +203,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     return (out, lse) if return_lse else out
 
 
-def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
-                                 is_causal=False, *, scale=None, enable_gqa=False):
+def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                 attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+                                 is_causal: bool = False, *, scale: Optional[float] = None,
+                                 enable_gqa: bool = False) -> torch.Tensor:
     """torch.nn.functional.scaled_dot_product_attention computed by flashdl (autograd included).
 
     PyTorch's signature and layout: query (batch, heads, seq_q, dim), key and value
@@ -166,7 +233,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     _sdpa.check_mask(attn_mask, shape)
     keep, causal, window = _sdpa.causal_args(is_causal, sq, sk)
 
-    def flashdl_layout(x, n):
+    def flashdl_layout(x: torch.Tensor, n: int) -> torch.Tensor:
         x = x.narrow(seq, 0, n)  # a view; only top-left causal with sq < sk drops keys
         x = x.unsqueeze(2) if rank3 else x.transpose(1, 2)
         return x.contiguous() if x.shape[-1] > 1 and x.stride(-1) != 1 else x

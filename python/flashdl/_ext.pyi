@@ -1,0 +1,138 @@
+# Type stub of flashdl._ext, the nanobind extension (python/bindings.cpp): keep in step with its
+# m.def(...) signatures. Arrays are anything nanobind reads over DLPack or the buffer protocol
+# (NumPy, PyTorch, JAX, CuPy); inputs are read only, outputs (out, lse, dq, dk, dv, mask_out) are
+# written in place. Validation is the core's: it raises ValueError, TypeError or RuntimeError.
+
+from typing import Any, Optional
+
+_Array = Any
+
+def forward(
+    q: _Array,
+    k: _Array,
+    v: _Array,
+    out: _Array,
+    lse: _Array,
+    *,
+    dtype: Optional[str] = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_left: int = -1,
+    window_right: int = -1,
+    schedule: str = "auto",
+    dropout_p: float = 0.0,
+    seed: int = 0,
+    offset: int = 0,
+    stream: int = 0,
+    sram_bytes: int = 0,
+    num_threads: int = 0,
+    block_mask: Optional[_Array] = None,
+    block_size_q: int = 128,
+    block_size_k: int = 128,
+) -> None:
+    """Attention forward: writes out (like q) and lse (float32, (batch, nheads, seqlen_q))."""
+
+def backward(
+    dout: _Array,
+    q: _Array,
+    k: _Array,
+    v: _Array,
+    out: _Array,
+    lse: _Array,
+    dq: _Array,
+    dk: _Array,
+    dv: _Array,
+    *,
+    dtype: Optional[str] = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_left: int = -1,
+    window_right: int = -1,
+    schedule: str = "auto",
+    dropout_p: float = 0.0,
+    seed: int = 0,
+    offset: int = 0,
+    stream: int = 0,
+    sram_bytes: int = 0,
+    num_threads: int = 0,
+    deterministic: bool = False,
+    block_mask: Optional[_Array] = None,
+    block_size_q: int = 128,
+    block_size_k: int = 128,
+) -> None:
+    """Attention backward: writes dq, dk, dv (shaped and typed like q, k, v)."""
+
+def forward_varlen(
+    q: _Array,
+    k: _Array,
+    v: _Array,
+    cu_seqlens_q: _Array,
+    cu_seqlens_k: _Array,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    out: _Array,
+    lse: _Array,
+    *,
+    dtype: Optional[str] = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_left: int = -1,
+    window_right: int = -1,
+    schedule: str = "auto",
+    dropout_p: float = 0.0,
+    seed: int = 0,
+    offset: int = 0,
+    stream: int = 0,
+    sram_bytes: int = 0,
+    num_threads: int = 0,
+    block_mask: Optional[_Array] = None,
+    block_size_q: int = 128,
+    block_size_k: int = 128,
+) -> None:
+    """Variable-length forward: writes out (like q) and lse (float32, (nheads, total_q))."""
+
+def backward_varlen(
+    dout: _Array,
+    q: _Array,
+    k: _Array,
+    v: _Array,
+    out: _Array,
+    lse: _Array,
+    cu_seqlens_q: _Array,
+    cu_seqlens_k: _Array,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dq: _Array,
+    dk: _Array,
+    dv: _Array,
+    *,
+    dtype: Optional[str] = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_left: int = -1,
+    window_right: int = -1,
+    schedule: str = "auto",
+    dropout_p: float = 0.0,
+    seed: int = 0,
+    offset: int = 0,
+    stream: int = 0,
+    sram_bytes: int = 0,
+    num_threads: int = 0,
+    deterministic: bool = False,
+    block_mask: Optional[_Array] = None,
+    block_size_q: int = 128,
+    block_size_k: int = 128,
+) -> None:
+    """Variable-length backward: writes dq, dk, dv (shaped and typed like q, k, v)."""
+
+def dropout_mask(mask_out: _Array, *, dropout_p: float, seed: int, offset: int = 0) -> None:
+    """Writes the dropout keep-mask of (dropout_p, seed, offset) into mask_out, bool
+    (batch, nheads, seqlen_q, seqlen_k)."""
+
+def build_info() -> dict[str, Any]:
+    """What this build and machine offer: version (str), cuda_compiled (bool),
+    cuda_architectures (str), cuda_device_count (int), cuda_status (str), cpu_isa (str),
+    cpu_threads (int), cpu_sram_bytes (int)."""
+
+def set_num_threads(n: int) -> None:
+    """CPU threads for later calls; 0 restores the default."""
