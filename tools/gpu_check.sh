@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The first command a GPU session runs: environment, build for sm_90, the CUDA C++ tests (in full,
-# then the small-tile fallback kernels), the CUDA pytest files, compute-sanitizer, and the quick
-# CUDA benchmark.
+# The first command to run on a machine with a GPU: environment, build for sm_90, the CUDA C++
+# tests (in full, then the small-tile fallback kernels), the CUDA pytest files, compute-sanitizer,
+# and the quick CUDA benchmark.
 #
 #   bash tools/gpu_check.sh OUTDIR [STEP ...]     (from any directory)
 #   bash tools/gpu_check.sh --list                (the step names, in order)
@@ -39,7 +39,7 @@ if [ "${1:-}" = "--list" ]; then
   exit 0
 fi
 DETECT_ONLY=""
-OUT=""
+OUTDIR=""
 if [ "${1:-}" = "--detect" ]; then
   DETECT_ONLY=1
   set --
@@ -51,7 +51,7 @@ else
     [[ " ${STEPS[*]} " == *" $s "* ]] || { echo "unknown step '$s'" >&2; usage; }
   done
   mkdir -p "$OUTDIR_ARG" || usage
-  OUT=$(cd "$OUTDIR_ARG" && pwd)
+  OUTDIR=$(cd "$OUTDIR_ARG" && pwd)
 fi
 SELECTED=("$@")
 
@@ -65,7 +65,7 @@ CUDA_TESTS=$BUILD_DIR/tests/cpp/cuda
 # launchers pick the smaller-tile variants that an H100 (227 KiB) never does.
 SMEM_LIMIT=101376
 START=$(date +%s)
-SUMMARY=$OUT/summary.txt
+SUMMARY=$OUTDIR/summary.txt
 FAILED=0
 BUDGET_SKIPPED=()
 
@@ -148,8 +148,8 @@ cat "$SUMMARY"
 
 record() {  # record NAME STATUS SECONDS LOG
   local note="" line
-  if [ "$4" != "-" ] && [ -s "$OUT/$4" ]; then
-    note=$(grep -v '^[[:space:]]*$' "$OUT/$4" | tail -n 1 | cut -c1-100)
+  if [ "$4" != "-" ] && [ -s "$OUTDIR/$4" ]; then
+    note=$(grep -v '^[[:space:]]*$' "$OUTDIR/$4" | tail -n 1 | cut -c1-100)
   fi
   line=$(printf '%-22s %-22s %6s  %-26s %s' "$1" "$2" "$3" "$4" "$note" | sed 's/ *$//')
   echo "$line" >>"$SUMMARY"
@@ -172,12 +172,12 @@ run_step() {
   echo "[gpu_check] $name (limit ${limit} s) ..."
   local t0 rc
   t0=$(date +%s)
-  timeout -k 10 "$limit" bash -c "$fn" </dev/null >"$OUT/$log" 2>&1
+  timeout -k 10 "$limit" bash -c "$fn" </dev/null >"$OUTDIR/$log" 2>&1
   rc=$?
   local secs=$(($(date +%s) - t0))
   case $rc in
     0) record "$name" "PASS" "$secs" "$log" ;;
-    124|137) echo "[gpu_check] timed out after ${limit} s" >>"$OUT/$log"
+    124|137) echo "[gpu_check] timed out after ${limit} s" >>"$OUTDIR/$log"
              record "$name" "FAIL ($rc: timed out)" "$secs" "$log"; FAILED=1 ;;
     *) record "$name" "FAIL ($rc)" "$secs" "$log"; FAILED=1 ;;
   esac
@@ -187,7 +187,7 @@ run_step() {
 archive() {  # written beside, then moved in: tar must not see OUTDIR change while it reads it
   local part
   part=$(mktemp "${TMPDIR:-/tmp}/gpu_check.XXXXXX") || return
-  tar -czf "$part" -C "$OUT" --exclude=gpu_check.tar.gz . && mv -f "$part" "$OUT/gpu_check.tar.gz"
+  tar -czf "$part" -C "$OUTDIR" --exclude=gpu_check.tar.gz . && mv -f "$part" "$OUTDIR/gpu_check.tar.gz"
   rm -f "$part"
 }
 
@@ -285,7 +285,7 @@ step_cpp_forward_fallback() { FLASHDL_CUDA_SMEM_LIMIT=$SMEM_LIMIT cpp_test test_
 step_cpp_backward_fallback() { FLASHDL_CUDA_SMEM_LIMIT=$SMEM_LIMIT cpp_test test_cuda_backward --quick; }
 
 step_pytest_cuda() {
-  local args=(-q -rfEs -p no:cacheprovider --junitxml="$OUT/pytest_cuda.xml")
+  local args=(-q -rfEs -p no:cacheprovider --junitxml="$OUTDIR/pytest_cuda.xml")
   # Worker processes: a test that crashes the process (a device fault) loses only its worker, and
   # the host oracles run in parallel. Per-test timeouts keep a hung kernel from eating the step.
   local workers=4
@@ -323,10 +323,10 @@ step_racecheck_block_sparse() { sanitize racecheck test_cuda_block_sparse; }
 step_synccheck_block_sparse() { sanitize synccheck test_cuda_block_sparse; }
 
 step_bench() {
-  PYTHONUNBUFFERED=1 "$PYTHON" benchmarks/bench_cuda.py --quick --out "$OUT/bench_cuda_quick.md"
+  PYTHONUNBUFFERED=1 "$PYTHON" benchmarks/bench_cuda.py --quick --out "$OUTDIR/bench_cuda_quick.md"
 }
 
-export PYTHON OUT BUILD_DIR CUDA_TESTS SMEM_LIMIT COMPUTE_SANITIZER
+export PYTHON OUTDIR BUILD_DIR CUDA_TESTS SMEM_LIMIT COMPUTE_SANITIZER
 export -f cpp_test sanitize
 for s in "${STEPS[@]}"; do export -f "step_$s"; done
 
@@ -353,7 +353,7 @@ n_fail=$(grep -c '^[a-z_]* *FAIL ' "$SUMMARY")
 n_skip=$(grep -c '^[a-z_]* *SKIPPED ' "$SUMMARY")
 {
   if [ ${#BUDGET_SKIPPED[@]} -gt 0 ]; then
-    echo "rerun: bash tools/gpu_check.sh ${OUT}_2 ${BUDGET_SKIPPED[*]}"
+    echo "rerun: bash tools/gpu_check.sh ${OUTDIR}_2 ${BUDGET_SKIPPED[*]}"
   fi
   echo "overall: $([ $FAILED -eq 0 ] && echo PASS || echo FAIL), $n_pass passed, $n_fail failed, $n_skip skipped, ${total} s"
 } | tee -a "$SUMMARY"

@@ -1,4 +1,4 @@
-"""The GPU session's tools on a machine without a GPU: tools/gpu_check.sh reports every step
+"""The GPU check tools on a machine without a GPU: tools/gpu_check.sh reports every step
 SKIPPED (no GPU), builds nothing, finishes in seconds and exits 0; benchmarks/bench_cuda.py (and
 its --features mode) exits with a clear message. Where a GPU exists both would really run
 (minutes): skipped there. On any machine, bench_cuda.py --features --cpu-dry-run runs that mode's
