@@ -134,18 +134,29 @@ void set_block_mask(flashdl::Options& o, const std::optional<InArray>& block_mas
   o.block_size_k = block_size_k;
 }
 
+// The score modifiers: ALiBi slopes (None: off; the core checks float32, shape and device) and
+// softcap (0: off).
+void set_score_mods(flashdl::Options& o, const std::optional<InArray>& alibi_slopes,
+                    double softcap) {
+  if (alibi_slopes)
+    o.alibi_slopes = to_view("alibi_slopes", *alibi_slopes, Override::none, false, "float32");
+  o.softcap = softcap;
+}
+
 void forward(const InArray& q, const InArray& k, const InArray& v, const OutArray& out,
              const OutArray& lse, std::optional<std::string> dtype,
              std::optional<double> softmax_scale, bool causal, int64_t window_left,
              int64_t window_right, const std::string& schedule, double dropout_p, uint64_t seed,
              uint64_t offset, uintptr_t stream, int64_t sram_bytes, int num_threads,
              const std::optional<InArray>& block_mask, int64_t block_size_q,
-             int64_t block_size_k) {
+             int64_t block_size_k,
+             const std::optional<InArray>& alibi_slopes, double softcap) {
   const Override ov = parse_override(dtype);
   flashdl::Options o =
       make_options(softmax_scale, causal, window_left, window_right, schedule, dropout_p, seed,
                    offset, stream, sram_bytes, num_threads, false);
   set_block_mask(o, block_mask, block_size_q, block_size_k);
+  set_score_mods(o, alibi_slopes, softcap);
   const auto tq = to_view("q", q, ov, true), tk = to_view("k", k, ov, true),
              tv = to_view("v", v, ov, true), to = to_view("out", out, ov, true),
              tl = to_view("lse", lse, Override::none, false);
@@ -160,12 +171,14 @@ void backward(const InArray& dout, const InArray& q, const InArray& k, const InA
               int64_t window_right, const std::string& schedule, double dropout_p, uint64_t seed,
               uint64_t offset, uintptr_t stream, int64_t sram_bytes, int num_threads,
               bool deterministic, const std::optional<InArray>& block_mask,
-              int64_t block_size_q, int64_t block_size_k) {
+              int64_t block_size_q, int64_t block_size_k,
+             const std::optional<InArray>& alibi_slopes, double softcap) {
   const Override ov = parse_override(dtype);
   flashdl::Options o =
       make_options(softmax_scale, causal, window_left, window_right, schedule, dropout_p, seed,
                    offset, stream, sram_bytes, num_threads, deterministic);
   set_block_mask(o, block_mask, block_size_q, block_size_k);
+  set_score_mods(o, alibi_slopes, softcap);
   const auto tdo = to_view("dout", dout, ov, true), tq = to_view("q", q, ov, true),
              tk = to_view("k", k, ov, true), tv = to_view("v", v, ov, true),
              to = to_view("out", out, ov, true), tl = to_view("lse", lse, Override::none, false),
@@ -188,12 +201,14 @@ void forward_varlen(const InArray& q, const InArray& k, const InArray& v,
                     const std::string& schedule, double dropout_p, uint64_t seed, uint64_t offset,
                     uintptr_t stream, int64_t sram_bytes, int num_threads,
                     const std::optional<InArray>& block_mask, int64_t block_size_q,
-                    int64_t block_size_k) {
+                    int64_t block_size_k,
+             const std::optional<InArray>& alibi_slopes, double softcap) {
   const Override ov = parse_override(dtype);
   flashdl::Options o =
       make_options(softmax_scale, causal, window_left, window_right, schedule, dropout_p, seed,
                    offset, stream, sram_bytes, num_threads, false);
   set_block_mask(o, block_mask, block_size_q, block_size_k);
+  set_score_mods(o, alibi_slopes, softcap);
   const auto tq = to_view("q", q, ov, true), tk = to_view("k", k, ov, true),
              tv = to_view("v", v, ov, true), tcq = cu_view("cu_seqlens_q", cu_seqlens_q),
              tck = cu_view("cu_seqlens_k", cu_seqlens_k), to = to_view("out", out, ov, true),
@@ -211,12 +226,14 @@ void backward_varlen(const InArray& dout, const InArray& q, const InArray& k, co
                      const std::string& schedule, double dropout_p, uint64_t seed, uint64_t offset,
                      uintptr_t stream, int64_t sram_bytes, int num_threads, bool deterministic,
                      const std::optional<InArray>& block_mask, int64_t block_size_q,
-                     int64_t block_size_k) {
+                     int64_t block_size_k,
+             const std::optional<InArray>& alibi_slopes, double softcap) {
   const Override ov = parse_override(dtype);
   flashdl::Options o =
       make_options(softmax_scale, causal, window_left, window_right, schedule, dropout_p, seed,
                    offset, stream, sram_bytes, num_threads, deterministic);
   set_block_mask(o, block_mask, block_size_q, block_size_k);
+  set_score_mods(o, alibi_slopes, softcap);
   const auto tdo = to_view("dout", dout, ov, true), tq = to_view("q", q, ov, true),
              tk = to_view("k", k, ov, true), tv = to_view("v", v, ov, true),
              to = to_view("out", out, ov, true), tl = to_view("lse", lse, Override::none, false),
@@ -271,6 +288,7 @@ NB_MODULE(_ext, m) {
         "window_right"_a = -1, "schedule"_a = "auto", "dropout_p"_a = 0.0, "seed"_a = 0,
         "offset"_a = 0, "stream"_a = 0, "sram_bytes"_a = 0, "num_threads"_a = 0,
         "block_mask"_a.noconvert() = nb::none(), "block_size_q"_a = 128, "block_size_k"_a = 128,
+        "alibi_slopes"_a.noconvert() = nb::none(), "softcap"_a = 0.0,
         "Attention forward: writes out (like q) and lse (float32, (batch, nheads, seqlen_q)).");
 
   m.def("backward", &backward, "dout"_a.noconvert(), "q"_a.noconvert(), "k"_a.noconvert(),
@@ -281,6 +299,7 @@ NB_MODULE(_ext, m) {
         "offset"_a = 0, "stream"_a = 0, "sram_bytes"_a = 0, "num_threads"_a = 0,
         "deterministic"_a = false, "block_mask"_a.noconvert() = nb::none(),
         "block_size_q"_a = 128, "block_size_k"_a = 128,
+        "alibi_slopes"_a.noconvert() = nb::none(), "softcap"_a = 0.0,
         "Attention backward: writes dq, dk, dv (shaped and typed like q, k, v).");
 
   m.def("forward_varlen", &forward_varlen, "q"_a.noconvert(), "k"_a.noconvert(),
@@ -290,7 +309,7 @@ NB_MODULE(_ext, m) {
         "causal"_a = false, "window_left"_a = -1, "window_right"_a = -1, "schedule"_a = "auto",
         "dropout_p"_a = 0.0, "seed"_a = 0, "offset"_a = 0, "stream"_a = 0, "sram_bytes"_a = 0,
         "num_threads"_a = 0, "block_mask"_a.noconvert() = nb::none(), "block_size_q"_a = 128,
-        "block_size_k"_a = 128,
+        "block_size_k"_a = 128, "alibi_slopes"_a.noconvert() = nb::none(), "softcap"_a = 0.0,
         "Variable-length forward: q (total_q, nheads, headdim), k, v (total_k, nheads_kv, "
         "headdim), cu_seqlens int32 (batch + 1,) on the CPU; writes out (like q) and lse "
         "(float32, (nheads, total_q)).");
@@ -304,6 +323,7 @@ NB_MODULE(_ext, m) {
         "dropout_p"_a = 0.0, "seed"_a = 0, "offset"_a = 0, "stream"_a = 0, "sram_bytes"_a = 0,
         "num_threads"_a = 0, "deterministic"_a = false, "block_mask"_a.noconvert() = nb::none(),
         "block_size_q"_a = 128, "block_size_k"_a = 128,
+        "alibi_slopes"_a.noconvert() = nb::none(), "softcap"_a = 0.0,
         "Variable-length backward: writes dq, dk, dv (shaped and typed like q, k, v).");
 
   m.def("dropout_mask", &dropout_mask, "mask_out"_a.noconvert(), nb::kw_only(), "dropout_p"_a,

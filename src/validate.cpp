@@ -257,6 +257,39 @@ void check_block_mask(const Options& o, const Shapes& s, Device device,
   for (auto [name, t] : outputs) check_no_overlap(name, *t, "block_mask", m);
 }
 
+void check_score_mods(const Options& o, const Shapes& s, Device device,
+                      std::initializer_list<NamedView> outputs) {
+  if (!(o.softcap >= 0.0 && std::isfinite(o.softcap)))
+    fail(ErrorKind::value, "softcap: expected a finite number >= 0 (0: off), got " +
+                               num_str(o.softcap));
+  const TensorView& a = o.alibi_slopes;
+  if (!a.defined()) return;
+  check_defined("alibi_slopes", a);
+  const bool shape_ok = (a.rank == 1 && a.shape[0] == s.nheads) ||
+                        (a.rank == 2 && a.shape[0] == s.batch && a.shape[1] == s.nheads);
+  if (!shape_ok)
+    fail(ErrorKind::value, "alibi_slopes: expected shape " + shape_str({s.nheads}) + " or " +
+                               shape_str({s.batch, s.nheads}) + " ((nheads,) or (batch, nheads)), got " +
+                               shape_str(a));
+  check_dtype("alibi_slopes", a, DType::float32, "ALiBi slopes are float32, as in flash-attn");
+  check_device("alibi_slopes", a, device);
+  check_last_dim_contiguous("alibi_slopes", a);
+  for (auto [name, t] : outputs) check_no_overlap(name, *t, "alibi_slopes", a);
+  // Host slopes are read here; device ones are not (that would cost a synchronisation).
+  if (device.type == DeviceType::cpu && a.numel() > 0) {
+    const auto* base = static_cast<const float*>(a.data);
+    const int64_t rows = a.rank == 2 ? a.shape[0] : 1, row_stride = a.rank == 2 ? a.strides[0] : 0;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t h = 0; h < s.nheads; ++h) {
+        const float x = base[r * row_stride + h * a.strides[a.rank - 1]];
+        if (!std::isfinite(x))
+          fail(ErrorKind::value, "alibi_slopes: expected finite slopes, got " + num_str(x) +
+                                     " at " + (a.rank == 2 ? "[" + std::to_string(r) + ", " : "[") +
+                                     std::to_string(h) + "]");
+      }
+  }
+}
+
 #define FLASHDL_SET_STRIDES(P, prefix, t) \
   P.prefix##_batch_stride = (t).strides[0];  \
   P.prefix##_row_stride = (t).strides[1];    \
@@ -313,6 +346,14 @@ Params make_params(const TensorView& q, const TensorView& k, const TensorView& v
   // kernels' tile arithmetic far from overflow.
   p.block_q = std::min(o.block_size_q, std::max<int64_t>(s.seqlen_q, 1));
   p.block_k = std::min(o.block_size_k, std::max<int64_t>(s.seqlen_k, 1));
+
+  const TensorView& slopes = o.alibi_slopes;
+  if (slopes.defined() && slopes.numel() > 0) {
+    p.alibi_slopes_ptr = static_cast<const float*>(slopes.data);
+    p.alibi_batch_stride = slopes.rank == 2 ? slopes.strides[0] : 0;
+    p.alibi_head_stride = slopes.strides[slopes.rank - 1];
+  }
+  p.softcap = o.softcap;
 
   p.p_dropout = o.dropout_p;
   p.seed = o.seed;

@@ -39,6 +39,11 @@ using NamedView = std::pair<const char*, const TensorView*>;
 void check_block_mask(const Options& o, const Shapes& s, Device device,
                       std::initializer_list<NamedView> outputs);
 
+// softcap, and the ALiBi slopes of `o` for a problem of extents `s` (for varlen: the batch of
+// sequences) on `device`, that none of `outputs` overlaps them. Called beside check_block_mask.
+void check_score_mods(const Options& o, const Shapes& s, Device device,
+                      std::initializer_list<NamedView> outputs);
+
 // Checks q, k, v, out, lse and the options; returns the problem's extents.
 Shapes check_attention_args(const TensorView& q, const TensorView& k, const TensorView& v,
                             const TensorView& out, const TensorView& lse, const Options& o);

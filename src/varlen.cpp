@@ -145,10 +145,11 @@ Shapes mask_extents(const VarlenBatch& vb, const Shapes& whole, int64_t max_seql
                 whole.headdim};
 }
 
-// Params of sequence b: its block-mask plane (the mask's batch index is the sequence's) and its
-// dropout stream (that of dense batch b).
+// Params of sequence b: its block-mask plane and ALiBi slopes (their batch index is the
+// sequence's) and its dropout stream (that of dense batch b).
 void select_sequence(Params& p, int64_t b) {
   if (p.block_mask_ptr != nullptr) p.block_mask_ptr += b * p.block_mask_batch_stride;
+  if (p.alibi_slopes_ptr != nullptr) p.alibi_slopes_ptr += b * p.alibi_batch_stride;
   p.dropout_batch_offset = b;
 }
 
@@ -178,6 +179,8 @@ void forward_varlen(const TensorView& q, const TensorView& k, const TensorView& 
                    l3 = lse_as_batch1(lse);
   const Shapes whole = check_attention_args(q4, k4, v4, o4, l3, options);
   check_block_mask(options, mask_extents(vb, whole, max_seqlen_q, max_seqlen_k), q.device,
+                   {{"out", &out}, {"lse", &lse}});
+  check_score_mods(options, mask_extents(vb, whole, max_seqlen_q, max_seqlen_k), q.device,
                    {{"out", &out}, {"lse", &lse}});
   if (whole.nheads == 0 || vb.batch() == 0) return;
   if (q.device.type != DeviceType::cpu) {
@@ -221,6 +224,8 @@ void backward_varlen(const TensorView& dout, const TensorView& q, const TensorVi
                    dq4 = as_batch1(dq), dk4 = as_batch1(dk), dv4 = as_batch1(dv);
   const Shapes whole = check_backward_args(do4, q4, k4, v4, o4, l3, dq4, dk4, dv4, options);
   check_block_mask(options, mask_extents(vb, whole, max_seqlen_q, max_seqlen_k), q.device,
+                   {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}});
+  check_score_mods(options, mask_extents(vb, whole, max_seqlen_q, max_seqlen_k), q.device,
                    {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}});
   if (whole.nheads == 0 || vb.batch() == 0) return;
   if (q.device.type != DeviceType::cpu) {

@@ -36,6 +36,14 @@ struct Options {
   TensorView block_mask{};
   int64_t block_size_q = 128;
   int64_t block_size_k = 128;
+
+  // Score modifiers (detail/score_mod.hpp), flash-attn's conventions. alibi_slopes: float32
+  // (nheads,) or (batch, nheads) on the device of q; query i of head h gets
+  // -slope_h * |i + seqlen_k - seqlen_q - j| added to its scaled score at key j (after the cap,
+  // before the mask); not differentiated. Undefined (rank 0, the default): no bias.
+  // softcap > 0: scaled scores become softcap * tanh(score / softcap); 0: off.
+  TensorView alibi_slopes{};
+  double softcap = 0.0;
 };
 
 // One flat POD per call, filled and validated by api.cpp alone. Strides are in elements.
@@ -101,6 +109,12 @@ struct Params {
   const uint8_t* block_mask_ptr;
   int64_t block_q, block_k;
   int64_t block_mask_batch_stride, block_mask_head_stride, block_mask_row_stride;
+
+  // Score modifiers (null / 0: off), read through detail::score_mod_of. Slopes are float32;
+  // strides in elements, a batch stride of 0 broadcasts (nheads,) slopes over the batch.
+  const float* alibi_slopes_ptr;
+  int64_t alibi_batch_stride, alibi_head_stride;
+  double softcap;
 
   Schedule schedule;  // never automatic here: api.cpp resolves it
   bool deterministic;

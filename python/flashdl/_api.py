@@ -93,6 +93,22 @@ def _block_sparse(block_mask, block_size):
     return dict(block_mask=block_mask, block_size_q=bq, block_size_k=bk)
 
 
+def _score_mods(alibi_slopes, softcap):
+    """The extension's score-modifier keywords. alibi_slopes: None or a float32 array that crosses
+    DLPack (NumPy, or the framework of q, on the device of q); the core checks dtype, shape and
+    device. softcap: a float >= 0 (0: off); the core checks the range."""
+    if not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap: expected a float >= 0 (0: off), got {type(softcap).__name__}")
+    if alibi_slopes is not None:
+        if not (isinstance(alibi_slopes, np.ndarray) or hasattr(alibi_slopes, "__dlpack__")):
+            raise TypeError("alibi_slopes: expected None or a float32 array (NumPy or the "
+                            "framework of q) of shape (nheads,) or (batch, nheads), "
+                            f"got {type(alibi_slopes).__name__}")
+        if getattr(alibi_slopes, "requires_grad", False):
+            alibi_slopes = alibi_slopes.detach()  # the slopes are not differentiated
+    return dict(alibi_slopes=alibi_slopes, softcap=float(softcap))
+
+
 def _options(causal, softmax_scale, schedule, window_size, frame):
     if not isinstance(schedule, str):
         raise TypeError(f"schedule: expected a str ('auto', 'fa1', 'fa2' or 'reference'), "
@@ -120,35 +136,43 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
               return_lse: Literal[False] = ..., window_size: Tuple[int, int] = ...,
               dropout_p: float = ..., seed: Optional[int] = ..., offset: int = ...,
               return_seed: Literal[False] = ..., block_mask: Optional[ArrayLike] = ...,
-              block_size: BlockSize = ...) -> ArrayLike: ...
+              block_size: BlockSize = ...,
+              alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...) -> ArrayLike: ...
 @overload
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
               softmax_scale: Optional[float] = ..., schedule: str = ...,
               return_lse: Literal[True], window_size: Tuple[int, int] = ...,
               dropout_p: float = ..., seed: Optional[int] = ..., offset: int = ...,
               return_seed: Literal[False] = ..., block_mask: Optional[ArrayLike] = ...,
-              block_size: BlockSize = ...) -> Tuple[ArrayLike, ArrayLike]: ...
+              block_size: BlockSize = ...,
+              alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...
+              ) -> Tuple[ArrayLike, ArrayLike]: ...
 @overload
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
               softmax_scale: Optional[float] = ..., schedule: str = ...,
               return_lse: Literal[False] = ..., window_size: Tuple[int, int] = ...,
               dropout_p: float = ..., seed: Optional[int] = ..., offset: int = ...,
               return_seed: Literal[True], block_mask: Optional[ArrayLike] = ...,
-              block_size: BlockSize = ...) -> Tuple[ArrayLike, int]: ...
+              block_size: BlockSize = ...,
+              alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...
+              ) -> Tuple[ArrayLike, int]: ...
 @overload
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
               softmax_scale: Optional[float] = ..., schedule: str = ...,
               return_lse: Literal[True], window_size: Tuple[int, int] = ...,
               dropout_p: float = ..., seed: Optional[int] = ..., offset: int = ...,
               return_seed: Literal[True], block_mask: Optional[ArrayLike] = ...,
-              block_size: BlockSize = ...) -> Tuple[ArrayLike, ArrayLike, int]: ...
+              block_size: BlockSize = ...,
+              alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...
+              ) -> Tuple[ArrayLike, ArrayLike, int]: ...
 @overload
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
               softmax_scale: Optional[float] = ..., schedule: str = ...,
               return_lse: bool = ..., window_size: Tuple[int, int] = ...,
               dropout_p: float = ..., seed: Optional[int] = ..., offset: int = ...,
               return_seed: bool = ..., block_mask: Optional[ArrayLike] = ...,
-              block_size: BlockSize = ...) -> Any: ...
+              block_size: BlockSize = ...,
+              alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...) -> Any: ...
 
 
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
@@ -156,7 +180,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
               return_lse: bool = False, window_size: Tuple[int, int] = (-1, -1),
               dropout_p: float = 0.0, seed: Optional[int] = None, offset: int = 0,
               return_seed: bool = False, block_mask: Optional[ArrayLike] = None,
-              block_size: BlockSize = 128) -> Any:
+              block_size: BlockSize = 128,
+              alibi_slopes: Optional[ArrayLike] = None, softcap: float = 0.0) -> Any:
     """Exact attention softmax(q k^T * scale) v, computed without materialising the N x N matrix.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim), with
@@ -186,6 +211,14 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
     and the window allow it). Zero blocks are never loaded or computed. For CPU arrays a NumPy
     array or a CPU array of the framework of q; for CUDA arrays an array on the device of q.
 
+    Score modifiers (flash-attn's conventions and order: scale, cap, bias, mask):
+    softcap > 0 replaces each scaled score s by softcap * tanh(s / softcap) (Gemma 2, Grok),
+    with the tanh's derivative in the backward; 0 is off. alibi_slopes: float32 (nheads,) or
+    (batch, nheads) (NumPy or the framework of q, on the device of q) adds
+    -slope[h] * |i + seqlen_k - seqlen_q - j| to the score of query i at key j (ALiBi: BLOOM,
+    MPT), bottom-right aligned like causal; the slopes get no gradient. lse is of the modified
+    scores.
+
     Returns out (like q, in the caller's framework and device); (out, lse) with
     return_lse=True, lse float32 (batch, nheads, seqlen_q), the natural-log sum of exp of the
     scaled scores (-inf, with out 0, for a query that sees no key); return_seed=True appends
@@ -197,6 +230,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
                           "flashdl.torch.attention")
     opts = _options(causal, softmax_scale, schedule, window_size, frame)
     opts.update(_block_sparse(block_mask, block_size))
+    opts.update(_score_mods(alibi_slopes, softcap))
     dropout_p, seed, offset = _dropout(dropout_p, seed, offset)
     out = frame.empty(q.shape, q.dtype)
     lse = frame.empty(_lse_shape(q), frame.float32())
@@ -210,10 +244,11 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
 
 
 def _backward_options(causal, softmax_scale, schedule, window_size, frame, dropout_p, seed,
-                      offset, block_mask, block_size):
+                      offset, block_mask, block_size, alibi_slopes, softcap):
     """The backward's options: the forward's, with the dropout seed it used (never drawn here)."""
     opts = _options(causal, softmax_scale, schedule, window_size, frame)
     opts.update(_block_sparse(block_mask, block_size))
+    opts.update(_score_mods(alibi_slopes, softcap))
     if seed is None:
         raise TypeError("seed: expected the int seed the forward used, got None")
     dropout_p, seed, offset = _dropout(dropout_p, seed, offset)
@@ -226,20 +261,22 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
                        softmax_scale: Optional[float] = None, schedule: str = "auto",
                        window_size: Tuple[int, int] = (-1, -1), deterministic: bool = False,
                        dropout_p: float = 0.0, seed: int = 0, offset: int = 0,
-                       block_mask: Optional[ArrayLike] = None, block_size: BlockSize = 128
+                       block_mask: Optional[ArrayLike] = None, block_size: BlockSize = 128,
+                       alibi_slopes: Optional[ArrayLike] = None, softcap: float = 0.0
                        ) -> Tuple[ArrayLike, ArrayLike, ArrayLike]:
     """Gradients (dq, dk, dv) of attention(q, k, v) for the upstream gradient dout.
 
     out and lse are what attention(..., return_lse=True) returned for the same arguments and
     options; with dropout, pass the same dropout_p, offset and the seed the forward used
     (attention(..., return_seed=True) returns it when it drew one), so that the backward
-    regenerates the same mask; with a block mask, the same block_mask and block_size. dq, dk, dv
+    regenerates the same mask; with a block mask or score modifiers, the same block_mask and
+    block_size, alibi_slopes and softcap. dq, dk, dv
     come back shaped and typed like q, k, v; with GQA,
     dk and dv sum over the query heads of each group.
     """
     frame = Frame({"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}, _FLOATS_BWD)
     opts = _backward_options(causal, softmax_scale, schedule, window_size, frame, dropout_p, seed,
-                             offset, block_mask, block_size)
+                             offset, block_mask, block_size, alibi_slopes, softcap)
     dq = frame.empty(q.shape, q.dtype)
     dk = frame.empty(k.shape, k.dtype)
     dv = frame.empty(v.shape, v.dtype)
@@ -310,7 +347,8 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                      schedule: str = ..., return_lse: Literal[False] = ...,
                      window_size: Tuple[int, int] = ..., dropout_p: float = ...,
                      seed: Optional[int] = ..., offset: int = ...,
-                     block_mask: Optional[ArrayLike] = ..., block_size: BlockSize = ...
+                     block_mask: Optional[ArrayLike] = ..., block_size: BlockSize = ...,
+                     alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...
                      ) -> ArrayLike: ...
 @overload
 def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
@@ -319,7 +357,8 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                      schedule: str = ..., return_lse: Literal[True],
                      window_size: Tuple[int, int] = ..., dropout_p: float = ...,
                      seed: Optional[int] = ..., offset: int = ...,
-                     block_mask: Optional[ArrayLike] = ..., block_size: BlockSize = ...
+                     block_mask: Optional[ArrayLike] = ..., block_size: BlockSize = ...,
+                     alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...
                      ) -> Tuple[ArrayLike, ArrayLike]: ...
 @overload
 def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
@@ -328,7 +367,8 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                      schedule: str = ..., return_lse: bool = ...,
                      window_size: Tuple[int, int] = ..., dropout_p: float = ...,
                      seed: Optional[int] = ..., offset: int = ...,
-                     block_mask: Optional[ArrayLike] = ..., block_size: BlockSize = ...
+                     block_mask: Optional[ArrayLike] = ..., block_size: BlockSize = ...,
+                     alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...
                      ) -> Any: ...
 
 
@@ -338,7 +378,8 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                      schedule: str = "auto", return_lse: bool = False,
                      window_size: Tuple[int, int] = (-1, -1), dropout_p: float = 0.0,
                      seed: Optional[int] = None, offset: int = 0,
-                     block_mask: Optional[ArrayLike] = None, block_size: BlockSize = 128) -> Any:
+                     block_mask: Optional[ArrayLike] = None, block_size: BlockSize = 128,
+                     alibi_slopes: Optional[ArrayLike] = None, softcap: float = 0.0) -> Any:
     """attention over a batch of sequences of different lengths, packed with no padding
     (flash-attn's flash_attn_varlen_func layout).
 
@@ -357,7 +398,8 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
     row, col) with row and col counted within the sequence. block_mask: (nblocks_q, nblocks_k)
     for every sequence, or (batch or 1, nheads or 1, nblocks_q, nblocks_k) with one plane per
     sequence, nblocks = ceil(max_seqlen / block_size); blocks are counted from each sequence's
-    start. On CUDA the whole batch is one launch.
+    start. On CUDA the whole batch is one launch. alibi_slopes: (nheads,) or (batch, nheads), row b for
+    sequence b, with i and j counted within the sequence; softcap as in attention.
 
     Returns out (like q); (out, lse) with return_lse=True, lse float32 (nheads, total_q).
     """
@@ -371,6 +413,7 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
     max_q, max_k = _max_seqlen("max_seqlen_q", max_seqlen_q), _max_seqlen("max_seqlen_k",
                                                                            max_seqlen_k)
     opts.update(_block_sparse(block_mask, block_size))
+    opts.update(_score_mods(alibi_slopes, softcap))
     out = frame.empty(q.shape, q.dtype)
     lse = frame.empty(_varlen_lse_shape(q), frame.float32())
     _ext.forward_varlen(frame.export(q), frame.export(k), frame.export(v), cu_q, cu_k, max_q,
@@ -387,7 +430,8 @@ def attention_varlen_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: Ar
                               schedule: str = "auto", window_size: Tuple[int, int] = (-1, -1),
                               deterministic: bool = False, dropout_p: float = 0.0, seed: int = 0,
                               offset: int = 0, block_mask: Optional[ArrayLike] = None,
-                              block_size: BlockSize = 128
+                              block_size: BlockSize = 128,
+                              alibi_slopes: Optional[ArrayLike] = None, softcap: float = 0.0
                               ) -> Tuple[ArrayLike, ArrayLike, ArrayLike]:
     """Gradients (dq, dk, dv) of attention_varlen for the upstream gradient dout
     (total_q, nheads, headdim); out and lse (nheads, total_q) as attention_varlen(...,
@@ -395,7 +439,7 @@ def attention_varlen_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: Ar
     query rows gets zero dk, dv."""
     frame = Frame({"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}, _FLOATS_BWD)
     opts = _backward_options(causal, softmax_scale, schedule, window_size, frame, dropout_p, seed,
-                             offset, block_mask, block_size)
+                             offset, block_mask, block_size, alibi_slopes, softcap)
     cu_q, cu_k = _cu_seqlens("cu_seqlens_q", cu_seqlens_q), _cu_seqlens("cu_seqlens_k",
                                                                          cu_seqlens_k)
     max_q, max_k = _max_seqlen("max_seqlen_q", max_seqlen_q), _max_seqlen("max_seqlen_k",

@@ -29,6 +29,8 @@ def forward(
     block_mask: Optional[_Array] = None,
     block_size_q: int = 128,
     block_size_k: int = 128,
+    alibi_slopes: Optional[_Array] = None,
+    softcap: float = 0.0,
 ) -> None:
     """Attention forward: writes out (like q) and lse (float32, (batch, nheads, seqlen_q))."""
 
@@ -59,6 +61,8 @@ def backward(
     block_mask: Optional[_Array] = None,
     block_size_q: int = 128,
     block_size_k: int = 128,
+    alibi_slopes: Optional[_Array] = None,
+    softcap: float = 0.0,
 ) -> None:
     """Attention backward: writes dq, dk, dv (shaped and typed like q, k, v)."""
 
@@ -88,6 +92,8 @@ def forward_varlen(
     block_mask: Optional[_Array] = None,
     block_size_q: int = 128,
     block_size_k: int = 128,
+    alibi_slopes: Optional[_Array] = None,
+    softcap: float = 0.0,
 ) -> None:
     """Variable-length forward: writes out (like q) and lse (float32, (nheads, total_q))."""
 
@@ -122,6 +128,8 @@ def backward_varlen(
     block_mask: Optional[_Array] = None,
     block_size_q: int = 128,
     block_size_k: int = 128,
+    alibi_slopes: Optional[_Array] = None,
+    softcap: float = 0.0,
 ) -> None:
     """Variable-length backward: writes dq, dk, dv (shaped and typed like q, k, v)."""
 

@@ -32,10 +32,11 @@ def _last_dim_contiguous(dout):
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, softmax_scale, schedule, window_size, dropout_p, seed,
-                offset, block_mask, block_size, deterministic):
+                offset, block_mask, block_size, deterministic, alibi_slopes, softcap):
         opts = dict(causal=causal, softmax_scale=softmax_scale, schedule=schedule,
                     window_size=window_size, dropout_p=dropout_p, seed=seed, offset=offset,
-                    block_mask=block_mask, block_size=block_size)
+                    block_mask=block_mask, block_size=block_size, alibi_slopes=alibi_slopes,
+                    softcap=softcap)
         out, lse = _attention(q, k, v, return_lse=True, **opts)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.opts = opts
@@ -50,7 +51,7 @@ class _Attention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _attention_backward(_last_dim_contiguous(dout), q, k, v, out, lse,
                                          deterministic=ctx.deterministic, **ctx.opts)
-        return (dq, dk, dv) + (None,) * 10
+        return (dq, dk, dv) + (None,) * 12
 
 
 def _torch_seed() -> int:
@@ -64,6 +65,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               window_size: Tuple[int, int] = ..., dropout_p: float = ...,
               seed: Optional[int] = ..., offset: int = ..., block_mask: Optional[ArrayLike] = ...,
               block_size: BlockSize = ..., deterministic: bool = ...,
+              alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...,
               return_lse: Literal[False] = ...) -> torch.Tensor: ...
 @overload
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
@@ -71,13 +73,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               window_size: Tuple[int, int] = ..., dropout_p: float = ...,
               seed: Optional[int] = ..., offset: int = ..., block_mask: Optional[ArrayLike] = ...,
               block_size: BlockSize = ..., deterministic: bool = ...,
+              alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...,
               return_lse: Literal[True]) -> Tuple[torch.Tensor, torch.Tensor]: ...
 @overload
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
               softmax_scale: Optional[float] = ..., schedule: str = ...,
               window_size: Tuple[int, int] = ..., dropout_p: float = ...,
               seed: Optional[int] = ..., offset: int = ..., block_mask: Optional[ArrayLike] = ...,
-              block_size: BlockSize = ..., deterministic: bool = ..., return_lse: bool = ...
+              block_size: BlockSize = ..., deterministic: bool = ...,
+              alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ..., return_lse: bool = ...
               ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]: ...
 
 
@@ -85,7 +89,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               softmax_scale: Optional[float] = None, schedule: str = "auto",
               window_size: Tuple[int, int] = (-1, -1), dropout_p: float = 0.0,
               seed: Optional[int] = None, offset: int = 0, block_mask: Optional[ArrayLike] = None,
-              block_size: BlockSize = 128, deterministic: bool = False, return_lse: bool = False
+              block_size: BlockSize = 128, deterministic: bool = False,
+              alibi_slopes: Optional[ArrayLike] = None, softcap: float = 0.0,
+              return_lse: bool = False
               ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """flashdl.attention for torch tensors, differentiable with respect to q, k and v.
 
@@ -105,6 +111,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     block_mask, block_size: block-sparse attention as in flashdl.attention (a bool CPU tensor or
     NumPy array); the backward skips the same zero blocks.
 
+    alibi_slopes (float32 (nheads,) or (batch, nheads), on the device of q; no gradient) and
+    softcap (> 0: scores capped by softcap * tanh(score / softcap)) as in flashdl.attention.
+
     return_lse=True returns (out, lse), lse float32 (batch, nheads, seqlen_q) as in
     flashdl.attention; lse carries no gradient (it is marked non-differentiable).
     """
@@ -112,7 +121,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         seed = _torch_seed() if _dropout(dropout_p, 0, offset)[0] > 0 else 0
     dropout_p, seed, offset = _dropout(dropout_p, seed, offset)
     out, lse = _Attention.apply(q, k, v, causal, softmax_scale, schedule, window_size, dropout_p,
-                                seed, offset, block_mask, block_size, bool(deterministic))
+                                seed, offset, block_mask, block_size, bool(deterministic),
+                                alibi_slopes, softcap)
     return (out, lse) if return_lse else out
 
 
@@ -120,10 +130,11 @@ class _AttentionVarlen(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                 softmax_scale, schedule, window_size, dropout_p, seed, offset, block_mask,
-                block_size, deterministic):
+                block_size, deterministic, alibi_slopes, softcap):
         opts = dict(causal=causal, softmax_scale=softmax_scale, schedule=schedule,
                     window_size=window_size, dropout_p=dropout_p, seed=seed, offset=offset,
-                    block_mask=block_mask, block_size=block_size)
+                    block_mask=block_mask, block_size=block_size, alibi_slopes=alibi_slopes,
+                    softcap=softcap)
         out, lse = _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                      max_seqlen_k, return_lse=True, **opts)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -140,7 +151,7 @@ class _AttentionVarlen(torch.autograd.Function):
         dq, dk, dv = _attention_varlen_backward(_last_dim_contiguous(dout), q, k, v, out, lse,
                                                 *ctx.varlen, deterministic=ctx.deterministic,
                                                 **ctx.opts)
-        return (dq, dk, dv) + (None,) * 14
+        return (dq, dk, dv) + (None,) * 16
 
 
 @overload
@@ -151,7 +162,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      window_size: Tuple[int, int] = ..., dropout_p: float = ...,
                      seed: Optional[int] = ..., offset: int = ...,
                      block_mask: Optional[ArrayLike] = ..., block_size: BlockSize = ...,
-                     deterministic: bool = ..., return_lse: Literal[False] = ...
+                     deterministic: bool = ..., alibi_slopes: Optional[ArrayLike] = ...,
+                     softcap: float = ..., return_lse: Literal[False] = ...
                      ) -> torch.Tensor: ...
 @overload
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -161,7 +173,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      window_size: Tuple[int, int] = ..., dropout_p: float = ...,
                      seed: Optional[int] = ..., offset: int = ...,
                      block_mask: Optional[ArrayLike] = ..., block_size: BlockSize = ...,
-                     deterministic: bool = ..., return_lse: Literal[True]
+                     deterministic: bool = ..., alibi_slopes: Optional[ArrayLike] = ...,
+                     softcap: float = ..., return_lse: Literal[True]
                      ) -> Tuple[torch.Tensor, torch.Tensor]: ...
 @overload
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -171,7 +184,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      window_size: Tuple[int, int] = ..., dropout_p: float = ...,
                      seed: Optional[int] = ..., offset: int = ...,
                      block_mask: Optional[ArrayLike] = ..., block_size: BlockSize = ...,
-                     deterministic: bool = ..., return_lse: bool = ...
+                     deterministic: bool = ..., alibi_slopes: Optional[ArrayLike] = ...,
+                     softcap: float = ..., return_lse: bool = ...
                      ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]: ...
 
 
@@ -182,7 +196,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      window_size: Tuple[int, int] = (-1, -1), dropout_p: float = 0.0,
                      seed: Optional[int] = None, offset: int = 0,
                      block_mask: Optional[ArrayLike] = None, block_size: BlockSize = 128,
-                     deterministic: bool = False, return_lse: bool = False
+                     deterministic: bool = False, alibi_slopes: Optional[ArrayLike] = None,
+                     softcap: float = 0.0, return_lse: bool = False
                      ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """flashdl.attention_varlen for torch tensors, differentiable with respect to q, k and v.
 
@@ -199,7 +214,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out, lse = _AttentionVarlen.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                       max_seqlen_k, causal, softmax_scale, schedule, window_size,
                                       dropout_p, seed, offset, block_mask, block_size,
-                                      bool(deterministic))
+                                      bool(deterministic), alibi_slopes, softcap)
     return (out, lse) if return_lse else out
 
 

@@ -123,12 +123,43 @@ bool pair_in_mask(const Geometry<T>& g, const BlockMask& bm, int64_t qt, int64_t
   return bm.block(g.qt.segment_of(qt), g.kt.segment_of(kt));
 }
 
+// The score modifiers of head (b, h) (detail/score_mod.hpp), or null for plain attention, which
+// keeps the unmodified path.
+template <typename T>
+struct HeadMods {
+  detail::ScoreMod<T> mod;
+  bool on;
+  HeadMods(const Params& p, int64_t b, int64_t h)
+      : mod(detail::score_mod_of<T>(p, b, h)), on(detail::has_score_mod(p)) {}
+  const detail::ScoreMod<T>* get() const { return on ? &mod : nullptr; }
+};
+
 // S = Q K^T for the tile pair, scaled to the exp2 domain, with invisible keys, padding rows and
-// padding columns at -inf. Writes each row's max to row_max (mp entries).
+// padding columns at -inf. Writes each row's max to row_max (mp entries). With score modifiers
+// (mod non-null) they are applied before the mask, and grad (non-null: the backward) receives
+// d score / d (scale q.k) for every element of the mp x np tile (0 in padding rows).
 template <typename T>
 void masked_scores(const Geometry<T>& g, const Mask& mask, const T* Q, const T* Kt, int64_t ldkt,
-                   T* S, const TilePair& t, T* row_max) {
+                   T* S, const TilePair& t, T* row_max, const detail::ScoreMod<T>* mod = nullptr,
+                   T* grad = nullptr) {
   gemm<T, false, false>(t.mp, t.np, g.d, Q, g.dp, Kt, ldkt, S, g.Bcp);
+  if (mod != nullptr) {
+    for (int64_t r = 0; r < t.mp; ++r) {
+      T* s = S + r * g.Bcp;
+      T* gr = grad ? grad + r * g.Bcp : nullptr;
+      if (r >= t.rows) {
+        std::fill(s, s + t.np, T(-INFINITY));
+        if (gr) std::fill(gr, gr + t.np, T(0));
+        row_max[r] = T(-INFINITY);
+        continue;
+      }
+      const int64_t i = t.i0 + r;
+      const int64_t lo = mask.col_begin(i) - t.j0;
+      const int64_t hi = std::min(mask.col_end(i) - t.j0, t.cols);
+      row_max[r] = row_modified_range_max(s, t.np, *mod, mask.diag(i) - t.j0, lo, hi, gr);
+    }
+    return;
+  }
   const bool full = t.rows == t.mp && t.cols == t.np &&
                     mask.block_fully_visible(t.i0, t.i0 + t.rows, t.j0, t.j0 + t.cols);
   for (int64_t r = 0; r < t.mp; ++r) {
@@ -186,12 +217,13 @@ void apply_dropout(const Geometry<T>& g, const Params& p, int64_t b, int64_t h, 
 // Per-call working buffers of one thread for backward_block.
 template <typename T>
 struct BackwardScratch {
-  Buffer<T> S, dS, Z, Pd, row_max;
+  Buffer<T> S, dS, Z, Pd, G, row_max;
 };
 
 // One step of Algorithm 4 for the tile pair t (query rows of head (b, h), keys of its kv head):
 //   P = exp2(scores - L2); dV += (P*Z)^T dO; dP = (dO V^T)*Z; dS = P*(dP - D);
 //   dK += dS^T Q; dQ += dS K           (dK and dQ without the softmax scale; callers apply it)
+// With a softcap, dS is also multiplied by the cap's derivative G (masked_scores).
 // Q, dO, dQ hold t.mp rows of dp; L2 (lse in the exp2 domain) and D t.mp entries; K is Bcp x dp,
 // Kt and Vt are d x Bcp; dK, dV are Bcp x dp.
 template <typename T>
@@ -203,7 +235,9 @@ void backward_block(const Geometry<T>& g, const Params& p, const Mask& mask, int
   T* S = scratch.S.get(n);
   T* dS = scratch.dS.get(n);
   T* row_max = scratch.row_max.get(g.Brp);
-  masked_scores(g, mask, Q, Kt, g.Bcp, S, t, row_max);
+  const HeadMods<T> mods(p, b, h);
+  T* G = mods.on && mods.mod.capped() ? scratch.G.get(n) : nullptr;
+  masked_scores(g, mask, Q, Kt, g.Bcp, S, t, row_max, mods.get(), G);
   for (int64_t r = 0; r < t.mp; ++r)  // P = exp2(t - lse2); masked entries give exactly 0
     row_exp2_sum(S + r * g.Bcp, t.np, detail::softmax_reference_point(L2[r]));
 
@@ -234,6 +268,10 @@ void backward_block(const Geometry<T>& g, const Params& p, const Mask& mask, int
       vstore(dS + j, vload(S + j) * (dp - vd));
     }
   }
+  if (G != nullptr)
+    for (int64_t r = 0; r < t.mp; ++r)
+      for (int64_t j = r * g.Bcp; j < r * g.Bcp + t.np; j += W)
+        vstore(dS + j, vload(dS + j) * vload(G + j));
   zero_tail(dS);
   gemm<T, true, true>(t.nm, g.dp, t.mp, dS, g.Bcp, Q, g.dp, dK, g.dp);
   gemm<T, false, true>(t.mp, g.dp, t.np, dS, g.Bcp, K, g.dp, dQ, g.dp);

@@ -32,6 +32,7 @@ void fa1_forward_impl(const Params& p, int threads, int64_t sram_bytes) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / p.nheads, h = bh % p.nheads, hk = h / p.h_h_k_ratio;
       const BlockMask bm = detail::block_mask_of(p, b, h);
+      const HeadMods<T> mods(p, b, h);
       // Line 2: O = 0, l = 0, m = -inf.
       std::fill(O, O + rows_alloc * g.dp, T(0));
       std::fill(l, l + rows_alloc, T(0));
@@ -58,7 +59,7 @@ void fa1_forward_impl(const Params& p, int threads, int64_t sram_bytes) {
           load_rows(element(p.q_ptr, p.dtype, q_offset(p, b, i0, h)), p.dtype, p.q_row_stride,
                     rows, g.d, Q, g.dp, g.Brp);
           // Lines 9-10: S = tau Q K^T (masked), m~ = rowmax, P~ = exp(S - m~), l~ = rowsum.
-          masked_scores(g, mask, Q, Kt, g.Bcp, S, t, m_tilde);
+          masked_scores(g, mask, Q, Kt, g.Bcp, S, t, m_tilde, mods.get());
           for (int64_t r = 0; r < t.mp; ++r) {
             T* s = S + r * g.Bcp;
             if (r < rows)

@@ -69,6 +69,7 @@ void fa2_forward_impl(const Params& p, int threads) {
       const int64_t i0 = g.qt.start(qt), rows = g.qt.size(qt);
       const int64_t j_begin = mask.block_col_begin(i0), j_end = mask.block_col_end(i0 + rows);
       const BlockMask bm = detail::block_mask_of(p, b, h);
+      const HeadMods<T> mods(p, b, h);
 
       std::fill(O, O + g.Brp * g.dp, T(0));
       std::fill(sm.begin(), sm.end(), detail::OnlineSoftmax<T>{});
@@ -84,7 +85,7 @@ void fa2_forward_impl(const Params& p, int threads) {
         }
         const TilePair t = tile_pair(g, qt, kt);
         const auto [Kt, V] = kv.tile(p, g, kt);
-        masked_scores(g, mask, Q, Kt, g.Bcp, S, t, row_max);
+        masked_scores(g, mask, Q, Kt, g.Bcp, S, t, row_max, mods.get());
         for (int64_t r = 0; r < rows; ++r) {
           const T alpha = sm[r].rescale_factor(row_max[r]);
           sm[r].accumulate(alpha, row_exp2_sum(S + r * g.Bcp, t.np, sm[r].reference()));

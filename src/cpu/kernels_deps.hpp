@@ -24,6 +24,7 @@
 #include "flashdl/detail/block_mask.hpp"
 #include "flashdl/detail/mask.hpp"
 #include "flashdl/detail/philox.hpp"
+#include "flashdl/detail/score_mod.hpp"
 #include "flashdl/detail/softmax.hpp"
 #include "flashdl/detail/tiles.hpp"
 #include "flashdl/tensor.hpp"

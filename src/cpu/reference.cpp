@@ -10,6 +10,7 @@
 #include "flashdl/detail/block_mask.hpp"
 #include "flashdl/detail/mask.hpp"
 #include "flashdl/detail/philox.hpp"
+#include "flashdl/detail/score_mod.hpp"
 
 namespace flashdl::cpu {
 
@@ -46,13 +47,17 @@ struct Head {
   }
 };
 
-// P (row-normalised probabilities, 0 where masked) and the natural-log lse of each row.
-void softmax_rows(const Params& p, const Head& hd, std::vector<double>& P, std::vector<double>& lse) {
+// P (row-normalised probabilities, 0 where masked) and the natural-log lse of each row, of the
+// scores after the modifiers (softcap, ALiBi); with G non-null, also d score / d (scale q.k).
+void softmax_rows(const Params& p, const Head& hd, std::vector<double>& P, std::vector<double>& lse,
+                  std::vector<double>* G = nullptr) {
   const int64_t sq = p.seqlen_q, sk = p.seqlen_k, d = p.headdim;
   const Mask mask{sq, sk, p.window_left, p.window_right};
   const detail::BlockMask blocks = detail::block_mask_of(p, hd.b, hd.h);
-  const double scale = p.scale_softmax;
+  // In the exp2 domain the modifiers are ScoreMod's; the oracle divides log2(e) back out.
+  const detail::ScoreMod<double> mod = detail::score_mod_of<double>(p, hd.b, hd.h);
   P.assign(sq * sk, 0.0);
+  if (G) G->assign(sq * sk, 0.0);
   lse.assign(sq, -INFINITY);
   std::vector<double> kd(sk * d);
   for (int64_t j = 0; j < sk; ++j)
@@ -69,7 +74,8 @@ void softmax_rows(const Params& p, const Head& hd, std::vector<double>& P, std::
       }
       double s = 0;
       for (int64_t c = 0; c < d; ++c) s += qi[c] * kd[j * d + c];
-      row[j] = s * scale;
+      row[j] = (mod.score(s) + mod.bias(mask.diag(i), j)) * detail::kLn2;
+      if (G) (*G)[i * sk + j] = mod.grad(s);
       m = std::fmax(m, row[j]);
     }
     if (m == -INFINITY) {  // no visible key: P = 0, lse = -inf
@@ -111,14 +117,15 @@ void reference_backward(const Params& p, int threads) {
   const int64_t sq = p.seqlen_q, sk = p.seqlen_k, d = p.headdim;
   // One task per (batch, kv head): dk and dv sum over the query heads of the group.
   parallel_for(p.batch * p.nheads_kv, threads, [&](int64_t begin, int64_t end, int) {
-    std::vector<double> P, lse, dP(sq * sk), dk(sk * d), dv(sk * d), dq(sq * d), dO(sq * d), D(sq);
+    std::vector<double> P, lse, G, dP(sq * sk), dk(sk * d), dv(sk * d), dq(sq * d), dO(sq * d),
+        D(sq);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / p.nheads_kv, hk = task % p.nheads_kv;
       std::fill(dk.begin(), dk.end(), 0.0);
       std::fill(dv.begin(), dv.end(), 0.0);
       for (int64_t h = hk * p.h_h_k_ratio; h < (hk + 1) * p.h_h_k_ratio; ++h) {
         const Head hd{p, b, h};
-        softmax_rows(p, hd, P, lse);
+        softmax_rows(p, hd, P, lse, &G);
         for (int64_t i = 0; i < sq; ++i)
           for (int64_t c = 0; c < d; ++c) dO[i * d + c] = hd.dout(i, c);
         // dV = (P * Z)^T dO;  dP = (dO V^T) * Z;  D = rowsum(P * dP)
@@ -141,13 +148,14 @@ void reference_backward(const Params& p, int threads) {
             D[i] += pij * dP[i * sk + j];
           }
         }
-        // dS = P * (dP - D);  dQ = scale dS K;  dK = scale dS^T Q
+        // dS = P * (dP - D) * G (G: the softcap's tanh derivative, else 1);
+        // dQ = scale dS K;  dK = scale dS^T Q
         std::fill(dq.begin(), dq.end(), 0.0);
         for (int64_t i = 0; i < sq; ++i)
           for (int64_t j = 0; j < sk; ++j) {
             const double pij = P[i * sk + j];
             if (pij == 0.0) continue;
-            const double ds = pij * (dP[i * sk + j] - D[i]) * p.scale_softmax;
+            const double ds = pij * (dP[i * sk + j] - D[i]) * G[i * sk + j] * p.scale_softmax;
             for (int64_t c = 0; c < d; ++c) {
               dq[i * d + c] += ds * hd.k(j, c);
               dk[j * d + c] += ds * hd.q(i, c);
