@@ -7,9 +7,13 @@ Same layouts as flash-attn: q (batch, seqlen, nheads, headdim), qkv (batch, seql
 headdim), kv (batch, seqlen, 2, nheads_k, headdim); varlen (total, nheads, headdim) with int32
 cu_seqlens. Differences from flash-attn (also in README.md, "Coming from flash-attn"):
 
-- softcap > 0, alibi_slopes and block_table (paged KV) raise NotImplementedError naming the
-  argument; flash_attn_with_kvcache is not provided.
+- block_table (paged KV) raises NotImplementedError naming the argument;
+  flash_attn_with_kvcache is not provided.
 - softmax_lse of a query that sees no key is -inf (flashdl's contract; flash-attn gives +inf).
+- With alibi_slopes and causal=True, softmax_lse is the lse of the biased scores as written
+  (-slope * |i + seqlen_k - seqlen_q - j|); flash-attn's causal kernel adds slope * j instead, the
+  same softmax shifted per row, so its lse is larger by slope * (i + seqlen_k - seqlen_q). out and
+  the gradients are the same.
 - S_dmask (return_attn_probs=True) is described in _attn_probs below: the normalised attention
   probabilities in q's dtype, (batch, nheads, seqlen_q, seqlen_k) with no rounding up of the
   sequence lengths, dropped entries negated; an empty tensor when dropout_p == 0, as flash-attn.
@@ -42,21 +46,17 @@ def _maybe_contiguous(x):
     return x.contiguous() if isinstance(x, torch.Tensor) and x.stride(-1) != 1 else x
 
 
-def _unsupported(softcap, alibi_slopes, block_table=None):
+def _score_mods(softcap, alibi_slopes, block_table=None):
+    """flashdl's softcap and alibi_slopes keywords for flash-attn's arguments."""
     try:
         softcap = float(softcap)
     except (TypeError, ValueError):
         raise TypeError(f"softcap: expected a float, got {type(softcap).__name__}") from None
-    # flash-attn's kernel treats softcap <= 0 as off.
-    if softcap > 0:
-        raise NotImplementedError(f"softcap: softcapping is not implemented in flashdl yet "
-                                  f"(got softcap={softcap}; use 0.0)")
-    if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes: ALiBi is not implemented in flashdl yet "
-                                  "(use alibi_slopes=None)")
     if block_table is not None:
         raise NotImplementedError("block_table: paged KV caches are not implemented in flashdl "
                                   "yet (use block_table=None)")
+    # flash-attn's kernel treats softcap <= 0 as off; flashdl takes 0 for that.
+    return dict(softcap=softcap if softcap > 0 else 0.0, alibi_slopes=alibi_slopes)
 
 
 def _window(window_size):
@@ -94,11 +94,13 @@ def _visible(sq, sk, causal, window, device):
     return ok
 
 
-def _attn_probs(q, k, lse, scale, causal, window, keep):
+def _attn_probs(q, k, lse, scale, causal, window, keep, softcap=0.0, slopes=None):
     """S_dmask for one dense batch: (batch, nheads, seqlen_q, seqlen_k) in q's dtype.
 
-    Entry (b, h, i, j) is the attention probability P = exp(q_i k_j * scale - lse_i) of the
-    undropped softmax (0 where key j is invisible to query i), negated where dropout dropped it:
+    Entry (b, h, i, j) is the attention probability P = exp(s_ij - lse_i) of the undropped
+    softmax (0 where key j is invisible to query i), s_ij the score q_i k_j * scale after softcap
+    and the ALiBi bias (slopes: (nheads,) or (batch, nheads), or None), negated where dropout
+    dropped it:
     the sign bit (torch.signbit) is exactly ~flashdl.dropout_mask(...) for every entry, and
     flash-attn's tests' `S_dmask >= 0` recovers the keep-mask wherever P != 0. flash-attn's kernel
     stores unnormalised exp(s - running max) with the same sign convention and sequence lengths
@@ -109,11 +111,27 @@ def _attn_probs(q, k, lse, scale, causal, window, keep):
     group = q.shape[2] // k.shape[2]
     kk = k.to(work).repeat_interleave(group, dim=2) if group > 1 else k.to(work)
     s = torch.einsum("bihd,bjhd->bhij", q.to(work), kk) * scale
-    vis = _visible(q.shape[1], k.shape[1], causal, window, q.device)
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    sq, sk = q.shape[1], k.shape[1]
+    if slopes is not None:
+        slopes = torch.as_tensor(slopes, device=q.device).to(work)
+        slopes = slopes.reshape(-1, q.shape[2])[..., None, None]  # (1 or batch, nheads, 1, 1)
+        i = torch.arange(sq, device=q.device)[:, None] + (sk - sq)
+        j = torch.arange(sk, device=q.device)[None, :]
+        s = s - slopes * (i - j).abs().to(work)
+    vis = _visible(sq, sk, causal, window, q.device)
     p = torch.where(vis, torch.exp(s - lse.to(work)[..., None]), torch.zeros((), dtype=work,
                                                                             device=q.device))
     keep = torch.as_tensor(keep, device=q.device)
     return torch.where(keep, p, -p).to(q.dtype)
+
+
+def _slopes_row(slopes, b):
+    """The slopes of sequence b: all of (nheads,) slopes, row b of (batch, nheads) ones."""
+    if slopes is None or slopes.dim() != 2:
+        return slopes
+    return slopes[b]
 
 
 def _empty_probs(q):
@@ -123,13 +141,13 @@ def _empty_probs(q):
 
 def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
            deterministic, return_attn_probs):
-    _unsupported(softcap, alibi_slopes)
+    mods = _score_mods(softcap, alibi_slopes)
     q, k, v = (_maybe_contiguous(x) for x in (q, k, v))
     window = _window(window_size)
     seed = _seed(q, dropout_p)
     out, lse = _fdt.attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
                               window_size=window, dropout_p=dropout_p, seed=seed,
-                              deterministic=deterministic, return_lse=True)
+                              deterministic=deterministic, return_lse=True, **mods)
     if not return_attn_probs:
         return out
     if not dropout_p > 0:
@@ -138,21 +156,22 @@ def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alib
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     keep = _dropout_mask(b, h, sq, k.shape[1], dropout_p, seed)
     with torch.no_grad():
-        probs = _attn_probs(q.detach(), k.detach(), lse, scale, causal, window, keep)
+        probs = _attn_probs(q.detach(), k.detach(), lse, scale, causal, window, keep,
+                            mods["softcap"], mods["alibi_slopes"])
     return out, lse, probs
 
 
 def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
             softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
             return_attn_probs, block_table=None):
-    _unsupported(softcap, alibi_slopes, block_table)
+    mods = _score_mods(softcap, alibi_slopes, block_table)
     q, k, v = (_maybe_contiguous(x) for x in (q, k, v))
     window = _window(window_size)
     seed = _seed(q, dropout_p)
     out, lse = _fdt.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                      max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
                                      window_size=window, dropout_p=dropout_p, seed=seed,
-                                     deterministic=deterministic, return_lse=True)
+                                     deterministic=deterministic, return_lse=True, **mods)
     if not return_attn_probs:
         return out
     if not dropout_p > 0:
@@ -170,7 +189,8 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
             probs[b, :, :sq, :sk] = _attn_probs(
                 q.detach()[None, cq[b]:cq[b + 1]], k.detach()[None, ck[b]:ck[b + 1]],
                 lse[None, :, cq[b]:cq[b + 1]], scale, causal, window,
-                keep[b:b + 1, :, :sq, :sk])[0]
+                keep[b:b + 1, :, :sq, :sk], mods["softcap"],
+                _slopes_row(mods["alibi_slopes"], b))[0]
     return out, lse, probs
 
 

@@ -2,7 +2,8 @@
 the float64 oracle (forward, lse, autograd gradients, float32 and bfloat16); packed layouts equal
 the unpacked call; varlen equals each sequence alone; return_attn_probs (shapes, dtypes, lse, and
 the dropout keep-mask recovered from S_dmask equals flashdl.dropout_mask); windows below -1;
-strided last dimensions; NotImplementedError for softcap, alibi_slopes and block_table."""
+strided last dimensions; softcap and alibi_slopes against flash-attn's reference formulas;
+NotImplementedError for block_table."""
 
 import inspect
 import subprocess
@@ -301,18 +302,73 @@ def test_strided_last_dim_is_copied():
     assert all(x.grad is not None and x.grad.shape == x.shape for x in leaves)
 
 
+def ref_attention(q, k, v, causal=False, window=(-1, -1), softcap=0.0, alibi_slopes=None):
+    """flash-attn's tests' attention_ref in float64 torch (bottom-right aligned): scores, then
+    softcap * tanh(scores / softcap), then the ALiBi bias -slope * |i + sk - sq - j|, then the
+    mask, then softmax."""
+    q, k, v = (x.double() for x in (q, k, v))
+    group = q.shape[2] // k.shape[2]
+    k, v = (x.repeat_interleave(group, dim=2) for x in (k, v))
+    s = torch.einsum("bihd,bjhd->bhij", q, k) / q.shape[-1] ** 0.5
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    sq, sk = q.shape[1], k.shape[1]
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.double().reshape(-1, q.shape[2])[..., None, None]
+        dist = (torch.arange(sq)[:, None] + sk - sq - torch.arange(sk)[None, :]).abs()
+        s = s - slopes * dist
+    s = s.masked_fill(~torch.as_tensor(visible(sq, sk, causal, window)), -torch.inf)
+    return torch.einsum("bhij,bjhd->bihd", torch.softmax(s, dim=-1).nan_to_num(0.0), v)
+
+
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (6, 3))])
+@pytest.mark.parametrize("mods", [dict(softcap=2.0), dict(alibi_slopes="heads"),
+                                  dict(alibi_slopes="batch", softcap=5.0)])
+def test_softcap_and_alibi_match_flash_attn_reference(causal, window, mods):
+    b, sq, sk, h, hk = 2, 15, 23, 4, 2
+    leaves = qkv_of(b, sq, sk, h, hk, 32, grad=True)
+    mods = dict(mods)
+    if "alibi_slopes" in mods:
+        shape = (h,) if mods["alibi_slopes"] == "heads" else (b, h)
+        mods["alibi_slopes"] = torch.rand(shape, dtype=torch.float32,
+                                          generator=torch.Generator().manual_seed(7))
+    w = randn(b, sq, h, 32, seed=9)
+
+    def run():
+        return flash_attn.flash_attn_func(*leaves, causal=causal, window_size=window, **mods)
+
+    out = run()
+    doubles = [x.detach().double().requires_grad_() for x in leaves]
+    ref = ref_attention(*doubles, causal=causal, window=window, **mods).detach()
+    assert (out.double() - ref).abs().max() < 2e-5
+    got = grads(run, leaves, w)
+    (ref_attention(*doubles, causal=causal, window=window, **mods) * w.double()).sum().backward()
+    for g, x, name in zip(got, doubles, "qkv"):
+        assert (g.double() - x.grad).abs().max() < 1e-4 * max(1.0, x.grad.abs().max()), name
+    # The same call through varlen (one sequence per batch entry, slopes row b for sequence b).
+    c_q, c_k = cu([sq] * b), cu([sk] * b)
+    flat = [x.detach().reshape(-1, *x.shape[2:]) for x in leaves]
+    out_v = flash_attn.flash_attn_varlen_func(*flat, c_q, c_k, sq, sk, causal=causal,
+                                              window_size=window, **mods)
+    assert torch.allclose(out_v.reshape(out.shape), out.detach(), atol=1e-6)
+
+
+def test_negative_softcap_is_off_and_s_dmask_uses_the_modifiers():
+    q, k, v = qkv_of(1, 9, 12, 2, 2, 8)
+    assert torch.equal(flash_attn.flash_attn_func(q, k, v, softcap=-1.0),
+                       flash_attn.flash_attn_func(q, k, v))
+    slopes = torch.tensor([0.5, 0.125])
+    out, lse, s_dmask = flash_attn.flash_attn_func(q, k, v, dropout_p=0.3, softcap=1.5,
+                                                   alibi_slopes=slopes, return_attn_probs=True)
+    # |S_dmask| are the undropped probabilities of the modified scores: rows sum to 1.
+    assert torch.allclose(s_dmask.abs().double().sum(-1), torch.ones(1, 2, 9, dtype=torch.float64),
+                          atol=1e-5)
+    assert torch.isfinite(lse).all() and out.shape == q.shape
+
+
 def test_unsupported_arguments_raise_naming_them():
     q, k, v = qkv_of(1, 4, 4, 2, 2, 8)
-    with pytest.raises(NotImplementedError, match="softcap"):
-        flash_attn.flash_attn_func(q, k, v, softcap=30.0)
-    with pytest.raises(NotImplementedError, match="alibi_slopes"):
-        flash_attn.flash_attn_func(q, k, v, alibi_slopes=torch.ones(2))
-    qkv = torch.stack([q, k, v], dim=2)
-    with pytest.raises(NotImplementedError, match="alibi_slopes"):
-        flash_attn.flash_attn_qkvpacked_func(qkv, alibi_slopes=torch.ones(2))
     c = cu([4])
-    with pytest.raises(NotImplementedError, match="softcap"):
-        flash_attn.flash_attn_varlen_func(q[0], k[0], v[0], c, c, 4, 4, softcap=1.0)
     with pytest.raises(NotImplementedError, match="block_table"):
         flash_attn.flash_attn_varlen_func(q[0], k[0], v[0], c, c, 4, 4,
                                           block_table=torch.zeros(1, 1, dtype=torch.int32))
@@ -321,6 +377,10 @@ def test_unsupported_arguments_raise_naming_them():
         flash_attn.flash_attn_func(q, k, v, dropout_p=1.5)
     with pytest.raises((ValueError, TypeError), match="k"):
         flash_attn.flash_attn_func(q, k[..., :4], v)
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        flash_attn.flash_attn_func(q, k, v, alibi_slopes=torch.ones(3))
+    with pytest.raises(TypeError, match="alibi_slopes"):
+        flash_attn.flash_attn_func(q, k, v, alibi_slopes=torch.ones(2, dtype=torch.float64))
 
 
 def test_torch_return_lse_carries_no_gradient():
