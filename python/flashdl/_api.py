@@ -124,6 +124,51 @@ def _options(causal, softmax_scale, schedule, window_size, frame):
                 window_left=left, window_right=right, schedule=schedule, stream=frame.stream)
 
 
+def _layout(layout):
+    """True for layout='bhsd' ((batch, nheads, seqlen, headdim) arrays), False for 'bshd'."""
+    if layout not in ("bshd", "bhsd"):
+        raise ValueError("layout: expected 'bshd' (batch, seqlen, nheads, headdim) or 'bhsd' "
+                         f"(batch, nheads, seqlen, headdim), got {layout!r}")
+    return layout == "bhsd"
+
+
+def _as_bshd(name, x):
+    """A (batch, nheads, seqlen, headdim) array as the (batch, seqlen, nheads, headdim) view the
+    core reads (a view in NumPy, PyTorch and CuPy; JAX, which has no views, transposes)."""
+    if len(getattr(x, "shape", ())) != 4 or not hasattr(x, "swapaxes"):
+        raise ValueError(f"{name}: with layout='bhsd' expected a rank-4 array (batch, nheads, "
+                         f"seqlen, headdim), got shape {tuple(getattr(x, 'shape', ()))}")
+    return x.swapaxes(1, 2)
+
+
+class _BhsdErrors:
+    """Adds to a ValueError from the core that its shapes are in flashdl's own order."""
+
+    def __init__(self, on):
+        self.on = on
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, err, tb):
+        if self.on and kind is ValueError:
+            raise ValueError(f"{err} (layout='bhsd': shapes above are in flashdl's "
+                             "(batch, seqlen, nheads, headdim) order)") from None
+        return False
+
+
+def _output_like(frame, x, bhsd):
+    """An output shaped like x (batch, seqlen, nheads, headdim) and the view the core writes: with
+    layout='bhsd' the output is a contiguous (batch, nheads, seqlen, headdim) array and the core
+    writes it through a transposed view."""
+    shape = tuple(x.shape)
+    if not bhsd or len(shape) != 4:
+        out = frame.empty(shape, x.dtype)
+        return out, out
+    out = frame.empty((shape[0], shape[2], shape[1], shape[3]), x.dtype)
+    return out, out.swapaxes(1, 2)
+
+
 def _lse_shape(q):
     shape = tuple(q.shape)
     # A wrongly ranked q gets a placeholder; the core then reports q itself.
@@ -137,7 +182,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
               dropout_p: float = ..., seed: Optional[int] = ..., offset: int = ...,
               return_seed: Literal[False] = ..., block_mask: Optional[ArrayLike] = ...,
               block_size: BlockSize = ...,
-              alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...) -> ArrayLike: ...
+              alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...,
+              layout: str = ...) -> ArrayLike: ...
 @overload
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
               softmax_scale: Optional[float] = ..., schedule: str = ...,
@@ -145,7 +191,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
               dropout_p: float = ..., seed: Optional[int] = ..., offset: int = ...,
               return_seed: Literal[False] = ..., block_mask: Optional[ArrayLike] = ...,
               block_size: BlockSize = ...,
-              alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...
+              alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ..., layout: str = ...
               ) -> Tuple[ArrayLike, ArrayLike]: ...
 @overload
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
@@ -154,7 +200,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
               dropout_p: float = ..., seed: Optional[int] = ..., offset: int = ...,
               return_seed: Literal[True], block_mask: Optional[ArrayLike] = ...,
               block_size: BlockSize = ...,
-              alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...
+              alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ..., layout: str = ...
               ) -> Tuple[ArrayLike, int]: ...
 @overload
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
@@ -163,7 +209,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
               dropout_p: float = ..., seed: Optional[int] = ..., offset: int = ...,
               return_seed: Literal[True], block_mask: Optional[ArrayLike] = ...,
               block_size: BlockSize = ...,
-              alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...
+              alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ..., layout: str = ...
               ) -> Tuple[ArrayLike, ArrayLike, int]: ...
 @overload
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
@@ -172,7 +218,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
               dropout_p: float = ..., seed: Optional[int] = ..., offset: int = ...,
               return_seed: bool = ..., block_mask: Optional[ArrayLike] = ...,
               block_size: BlockSize = ...,
-              alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...) -> Any: ...
+              alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...,
+              layout: str = ...) -> Any: ...
 
 
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
@@ -181,7 +228,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
               dropout_p: float = 0.0, seed: Optional[int] = None, offset: int = 0,
               return_seed: bool = False, block_mask: Optional[ArrayLike] = None,
               block_size: BlockSize = 128,
-              alibi_slopes: Optional[ArrayLike] = None, softcap: float = 0.0) -> Any:
+              alibi_slopes: Optional[ArrayLike] = None, softcap: float = 0.0,
+              layout: str = "bshd") -> Any:
     """Exact attention softmax(q k^T * scale) v, computed without materialising the N x N matrix.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim), with
@@ -219,23 +267,32 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
     MPT), bottom-right aligned like causal; the slopes get no gradient. lse is of the modified
     scores.
 
+    layout='bhsd' takes q, k, v as (batch, nheads, seqlen, headdim) arrays (PyTorch's SDPA
+    layout), read through transposed views (JAX arrays, which have no views, are transposed), and
+    returns out in that layout; lse is (batch, nheads, seqlen_q) either way. The default 'bshd' is
+    (batch, seqlen, nheads, headdim).
+
     Returns out (like q, in the caller's framework and device); (out, lse) with
     return_lse=True, lse float32 (batch, nheads, seqlen_q), the natural-log sum of exp of the
     scaled scores (-inf, with out 0, for a query that sees no key); return_seed=True appends
     the seed used (an int: the drawn one when seed is None, 0 when dropout_p is 0 and no seed
     was given), which the backward needs: (out, seed) or (out, lse, seed).
     """
+    bhsd = _layout(layout)
     frame = Frame({"q": q, "k": k, "v": v}, _FLOATS_FWD)
     frame.refuse_autograd({"q": q, "k": k, "v": v}, "flashdl.attention",
                           "flashdl.torch.attention")
+    if bhsd:
+        q, k, v = (_as_bshd(n, x) for n, x in (("q", q), ("k", k), ("v", v)))
     opts = _options(causal, softmax_scale, schedule, window_size, frame)
     opts.update(_block_sparse(block_mask, block_size))
     opts.update(_score_mods(alibi_slopes, softcap))
     dropout_p, seed, offset = _dropout(dropout_p, seed, offset)
-    out = frame.empty(q.shape, q.dtype)
+    out, out_view = _output_like(frame, q, bhsd)
     lse = frame.empty(_lse_shape(q), frame.float32())
-    _ext.forward(frame.export(q), frame.export(k), frame.export(v), frame.dest(out),
-                 frame.dest(lse), dropout_p=dropout_p, seed=seed, offset=offset, **opts)
+    with _BhsdErrors(bhsd):
+        _ext.forward(frame.export(q), frame.export(k), frame.export(v), frame.dest(out_view),
+                     frame.dest(lse), dropout_p=dropout_p, seed=seed, offset=offset, **opts)
     out, lse = frame.finish(out), frame.finish(lse)
     result: tuple[Any, ...] = (out, lse) if return_lse else (out,)
     if return_seed:
@@ -262,7 +319,8 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
                        window_size: Tuple[int, int] = (-1, -1), deterministic: bool = False,
                        dropout_p: float = 0.0, seed: int = 0, offset: int = 0,
                        block_mask: Optional[ArrayLike] = None, block_size: BlockSize = 128,
-                       alibi_slopes: Optional[ArrayLike] = None, softcap: float = 0.0
+                       alibi_slopes: Optional[ArrayLike] = None, softcap: float = 0.0,
+                       layout: str = "bshd"
                        ) -> Tuple[ArrayLike, ArrayLike, ArrayLike]:
     """Gradients (dq, dk, dv) of attention(q, k, v) for the upstream gradient dout.
 
@@ -272,17 +330,23 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
     regenerates the same mask; with a block mask or score modifiers, the same block_mask and
     block_size, alibi_slopes and softcap. dq, dk, dv
     come back shaped and typed like q, k, v; with GQA,
-    dk and dv sum over the query heads of each group.
+    dk and dv sum over the query heads of each group. layout='bhsd': dout, q, k, v, out and the
+    gradients are (batch, nheads, seqlen, headdim), as in attention(..., layout='bhsd').
     """
+    bhsd = _layout(layout)
     frame = Frame({"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}, _FLOATS_BWD)
+    if bhsd:
+        dout, q, k, v, out = (_as_bshd(n, x) for n, x in (
+            ("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out)))
     opts = _backward_options(causal, softmax_scale, schedule, window_size, frame, dropout_p, seed,
                              offset, block_mask, block_size, alibi_slopes, softcap)
-    dq = frame.empty(q.shape, q.dtype)
-    dk = frame.empty(k.shape, k.dtype)
-    dv = frame.empty(v.shape, v.dtype)
-    _ext.backward(frame.export(dout), frame.export(q), frame.export(k), frame.export(v),
-                  frame.export(out), frame.export(lse), frame.dest(dq), frame.dest(dk),
-                  frame.dest(dv), deterministic=bool(deterministic), **opts)
+    (dq, dq_view), (dk, dk_view), (dv, dv_view) = (_output_like(frame, x, bhsd)
+                                                   for x in (q, k, v))
+    with _BhsdErrors(bhsd):
+        _ext.backward(frame.export(dout), frame.export(q), frame.export(k), frame.export(v),
+                      frame.export(out), frame.export(lse), frame.dest(dq_view),
+                      frame.dest(dk_view), frame.dest(dv_view), deterministic=bool(deterministic),
+                      **opts)
     return frame.finish(dq), frame.finish(dk), frame.finish(dv)
 
 
@@ -398,8 +462,8 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
     row, col) with row and col counted within the sequence. block_mask: (nblocks_q, nblocks_k)
     for every sequence, or (batch or 1, nheads or 1, nblocks_q, nblocks_k) with one plane per
     sequence, nblocks = ceil(max_seqlen / block_size); blocks are counted from each sequence's
-    start. On CUDA the whole batch is one launch. alibi_slopes: (nheads,) or (batch, nheads), row b for
-    sequence b, with i and j counted within the sequence; softcap as in attention.
+    start. On CUDA the whole batch is one launch. alibi_slopes: (nheads,) or (batch, nheads),
+    row b for sequence b, with i and j counted within the sequence; softcap as in attention.
 
     Returns out (like q); (out, lse) with return_lse=True, lse float32 (nheads, total_q).
     """
