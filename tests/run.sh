@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The project's test command (README: "Run the tests"): installs flashdl with its C++ tests built in
-# the same CMake tree, runs the C++ suite with ctest, then the Python suite with pytest.
+# the same CMake tree, runs the C++ suite with ctest, then the Python suite with pytest, then
+# builds the sdist and a manylinux CPU wheel and smoke-tests that wheel in a fresh venv.
 # FLASHDL_CUDA=AUTO|ON|OFF chooses the CUDA backend; by default it is ON wherever nvcc is on PATH,
 # so a machine with the CUDA toolkit (CI's included) always compiles the kernels, GPU or not.
 set -euo pipefail
@@ -26,3 +27,7 @@ echo "tests/run.sh: installing torch and jax (and flashdl) into the active Pytho
 
 ctest --test-dir "$BUILD_DIR" --output-on-failure -j 2
 "$PYTHON" -m pytest tests/python -q
+
+# The distributions: sdist, a CPU wheel built from it and repaired to a manylinux tag, installed
+# into a fresh virtual environment and smoke-tested there (tools/build_wheels.sh).
+PYTHON="$PYTHON" bash tools/build_wheels.sh --smoke build/dist
