@@ -245,6 +245,36 @@ void backward_varlen(const InArray& dout, const InArray& q, const InArray& k, co
                            tdk, tdv, o);
 }
 
+// k_cache and v_cache arrive read-only (nanobind) but are written when k_new and v_new are given:
+// the Python layer refuses arrays it knows to be read-only (NumPy's flag, JAX arrays).
+void forward_kvcache(const InArray& q, const InArray& k_cache, const InArray& v_cache,
+                     const InArray& cache_seqlens, const std::optional<InArray>& k_new,
+                     const std::optional<InArray>& v_new,
+                     const std::optional<InArray>& block_table, const OutArray& out,
+                     const OutArray& lse, std::optional<std::string> dtype,
+                     std::optional<double> softmax_scale, bool causal, int64_t window_left,
+                     int64_t window_right, int64_t num_splits, uintptr_t stream,
+                     int num_threads, const std::optional<InArray>& alibi_slopes,
+                     double softcap) {
+  const Override ov = parse_override(dtype);
+  flashdl::Options o = make_options(softmax_scale, causal, window_left, window_right, "auto", 0.0,
+                                    0, 0, stream, 0, num_threads, false);
+  set_score_mods(o, alibi_slopes, softcap);
+  o.num_splits = num_splits;
+  const flashdl::TensorView none{};
+  const auto tq = to_view("q", q, ov, true), tkc = to_view("k_cache", k_cache, ov, true),
+             tvc = to_view("v_cache", v_cache, ov, true),
+             tlen = to_view("cache_seqlens", cache_seqlens, Override::none, false, "int32"),
+             tk = k_new ? to_view("k", *k_new, ov, true) : none,
+             tv = v_new ? to_view("v", *v_new, ov, true) : none,
+             tbt = block_table
+                       ? to_view("block_table", *block_table, Override::none, false, "int32")
+                       : none,
+             to = to_view("out", out, ov, true), tl = to_view("lse", lse, Override::none, false);
+  nb::gil_scoped_release release;
+  flashdl::forward_kvcache(tq, tkc, tvc, tlen, tk, tv, tbt, to, tl, o);
+}
+
 void dropout_mask(const OutArray& mask_out, double dropout_p, uint64_t seed, uint64_t offset) {
   const auto tm = to_view("mask_out", mask_out, Override::none, false);
   nb::gil_scoped_release release;
@@ -325,6 +355,16 @@ NB_MODULE(_ext, m) {
         "block_size_q"_a = 128, "block_size_k"_a = 128,
         "alibi_slopes"_a.noconvert() = nb::none(), "softcap"_a = 0.0,
         "Variable-length backward: writes dq, dk, dv (shaped and typed like q, k, v).");
+
+  m.def("forward_kvcache", &forward_kvcache, "q"_a.noconvert(), "k_cache"_a.noconvert(),
+        "v_cache"_a.noconvert(), "cache_seqlens"_a.noconvert(), "k"_a.noconvert().none(),
+        "v"_a.noconvert().none(), "block_table"_a.noconvert().none(), "out"_a.noconvert(),
+        "lse"_a.noconvert(), nb::kw_only(), "dtype"_a = nb::none(),
+        "softmax_scale"_a = nb::none(), "causal"_a = false, "window_left"_a = -1,
+        "window_right"_a = -1, "num_splits"_a = 0, "stream"_a = 0, "num_threads"_a = 0,
+        "alibi_slopes"_a.noconvert() = nb::none(), "softcap"_a = 0.0,
+        "Attention over a KV cache: appends k, v (when given) to k_cache, v_cache at "
+        "cache_seqlens, then writes out (like q) and lse (float32, (batch, nheads, seqlen_q)).");
 
   m.def("dropout_mask", &dropout_mask, "mask_out"_a.noconvert(), nb::kw_only(), "dropout_p"_a,
         "seed"_a, "offset"_a = 0,

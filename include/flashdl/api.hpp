@@ -65,6 +65,23 @@ void backward_varlen(const TensorView& dout, const TensorView& q, const TensorVi
                      int64_t max_seqlen_q, int64_t max_seqlen_k, const TensorView& dq,
                      const TensorView& dk, const TensorView& dv, const Options& options);
 
+// Attention over a KV cache, for decoding (flash-attn's flash_attn_with_kvcache). q (batch,
+// seqlen_q, nheads, headdim); k_cache, v_cache (batch, seqlen_cache, nheads_kv, headdim), or paged
+// (num_pages, page_size, nheads_kv, headdim) with block_table int32 (batch, max_pages) naming each
+// sequence's pages in order (vLLM's layout); cache_seqlens int32 (batch,): the tokens already in
+// each sequence's cache. cache_seqlens and block_table are host arrays, checked. k_new, v_new
+// (batch, seqlen_new, nheads_kv, headdim) or undefined: written into the cache at positions
+// cache_seqlens[b] onward -- the one case where flashdl writes a caller's array, done only after
+// every check has passed, so a failing call writes nothing. Sequence b then attends to its first
+// cache_seqlens[b] + seqlen_new keys; causal and windows align bottom-right per sequence. out like
+// q, lse float32 (batch, nheads, seqlen_q). Options used: softmax_scale, causal, window,
+// alibi_slopes, softcap, num_splits (key splits per (batch, kv head), merged exactly; 0:
+// chosen), num_threads; dropout and block masks are refused. CPU arrays only in this version.
+void forward_kvcache(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
+                     const TensorView& cache_seqlens, const TensorView& k_new,
+                     const TensorView& v_new, const TensorView& block_table,
+                     const TensorView& out, const TensorView& lse, const Options& options);
+
 // The dropout keep-mask the kernels apply for (p, seed, offset): mask_out, bool
 // (batch, nheads, seqlen_q, seqlen_k) on the CPU, any strides with a contiguous last dimension,
 // is set true where element (b, h, i, j) is kept (then scaled by 1 / (1 - p)), i.e.

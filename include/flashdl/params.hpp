@@ -44,6 +44,9 @@ struct Options {
   // softcap > 0: scaled scores become softcap * tanh(score / softcap); 0: off.
   TensorView alibi_slopes{};
   double softcap = 0.0;
+
+  // forward_kvcache: key splits per (batch, kv head), merged exactly; 0 chooses.
+  int64_t num_splits = 0;
 };
 
 // One flat POD per call, filled and validated by api.cpp alone. Strides are in elements.
@@ -115,6 +118,18 @@ struct Params {
   const float* alibi_slopes_ptr;
   int64_t alibi_batch_stride, alibi_head_stride;
   double softcap;
+
+  // Attention over a KV cache (src/kvcache.cpp; null: off). Sequence b attends to its first
+  // seqused_k[b] keys (host memory, checked <= seqlen_k, the cache's capacity). Paged caches
+  // (block_table non-null, int32 (batch, max_blocks), host memory, checked): key j of sequence b
+  // is row j % page_size of page block_table[b][j / page_size], and k/v_batch_stride are the
+  // strides between pages. num_splits: key splits per (batch, kv head), merged exactly
+  // (split-KV decoding); 0 chooses from the shape and the thread count.
+  const int32_t* seqused_k;
+  const int32_t* block_table;
+  int64_t block_table_batch_stride;
+  int64_t page_size;
+  int64_t num_splits;
 
   Schedule schedule;  // never automatic here: api.cpp resolves it
   bool deterministic;

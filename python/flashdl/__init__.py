@@ -6,6 +6,7 @@
     out, lse, seed = flashdl.attention(q, k, v, dropout_p=0.1, return_lse=True, return_seed=True)
     keep = flashdl.dropout_mask(b, h, sq, sk, 0.1, seed)   # the mask that call applied
     out = flashdl.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k)  # packed, no padding
+    out = flashdl.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, k=k, v=v)
 
     import flashdl.torch                               # autograd: loss.backward() flows through
     out = flashdl.torch.attention(q, k, v, causal=True)
@@ -19,10 +20,11 @@ from typing import TYPE_CHECKING
 from ._api import (attention, attention_backward, attention_varlen, attention_varlen_backward,
                    dropout_mask)
 from ._info import info, set_num_threads
+from ._kvcache import attention_with_kvcache
 
 __version__ = info()["version"]
 __all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward",
-           "dropout_mask", "info", "set_num_threads",
+           "attention_with_kvcache", "dropout_mask", "info", "set_num_threads",
            "__version__"]
 
 if not TYPE_CHECKING:

@@ -133,6 +133,31 @@ def backward_varlen(
 ) -> None:
     """Variable-length backward: writes dq, dk, dv (shaped and typed like q, k, v)."""
 
+def forward_kvcache(
+    q: _Array,
+    k_cache: _Array,
+    v_cache: _Array,
+    cache_seqlens: _Array,
+    k: Optional[_Array],
+    v: Optional[_Array],
+    block_table: Optional[_Array],
+    out: _Array,
+    lse: _Array,
+    *,
+    dtype: Optional[str] = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_left: int = -1,
+    window_right: int = -1,
+    num_splits: int = 0,
+    stream: int = 0,
+    num_threads: int = 0,
+    alibi_slopes: Optional[_Array] = None,
+    softcap: float = 0.0,
+) -> None:
+    """Attention over a KV cache: appends k, v (when given) to k_cache, v_cache at cache_seqlens,
+    then writes out (like q) and lse (float32, (batch, nheads, seqlen_q))."""
+
 def dropout_mask(mask_out: _Array, *, dropout_p: float, seed: int, offset: int = 0) -> None:
     """Writes the dropout keep-mask of (dropout_p, seed, offset) into mask_out, bool
     (batch, nheads, seqlen_q, seqlen_k)."""

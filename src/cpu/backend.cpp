@@ -98,6 +98,8 @@ int64_t default_sram_bytes() {
 }
 
 void forward(const Params& p) {
+  // A KV-cache call has its own kernel whatever the schedule (src/kvcache.cpp).
+  if (p.seqused_k != nullptr) return kernels().kvcache_forward(p, threads_for(p));
   switch (p.schedule) {
     case Schedule::reference: return reference_forward(p, threads_for(p));
     case Schedule::fa1: return kernels().fa1_forward(p, threads_for(p), sram_for(p));

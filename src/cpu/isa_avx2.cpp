@@ -27,7 +27,8 @@ const KernelTable& kernels_avx2() {
                  __builtin_cpu_supports("f16c");
       },
       &isa_avx2::fa1_forward, &isa_avx2::fa1_backward, &isa_avx2::fa2_forward,
-      &isa_avx2::fa2_backward};
+      &isa_avx2::fa2_backward,
+      &isa_avx2::kvcache_forward};
   return table;
 }
 

@@ -28,7 +28,8 @@ const KernelTable& kernels_avx512() {
                  __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
       },
       &isa_avx512::fa1_forward, &isa_avx512::fa1_backward, &isa_avx512::fa2_forward,
-      &isa_avx512::fa2_backward};
+      &isa_avx512::fa2_backward,
+      &isa_avx512::kvcache_forward};
   return table;
 }
 

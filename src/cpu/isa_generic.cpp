@@ -15,7 +15,8 @@ const KernelTable& kernels_generic() {
         return true;
       },
       &isa_generic::fa1_forward, &isa_generic::fa1_backward, &isa_generic::fa2_forward,
-      &isa_generic::fa2_backward};
+      &isa_generic::fa2_backward,
+      &isa_generic::kvcache_forward};
   return table;
 }
 

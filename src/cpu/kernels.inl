@@ -15,6 +15,7 @@ namespace flashdl::cpu::FLASHDL_ISA_NS {
 #include "cpu/blocks.inl"
 #include "cpu/fa1.inl"
 #include "cpu/fa2.inl"
+#include "cpu/kvcache.inl"
 // clang-format on
 
 }  // namespace flashdl::cpu::FLASHDL_ISA_NS

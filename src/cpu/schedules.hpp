@@ -8,7 +8,8 @@
 
 namespace flashdl::cpu {
 
-// One instruction set's compiled copy of the fa1 and fa2 schedules (isa_*.cpp).
+// One instruction set's compiled copy of the fa1 and fa2 schedules and the KV-cache kernel
+// (isa_*.cpp).
 struct KernelTable {
   const char* name;
   bool (*supported)();  // does the running CPU have the instructions?
@@ -16,6 +17,7 @@ struct KernelTable {
   void (*fa1_backward)(const Params& p, int threads, int64_t sram_bytes);
   void (*fa2_forward)(const Params& p, int threads);
   void (*fa2_backward)(const Params& p, int threads);
+  void (*kvcache_forward)(const Params& p, int threads);  // Params.seqused_k set (kvcache.inl)
 };
 
 const KernelTable& kernels_generic();

@@ -102,7 +102,7 @@ inline vec_t<float> vtanh(vec_t<float> x) {
 }
 
 inline vec_t<double> vtanh(vec_t<double> x) {
-  vec_t<double> r;
+  vec_t<double> r = x;
   for (int i = 0; i < Simd<double>::W; ++i) r[i] = std::tanh(x[i]);
   return r;
 }

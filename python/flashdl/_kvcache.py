@@ -1,0 +1,109 @@
+"""flashdl.attention_with_kvcache: attention for decoding, over a KV cache (contiguous or paged).
+
+flash-attn's flash_attn_with_kvcache and vLLM's paged layout, any DLPack array in (NumPy,
+PyTorch, JAX), the caller's array type out. The C++ core validates everything (src/kvcache.cpp)
+before it writes the new keys and values into the cache.
+"""
+
+from __future__ import annotations
+
+import numbers
+import operator
+import sys
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+from . import _ext
+from ._api import ArrayLike, _lse_shape, _options, _score_mods
+from ._frameworks import Frame
+
+_FLOATS = ("q", "k_cache", "v_cache")
+
+
+def _index_array(name, x, required):
+    """cache_seqlens and block_table: int32 CPU arrays (NumPy, or the framework of q); the core
+    checks dtype, rank, shape, device and every value."""
+    if x is None:
+        if required:
+            raise TypeError(f"{name}: expected an int32 array, got None")
+        return None
+    if isinstance(x, (list, tuple)):
+        return np.asarray(x, dtype=np.int32)
+    if isinstance(x, np.ndarray) or hasattr(x, "__dlpack__"):
+        return x
+    raise TypeError(f"{name}: expected an int32 array (NumPy or the framework of q), "
+                    f"got {type(x).__name__}")
+
+
+def _writable(name, x, frame_kind):
+    """The cache is written when new keys are given: refuse arrays known to be read-only."""
+    if frame_kind == "jax":
+        raise TypeError(f"{name}: JAX arrays are immutable, so the cache cannot be appended to; "
+                        "pass k=None and v=None (and write the cache with .at[].set()), or use "
+                        "NumPy or PyTorch arrays")
+    if isinstance(x, np.ndarray) and not x.flags.writeable:
+        raise ValueError(f"{name}: the cache is read-only (NumPy writeable flag is False) but k "
+                         "and v were given to append to it")
+    if getattr(x, "requires_grad", False) and sys.modules["torch"].is_grad_enabled():
+        raise ValueError(f"{name}: a cache that requires grad cannot be written in place; pass "
+                         f"{name}.detach() or call under torch.no_grad()")
+
+
+def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike, *,
+                           cache_seqlens: ArrayLike, k: Optional[ArrayLike] = None,
+                           v: Optional[ArrayLike] = None,
+                           block_table: Optional[ArrayLike] = None, causal: bool = False,
+                           softmax_scale: Optional[float] = None,
+                           window_size: Tuple[int, int] = (-1, -1), num_splits: int = 0,
+                           return_lse: bool = False, alibi_slopes: Optional[ArrayLike] = None,
+                           softcap: float = 0.0) -> Any:
+    """Attention of a few new queries over a KV cache (decoding), with an optional append.
+
+    q: (batch, seqlen_q, nheads, headdim). k_cache, v_cache: (batch, seqlen_cache, nheads_kv,
+    headdim), or paged: (num_pages, page_size, nheads_kv, headdim) with block_table, int32
+    (batch, max_pages_per_sequence), naming each sequence's pages in order (vLLM's layout; only
+    the pages a sequence uses are read, and must be valid). cache_seqlens: int32 (batch,), the
+    tokens already in each sequence's cache. cache_seqlens and block_table are CPU arrays (NumPy,
+    a list, or CPU tensors of the framework of q).
+
+    k, v (batch, seqlen_new, nheads_kv, headdim), when given, are written into the caches at
+    positions cache_seqlens[b] onward -- the one call where flashdl writes a caller's array.
+    Everything is checked first (room in the cache, page indices, shapes), so a call that fails
+    writes nothing. cache_seqlens itself is not changed: add seqlen_new to it for the next step.
+    Sequence b then attends to its first cache_seqlens[b] + seqlen_new keys; causal and
+    window_size are bottom-right aligned per sequence (query i sees key j <= i + L_b - seqlen_q).
+
+    num_splits: key splits per (batch, kv head), computed in parallel and merged exactly
+    (split-KV, "flash-decoding"); 0 chooses from the shape and the thread count. softmax_scale,
+    alibi_slopes and softcap as in flashdl.attention. No dropout, no gradient (inference).
+
+    Returns out (like q), or (out, lse) with return_lse=True, lse float32 (batch, nheads,
+    seqlen_q). CPU arrays only in this version.
+    """
+    frame = Frame({"q": q, "k_cache": k_cache, "v_cache": v_cache}, _FLOATS)
+    frame.refuse_autograd({"q": q}, "flashdl.attention_with_kvcache",
+                          "flashdl.attention_with_kvcache under torch.no_grad()")
+    if (k is None) != (v is None):
+        raise ValueError(f"{'v' if k is not None else 'k'}: expected both k and v (the new keys "
+                         "and values) or neither")
+    if k is not None:
+        new = Frame({"k_cache": k_cache, "k": k, "v": v}, ("k_cache", "k", "v"))
+        del new  # only checks that k and v are arrays of the cache's framework
+        for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+            _writable(name, x, frame.kind)
+    if not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool):
+        raise TypeError(f"num_splits: expected an int >= 0, got {type(num_splits).__name__}")
+    opts = _options(causal, softmax_scale, "auto", window_size, frame)
+    del opts["schedule"]
+    opts.update(_score_mods(alibi_slopes, softcap))
+    seqlens = _index_array("cache_seqlens", cache_seqlens, True)
+    table = _index_array("block_table", block_table, False)
+    out = frame.empty(q.shape, q.dtype)
+    lse = frame.empty(_lse_shape(q), frame.float32())
+    _ext.forward_kvcache(frame.export(q), frame.export(k_cache), frame.export(v_cache), seqlens,
+                         None if k is None else frame.export(k),
+                         None if v is None else frame.export(v), table, frame.dest(out),
+                         frame.dest(lse), num_splits=operator.index(num_splits), **opts)
+    out, lse = frame.finish(out), frame.finish(lse)
+    return (out, lse) if return_lse else out
