@@ -5,12 +5,14 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "flashdl/api.hpp"
 
@@ -275,6 +277,20 @@ void forward_kvcache(const InArray& q, const InArray& k_cache, const InArray& v_
   flashdl::forward_kvcache(tq, tkc, tvc, tlen, tk, tv, tbt, to, tl, o);
 }
 
+void merge_states(const std::vector<InArray>& outs, const std::vector<InArray>& lses,
+                  const OutArray& out, const OutArray& lse, std::optional<std::string> dtype) {
+  const Override ov = parse_override(dtype);
+  std::vector<flashdl::TensorView> to, tl;
+  for (size_t i = 0; i < outs.size(); ++i)
+    to.push_back(to_view(("outs[" + std::to_string(i) + "]").c_str(), outs[i], ov, true));
+  for (size_t i = 0; i < lses.size(); ++i)
+    tl.push_back(to_view(("lses[" + std::to_string(i) + "]").c_str(), lses[i], Override::none,
+                         false));
+  const auto tout = to_view("out", out, ov, true), tlse = to_view("lse", lse, Override::none, false);
+  nb::gil_scoped_release release;
+  flashdl::merge_states(to, tl, tout, tlse);
+}
+
 void dropout_mask(const OutArray& mask_out, double dropout_p, uint64_t seed, uint64_t offset) {
   const auto tm = to_view("mask_out", mask_out, Override::none, false);
   nb::gil_scoped_release release;
@@ -365,6 +381,10 @@ NB_MODULE(_ext, m) {
         "alibi_slopes"_a.noconvert() = nb::none(), "softcap"_a = 0.0,
         "Attention over a KV cache: appends k, v (when given) to k_cache, v_cache at "
         "cache_seqlens, then writes out (like q) and lse (float32, (batch, nheads, seqlen_q)).");
+
+  m.def("merge_states", &merge_states, "outs"_a.noconvert(), "lses"_a.noconvert(),
+        "out"_a.noconvert(), "lse"_a.noconvert(), nb::kw_only(), "dtype"_a = nb::none(),
+        "Merges attention results over disjoint key sets: writes out and lse.");
 
   m.def("dropout_mask", &dropout_mask, "mask_out"_a.noconvert(), nb::kw_only(), "dropout_p"_a,
         "seed"_a, "offset"_a = 0,

@@ -6,6 +6,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "flashdl/params.hpp"
 #include "flashdl/tensor.hpp"
@@ -81,6 +82,14 @@ void forward_kvcache(const TensorView& q, const TensorView& k_cache, const Tenso
                      const TensorView& cache_seqlens, const TensorView& k_new,
                      const TensorView& v_new, const TensorView& block_table,
                      const TensorView& out, const TensorView& lse, const Options& options);
+
+// Merges attention results over disjoint key sets, exactly: outs[i] (batch, seqlen, nheads,
+// headdim), lses[i] float32 (batch, nheads, seqlen), as attention returns them, into out (shape
+// and dtype of outs[0]) and lse: lse = log sum_i exp(lses[i]), out = sum_i exp(lses[i] - lse)
+// outs[i] (detail::merge_weights, in order). Partials with lse -inf (no key) weigh nothing.
+// CPU arrays only in this version.
+void merge_states(const std::vector<TensorView>& outs, const std::vector<TensorView>& lses,
+                  const TensorView& out, const TensorView& lse);
 
 // The dropout keep-mask the kernels apply for (p, seed, offset): mask_out, bool
 // (batch, nheads, seqlen_q, seqlen_k) on the CPU, any strides with a contiguous last dimension,

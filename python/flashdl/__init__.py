@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING
 from ._api import (attention, attention_backward, attention_varlen, attention_varlen_backward,
                    dropout_mask)
 from ._info import info, set_num_threads
-from ._kvcache import attention_with_kvcache
+from ._kvcache import attention_with_kvcache, merge_states, merge_states_list
 
 __version__ = info()["version"]
 __all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward",
-           "attention_with_kvcache", "dropout_mask", "info", "set_num_threads",
+           "attention_with_kvcache", "dropout_mask", "info", "merge_states", "merge_states_list",
+           "set_num_threads",
            "__version__"]
 
 if not TYPE_CHECKING:

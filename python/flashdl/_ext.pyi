@@ -3,7 +3,7 @@
 # (NumPy, PyTorch, JAX, CuPy); inputs are read only, outputs (out, lse, dq, dk, dv, mask_out) are
 # written in place. Validation is the core's: it raises ValueError, TypeError or RuntimeError.
 
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 _Array = Any
 
@@ -157,6 +157,11 @@ def forward_kvcache(
 ) -> None:
     """Attention over a KV cache: appends k, v (when given) to k_cache, v_cache at cache_seqlens,
     then writes out (like q) and lse (float32, (batch, nheads, seqlen_q))."""
+
+def merge_states(
+    outs: List[_Array], lses: List[_Array], out: _Array, lse: _Array, *, dtype: Optional[str] = None
+) -> None:
+    """Merges attention results over disjoint key sets: writes out and lse."""
 
 def dropout_mask(mask_out: _Array, *, dropout_p: float, seed: int, offset: int = 0) -> None:
     """Writes the dropout keep-mask of (dropout_p, seed, offset) into mask_out, bool

@@ -1,4 +1,5 @@
-"""flashdl.attention_with_kvcache: attention for decoding, over a KV cache (contiguous or paged).
+"""flashdl.attention_with_kvcache: attention for decoding, over a KV cache (contiguous or paged),
+and flashdl.merge_states: exact merging of attention over disjoint key sets.
 
 flash-attn's flash_attn_with_kvcache and vLLM's paged layout, any DLPack array in (NumPy,
 PyTorch, JAX), the caller's array type out. The C++ core validates everything (src/kvcache.cpp)
@@ -10,7 +11,7 @@ from __future__ import annotations
 import numbers
 import operator
 import sys
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -107,3 +108,35 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
                          frame.dest(lse), num_splits=operator.index(num_splits), **opts)
     out, lse = frame.finish(out), frame.finish(lse)
     return (out, lse) if return_lse else out
+
+
+def merge_states(out_a: ArrayLike, lse_a: ArrayLike, out_b: ArrayLike, lse_b: ArrayLike
+                 ) -> Tuple[ArrayLike, ArrayLike]:
+    """(out, lse) of attention over the union of two disjoint key sets, from the results over
+    each: out_a, out_b (batch, seqlen, nheads, headdim) and lse_a, lse_b float32 (batch, nheads,
+    seqlen), as flashdl.attention(..., return_lse=True) returns them. Exact (the softmax
+    decomposition): lse = log(exp(lse_a) + exp(lse_b)), out = exp(lse_a - lse) out_a +
+    exp(lse_b - lse) out_b; a row with lse -inf (it saw no key) weighs nothing. CPU arrays."""
+    return merge_states_list([out_a, out_b], [lse_a, lse_b])
+
+
+def merge_states_list(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike]
+                      ) -> Tuple[ArrayLike, ArrayLike]:
+    """merge_states over any number of partial results (outs[i], lses[i]), merged in order; the
+    same merge the split-KV kernels apply."""
+    if isinstance(outs, (str, bytes)) or not isinstance(outs, Sequence) or \
+            not isinstance(lses, Sequence):
+        raise TypeError("outs, lses: expected lists of arrays, got "
+                        f"{type(outs).__name__} and {type(lses).__name__}")
+    if len(outs) == 0:
+        raise ValueError("outs: expected at least one partial result, got none")
+    arrays = {f"outs[{i}]": o for i, o in enumerate(outs)}
+    arrays.update({f"lses[{i}]": x for i, x in enumerate(lses)})
+    frame = Frame(arrays, tuple(f"outs[{i}]" for i in range(len(outs))))
+    first = outs[0]
+    out = frame.empty(first.shape, first.dtype)
+    lse = frame.empty(tuple(lses[0].shape), frame.float32()) if len(lses) else \
+        frame.empty((0, 0, 0), frame.float32())
+    _ext.merge_states([frame.export(o) for o in outs], [frame.export(x) for x in lses],
+                      frame.dest(out), frame.dest(lse), dtype=frame.dtype)
+    return frame.finish(out), frame.finish(lse)
