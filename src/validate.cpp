@@ -259,8 +259,11 @@ void check_block_mask(const Options& o, const Shapes& s, Device device,
 
 void check_score_mods(const Options& o, const Shapes& s, Device device,
                       std::initializer_list<NamedView> outputs) {
-  if (!(o.softcap >= 0.0 && std::isfinite(o.softcap)))
-    fail(ErrorKind::value, "softcap: expected a finite number >= 0 (0: off), got " +
+  // The float kernels carry softcap * log2(e), scale / softcap and slope * log2(e) in float32:
+  // 1e30 keeps them finite and normal (and a cap that large is no cap at all).
+  constexpr double kMaxMod = 1e30;
+  if (!(o.softcap >= 0.0 && o.softcap <= kMaxMod))
+    fail(ErrorKind::value, "softcap: expected a number >= 0 and <= 1e30 (0: off), got " +
                                num_str(o.softcap));
   const TensorView& a = o.alibi_slopes;
   if (!a.defined()) return;
@@ -282,8 +285,9 @@ void check_score_mods(const Options& o, const Shapes& s, Device device,
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t h = 0; h < s.nheads; ++h) {
         const float x = base[r * row_stride + h * a.strides[a.rank - 1]];
-        if (!std::isfinite(x))
-          fail(ErrorKind::value, "alibi_slopes: expected finite slopes, got " + num_str(x) +
+        if (!(std::fabs(x) <= kMaxMod))
+          fail(ErrorKind::value, "alibi_slopes: expected finite slopes of at most 1e30 in "
+                                 "magnitude, got " + num_str(x) +
                                      " at " + (a.rank == 2 ? "[" + std::to_string(r) + ", " : "[") +
                                      std::to_string(h) + "]");
       }

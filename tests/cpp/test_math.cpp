@@ -1,7 +1,8 @@
 // The math shared by every backend (include/flashdl/detail): the mask predicate and its block
 // ranges against brute force, the online softmax and its merge against a direct float64 softmax,
-// the FA-1 tile sizes, the axis tiling and block-mask planes of block-sparse attention, and
-// Philox4x32-10 against Random123's published known answers.
+// the FA-1 tile sizes, the axis tiling and block-mask planes of block-sparse attention, the score
+// modifiers (softcap, ALiBi) against double math, and Philox4x32-10 against Random123's published
+// known answers.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -12,6 +13,7 @@
 #include "flashdl/detail/block_mask.hpp"
 #include "flashdl/detail/mask.hpp"
 #include "flashdl/detail/philox.hpp"
+#include "flashdl/detail/score_mod.hpp"
 #include "flashdl/detail/softmax.hpp"
 #include "flashdl/detail/tiles.hpp"
 
@@ -325,6 +327,179 @@ void test_block_mask_planes() {
   }
 }
 
+// ---- score modifiers ---------------------------------------------------------------------------
+
+// Params with the softmax scale and the modifiers set as make_params sets them.
+flashdl::Params mod_params(double scale, double softcap, const float* slopes = nullptr,
+                           int64_t batch_stride = 0, int64_t head_stride = 1) {
+  flashdl::Params p{};
+  p.scale_softmax = scale;
+  p.scale_softmax_log2 = scale * fd::kLog2e;
+  p.softcap = softcap;
+  p.alibi_slopes_ptr = slopes;
+  p.alibi_batch_stride = batch_stride;
+  p.alibi_head_stride = head_stride;
+  return p;
+}
+
+// The modified score of a raw product qk in the natural domain, in double from its definition:
+// s = scale qk; s = softcap tanh(s / softcap) with a cap; s -= slope |diag - j|.
+double modified_score(double qk, double scale, double softcap, double slope, int64_t diag,
+                      int64_t j) {
+  double s = scale * qk;
+  if (softcap > 0) s = softcap * std::tanh(s / softcap);
+  return s - slope * std::fabs(static_cast<double>(diag - j));
+}
+
+// score() (exp2 domain, so times ln 2) against the definition, in double and float; grad() against
+// 1 - tanh^2 and against central differences of score().
+template <typename T>
+void check_score(double scale, double softcap, double tol) {
+  const flashdl::Params p = mod_params(scale, softcap);
+  const fd::ScoreMod<T> m = fd::score_mod_of<T>(p, 0, 0);
+  CHECK(m.capped() == (softcap > 0));
+  CHECK(!m.biased());
+  CHECK(m.slope == T(0));
+  Rng rng(static_cast<uint64_t>(softcap * 1000 + scale * 7));
+  for (int n = 0; n < 200; ++n) {
+    const double qk = n < 4 ? std::vector<double>{0.0, 1e-30, -1e3, 1e4}[n] : rng.symmetric(60.0);
+    context() = std::string(sizeof(T) == 8 ? "double" : "float") + " scale " + num(scale) +
+                " softcap " + num(softcap) + " qk " + num(qk);
+    const double want = modified_score(qk, scale, softcap, 0.0, 0, 0);
+    const double got = static_cast<double>(m.score(static_cast<T>(qk))) * fd::kLn2;
+    CHECK_NEAR(got, want, tol * std::fmax(1.0, std::fabs(want)));
+    const double th = softcap > 0 ? std::tanh(scale * qk / softcap) : 0.0;
+    const double g = static_cast<double>(m.grad(static_cast<T>(qk)));
+    CHECK_NEAR(g, softcap > 0 ? 1.0 - th * th : 1.0, tol);
+    CHECK(g >= 0.0 && g <= 1.0);
+    if (sizeof(T) == 8 && std::fabs(qk) < 1e3) {  // d s / d (scale qk) by central differences
+      const double h = 1e-5 / scale;
+      const double ds = (static_cast<double>(m.score(static_cast<T>(qk + h))) -
+                         static_cast<double>(m.score(static_cast<T>(qk - h)))) *
+                        fd::kLn2 / (2 * h * scale);
+      CHECK_NEAR(ds, g, 1e-7);
+    }
+  }
+  if (softcap > 0) {  // saturation: +-cap, derivative 0, nothing NaN
+    context() = "saturation, softcap " + num(softcap);
+    const double big = 1e6 * softcap / scale;
+    CHECK_NEAR(static_cast<double>(m.score(static_cast<T>(big))) * fd::kLn2, softcap,
+               tol * softcap);
+    CHECK_NEAR(static_cast<double>(m.score(static_cast<T>(-big))) * fd::kLn2, -softcap,
+               tol * softcap);
+    CHECK(m.grad(static_cast<T>(big)) == T(0) && m.grad(static_cast<T>(-big)) == T(0));
+    CHECK(m.score(T(0)) == T(0) && m.grad(T(0)) == T(1));
+  }
+}
+
+void test_score_mod_values() {
+  for (double scale : {0.125, 1.0 / std::sqrt(96.0), 1.0})
+    for (double softcap : {0.0, 0.5, 5.0, 50.0}) {
+      check_score<double>(scale, softcap, 1e-14);
+      check_score<float>(scale, softcap, 2e-6);
+    }
+  // Without a cap, score() is the plain kernels' scaling, bit for bit: qk * scale * log2(e).
+  context() = "uncapped is the plain scaling";
+  const flashdl::Params p = mod_params(0.3, 0.0);
+  const fd::ScoreMod<float> mf = fd::score_mod_of<float>(p, 0, 0);
+  const fd::ScoreMod<double> md = fd::score_mod_of<double>(p, 0, 0);
+  CHECK(mf.qk_scale == static_cast<float>(p.scale_softmax_log2));
+  CHECK(md.qk_scale == p.scale_softmax_log2);
+  for (double qk : {-3.5, 0.0, 1.0, 17.25}) {
+    CHECK(mf.score(static_cast<float>(qk)) == static_cast<float>(qk) * mf.qk_scale);
+    CHECK(md.score(qk) == qk * md.qk_scale);
+  }
+  // With a cap: qk_scale is scale / softcap, cap is softcap * log2(e).
+  const flashdl::Params pc = mod_params(0.3, 2.5);
+  const fd::ScoreMod<double> mc = fd::score_mod_of<double>(pc, 0, 0);
+  CHECK(mc.qk_scale == 0.3 / 2.5 && mc.cap == 2.5 * fd::kLog2e);
+}
+
+// bias(diag, j) = -slope log2(e) |diag - j|: symmetric about the diagonal, 0 on it, linear in the
+// distance, exact in float far out; both modifiers together add up.
+void test_score_mod_bias() {
+  const float slopes[] = {0.5f, 0.0625f, 1.0f / 3.0f, 2.0f};
+  for (float slope : slopes) {
+    context() = "bias, slope " + num(slope);
+    const flashdl::Params p = mod_params(0.25, 0.0, &slope, 0, 1);
+    const fd::ScoreMod<double> md = fd::score_mod_of<double>(p, 0, 0);
+    const fd::ScoreMod<float> mf = fd::score_mod_of<float>(p, 0, 0);
+    CHECK(md.biased() && mf.biased() && !md.capped());
+    CHECK(md.slope == static_cast<double>(slope) * fd::kLog2e);
+    CHECK(mf.slope == static_cast<float>(static_cast<double>(slope) * fd::kLog2e));
+    int64_t bad = 0;
+    for (int64_t diag : {-3, 0, 5, 40})
+      for (int64_t t = 0; t < 50; ++t) {
+        bad += md.bias(diag, diag + t) != md.bias(diag, diag - t);  // symmetric in |diag - j|
+        bad += mf.bias(diag, diag + t) != mf.bias(diag, diag - t);
+        bad += md.bias(diag, diag - t) != -md.slope * static_cast<double>(t);
+        bad += mf.bias(diag, diag - t) != -mf.slope * static_cast<float>(t);
+        bad += std::fabs(md.bias(diag, diag - t) * fd::kLn2 -
+                         modified_score(0.0, 1.0, 0.0, slope, diag, diag - t)) >
+               1e-14 * (1.0 + static_cast<double>(t));
+      }
+    CHECK_MSG(bad == 0, std::to_string(bad) + " bias values wrong");
+    CHECK(md.bias(7, 7) == 0.0 && mf.bias(7, 7) == 0.0f);
+    // Distances up to 2^24 are exact in float: the bias is the slope times the distance.
+    const int64_t far = (int64_t{1} << 24) - 1;
+    CHECK(mf.bias(far, 0) == -mf.slope * 16777215.0f);
+    CHECK(mf.bias(0, far) == mf.bias(far, 0));
+    CHECK(md.bias(int64_t{1} << 40, 0) == -md.slope * 1099511627776.0);
+  }
+  // The two together: the capped score plus the bias, in flash-attn's order (cap before bias).
+  context() = "cap and bias";
+  const float slope = 0.75f;
+  const flashdl::Params p = mod_params(0.2, 3.0, &slope, 0, 1);
+  const fd::ScoreMod<double> m = fd::score_mod_of<double>(p, 0, 0);
+  for (double qk : {-40.0, -2.0, 0.5, 9.0, 100.0})
+    for (int64_t j : {0, 3, 11}) {
+      const double got = (m.score(qk) + m.bias(5, j)) * fd::kLn2;
+      CHECK_NEAR(got, modified_score(qk, 0.2, 3.0, 0.75, 5, j), 1e-13);
+      CHECK_NEAR(m.grad(qk), 1.0 - std::pow(std::tanh(0.2 * qk / 3.0), 2), 1e-15);
+    }
+}
+
+// score_mod_of picks slope [b * batch_stride + h * head_stride]: (batch, nheads), (nheads,)
+// broadcast with batch stride 0, and a padded layout; has_score_mod is the pointer or the cap.
+void test_score_mod_of_slopes() {
+  const int64_t nb = 3, nh = 4, padded = 6;
+  std::vector<float> slopes(static_cast<size_t>(nb * padded * 2));
+  Rng rng(23);
+  for (float& x : slopes) x = static_cast<float>(rng.uniform());
+  struct Layout {
+    const char* name;
+    int64_t batch_stride, head_stride;
+  };
+  const Layout layouts[] = {{"(batch, nheads)", nh, 1},
+                            {"(nheads,) broadcast", 0, 1},
+                            {"rows padded to 6", padded, 1},
+                            {"head stride 2", 2 * padded, 2}};
+  for (const Layout& l : layouts) {
+    context() = std::string("score_mod_of ") + l.name;
+    const flashdl::Params p = mod_params(0.125, 0.0, slopes.data(), l.batch_stride, l.head_stride);
+    CHECK(fd::has_score_mod(p));
+    int64_t bad = 0;
+    for (int64_t b = 0; b < nb; ++b)
+      for (int64_t h = 0; h < nh; ++h) {
+        const float want = slopes[static_cast<size_t>(b * l.batch_stride + h * l.head_stride)];
+        bad += fd::score_mod_of<double>(p, b, h).slope != static_cast<double>(want) * fd::kLog2e;
+        bad += fd::score_mod_of<float>(p, b, h).slope !=
+               static_cast<float>(static_cast<double>(want) * fd::kLog2e);
+        if (l.batch_stride == 0)  // every batch reads row 0
+          bad += fd::score_mod_of<double>(p, b, h).slope != fd::score_mod_of<double>(p, 0, h).slope;
+      }
+    CHECK_MSG(bad == 0, std::to_string(bad) + " slopes misread");
+  }
+  context() = "has_score_mod";
+  CHECK(!fd::has_score_mod(mod_params(0.125, 0.0)));
+  CHECK(fd::has_score_mod(mod_params(0.125, 1e-3)));
+  const float zero = 0.0f;
+  const flashdl::Params pz = mod_params(0.125, 0.0, &zero, 0, 1);
+  CHECK(fd::has_score_mod(pz));  // zero slopes still select the modified path...
+  CHECK(!fd::score_mod_of<float>(pz, 0, 0).biased());  // ...where they add nothing
+  CHECK(fd::score_mod_of<float>(pz, 0, 0).bias(9, 2) == 0.0f);
+}
+
 // ---- Philox and dropout ------------------------------------------------------------------------
 
 void test_philox_known_answers() {
@@ -396,6 +571,9 @@ int main() {
   run_test("math: fa1_tiles", test_tiles);
   run_test("math: axis tiles cut at block-mask edges", test_axis_tiles);
   run_test("math: block-mask planes and broadcasting", test_block_mask_planes);
+  run_test("math: score modifiers: score and grad vs double math", test_score_mod_values);
+  run_test("math: score modifiers: the ALiBi bias", test_score_mod_bias);
+  run_test("math: score modifiers: score_mod_of, has_score_mod", test_score_mod_of_slopes);
   run_test("math: philox4x32_10 known answers", test_philox_known_answers);
   run_test("math: dropout draws", test_dropout_draws);
   return finish();

@@ -402,6 +402,162 @@ void test_varlen_block_mask() {
   CHECK_MSG(std::equal(before.begin(), before.end(), after.begin()), "a varlen call wrote an input");
 }
 
+// Score modifiers on q (2, 5, 4, 8): softcap finite and >= 0; ALiBi slopes float32 of shape
+// (nheads,) = (4,) or (batch, nheads) = (2, 4), on the device of q, last dimension contiguous,
+// finite (CPU slopes are read: only the elements the kernels read), overlapping no output.
+void test_score_mods() {
+  Problem p;
+  Array s1(DType::float32, {4}), s2(DType::float32, {2, 4});
+  Array padded(DType::float32, {2, 4}, Layout{{}, 3, -1});  // rows 7 apart, 3 unused
+  padded.poison();  // NaN everywhere, then finite slopes in the 8 elements the kernels read
+  s1.assign({0.5, 0.25, 0.125, 0.0625});
+  s2.assign({0.5, 0.25, 0.125, 0.0625, 1.0, 0.0, -0.5, 2.0});
+  padded.assign({0.5, 0.25, 0.125, 0.0625, 1.0, 0.0, -0.5, 2.0});
+  TensorView broadcast = s1.view();  // (nheads,) as (batch, nheads) with batch stride 0
+  broadcast.rank = 2;
+  broadcast.shape[0] = 2, broadcast.shape[1] = 4;
+  broadcast.strides[0] = 0, broadcast.strides[1] = 1;
+  const auto saved = {s1.byte_copy(), s2.byte_copy(), padded.byte_copy()};
+  auto slopes = [](const TensorView& a, double softcap = 0.0) {
+    return [a, softcap](Call& c) {
+      c.o.alibi_slopes = a;
+      c.o.softcap = softcap;
+    };
+  };
+  for (const TensorView& a : {TensorView{}, s1.view(), s2.view(), broadcast, padded.view()})
+    for (double softcap : {0.0, 1e-3, 2.5, 1e6}) {  // valid: forward and backward run
+      context() = "valid slopes of rank " + std::to_string(a.rank) + ", softcap " + num(softcap);
+      Call c(p);
+      slopes(a, softcap)(c);
+      c.forward();
+      c.backward();
+    }
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const std::pair<double, const char*> caps[] = {
+      {-1.0, "got -1"}, {-1e-300, "got -1e-300"}, {-INFINITY, "got -inf"}, {INFINITY, "got inf"},
+      {nan, "got nan"}};
+  for (auto [cap, tail] : caps)
+    expect_both("softcap " + num(cap), ErrorKind::value, "softcap", slopes(TensorView{}, cap), p,
+                tail);
+  // The wrong shapes; the message names both accepted ones.
+  Array w3(DType::float32, {3}), w2(DType::float32, {2}), w14(DType::float32, {1, 4});
+  Array w42(DType::float32, {4, 2}), w34(DType::float32, {3, 4}), w241(DType::float32, {2, 4, 1});
+  Array w0(DType::float32, {0});
+  for (const Array* a : {&w3, &w2, &w14, &w42, &w34, &w241, &w0})
+    expect_both("slopes shape of " + std::to_string(a->numel()) + " elements, rank " +
+                    std::to_string(a->view().rank),
+                ErrorKind::value, "alibi_slopes", slopes(a->view()), p, "(4,) or (2, 4)");
+  TensorView neg = s1.view();
+  neg.shape[0] = -4;
+  expect_both("slopes negative extent", ErrorKind::value, "alibi_slopes", slopes(neg), p);
+  TensorView null = s1.view();
+  null.data = nullptr;
+  expect_both("slopes null data", ErrorKind::value, "alibi_slopes", slopes(null), p, "null");
+  Array f64(DType::float64, {4}), f16(DType::float16, {4}), bf16(DType::bfloat16, {2, 4});
+  Array i32(DType::int32, {4});
+  for (const Array* a : {&f64, &f16, &bf16, &i32})
+    expect_both("slopes dtype", ErrorKind::type, "alibi_slopes", slopes(a->view()), p, "float32");
+  TensorView on_cuda = s1.view();
+  on_cuda.device = {flashdl::DeviceType::cuda, 0};
+  expect_both("slopes on cuda, q on cpu", ErrorKind::value, "alibi_slopes", slopes(on_cuda), p,
+              "cuda");
+  Array wide(DType::float32, {8});
+  TensorView gap = wide.view();
+  gap.shape[0] = 4, gap.strides[0] = 2;
+  expect_both("slopes last stride 2", ErrorKind::value, "alibi_slopes", slopes(gap), p,
+              "contiguous");
+  // Non-finite slopes, named with their index.
+  Array n1 = s1, n2 = s2, n3 = padded;
+  n1.set(1, nan);
+  n2.set(6, INFINITY);  // [1, 2]
+  n3.set(3, -INFINITY);  // [0, 3] of the padded layout
+  expect_both("slopes nan", ErrorKind::value, "alibi_slopes", slopes(n1.view()), p, "nan at [1]");
+  expect_both("slopes inf", ErrorKind::value, "alibi_slopes", slopes(n2.view()), p,
+              "inf at [1, 2]");
+  expect_both("slopes -inf, padded rows", ErrorKind::value, "alibi_slopes", slopes(n3.view()), p,
+              "-inf at [0, 3]");
+  // Outputs overlapping the slopes (read from the output's own memory).
+  for (auto [name, a] : {std::pair<const char*, const Array*>{"out", &p.out}, {"lse", &p.lse},
+                         {"dq", &p.dq}, {"dk", &p.dk}, {"dv", &p.dv}}) {
+    TensorView inside = s1.view();
+    inside.data = a->view().data;
+    Call c(p);
+    slopes(inside)(c);
+    const bool forward_output = a == &p.out || a == &p.lse;
+    expect_error(std::string(name) + " overlapping the slopes", ErrorKind::value, name, [&] {
+      if (forward_output) c.forward(); else c.backward();
+    }, p, "alibi_slopes");
+  }
+  // A CUDA q with CPU slopes: the slopes must be on the device of q (no silent copy).
+  Array q(DType::float16, {1, 4, 2, 64}), k(DType::float16, {1, 4, 2, 64}), v(DType::float16, {1, 4, 2, 64});
+  Array out(DType::float16, {1, 4, 2, 64}), lse(DType::float32, {1, 2, 4}), cs(DType::float32, {2});
+  Array dq(DType::float16, {1, 4, 2, 64}), dk(DType::float16, {1, 4, 2, 64}), dv(DType::float16, {1, 4, 2, 64});
+  Call c(p);
+  c.q = q.view(), c.k = k.view(), c.v = v.view(), c.out = out.view(), c.lse = lse.view();
+  c.dout = q.view(), c.dq = dq.view(), c.dk = dk.view(), c.dv = dv.view();
+  for (TensorView* t : {&c.q, &c.k, &c.v, &c.out, &c.lse, &c.dout, &c.dq, &c.dk, &c.dv})
+    t->device = {flashdl::DeviceType::cuda, 0};
+  slopes(cs.view())(c);
+  expect_error("forward: cpu slopes with cuda q", ErrorKind::value, "alibi_slopes",
+               [&] { c.forward(); }, p, "cuda:0");
+  expect_error("backward: cpu slopes with cuda q", ErrorKind::value, "alibi_slopes",
+               [&] { c.backward(); }, p, "cuda:0");
+  context() = "score-modifier calls";
+  const auto after = {s1.byte_copy(), s2.byte_copy(), padded.byte_copy()};
+  CHECK_MSG(std::equal(saved.begin(), saved.end(), after.begin()), "a call wrote the slopes");
+}
+
+// Varlen slopes: (nheads,) or (sequences, nheads), not sized by the packed totals. Packed q
+// (8, 4, 8), k (6, 2, 8), two sequences.
+void test_varlen_score_mods() {
+  Problem p;
+  Array q(DType::float32, {8, 4, 8}), k(DType::float32, {6, 2, 8}), v(DType::float32, {6, 2, 8});
+  Array out(DType::float32, {8, 4, 8}), lse(DType::float32, {4, 8});
+  Array dq(DType::float32, {8, 4, 8}), dk(DType::float32, {6, 2, 8}), dv(DType::float32, {6, 2, 8});
+  Rng rng(5);
+  for (Array* a : {&q, &k, &v}) a->fill_random(rng, 1.0);
+  std::vector<int32_t> cq{0, 3, 8}, ck{0, 4, 6};
+  const TensorView tcq = flashdl::make_view(cq.data(), DType::int32, {3});
+  const TensorView tck = flashdl::make_view(ck.data(), DType::int32, {3});
+  Array s1(DType::float32, {4}), s2(DType::float32, {2, 4}), total(DType::float32, {8, 4});
+  Array three(DType::float32, {3, 4}), nanrow(DType::float32, {2, 4});
+  for (Array* a : {&s1, &s2, &total, &three, &nanrow}) a->fill_random(rng, 1.0);
+  nanrow.set(5, std::numeric_limits<double>::quiet_NaN());  // [1, 1]
+  const auto before = {q.byte_copy(), k.byte_copy(), v.byte_copy(), s2.byte_copy()};
+  auto call = [&](const TensorView& a, double softcap, bool backward) {
+    return [&, a, softcap, backward] {
+      Options o;
+      o.alibi_slopes = a;
+      o.softcap = softcap;
+      if (!backward)
+        flashdl::forward_varlen(q.view(), k.view(), v.view(), tcq, tck, 5, 4, out.view(), lse.view(), o);
+      else
+        flashdl::backward_varlen(q.view(), q.view(), k.view(), v.view(), out.view(), lse.view(), tcq,
+                                 tck, 5, 4, dq.view(), dk.view(), dv.view(), o);
+    };
+  };
+  for (const Array* a : {&s1, &s2}) {
+    context() = "valid varlen slopes of rank " + std::to_string(a->view().rank);
+    call(a->view(), 1.5, false)();
+    call(a->view(), 1.5, true)();
+  }
+  for (bool bwd : {false, true}) {
+    const std::string pass = bwd ? "backward_varlen: " : "forward_varlen: ";
+    expect_error(pass + "slopes sized by total_q", ErrorKind::value, "alibi_slopes",
+                 call(total.view(), 0.0, bwd), p, "(4,) or (2, 4)");
+    expect_error(pass + "3 rows for 2 sequences", ErrorKind::value, "alibi_slopes",
+                 call(three.view(), 0.0, bwd), p, "(4,) or (2, 4)");
+    expect_error(pass + "nan slope", ErrorKind::value, "alibi_slopes", call(nanrow.view(), 0.0, bwd),
+                 p, "nan at [1, 1]");
+    expect_error(pass + "softcap -2", ErrorKind::value, "softcap", call(TensorView{}, -2.0, bwd), p);
+    expect_error(pass + "softcap nan", ErrorKind::value, "softcap",
+                 call(s2.view(), std::numeric_limits<double>::quiet_NaN(), bwd), p);
+  }
+  context() = "varlen score-modifier calls";
+  const auto after = {q.byte_copy(), k.byte_copy(), v.byte_copy(), s2.byte_copy()};
+  CHECK_MSG(std::equal(before.begin(), before.end(), after.begin()), "a varlen call wrote an input");
+}
+
 }  // namespace
 
 int main() {
@@ -414,5 +570,7 @@ int main() {
   run_test("validation: varlen", test_varlen);
   run_test("validation: block_mask and block sizes", test_block_mask);
   run_test("validation: varlen block_mask", test_varlen_block_mask);
+  run_test("validation: softcap and alibi_slopes", test_score_mods);
+  run_test("validation: varlen softcap and alibi_slopes", test_varlen_score_mods);
   return finish();
 }

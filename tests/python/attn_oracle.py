@@ -83,8 +83,49 @@ def _heads(x, group=1):
     return np.repeat(x, group, axis=1) if group > 1 else x
 
 
-def _probs(q, k, mask, scale, rnd):
+def alibi_bias(slopes, b, h, sq, sk):
+    """(b, h, sq, sk) float64 ALiBi bias -slope[b, h] * |i + sk - sq - j| (bottom-right aligned,
+    i and j counted within the sequence); slopes (h,) or (b, h), read exactly as given (float32
+    in the API)."""
+    sl = f64(slopes)
+    sl = np.broadcast_to(sl, (b, h)) if sl.ndim == 1 else sl
+    i = np.arange(sq)[:, None] + (sk - sq)
+    j = np.arange(sk)[None, :]
+    return -sl[:, :, None, None] * np.abs(i - j).astype(np.float64)
+
+
+def score_bias(b, h, sq, sk, alibi_slopes=None, bias=None):
+    """The additive score bias of a call: ALiBi's (alibi_slopes) plus an explicit float64 `bias`
+    broadcastable to (b, h, sq, sk); None when neither is given."""
+    total = None if alibi_slopes is None else alibi_bias(alibi_slopes, b, h, sq, sk)
+    if bias is not None:
+        total = f64(bias) if total is None else total + f64(bias)
+    return total
+
+
+def modify_scores(s, softcap=0.0, bias=None, rnd=None):
+    """The score modifiers on the scaled scores s, in flash-attn's order: softcap > 0 gives
+    softcap * tanh(s / softcap), then the additive bias. Returns (s', d s' / d s): the derivative
+    is 1 - tanh^2 with a cap, None without. In the input precision (rnd rounding to the dtype;
+    flash-attn's attention_ref with upcast=False) the cap's division, tanh and product are each
+    rounded to the dtype, and the bias (float32 in flash-attn's reference) is added in the
+    compute type without rounding."""
+    rnd = rnd or (lambda x: x)
+    g = None
+    if softcap > 0:
+        th = rnd(np.tanh(rnd(s / softcap)))
+        s = rnd(th * softcap)
+        g = rnd(1 - th * th)
+    if bias is not None:
+        s = s + np.asarray(bias, dtype=s.dtype)
+    return s, g
+
+
+def _probs(q, k, mask, scale, rnd, softcap=0.0, bias=None, with_grad=False):
+    """(P, lse) of the masked, modified scores; with_grad: also d s / d (scale q.k) (None
+    without a cap)."""
     s = rnd(np.matmul(rnd(q), np.swapaxes(rnd(k), -1, -2)) * scale)
+    s, g = modify_scores(s, softcap, bias, rnd)
     s = np.where(mask, s, -np.inf)
     m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
     m_safe = np.where(np.isfinite(m), m, 0)
@@ -93,7 +134,7 @@ def _probs(q, k, mask, scale, rnd):
     p = rnd(e / np.where(l > 0, l, 1))
     with np.errstate(divide="ignore"):
         lse = np.where(l > 0, m_safe + np.log(np.where(l > 0, l, 1)), -np.inf)
-    return p, lse[..., 0]
+    return (p, lse[..., 0], g) if with_grad else (p, lse[..., 0])
 
 
 def _visible(sq, sk, causal, window, mask):
@@ -103,24 +144,27 @@ def _visible(sq, sk, causal, window, mask):
 
 
 def forward(q, k, v, causal=False, softmax_scale=None, window=(-1, -1), dtype="float64",
-            exact=True, mask=None):
+            exact=True, mask=None, softcap=0.0, alibi_slopes=None, bias=None):
     """(out (b, sq, h, d), lse (b, h, sq)) of naive attention; exact=True is the float64 oracle,
     exact=False the same algorithm in the input precision. mask: an extra bool element mask,
-    broadcastable to (b, h, sq, sk) (e.g. an expanded block-sparse mask)."""
+    broadcastable to (b, h, sq, sk) (e.g. an expanded block-sparse mask). Score modifiers
+    (modify_scores, flash-attn's order): softcap (0: off), alibi_slopes ((h,) or (b, h)), and an
+    explicit additive `bias` broadcastable to (b, h, sq, sk); lse is of the modified scores."""
     rnd = _Round(dtype, exact)
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     scale = softmax_scale_of(d, softmax_scale)
     g = h // hk if hk else 1
     p, lse = _probs(_heads(f64(q)), _heads(f64(k), g), _visible(sq, sk, causal, window, mask),
-                    scale, rnd)
+                    scale, rnd, softcap, score_bias(b, h, sq, sk, alibi_slopes, bias))
     o = rnd(np.matmul(p, rnd(_heads(f64(v), g))))
     return np.swapaxes(o, 1, 2).astype(np.float64), lse.astype(np.float64)
 
 
 def backward(dout, q, k, v, causal=False, softmax_scale=None, window=(-1, -1), dtype="float64",
-             exact=True, mask=None):
-    """(dq, dk, dv) of naive attention (dk, dv summed over each GQA group)."""
+             exact=True, mask=None, softcap=0.0, alibi_slopes=None, bias=None):
+    """(dq, dk, dv) of naive attention (dk, dv summed over each GQA group); score modifiers as in
+    forward (the cap's 1 - tanh^2 multiplies dS; the bias gets no gradient)."""
     rnd = _Round(dtype, exact)
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -128,12 +172,15 @@ def backward(dout, q, k, v, causal=False, softmax_scale=None, window=(-1, -1), d
     g = h // hk
     qh, kh, vh, doh = (rnd(_heads(f64(q))), rnd(_heads(f64(k), g)), rnd(_heads(f64(v), g)),
                        rnd(_heads(f64(dout))))
-    p, _ = _probs(qh, kh, _visible(sq, sk, causal, window, mask), scale, rnd)
+    p, _, gcap = _probs(qh, kh, _visible(sq, sk, causal, window, mask), scale, rnd, softcap,
+                        score_bias(b, h, sq, sk, alibi_slopes, bias), with_grad=True)
     o = rnd(np.matmul(p, vh))
     dv = np.matmul(np.swapaxes(p, -1, -2), doh)
     dp = rnd(np.matmul(doh, np.swapaxes(vh, -1, -2)))
     delta = np.sum(doh * o, axis=-1, keepdims=True)
     ds = rnd(p * (dp - delta))
+    if gcap is not None:
+        ds = rnd(ds * gcap)
     dq = rnd(np.matmul(ds, kh) * scale)
     dk = np.matmul(np.swapaxes(ds, -1, -2), qh) * scale
 

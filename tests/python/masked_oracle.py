@@ -1,7 +1,8 @@
 """A float64 oracle for windows and dropout, built from first principles: the visibility predicate
 of DESIGN.md evaluated element by element, and an explicit dropout keep-mask (the one
 flashdl.dropout_mask returns) applied to the probabilities: out = (P * Z) v, Z = keep / (1 - p),
-lse of the undropped scores."""
+lse of the undropped scores. Optional score modifiers (softcap, ALiBi slopes) as in
+attn_oracle.modify_scores."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import functools
 
 import numpy as np
 
-from attn_oracle import f64, softmax_scale_of
+from attn_oracle import f64, modify_scores, score_bias, softmax_scale_of
 
 
 @functools.lru_cache(maxsize=256)
@@ -47,8 +48,11 @@ def _heads(x, group=1):
     return np.repeat(x, group, axis=1) if group > 1 else x
 
 
-def _probs(q, k, visible, scale):
-    s = np.where(visible, np.matmul(q, np.swapaxes(k, -1, -2)) * scale, -np.inf)
+def _probs(q, k, visible, scale, softcap=0.0, bias=None, with_grad=False):
+    """(P, lse) of the visible, modified scores; with_grad: also d s / d (scale q.k) (None
+    without a cap)."""
+    s, g = modify_scores(np.matmul(q, np.swapaxes(k, -1, -2)) * scale, softcap, bias)
+    s = np.where(visible, s, -np.inf)
     m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
     m = np.where(np.isfinite(m), m, 0.0)
     e = np.exp(s - m)
@@ -56,7 +60,7 @@ def _probs(q, k, visible, scale):
     p = e / np.where(l > 0, l, 1.0)
     with np.errstate(divide="ignore"):
         lse = np.where(l > 0, m + np.log(np.where(l > 0, l, 1.0)), -np.inf)[..., 0]
-    return p, lse
+    return (p, lse, g) if with_grad else (p, lse)
 
 
 def _zmat(keep, p, shape):
@@ -66,29 +70,38 @@ def _zmat(keep, p, shape):
     return np.where(keep, keep_scale(p), 0.0)
 
 
-def forward(q, k, v, visible, keep=None, p=0.0, softmax_scale=None):
+def forward(q, k, v, visible, keep=None, p=0.0, softmax_scale=None, softcap=0.0,
+            alibi_slopes=None):
     """(out (b, sq, h, d), lse (b, h, sq)) in float64; visible (sq, sk) bool; keep (b, h, sq, sk)
-    bool or None."""
-    h, hk = q.shape[2], k.shape[2]
+    bool or None; softcap (0: off) and alibi_slopes ((h,) or (b, h), None: off) modify the
+    scores before the mask (lse is of the modified, undropped scores)."""
+    b, sq, h = q.shape[:3]
+    sk, hk = k.shape[1], k.shape[2]
     g = h // hk
     scale = softmax_scale_of(q.shape[3], softmax_scale)
-    P, lse = _probs(_heads(q), _heads(k, g), visible, scale)
+    P, lse = _probs(_heads(q), _heads(k, g), visible, scale, softcap,
+                    score_bias(b, h, sq, sk, alibi_slopes))
     o = np.matmul(P * _zmat(keep, p, P.shape), _heads(v, g))
     return np.swapaxes(o, 1, 2), lse
 
 
-def backward(dout, q, k, v, visible, keep=None, p=0.0, softmax_scale=None):
-    """(dq, dk, dv) in float64, dk and dv summed over each GQA group."""
+def backward(dout, q, k, v, visible, keep=None, p=0.0, softmax_scale=None, softcap=0.0,
+             alibi_slopes=None):
+    """(dq, dk, dv) in float64, dk and dv summed over each GQA group; modifiers as in forward
+    (dS carries the cap's 1 - tanh^2; the slopes get no gradient)."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     g = h // hk
     scale = softmax_scale_of(d, softmax_scale)
     qh, kh, vh, doh = _heads(q), _heads(k, g), _heads(v, g), _heads(dout)
-    P, _ = _probs(qh, kh, visible, scale)
+    P, _, G = _probs(qh, kh, visible, scale, softcap, score_bias(b, h, sq, sk, alibi_slopes),
+                     with_grad=True)
     Z = _zmat(keep, p, P.shape)
     dv = np.matmul(np.swapaxes(P * Z, -1, -2), doh)
     dP = np.matmul(doh, np.swapaxes(vh, -1, -2)) * Z
     dS = P * (dP - np.sum(P * dP, axis=-1, keepdims=True))
+    if G is not None:
+        dS = dS * G
     dq = np.matmul(dS, kh) * scale
     dk = np.matmul(np.swapaxes(dS, -1, -2), qh) * scale
 

@@ -153,3 +153,138 @@ def test_empty_problems(schedule, b, sq, sk, h, hk):
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     assert np.all(dq == 0) if sk == 0 else True
     assert np.all(dk == 0) and np.all(dv == 0) if sq == 0 else True
+
+
+# --- score modifiers (softcap, alibi_slopes) ----------------------------------------------------
+
+SLOPES = np.linspace(0.1, 0.4, 4, dtype=np.float32)  # valid (nheads,) slopes for Q
+SHAPES_MSG = r"\(4,\) or \(2, 4\)"  # the expected shapes the message names (nheads 4, batch 2)
+
+
+def _bad_value(shape, at, value):
+    x = np.full(shape, 0.25, np.float32)
+    x[at] = value
+    return x
+
+
+SCORE_MOD_CASES = {
+    "softcap -1": (ValueError, "softcap", dict(softcap=-1.0), ">= 0"),
+    "softcap -inf": (ValueError, "softcap", dict(softcap=-np.inf), None),
+    "softcap nan": (ValueError, "softcap", dict(softcap=np.nan), "nan"),
+    "softcap inf": (ValueError, "softcap", dict(softcap=np.inf), "inf"),
+    "softcap 1e31": (ValueError, "softcap", dict(softcap=1e31), "<= 1e30"),
+    "softcap str": (TypeError, "softcap", dict(softcap="1.0"), None),
+    "softcap None": (TypeError, "softcap", dict(softcap=None), None),
+    "softcap complex": (TypeError, "softcap", dict(softcap=1 + 1j), None),
+    "softcap array": (TypeError, "softcap", dict(softcap=np.array([1.0, 2.0])), None),
+    "slopes (3,)": (ValueError, "alibi_slopes", dict(alibi_slopes=SLOPES[:3]), SHAPES_MSG),
+    "slopes (nheads_kv,)": (ValueError, "alibi_slopes",
+                            dict(alibi_slopes=np.ones(2, np.float32)), SHAPES_MSG),
+    "slopes (1, nheads)": (ValueError, "alibi_slopes",
+                           dict(alibi_slopes=SLOPES[None]), SHAPES_MSG),
+    "slopes (nheads, batch)": (ValueError, "alibi_slopes",
+                               dict(alibi_slopes=np.ones((4, 2), np.float32)), SHAPES_MSG),
+    "slopes (3, nheads)": (ValueError, "alibi_slopes",
+                           dict(alibi_slopes=np.ones((3, 4), np.float32)), SHAPES_MSG),
+    "slopes rank 3": (ValueError, "alibi_slopes",
+                      dict(alibi_slopes=np.ones((2, 4, 1), np.float32)), SHAPES_MSG),
+    "slopes rank 0": (ValueError, "alibi_slopes", dict(alibi_slopes=np.array(0.5, np.float32)),
+                      "rank"),
+    "slopes empty": (ValueError, "alibi_slopes", dict(alibi_slopes=np.ones(0, np.float32)),
+                     SHAPES_MSG),
+    "slopes float64": (TypeError, "alibi_slopes", dict(alibi_slopes=SLOPES.astype(np.float64)),
+                       "float32"),
+    "slopes float16": (TypeError, "alibi_slopes", dict(alibi_slopes=SLOPES.astype(np.float16)),
+                       "float32"),
+    "slopes int32": (TypeError, "alibi_slopes", dict(alibi_slopes=np.ones(4, np.int32)),
+                     "float32"),
+    "slopes list": (TypeError, "alibi_slopes", dict(alibi_slopes=SLOPES.tolist()), None),
+    "slopes float": (TypeError, "alibi_slopes", dict(alibi_slopes=0.5), None),
+    "slopes numpy scalar": (TypeError, "alibi_slopes", dict(alibi_slopes=np.float32(0.5)), None),
+    "slopes nan": (ValueError, "alibi_slopes", dict(alibi_slopes=_bad_value(4, 1, np.nan)),
+                   r"nan at \[1\]"),
+    "slopes inf (batch, nheads)": (ValueError, "alibi_slopes",
+                                   dict(alibi_slopes=_bad_value((2, 4), (1, 2), np.inf)),
+                                   r"inf at \[1, 2\]"),
+    "slopes -inf": (ValueError, "alibi_slopes", dict(alibi_slopes=_bad_value(4, 3, -np.inf)),
+                    None),
+    "slopes 1e31": (ValueError, "alibi_slopes", dict(alibi_slopes=_bad_value(4, 2, 1e31)),
+                    r"at most 1e30 .*at \[2\]"),
+    "slopes last dim strided": (ValueError, "alibi_slopes",
+                                dict(alibi_slopes=strided_last(SLOPES)), "contiguous"),
+    "slopes transposed (batch, nheads)": (ValueError, "alibi_slopes",
+                                          dict(alibi_slopes=np.ones((4, 2), np.float32).T),
+                                          "contiguous"),
+}
+
+# The packed (varlen) form of Q, K, V: two sequences, so (batch, nheads) is (2, 4) there too.
+CU_Q, CU_K = np.array([0, 5, 10], np.int32), np.array([0, 7, 14], np.int32)
+QP, KP, VP = Q.reshape(10, 4, 8), K.reshape(14, 2, 8), V.reshape(14, 2, 8)
+OUTP, LSEP = flashdl.attention_varlen(QP, KP, VP, CU_Q, CU_K, 5, 7, return_lse=True)
+SCORE_MOD_CALLS = {
+    "attention": lambda **kw: flashdl.attention(Q, K, V, **kw),
+    "attention_backward": lambda **kw: flashdl.attention_backward(DOUT, Q, K, V, OUT, LSE, **kw),
+    "attention_varlen": lambda **kw: flashdl.attention_varlen(QP, KP, VP, CU_Q, CU_K, 5, 7, **kw),
+    "attention_varlen_backward": lambda **kw: flashdl.attention_varlen_backward(
+        QP, QP, KP, VP, OUTP, LSEP, CU_Q, CU_K, 5, 7, **kw),
+}
+
+
+@pytest.mark.parametrize("fn", SCORE_MOD_CALLS)
+@pytest.mark.parametrize("case", SCORE_MOD_CASES)
+def test_score_mod_errors(case, fn):
+    """Every entry point names softcap or alibi_slopes (with the expected shapes, dtype or the
+    offending element), and no array, the slopes included, changes."""
+    exc, arg, kw, detail = SCORE_MOD_CASES[case]
+    arrays = [Q, K, V, DOUT, OUT, LSE, QP, KP, VP, OUTP, LSEP] + [
+        x for x in kw.values() if isinstance(x, np.ndarray)]
+    before = [x.copy() for x in arrays]
+    err = expect(exc, arg, SCORE_MOD_CALLS[fn], **kw)
+    assert str(err).startswith(arg + ":"), str(err)
+    if detail is not None:
+        assert re.search(detail, str(err)), f"message lacks {detail!r}: {err}"
+    for x, y in zip(arrays, before):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_valid_score_mods_are_accepted():
+    """The accepted forms: softcap 0 (off), an int or NumPy float softcap, (nheads,) and
+    (batch, nheads) slopes, a stride-0 broadcast view, read-only slopes, negative and zero
+    slopes; all give finite results and change nothing."""
+    slopes_bh = np.stack([SLOPES, -SLOPES])
+    frozen = SLOPES.copy()
+    frozen.flags.writeable = False
+    before = [x.copy() for x in (SLOPES, slopes_bh)]
+    for kw in (dict(softcap=0.0), dict(softcap=3), dict(softcap=np.float32(2.5)),
+               dict(alibi_slopes=SLOPES), dict(alibi_slopes=slopes_bh),
+               dict(alibi_slopes=np.broadcast_to(SLOPES, (2, 4))), dict(alibi_slopes=frozen),
+               dict(alibi_slopes=np.zeros(4, np.float32), softcap=1e-3)):
+        for call in SCORE_MOD_CALLS.values():
+            res = call(**kw)
+            for x in (res if isinstance(res, tuple) else (res,)):
+                assert np.isfinite(x).all(), kw
+    for x, y in zip((SLOPES, slopes_bh), before):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_score_mod_errors_torch():
+    """The torch entry points (slopes as torch tensors) validate the same way."""
+    torch = pytest.importorskip("torch")
+    import flashdl.torch as ft
+
+    q, k, v = (torch.from_numpy(x).requires_grad_() for x in (Q, K, V))
+    good = torch.from_numpy(SLOPES.copy())
+    cases = [(ValueError, "softcap", dict(softcap=-0.5)),
+             (TypeError, "softcap", dict(softcap="2")),
+             (ValueError, "alibi_slopes", dict(alibi_slopes=good[:2])),
+             (TypeError, "alibi_slopes", dict(alibi_slopes=good.double())),
+             (ValueError, "alibi_slopes", dict(alibi_slopes=torch.tensor([0.1, float("nan"),
+                                                                          0.2, 0.3]))),
+             (ValueError, "alibi_slopes", dict(alibi_slopes=torch.ones(8)[::2]))]
+    for exc, arg, kw in cases:
+        expect(exc, arg, ft.attention, q, k, v, **kw)
+        expect(exc, arg, ft.attention_varlen, q.reshape(10, 4, 8), k.reshape(14, 2, 8),
+               v.reshape(14, 2, 8), torch.from_numpy(CU_Q), torch.from_numpy(CU_K), 5, 7, **kw)
+    assert torch.equal(good, torch.from_numpy(SLOPES))
+    for x, y in zip((q, k, v), (Q, K, V)):
+        assert np.array_equal(x.detach().numpy(), y)
