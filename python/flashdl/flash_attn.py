@@ -7,8 +7,11 @@ Same layouts as flash-attn: q (batch, seqlen, nheads, headdim), qkv (batch, seql
 headdim), kv (batch, seqlen, 2, nheads_k, headdim); varlen (total, nheads, headdim) with int32
 cu_seqlens. Differences from flash-attn (also in README.md, "Coming from flash-attn"):
 
-- block_table (paged KV) raises NotImplementedError naming the argument;
-  flash_attn_with_kvcache is not provided.
+- block_table (paged KV) in flash_attn_varlen_func raises NotImplementedError naming the
+  argument. flash_attn_with_kvcache is flashdl.attention_with_kvcache: block_table (any page
+  size), cache_seqlens (an int, a CPU int32 tensor or None), k/v appended in place, num_splits,
+  softcap, alibi_slopes; rotary_cos/rotary_sin, cache_batch_idx and cache_leftpad raise
+  NotImplementedError; CPU tensors only in this version.
 - softmax_lse of a query that sees no key is -inf (flashdl's contract; flash-attn gives +inf).
 - With alibi_slopes and causal=True, softmax_lse is the lse of the biased scores as written
   (-slope * |i + seqlen_k - seqlen_q - j|); flash-attn's causal kernel adds slope * j instead, the
@@ -34,7 +37,7 @@ from ._api import dropout_mask as _dropout_mask
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
            "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
-           "flash_attn_varlen_kvpacked_func"]
+           "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache"]
 
 # return_attn_probs=True: (out, softmax_lse, S_dmask); False: out alone.
 _WithProbs = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -433,3 +436,43 @@ def flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, cu_seqlen
     return _varlen(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                    max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
                    alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None,
+                            rotary_cos: Optional[torch.Tensor] = None,
+                            rotary_sin: Optional[torch.Tensor] = None,
+                            cache_seqlens: Optional[Union[int, torch.Tensor]] = None,
+                            cache_batch_idx: Optional[torch.Tensor] = None,
+                            cache_leftpad: Optional[torch.Tensor] = None,
+                            block_table: Optional[torch.Tensor] = None,
+                            softmax_scale: Optional[float] = None, causal: bool = False,
+                            window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                            rotary_interleaved: bool = True,
+                            alibi_slopes: Optional[torch.Tensor] = None, num_splits: int = 0,
+                            return_softmax_lse: bool = False
+                            ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """flash_attn.flash_attn_with_kvcache over flashdl.attention_with_kvcache: q (batch,
+    seqlen_q, nheads, headdim); k_cache, v_cache (batch_cache, seqlen_cache, nheads_k, headdim),
+    or paged (num_blocks, page_block_size, nheads_k, headdim) with block_table int32 (batch,
+    max_num_blocks_per_seq). k, v (batch, seqlen_new, nheads_k, headdim), when given, are
+    written into the caches in place at cache_seqlens. cache_seqlens: an int (every sequence),
+    an int32 CPU tensor (batch,), or None (the caches are full). Returns out, or
+    (out, softmax_lse) with return_softmax_lse=True. No autograd, as in flash-attn."""
+    for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
+                    ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+        if x is not None:
+            raise NotImplementedError(f"{name}: not implemented in flashdl yet (use {name}=None)")
+    batch = q.shape[0]
+    if cache_seqlens is None:
+        cache_seqlens = torch.full((batch,), k_cache.shape[1] - (0 if k is None else k.shape[1]),
+                                   dtype=torch.int32)
+    elif isinstance(cache_seqlens, numbers.Integral):
+        cache_seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32)
+    mods = _score_mods(softcap, alibi_slopes)
+    with torch.no_grad():
+        return _fdt.attention_with_kvcache(
+            _maybe_contiguous(q), k_cache, v_cache, cache_seqlens=cache_seqlens, k=k, v=v,
+            block_table=block_table, softmax_scale=softmax_scale, causal=causal,
+            window_size=_window(window_size), num_splits=num_splits,
+            return_lse=return_softmax_lse, **mods)

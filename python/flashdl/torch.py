@@ -17,8 +17,10 @@ from ._api import attention as _attention
 from ._api import attention_backward as _attention_backward
 from ._api import attention_varlen as _attention_varlen
 from ._api import attention_varlen_backward as _attention_varlen_backward
+from ._kvcache import attention_with_kvcache as _attention_with_kvcache
 
-__all__ = ["attention", "attention_varlen", "scaled_dot_product_attention"]
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache",
+           "scaled_dot_product_attention"]
 
 
 def _last_dim_contiguous(dout):
@@ -260,3 +262,23 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     except (ValueError, TypeError) as err:
         raise _sdpa.renamed(err) from None
     return out.squeeze(2) if rank3 else out.transpose(1, 2)
+
+
+def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
+                           cache_seqlens: ArrayLike, k: Optional[torch.Tensor] = None,
+                           v: Optional[torch.Tensor] = None,
+                           block_table: Optional[ArrayLike] = None, causal: bool = False,
+                           softmax_scale: Optional[float] = None,
+                           window_size: Tuple[int, int] = (-1, -1), num_splits: int = 0,
+                           return_lse: bool = False, alibi_slopes: Optional[ArrayLike] = None,
+                           softcap: float = 0.0
+                           ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """flashdl.attention_with_kvcache for torch tensors (decoding; no autograd): runs under
+    torch.no_grad(), appends k, v into k_cache, v_cache in place when given. cache_seqlens and
+    block_table: int32 CPU tensors (or NumPy arrays). CPU tensors only in this version."""
+    with torch.no_grad():
+        return _attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, k=k,
+                                       v=v, block_table=block_table, causal=causal,
+                                       softmax_scale=softmax_scale, window_size=window_size,
+                                       num_splits=num_splits, return_lse=return_lse,
+                                       alibi_slopes=alibi_slopes, softcap=softcap)

@@ -34,6 +34,12 @@ SIGNATURES = {
     "flash_attn_varlen_qkvpacked_func": (["qkv", "cu_seqlens", "max_seqlen"], COMMON),
     "flash_attn_varlen_kvpacked_func": (["q", "kv", "cu_seqlens_q", "cu_seqlens_k",
                                          "max_seqlen_q", "max_seqlen_k"], COMMON),
+    "flash_attn_with_kvcache": (["q", "k_cache", "v_cache"], [
+        ("k", None), ("v", None), ("rotary_cos", None), ("rotary_sin", None),
+        ("cache_seqlens", None), ("cache_batch_idx", None), ("cache_leftpad", None),
+        ("block_table", None), ("softmax_scale", None), ("causal", False),
+        ("window_size", (-1, -1)), ("softcap", 0.0), ("rotary_interleaved", True),
+        ("alibi_slopes", None), ("num_splits", 0), ("return_softmax_lse", False)]),
 }
 
 
@@ -395,3 +401,47 @@ def test_torch_return_lse_carries_no_gradient():
     out, lse = flashdl.torch.attention_varlen(*(x[0] for x in leaves), c, cu([6]), 5, 6,
                                               return_lse=True, deterministic=True)
     assert lse.shape == (2, 5) and not lse.requires_grad
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_with_kvcache_appends_and_matches_dense(paged):
+    b, cap, h, hk, d, sq = 2, 24, 4, 2, 16, 3
+    k_cache, v_cache = randn(b, cap, hk, d, seed=11), randn(b, cap, hk, d, seed=12)
+    q, k, v = randn(b, sq, h, d, seed=13), randn(b, sq, hk, d, seed=14), randn(b, sq, hk, d, seed=15)
+    lens = torch.tensor([5, 17], dtype=torch.int32)
+    slopes = torch.tensor([0.25, 0.5, 0.125, 1.0])
+    expect_k, expect_v = k_cache.clone(), v_cache.clone()
+    for i in range(b):
+        expect_k[i, lens[i]:lens[i] + sq], expect_v[i, lens[i]:lens[i] + sq] = k[i], v[i]
+    kw = dict(causal=True, softcap=4.0, alibi_slopes=slopes, return_softmax_lse=True)
+    if paged:  # pages of 8 rows, sequence i's pages in reverse order
+        pages_k = k_cache.reshape(b * 3, 8, hk, d).flip(0).contiguous()
+        pages_v = v_cache.reshape(b * 3, 8, hk, d).flip(0).contiguous()
+        table = torch.tensor([[5, 4, 3], [2, 1, 0]], dtype=torch.int32)
+        out, lse = flash_attn.flash_attn_with_kvcache(q, pages_k, pages_v, k, v,
+                                                      cache_seqlens=lens, block_table=table, **kw)
+        assert torch.equal(pages_k.flip(0).reshape(b, cap, hk, d), expect_k)
+        assert torch.equal(pages_v.flip(0).reshape(b, cap, hk, d), expect_v)
+    else:
+        out, lse = flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, k, v,
+                                                      cache_seqlens=lens, **kw)
+        assert torch.equal(k_cache, expect_k) and torch.equal(v_cache, expect_v)
+    for i in range(b):  # each sequence equals dense attention over its keys
+        n = int(lens[i]) + sq
+        ref, ref_lse = flashdl.torch.attention(q[i:i + 1], expect_k[i:i + 1, :n],
+                                               expect_v[i:i + 1, :n], causal=True, softcap=4.0,
+                                               alibi_slopes=slopes, return_lse=True)
+        assert torch.allclose(out[i:i + 1], ref, atol=1e-5)
+        assert torch.allclose(lse[i:i + 1], ref_lse, atol=1e-5)
+
+
+def test_with_kvcache_int_and_none_cache_seqlens_and_unsupported():
+    q, k_cache, v_cache = randn(2, 1, 2, 8, seed=1), randn(2, 6, 2, 8, seed=2), randn(2, 6, 2, 8, seed=3)
+    full = flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache)  # None: the caches are full
+    assert torch.allclose(full, flashdl.torch.attention(q, k_cache, v_cache), atol=1e-6)
+    four = flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=4)
+    assert torch.allclose(four, flashdl.torch.attention(q, k_cache[:, :4], v_cache[:, :4]),
+                          atol=1e-6)
+    for name in ("rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad"):
+        with pytest.raises(NotImplementedError, match=name):
+            flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, **{name: torch.zeros(1)})
