@@ -78,6 +78,21 @@ Cache check_cache(const TensorView& q, const TensorView& k_cache, const TensorVi
     c.capacity = k_cache.shape[1];
   }
 
+  // What the core's checks would report under the names k and v, named as this call's arguments.
+  if (k_cache.shape[3] != q.shape[3])
+    fail(ErrorKind::value, "k_cache: headdim " + std::to_string(k_cache.shape[3]) +
+                               " does not match the headdim of q, " + std::to_string(q.shape[3]));
+  const int64_t hk = k_cache.shape[2];
+  if (hk == 0 ? q.shape[2] != 0 : q.shape[2] % hk != 0)
+    fail(ErrorKind::value, "k_cache: nheads_kv " + std::to_string(hk) +
+                               " must divide nheads of q, " + std::to_string(q.shape[2]));
+  check_dtype("k_cache", k_cache, q.dtype, "the dtype of q");
+  check_dtype("v_cache", v_cache, q.dtype, "the dtype of q");
+  check_device("k_cache", k_cache, q.device);
+  check_device("v_cache", v_cache, q.device);
+  check_last_dim_contiguous("k_cache", k_cache);
+  check_last_dim_contiguous("v_cache", v_cache);
+
   if (k_new.defined() != v_new.defined())
     fail(ErrorKind::value, std::string(k_new.defined() ? "v" : "k") +
                                ": expected both k and v (the new keys and values) or neither");

@@ -30,7 +30,10 @@ def _index_array(name, x, required):
             raise TypeError(f"{name}: expected an int32 array, got None")
         return None
     if isinstance(x, (list, tuple)):
-        return np.asarray(x, dtype=np.int32)
+        try:
+            return np.asarray(x, dtype=np.int32)
+        except (OverflowError, ValueError, TypeError) as err:
+            raise ValueError(f"{name}: expected int32 values, got {x!r} ({err})") from None
     if isinstance(x, np.ndarray) or hasattr(x, "__dlpack__"):
         return x
     raise TypeError(f"{name}: expected an int32 array (NumPy or the framework of q), "
@@ -83,8 +86,10 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
     seqlen_q). CPU arrays only in this version.
     """
     frame = Frame({"q": q, "k_cache": k_cache, "v_cache": v_cache}, _FLOATS)
-    frame.refuse_autograd({"q": q}, "flashdl.attention_with_kvcache",
-                          "flashdl.attention_with_kvcache under torch.no_grad()")
+    if frame.kind == "torch" and sys.modules["torch"].is_grad_enabled() and q.requires_grad:
+        raise ValueError("q: a tensor that requires grad was given to "
+                         "flashdl.attention_with_kvcache, which has no backward (inference); "
+                         "pass q.detach() or call it under torch.no_grad()")
     if (k is None) != (v is None):
         raise ValueError(f"{'v' if k is not None else 'k'}: expected both k and v (the new keys "
                          "and values) or neither")
@@ -95,6 +100,9 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
             _writable(name, x, frame.kind)
     if not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool):
         raise TypeError(f"num_splits: expected an int >= 0, got {type(num_splits).__name__}")
+    if not 0 <= num_splits < 2**63:
+        raise ValueError(f"num_splits: expected an int >= 0 (0: chosen from the shape), "
+                         f"got {num_splits}")
     opts = _options(causal, softmax_scale, "auto", window_size, frame)
     del opts["schedule"]
     opts.update(_score_mods(alibi_slopes, softcap))
