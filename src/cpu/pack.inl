@@ -17,7 +17,20 @@ inline void convert_row_in(const void* src, DType dt, int64_t n, T* dst) {
     }
     case DType::bfloat16: {
       const uint16_t* s = static_cast<const uint16_t*>(src);
-      for (int64_t c = 0; c < n; ++c) dst[c] = static_cast<T>(bf16_to_float(s[c]));
+      int64_t c = 0;
+      if constexpr (std::is_same_v<T, float>) {
+        // A vector at a time: bfloat16 is the top half of a float32.
+        constexpr int W = Simd<float>::W;
+        typedef uint16_t hvec __attribute__((vector_size(W * 2)));
+        typedef uint32_t uvec __attribute__((vector_size(W * 4)));
+        for (; c + W <= n; c += W) {
+          hvec h;
+          __builtin_memcpy(&h, s + c, sizeof h);
+          const uvec u = __builtin_convertvector(h, uvec) << 16;
+          __builtin_memcpy(dst + c, &u, sizeof u);
+        }
+      }
+      for (; c < n; ++c) dst[c] = static_cast<T>(bf16_to_float(s[c]));
       return;
     }
     case DType::float16: {
