@@ -2,6 +2,9 @@
 and compare time and peak memory with naive NumPy attention (which materialises N x N scores).
 
 Exit status 1 when flashdl's output differs from the reference by more than the tolerance.
+
+`python -m flashdl bench` plots speed against sequence length instead (flashdl fa1/fa2, torch
+SDPA, naive attention; forward and backward): `python -m flashdl bench --help`.
 """
 
 from __future__ import annotations
@@ -175,6 +178,11 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        from flashdl import bench
+
+        return bench.main(argv[1:])
     a = parse_args(argv)
     if a.threads:
         flashdl.set_num_threads(a.threads)
