@@ -18,9 +18,12 @@ from ._api import attention_backward as _attention_backward
 from ._api import attention_varlen as _attention_varlen
 from ._api import attention_varlen_backward as _attention_varlen_backward
 from ._kvcache import attention_with_kvcache as _attention_with_kvcache
+from ._ring import ring_attention
+from ._ring import shard as ring_shard
+from ._ring import unshard as ring_unshard
 
-__all__ = ["attention", "attention_varlen", "attention_with_kvcache",
-           "scaled_dot_product_attention"]
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "ring_attention",
+           "ring_shard", "ring_unshard", "scaled_dot_product_attention"]
 
 
 def _last_dim_contiguous(dout):
