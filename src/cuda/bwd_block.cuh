@@ -4,6 +4,8 @@
 //   P = exp2(S * scale * log2(e) - lse2) (masked entries 0), with dropout multipliers Z
 //   (lines 14-18): P Z and dS = P * (dP Z - D), written as T over S and dP in place, ready for
 //   the dV (P Z), dK and dQ (dS) products.
+// With score modifiers (score_mods.cuh) P = exp2(score(S) + bias - lse2) and dS is multiplied by
+// the softcap's d score / d (scale S), 1 - tanh^2, taken at the raw S (ALiBi has no gradient).
 // The softmax scale is left out of dS; the callers apply it once to dK and dQ.
 #pragma once
 
@@ -13,6 +15,7 @@
 #include "flashdl/detail/dropout.hpp"
 #include "flashdl/detail/mask.hpp"
 #include "fragment.cuh"
+#include "score_mods.cuh"
 
 namespace flashdl::cuda::bwd {
 
@@ -48,15 +51,17 @@ __device__ __forceinline__ void scores_and_dp(const T* sQ, const T* sdO, const T
 // and dP with row stride 2 * ld_s (row r of the T matrix starts where row r of the float one
 // does). Row r is query i0 + r, column c key j0 + c; kMasked applies the window and the block mask
 // (and drops keys past seqlen_k). lse2 = -inf (a row with no visible key, or a padding row) gives
-// P = 0 without looking at either mask.
+// P = 0 without looking at either mask. `mod`: the head's score modifiers; without any, scores
+// are S * mod.qk_scale (scale * log2(e)) as before, a branch per element uniform over the CTA.
 template <typename T, bool kMasked>
 __device__ __forceinline__ void probs_and_ds(float* sS, float* sdP, int ld_s, int rows, int cols,
                                              const float* sL2, const float* sD, int64_t i0,
                                              int64_t j0, const detail::Mask& mask,
                                              const detail::BlockMask& bm,
-                                             const detail::Dropout& drop, float scale_log2,
+                                             const detail::Dropout& drop, const ScoreModF& mod,
                                              int nwarps) {
   const int lane = threadIdx.x % 32;
+  const bool modded = modifies(mod);
   for (int r = threadIdx.x / 32; r < rows; r += nwarps) {
     float* s = sS + r * ld_s;
     float* dp = sdP + r * ld_s;
@@ -64,15 +69,21 @@ __device__ __forceinline__ void probs_and_ds(float* sS, float* sdP, int ld_s, in
     T* ds_out = reinterpret_cast<T*>(dp);
     const float l2 = sL2[r], d = sD[r];
     const bool empty = l2 == -INFINITY;
+    const int64_t diag = mask.diag(i0 + r);
     for (int c0 = 0; c0 < cols; c0 += 32) {
       const int c = c0 + lane;
       float p = 0.0f, ds = 0.0f;
       if (c < cols && !empty &&
           (!kMasked || (mask.visible(i0 + r, j0 + c) && bm.visible(i0 + r, j0 + c)))) {
-        const float prob = exp2f(s[c] * scale_log2 - l2);
+        const float x = s[c];
+        const float t = modded ? modified_score(mod, x, diag, j0 + c) : x * mod.qk_scale;
+        const float prob = exp2f(t - l2);
         const float z = drop.on() ? drop.multiplier(i0 + r, j0 + c) : 1.0f;
         p = prob * z;
         ds = prob * (dp[c] * z - d);
+        // softcap: 1 - tanh^2 (a second tanhf: computing both from one cost the deterministic
+        // dQ pass up to 13 registers, over 128 at bfloat16 d = 64); 1 with ALiBi alone
+        if (modded) ds *= mod.grad(x);
       }
       // T values [c0, c0 + 32) overwrite floats [c0 / 2, c0 / 2 + 16): all read by now.
       __syncwarp();

@@ -22,6 +22,7 @@
 #include "flashdl/detail/softmax.hpp"
 #include "flashdl/detail/tiles.hpp"
 #include "fragment.cuh"
+#include "score_mods.cuh"
 #include "tile_io.cuh"
 #include "zero_blocks.cuh"
 
@@ -135,8 +136,8 @@ __device__ void store_rows(T* g, int64_t g_stride, const float* s, int64_t ld, i
 
 template <typename T, int kD>
 __global__ void __launch_bounds__(kThreads, 1)
-    backward_kernel(const __grid_constant__ Params p, const Fa1BwdLayout L, float* ws,
-                    const bool vec_load, const bool vec_store) {
+    backward_kernel(const __grid_constant__ Params p, const ScoreModF mods, const Fa1BwdLayout L,
+                    float* ws, const bool vec_load, const bool vec_store) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   __trap();  // the launcher refuses devices below sm_80 (bfloat16 wmma, cp.async)
 #else
@@ -172,7 +173,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
 
   const detail::Mask mask = detail::make_mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
-  const float scale = float(p.scale_softmax), scale_log2 = float(p.scale_softmax_log2);
+  const float scale = float(p.scale_softmax);
   const int64_t Tc = detail::ceil_div(seqlen_k, L.Bc);
   for (int64_t j = 0; j < Tc; ++j) {  // line 6: key blocks outer
     const int64_t j0 = j * L.Bc;
@@ -202,6 +203,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int64_t h = head0 + hg;
       const detail::Dropout drop = detail::dropout_of(p, batch, h);
       const detail::BlockMask bm = detail::block_mask_of(p, batch, h);
+      const ScoreModF mod = head_score_mods(mods, p, batch, h);  // varlen: the sequence's
       const T* gQ = static_cast<const T*>(p.q_ptr) + batch * p.q_batch_stride +
                     h * p.q_head_stride + seq.q0 * p.q_row_stride;
       const T* gdO = static_cast<const T*>(p.do_ptr) + batch * p.do_batch_stride +
@@ -226,13 +228,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         bwd::scores_and_dp<T, kD>(sQ, sdO, sK, sV, L.ld_kv, sS, sdP, L.ld_s, L.Br / kFrag,
                                   L.Bc / kFrag, kWarps);
         __syncthreads();
-        // Lines 12-15, 18 and 20: mask, P, the dropout mask Z, dS.
+        // Lines 12-15, 18 and 20: the score modifiers, mask, P, the dropout mask Z, dS.
         if (c.all && mask.block_fully_visible(i0, i0 + rows, j0, j0 + L.Bc))
           bwd::probs_and_ds<T, false>(sS, sdP, L.ld_s, L.Br, L.Bc, sL2, sD, i0, j0, mask, bm,
-                                      drop, scale_log2, kWarps);
+                                      drop, mod, kWarps);
         else
           bwd::probs_and_ds<T, true>(sS, sdP, L.ld_s, L.Br, L.Bc, sL2, sD, i0, j0, mask, bm, drop,
-                                     scale_log2, kWarps);
+                                     mod, kWarps);
         __syncthreads();
         // Lines 16, 22 and the product of line 21.
         pair_products<T, kD>(reinterpret_cast<const T*>(sS), reinterpret_cast<const T*>(sdP),
@@ -281,7 +283,7 @@ void launch_fa1_backward(const Params& p, const LaunchContext& ctx) {
   const std::size_t floats = static_cast<std::size_t>(p.batch * p.nheads * p.seqlen_q) * kHeadDim;
   StreamWorkspace ws((floats > 0 ? floats : 1) * sizeof(float), ctx.stream);  // dQ
   kernel<<<static_cast<unsigned>(ctas), fa1bwd::kThreads, L.bytes, ctx.stream>>>(
-      p, L, ws.get<float>(), ctx.vec_load, ctx.vec_store);
+      p, call_score_mods(p), L, ws.get<float>(), ctx.vec_load, ctx.vec_store);
   FLASHDL_CUDA_CHECK_LAUNCH("fa1 backward kernel launch");
   ws.release();
 }

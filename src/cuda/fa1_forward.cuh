@@ -21,6 +21,7 @@
 #include "flashdl/detail/softmax.hpp"
 #include "flashdl/detail/tiles.hpp"
 #include "fragment.cuh"
+#include "score_mods.cuh"
 #include "tile_io.cuh"
 #include "zero_blocks.cuh"
 
@@ -58,6 +59,21 @@ __device__ void scores(const T* sQ, const T* sK, float* sS, const Fa1Layout& L) 
       wmma::mma_sync(acc, a, b, acc);
     }
     wmma::store_matrix_sync(sS + rf * kFrag * L.ld_s + cf * kFrag, acc, L.ld_s, wmma::mem_row_major);
+  }
+}
+
+// The score modifiers (softcap, ALiBi) over the scores of rows [0, rows), in place: each raw q.k
+// becomes its exp2-domain score (softmax_rows then takes them with a scale of 1). The warps and
+// lanes take the rows and columns softmax_rows gives them, so each thread reads back only what it
+// wrote itself and no barrier is needed in between.
+__device__ inline void apply_score_mods(float* sS, const Fa1Layout& L, int64_t i0, int rows,
+                                        int64_t j0, const detail::Mask& mask,
+                                        const ScoreModF& mod) {
+  const int lane = threadIdx.x % 32;
+  for (int r = threadIdx.x / 32; r < rows; r += kWarps) {
+    float* s = sS + r * L.ld_s;
+    const int64_t diag = mask.diag(i0 + r);
+    for (int c = lane; c < L.Bc; c += 32) s[c] = modified_score(mod, s[c], diag, j0 + c);
   }
 }
 
@@ -182,8 +198,8 @@ __device__ void write_result(const Params& p, const detail::Sequence& seq, const
 
 template <typename T, int kD>
 __global__ void __launch_bounds__(kThreads, 1)
-    forward_kernel(const __grid_constant__ Params p, const Fa1Layout L, float* ws,
-                   const bool vec_load, const bool vec_store) {
+    forward_kernel(const __grid_constant__ Params p, const ScoreModF mods, const Fa1Layout L,
+                   float* ws, const bool vec_load, const bool vec_store) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   __trap();  // the launcher refuses devices below sm_80 (bfloat16 wmma, cp.async)
 #else
@@ -218,6 +234,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const detail::Mask mask = detail::make_mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
   const detail::Dropout drop = detail::dropout_of(p, batch, head);
   const detail::BlockMask bm = detail::block_mask_of(p, batch, head);
+  const ScoreModF mod = head_score_mods(mods, p, batch, head);  // varlen: the sequence's
   const int64_t Tc = detail::ceil_div(seqlen_k, L.Bc);
   for (int64_t j = 0; j < Tc; ++j) {  // line 5: K/V blocks outer
     const int64_t j0 = j * L.Bc;
@@ -252,12 +269,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       __syncthreads();
       scores<T, kD>(sQ, sK, sS, L);
       __syncthreads();
+      // Softcap, ALiBi: S becomes the exp2-domain scores, taken with a scale of 1.
+      const bool modded = modifies(mod);
+      if (modded) apply_score_mods(sS, L, i0, rows, j0, mask, mod);
+      const float scale_log2 = modded ? 1.0f : float(p.scale_softmax_log2);
       if (c.all && mask.block_fully_visible(i0, i0 + rows, j0, j0 + L.Bc))
-        softmax_rows<T, false>(sS, sScale, gM, gL, L, i0, rows, j0, mask, bm, drop,
-                               p.scale_softmax_log2);
+        softmax_rows<T, false>(sS, sScale, gM, gL, L, i0, rows, j0, mask, bm, drop, scale_log2);
       else
-        softmax_rows<T, true>(sS, sScale, gM, gL, L, i0, rows, j0, mask, bm, drop,
-                              p.scale_softmax_log2);
+        softmax_rows<T, true>(sS, sScale, gM, gL, L, i0, rows, j0, mask, bm, drop, scale_log2);
       __syncthreads();
       pv<T, kD>(reinterpret_cast<const T*>(sS), sV, sO, L);
       __syncthreads();
@@ -287,7 +306,7 @@ void launch_fa1_forward(const Params& p, const LaunchContext& ctx) {
   const std::size_t rows = static_cast<std::size_t>(ctas * p.seqlen_q);
   StreamWorkspace ws(rows * (kHeadDim + 2) * sizeof(float), ctx.stream);  // O, m, l
   kernel<<<static_cast<unsigned>(ctas), fa1::kThreads, L.bytes, ctx.stream>>>(
-      p, L, ws.get<float>(), ctx.vec_load, ctx.vec_store);
+      p, call_score_mods(p), L, ws.get<float>(), ctx.vec_load, ctx.vec_store);
   FLASHDL_CUDA_CHECK_LAUNCH("fa1 forward kernel launch");
   ws.release();
 }

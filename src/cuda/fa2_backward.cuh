@@ -5,10 +5,11 @@
 //    query head of the group and each query block some key of the block can see, Q_i, dO_i, lse2
 //    and D stream through a double buffer (cp.async) and the CTA computes S = Q K^T and
 //    dP = dO V^T, then P and dS (bwd_block.cuh, with the dropout mask regenerated from its
-//    Philox counters), then dV_j += (P Z)^T dO_i and dK_j += dS^T Q_i into
-//    registers (each warp a 16-key band and a slice of the head dim) and, unless deterministic,
-//    dQ_i += dS K_j into a float32 accumulator with atomics. dK_j (times the scale) and dV_j are
-//    written once at the end; with GQA they already sum over the group, so no reduction follows.
+//    Philox counters, and the head's score modifiers: softcap, ALiBi), then dV_j += (P Z)^T dO_i
+//    and dK_j += dS^T Q_i into registers (each warp a 16-key band and a slice of the head dim)
+//    and, unless deterministic, dQ_i += dS K_j into a float32 accumulator with atomics. dK_j
+//    (times the scale) and dV_j are written once at the end; with GQA they already sum over the
+//    group, so no reduction follows.
 // 3. dQ: either converted from the accumulator (times the scale), or, with deterministic=True, a
 //    second pass parallel over query blocks recomputes S, dP and dS for each visible key block
 //    and accumulates dQ_i in registers: no atomics, bitwise reproducible, at the cost of
@@ -31,6 +32,7 @@
 #include "flashdl/detail/softmax.hpp"
 #include "flashdl/detail/tiles.hpp"
 #include "fragment.cuh"
+#include "score_mods.cuh"
 #include "tile_io.cuh"
 #include "zero_blocks.cuh"
 
@@ -86,7 +88,7 @@ __global__ void __launch_bounds__(256)
 
 // S, dP, then P and dS for the pair (query rows [i0, i0 + rows), keys [j0, j0 + Bc)); the whole
 // block's loads are complete and visible. bm_all: every block-mask block the pair touches is
-// set. Leaves P, dS as T in sS, sdP; ends with a barrier.
+// set; mod: the head's score modifiers. Leaves P, dS as T in sS, sdP; ends with a barrier.
 template <typename Tr>
 __device__ __forceinline__ void pair_probs(const typename Tr::T* sQ, const typename Tr::T* sdO,
                                            const typename Tr::T* sK, const typename Tr::T* sV,
@@ -94,17 +96,17 @@ __device__ __forceinline__ void pair_probs(const typename Tr::T* sQ, const typen
                                            int64_t i0, int rows, int64_t j0,
                                            const detail::Mask& mask, const detail::BlockMask& bm,
                                            bool bm_all, const detail::Dropout& drop,
-                                           float scale_log2) {
+                                           const ScoreModF& mod) {
   using T = typename Tr::T;
   bwd::scores_and_dp<T, Tr::kHeadDim>(sQ, sdO, sK, sV, Tr::kLd, sS, sdP, Tr::kLdS, Tr::kFragsM,
                                       Tr::kFragsN, Tr::kNWarps);
   __syncthreads();
   if (bm_all && mask.block_fully_visible(i0, i0 + rows, j0, j0 + Tr::kBlockN))
     bwd::probs_and_ds<T, false>(sS, sdP, Tr::kLdS, Tr::kBlockM, Tr::kBlockN, sL2, sD, i0, j0,
-                                mask, bm, drop, scale_log2, Tr::kNWarps);
+                                mask, bm, drop, mod, Tr::kNWarps);
   else
     bwd::probs_and_ds<T, true>(sS, sdP, Tr::kLdS, Tr::kBlockM, Tr::kBlockN, sL2, sD, i0, j0, mask,
-                               bm, drop, scale_log2, Tr::kNWarps);
+                               bm, drop, mod, Tr::kNWarps);
   __syncthreads();
 }
 
@@ -127,8 +129,8 @@ __device__ __forceinline__ void dq_tile(const typename Tr::T* sdS, const typenam
 // the registers that leaves instead of spilling to fit two.
 template <typename Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
-    backward_kernel(const __grid_constant__ Params p, const float* ws_l2, const float* ws_d,
-                    float* ws_dq, const bool vec_load) {
+    backward_kernel(const __grid_constant__ Params p, const ScoreModF mods, const float* ws_l2,
+                    const float* ws_d, float* ws_dq, const bool vec_load) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   __trap();  // the launcher refuses devices below sm_80 (bfloat16 wmma, cp.async)
 #else
@@ -244,7 +246,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     pair_probs<Tr>(sQ, sdO, sK, sV, sS, sdP, stat_stage(L.off_l2, stage),
                    stat_stage(L.off_d, stage), i0, rows, n0, mask,
                    detail::block_mask_of(p, batch, h), cover(it).all,
-                   detail::dropout_of(p, batch, h), float(p.scale_softmax_log2));
+                   detail::dropout_of(p, batch, h), head_score_mods(mods, p, batch, h));
     const T* sP = reinterpret_cast<const T*>(sS);
     const T* sdS = reinterpret_cast<const T*>(sdP);
 
@@ -311,8 +313,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 // blocks in order. K_j and V_j are loaded one block at a time (no double buffer).
 template <typename Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
-    dq_kernel(const __grid_constant__ Params p, const float* ws_l2, const float* ws_d,
-              const bool vec_load) {
+    dq_kernel(const __grid_constant__ Params p, const ScoreModF mods, const float* ws_l2,
+              const float* ws_d, const bool vec_load) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   __trap();
 #else
@@ -340,6 +342,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const detail::BlockRange kb = detail::key_blocks_for_queries(mask, m0, m0 + rows, kN);
   const detail::Dropout drop = detail::dropout_of(p, batch, h);
   const detail::BlockMask bm = detail::block_mask_of(p, batch, h);
+  const ScoreModF mod = head_score_mods(mods, p, batch, h);  // varlen: the sequence's
   auto cover = [&](int64_t n) {
     const int64_t n0 = n * kN;
     return bm.cover(m0, m0 + rows, n0, n0 + kN < seqlen_k ? n0 + kN : seqlen_k);
@@ -383,8 +386,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     __pipeline_commit();
     __pipeline_wait_prior(0);
     __syncthreads();
-    pair_probs<Tr>(sQ, sdO, sK, sV, sS, sdP, sL2, sD, m0, rows, n0, mask, bm, c.all, drop,
-                   float(p.scale_softmax_log2));
+    pair_probs<Tr>(sQ, sdO, sK, sV, sS, sdP, sL2, sD, m0, rows, n0, mask, bm, c.all, drop, mod);
     const T* sdS = reinterpret_cast<const T*>(sdP);
 #pragma unroll
     for (int u = 0; u < Tr::kDqTilesPerWarp; ++u) {
@@ -441,6 +443,7 @@ void launch_fa2_bwd(const Params& p, const LaunchContext& ctx) {
     FLASHDL_CUDA_CHECK(cudaMemsetAsync(dq, 0, static_cast<std::size_t>(w.dq) * sizeof(float),
                                        ctx.stream));
   const auto y = static_cast<unsigned>(p.nheads), z = static_cast<unsigned>(p.batch);
+  const ScoreModF mods = call_score_mods(p);
   if (p.seqlen_q > 0) {
     fa2bwd::preprocess_kernel<typename Tr::T>
         <<<dim3(static_cast<unsigned>(pre_blocks), y, z), fa2bwd::kPreRows * 32, 0, ctx.stream>>>(
@@ -452,7 +455,7 @@ void launch_fa2_bwd(const Params& p, const LaunchContext& ctx) {
     FLASHDL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(Tr::kMain.bytes)));
     kernel<<<dim3(static_cast<unsigned>(n_blocks), static_cast<unsigned>(p.nheads_kv), z),
-             Tr::kThreads, Tr::kMain.bytes, ctx.stream>>>(p, l2, d, dq, ctx.vec_load);
+             Tr::kThreads, Tr::kMain.bytes, ctx.stream>>>(p, mods, l2, d, dq, ctx.vec_load);
     FLASHDL_CUDA_CHECK_LAUNCH("fa2 backward kernel launch");
   }
   if (p.seqlen_q > 0 && p.deterministic) {
@@ -460,7 +463,7 @@ void launch_fa2_bwd(const Params& p, const LaunchContext& ctx) {
     FLASHDL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(Tr::kDqPass.bytes)));
     kernel<<<dim3(static_cast<unsigned>(m_blocks), y, z), Tr::kThreads, Tr::kDqPass.bytes,
-             ctx.stream>>>(p, l2, d, ctx.vec_load);
+             ctx.stream>>>(p, mods, l2, d, ctx.vec_load);
     FLASHDL_CUDA_CHECK_LAUNCH("fa2 backward dQ kernel launch");
   } else if (p.seqlen_q > 0) {
     fa2bwd::convert_dq_kernel<typename Tr::T>

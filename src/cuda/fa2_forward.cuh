@@ -3,9 +3,10 @@
 // Grid: (Q block, head, batch). A CTA of 4 warps owns kBlockM = 64 query rows, 16 per warp; every
 // warp sees every key (no split of K/V between warps). K/V blocks stream through a double buffer in
 // shared memory with cp.async; per block, each warp computes its 16 x kBlockN scores on tensor
-// cores, masks them, runs the online softmax per row (exp2 domain, two lanes per row), rescales its
-// output accumulators in registers and adds P V, again on tensor cores. The division by l happens
-// once at the end, which also writes lse (natural log) for the backward pass.
+// cores, applies the score modifiers (softcap, ALiBi) when the head has any, masks them, runs the
+// online softmax per row (exp2 domain, two lanes per row), rescales its output accumulators in
+// registers and adds P V, again on tensor cores. The division by l happens once at the end, which
+// also writes lse (natural log, of the modified scores) for the backward pass.
 #pragma once
 
 #include <cuda_pipeline.h>
@@ -23,6 +24,7 @@
 #include "flashdl/detail/softmax.hpp"
 #include "flashdl/detail/tiles.hpp"
 #include "fragment.cuh"
+#include "score_mods.cuh"
 #include "tile_io.cuh"
 
 namespace flashdl::cuda {
@@ -50,6 +52,25 @@ __device__ __forceinline__ void compute_scores(const typename Tr::T* sQw,
 #pragma unroll
   for (int nf = 0; nf < Tr::kFragsN; ++nf)
     wmma::store_matrix_sync(sS + nf * kFrag, acc[nf], Tr::kLdS, wmma::mem_row_major);
+}
+
+// The score modifiers over this lane's scores of the block at keys [n0, n0 + kBlockN) (the
+// elements softmax_step reads: row lane / 2, alternate columns), in place: each raw q.k becomes
+// its exp2-domain score, so softmax_step then runs with a scale of 1. diag: Mask::diag of the
+// row. Before softmax_step's block-mask pass, whose -inf a cap would turn finite. A loop of its
+// own, not unrolled, like the block mask's and dropout's (inlined into the unrolled score loop,
+// 32 precise tanhf per lane would only add registers).
+template <typename Tr>
+__device__ __forceinline__ void apply_score_mods(float* sS, const ScoreModF& mod, int64_t diag,
+                                                 int64_t n0) {
+  const int lane = threadIdx.x % 32;
+  const int r = lane / 2, half = lane % 2;
+#pragma unroll 1
+  for (int k = 0; k < Tr::kColsPerLane; ++k) {
+    const int c = 2 * k + half;
+    float& s = sS[r * Tr::kLdS + c];
+    s = modified_score(mod, s, diag, n0 + c);
+  }
 }
 
 // One online-softmax step for the row this lane pair owns (lanes 2r and 2r+1 share row r, taking
@@ -162,9 +183,14 @@ __device__ __forceinline__ void store_output(FragAcc (&acc)[Tr::kFragsD], const 
 
 // Two CTAs per SM is what the shared memory allows from d = 96 on; the bound lets ptxas use the
 // registers that leaves (without it, it capped some variants at 168 and spilled).
-template <typename Tr>
+// kMods: the call has score modifiers (softcap, ALiBi; detail::has_score_mod). A compile-time
+// switch here only: as a run-time branch the modifier pass cost the unmodified kernel up to 9
+// registers (ptxas, sm_90; float16 d = 64 went from 160 to 169, 3 to 2 CTAs per SM on an H100),
+// while the other kernels branch at run time at no such cost.
+template <typename Tr, bool kMods>
 __global__ void __launch_bounds__(Tr::kThreads, 2)
-    forward_kernel(const __grid_constant__ Params p, const bool vec_load, const bool vec_store) {
+    forward_kernel(const __grid_constant__ Params p, const ScoreModF mods, const bool vec_load,
+                   const bool vec_store) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   __trap();  // the launcher refuses devices below sm_80 (bfloat16 wmma, cp.async)
 #else
@@ -245,8 +271,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
     compute_scores<Tr>(sQ + warp * Tr::kWarpRows * kLd, sKn, sS);  // S = Q K^T
     __syncwarp();
     const int64_t n0 = int64_t(n) * kBlockN;
+    // Softcap, ALiBi: S becomes the exp2-domain scores in place (each lane its own elements), on
+    // full blocks too; the softmax then scales by 1. The head's modifiers are rebuilt here, per
+    // block, from `mods` and its slope (one cached load): held across the loop they cost
+    // registers. A head with slope 0 and no cap gets S * scale * log2(e) exactly as without.
+    if constexpr (kMods)
+      apply_score_mods<Tr>(sS, head_score_mods(mods, p, batch, head), mask.diag(row), n0);
     const bool full = mask.block_fully_visible(m0, m0 + m_rows, n0, n0 + kBlockN) && cover(n).all;
-    const float scale_log2 = p.scale_softmax_log2;
+    const float scale_log2 = kMods ? 1.0f : float(p.scale_softmax_log2);
     const float alpha =  // mask, online softmax
         full ? softmax_step<Tr, false>(sS, softmax, scale_log2, n0, col_lo, col_hi, bm, row_in,
                                        drop, row)
@@ -277,7 +309,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
 
 template <typename Tr>
 void launch_fa2(const Params& p, const LaunchContext& ctx) {
-  const auto kernel = fa2::forward_kernel<Tr>;
+  const auto kernel = detail::has_score_mod(p) ? fa2::forward_kernel<Tr, true>
+                                               : fa2::forward_kernel<Tr, false>;  // softcap, ALiBi
   const int64_t m_blocks = detail::ceil_div(p.seqlen_q, Tr::kBlockM);
   if (p.nheads > ctx.max_grid_y || p.batch > ctx.max_grid_z || m_blocks > INT32_MAX)
     throw Error(ErrorKind::unsupported,
@@ -288,7 +321,8 @@ void launch_fa2(const Params& p, const LaunchContext& ctx) {
                                           static_cast<int>(Tr::kSmemBytes)));
   const dim3 grid(static_cast<unsigned>(m_blocks), static_cast<unsigned>(p.nheads),
                   static_cast<unsigned>(p.batch));
-  kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, ctx.stream>>>(p, ctx.vec_load, ctx.vec_store);
+  kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, ctx.stream>>>(p, call_score_mods(p), ctx.vec_load,
+                                                              ctx.vec_store);
   FLASHDL_CUDA_CHECK_LAUNCH("fa2 forward kernel launch");
 }
 

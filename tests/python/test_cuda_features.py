@@ -11,6 +11,11 @@ Block-sparse: against the float64 oracle with the expanded element mask, for per
 (size 1 and stride 0), strided and shared masks over blocks that do not line up with the kernels'
 tiles, with causal and GQA; rows and keys that only zero blocks cover get exact zeros, and NaN in
 them reaches nothing. deterministic=True is bitwise repeatable with both features.
+Score modifiers (softcap, ALiBi with (nheads,) and (batch, nheads) slopes, both): against
+schedule="reference" on float64 CPU copies with the same modifiers, under flash-attn's rule with
+a naive algorithm in the input precision that applies them too; with causal, windows, GQA/MQA,
+empty rows; varlen (sequence b takes slope row b) equal to each sequence alone; zero slopes
+bitwise equal to no slopes; torch autograd.
 Skipped unless flashdl sees a CUDA device and torch.cuda is usable."""
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import pytest
 import flashdl
 import masked_oracle as mo
 from attn_oracle import (assert_dropout_rule, assert_lse, assert_rule, backward, f64, forward,
-                         grad_magnitude, make, make_qkv, max_err, visible)
+                         grad_magnitude, make, make_qkv, max_err, np_dtype, visible)
 from cuda_arrays import gpu_frameworks, host, torch_array
 
 torch, _ = gpu_frameworks(need_torch=True)
@@ -376,7 +381,7 @@ def test_block_sparse_with_dropout(variant):
 
 # ---- deterministic=True --------------------------------------------------------------------------
 @pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("feature", ["dropout", "block_mask", "both"])
+@pytest.mark.parametrize("feature", ["dropout", "block_mask", "both", "score_mods"])
 def test_deterministic_is_bitwise(feature, schedule):
     """out, lse, dq, dk, dv bitwise equal over 20 more calls (fa2: dq by its deterministic pass)."""
     b, sq, sk, h, hk, d = 2, 500, 600, 4, 2, 128
@@ -388,6 +393,8 @@ def test_deterministic_is_bitwise(feature, schedule):
         rng = np.random.default_rng(6)
         opts.update(block_mask=mask_of(rng, "full", b, h, nblocks(sq, 48), nblocks(sk, 48), 0.5)[1],
                     block_size=48)
+    if feature == "score_mods":
+        opts.update(alibi_slopes=torch.from_numpy(slopes_of("batch", b, h)).cuda(), softcap=3.0)
 
     def once():
         out, lse = flashdl.attention(q, k, v, return_lse=True, **opts)
@@ -399,3 +406,214 @@ def test_deterministic_is_bitwise(feature, schedule):
     for _ in range(20):
         assert all(torch.equal(a, c) for a, c in zip(once(), first))
 
+
+
+# ---- score modifiers (softcap, ALiBi) ------------------------------------------------------------
+def slopes_of(kind, b, h):
+    """float32 ALiBi slopes: "heads" (h,), "batch" (b, h). Powers of two, one 0 among them (a head
+    with no bias); per batch shifted and scaled."""
+    base = np.array([0.5, 0.125, 0.0, 0.03125], dtype=np.float32)
+    if kind == "heads":
+        return base[np.arange(h) % 4]
+    return np.stack([base[(np.arange(h) + i) % 4] * (1 + i) for i in range(b)]).astype(np.float32)
+
+
+def naive_mods(q, k, v, dout, dtype, causal=False, window=(-1, -1), softcap=0.0, slopes=None):
+    """(out, dq, dk, dv) of the naive algorithm in the input precision with the modifiers in
+    flash-attn's order (scale, softcap, ALiBi, mask): float32 math from the 16-bit values, P and
+    dP rounded, dS (times the cap's derivative 1 - tanh^2) rounded before dS K and dS^T Q, results
+    rounded to dtype; dk, dv summed over each GQA group."""
+    f = np.float32
+
+    def rnd(x):
+        return np.asarray(x, f).astype(np_dtype(dtype)).astype(f)
+
+    def heads(x, rep=1):  # (b, s, h, d) -> (b, h * rep, s, d)
+        return np.repeat(np.swapaxes(np.asarray(x, f), 1, 2), rep, axis=1)
+
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    g = h // hk
+    qh, kh, vh, doh = heads(q), heads(k, g), heads(v, g), heads(dout)
+    scale = f(1 / np.sqrt(d))
+    s = np.matmul(qh, np.swapaxes(kh, -1, -2)) * scale
+    gcap = np.ones_like(s)
+    if softcap > 0:
+        th = np.tanh(s / f(softcap))
+        s, gcap = f(softcap) * th, 1 - th * th
+    if slopes is not None:
+        dist = np.abs(np.arange(sq)[:, None] + (sk - sq) - np.arange(sk)[None, :]).astype(f)
+        s = s - np.broadcast_to(np.asarray(slopes, f), (b, h))[:, :, None, None] * dist
+    s = np.where(visible(sq, sk, causal, window), s, -np.inf)
+    m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
+    e = np.exp(s - np.where(np.isfinite(m), m, 0))
+    l = e.sum(axis=-1, keepdims=True)
+    p = rnd(e / np.where(l > 0, l, 1))
+    o = rnd(np.matmul(p, vh))
+    dv = np.matmul(np.swapaxes(p, -1, -2), doh)
+    dp = rnd(np.matmul(doh, np.swapaxes(vh, -1, -2)))
+    ds = rnd(p * (dp - np.sum(doh * o, axis=-1, keepdims=True)) * gcap)
+    dq = rnd(np.matmul(ds, kh) * scale)
+    dk = np.matmul(np.swapaxes(ds, -1, -2), qh) * scale
+
+    def group_sum(x):  # (b, h, sk, d) -> (b, sk, hk, d)
+        return np.swapaxes(rnd(x.reshape(b, hk, g, sk, d).sum(axis=2)), 1, 2)
+
+    return np.swapaxes(o, 1, 2), np.swapaxes(dq, 1, 2), group_sum(dk), group_sum(dv)
+
+
+def reference_mods(q, k, v, dout, slopes, **opts):
+    """out, lse, (dq, dk, dv) of the CPU's float64 schedule="reference" with the modifiers."""
+    out, lse = flashdl.attention(q, k, v, schedule="reference", return_lse=True,
+                                 alibi_slopes=slopes, **opts)
+    grads = flashdl.attention_backward(dout, q, k, v, out, lse, schedule="reference",
+                                       alibi_slopes=slopes, **opts)
+    return out, lse, grads
+
+
+MOD_CASES = [  # (b, sq, sk, h, hk, d, causal, window, softcap, alibi)
+    (2, 97, 130, 4, 2, 64, False, (-1, -1), 2.0, None),      # softcap alone, GQA, no mask
+    (2, 130, 97, 4, 4, 128, True, (-1, -1), 0.0, "heads"),   # ALiBi (h,), causal: 33 empty rows
+    (2, 200, 257, 4, 1, 64, False, (32, 8), 0.0, "batch"),   # ALiBi (b, h), MQA, sliding window
+    (1, 300, 300, 4, 2, 128, True, (-1, -1), 5.0, "heads"),  # both, causal
+    (2, 1, 257, 4, 2, 256, False, (-1, -1), 1.0, "batch"),   # both, one query row
+    (1, 600, 600, 2, 1, 96, False, (200, 100), 2.0, "batch"),  # both, unmasked blocks in a window
+]
+
+
+@functools.lru_cache(maxsize=16)
+def mod_oracle(case, dtype):
+    """Inputs, slopes, the reference and the naive results of a modifier case (its variants
+    share them)."""
+    b, sq, sk, h, hk, d, causal, window, softcap, alibi = case
+    q, k, v, dout = problem(case, b, sq, sk, h, hk, d, dtype)
+    slopes = None if alibi is None else slopes_of(alibi, b, h)
+    opts = dict(causal=causal, window_size=window, softcap=softcap)
+    out, lse, grads = reference_mods(q, k, v, dout, slopes, **opts)
+    naive = naive_mods(q, k, v, dout, dtype, causal, window, softcap, slopes)
+    return dict(inputs=(q, k, v, dout), slopes=slopes, opts=opts, exact=(out, lse), grads=grads,
+                naive=naive)
+
+
+def check_mods(got, o, dtype, case):
+    """got = (out, lse or None, dq, dk, dv) against a mod_oracle under the rule; exact zeros where
+    a row sees no key or no query sees a key."""
+    out, lse, dq, dk, dv = got
+    b, sq, sk, h, hk = case[:5]
+    exact, exact_lse = o["exact"]
+    n_out, *n_grads = o["naive"]
+    assert_rule(out, exact, n_out, dtype, what="out")
+    if lse is not None:
+        assert_lse(lse, exact_lse, rtol=1e-4, atol=1e-3)
+    mag = grad_magnitude(o["grads"])
+    for name, g, w, n in zip(("dq", "dk", "dv"), (dq, dk, dv), o["grads"], n_grads):
+        assert_rule(g, w, n, dtype, factor=3.0, what=name, grad=True, magnitude=mag)
+    if lse is not None:
+        vis = np.broadcast_to(visible(sq, sk, case[6], case[7]), (b, h, sq, sk))
+        assert_exact_zeros(out, lse, dq, dk, dv, vis, hk)
+
+
+def cuda_slopes(slopes):
+    return None if slopes is None else torch.from_numpy(slopes).cuda()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", MOD_CASES, ids=lambda c: "b{}-sq{}-sk{}-h{}/{}-d{}".format(
+    *c[:6]) + ("-causal" if c[6] else "") + "-w{}_{}".format(*c[7]) + "-cap{}-alibi{}".format(
+    c[8], c[9]))
+def test_score_mods_match_the_reference(case, dtype, variant):
+    schedule, det = VARIANTS[variant]
+    o = mod_oracle(case, dtype)
+    got = run(*on_gpu(o["inputs"], dtype), schedule, det, alibi_slopes=cuda_slopes(o["slopes"]),
+              **o["opts"])
+    check_mods(got, o, dtype, case)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_zero_slopes_and_no_cap_change_nothing(variant):
+    """All-zero slopes (and softcap=0) give bitwise the results of a call without them: every
+    kernel keeps its unmodified arithmetic for a head with no modifier."""
+    schedule, det = VARIANTS[variant]
+    b, sq, sk, h, hk, d = 2, 150, 170, 4, 2, 64
+    arrays = on_gpu(problem("zero-slopes", b, sq, sk, h, hk, d, "float16"), "float16")
+    opts = dict(causal=True, window_size=(40, -1))
+    plain = run(*arrays, schedule, det, **opts)
+    zeros = torch.zeros(b, h, device="cuda", dtype=torch.float32)
+    for a, c, name in zip(run(*arrays, schedule, det, alibi_slopes=zeros, softcap=0.0, **opts),
+                          plain, ("out", "lse", "dq", "dk", "dv")):
+        assert np.array_equal(a, c), f"{name}: zero slopes changed the result"
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_score_mods_varlen(schedule):
+    """One launch for the packed batch with (sequences, nheads) slopes and a softcap: sequence b
+    takes slope row b. Equal to each sequence alone with its row of slopes (bitwise for fa2; fa1
+    sizes its tiles from max_seqlen, so within float16 rounding), and the packed results meet the
+    rule against the reference."""
+    lens = [(5, 5), (0, 4), (70, 130), (3, 0), (129, 64), (1, 1)]
+    h, hk, d, softcap = 4, 2, 64, 2.0
+    rng = np.random.default_rng(17)
+    sq, sk = [a for a, _ in lens], [c for _, c in lens]
+    q, dout = (f64(make(rng, (sum(sq), h, d), "float16")) for _ in range(2))
+    k, v = (f64(make(rng, (sum(sk), hk, d), "float16")) for _ in range(2))
+    cq = np.concatenate([[0], np.cumsum(sq)]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum(sk)]).astype(np.int32)
+    mq, mk = max(sq), max(sk)
+    slopes = slopes_of("batch", len(lens), h)
+    opts = dict(causal=True, window_size=(48, -1), softcap=softcap, schedule=schedule)
+    tq, tk, tv, tdo = (torch.tensor(x, device="cuda", dtype=torch.float16) for x in (q, k, v, dout))
+    tcq, tck, ts = (torch.from_numpy(x).cuda() for x in (cq, ck, slopes))
+    out, lse = flashdl.attention_varlen(tq, tk, tv, tcq, tck, mq, mk, return_lse=True,
+                                        alibi_slopes=ts, **opts)
+    grads = flashdl.attention_varlen_backward(tdo, tq, tk, tv, out, lse, tcq, tck, mq, mk,
+                                              alibi_slopes=ts, deterministic=True, **opts)
+    torch.cuda.synchronize()
+
+    def same(a, c, what):
+        if schedule == "fa2":
+            assert torch.equal(a, c), what
+        else:
+            torch.testing.assert_close(a.float(), c.float(), atol=4e-3, rtol=2e-3, msg=what)
+
+    for b in range(len(lens)):
+        rq, rk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        one = (tq[None, rq], tk[None, rk], tv[None, rk], tdo[None, rq])
+        o1, l1 = flashdl.attention(*one[:3], return_lse=True, alibi_slopes=ts[b:b + 1], **opts)
+        g1 = flashdl.attention_backward(one[3], *one[:3], o1, l1, alibi_slopes=ts[b:b + 1],
+                                        deterministic=True, **opts)
+        same(out[rq], o1[0], f"out of sequence {b}")
+        same(lse[:, rq], l1[0], f"lse of sequence {b}")
+        for name, g, w, rows in (("dq", grads[0], g1[0], rq), ("dk", grads[1], g1[1], rk),
+                                 ("dv", grads[2], g1[2], rk)):
+            same(g[rows], w[0], f"{name} of sequence {b}")
+        # sequence b against the float64 reference with slope row b
+        if sq[b] == 0 or sk[b] == 0:
+            continue
+        seq = tuple(x[None] for x in (q[rq], k[rk], v[rk], dout[rq]))
+        ref_opts = dict(causal=True, window_size=(48, -1), softcap=softcap)
+        r_out, r_lse, r_grads = reference_mods(*seq, slopes[b:b + 1], **ref_opts)
+        n_out, *n_grads = naive_mods(*seq, "float16", True, (48, -1), softcap, slopes[b:b + 1])
+        assert_rule(host(out[rq])[None], r_out, n_out, "float16", what=f"out of sequence {b}")
+        assert_lse(host(lse[:, rq])[None], r_lse, rtol=1e-4, atol=1e-3)
+        mag = grad_magnitude(r_grads)
+        for name, g, w, n, rows in zip(("dq", "dk", "dv"), grads, r_grads, n_grads, (rq, rk, rk)):
+            assert_rule(host(g[rows])[None], w, n, "float16", factor=3.0, grad=True,
+                        magnitude=mag, what=f"{name} of sequence {b}")
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_torch_autograd_with_score_mods(dtype, schedule):
+    """flashdl.torch.attention carries the slopes and the cap to the backward."""
+    import flashdl.torch as fdt
+
+    case = (2, 97, 130, 4, 2, 64, True, (-1, -1), 3.0, "batch")
+    o = mod_oracle(case, dtype)
+    leaves = [x.requires_grad_() for x in on_gpu(o["inputs"][:3], dtype)]
+    out = fdt.attention(*leaves, schedule=schedule, alibi_slopes=cuda_slopes(o["slopes"]),
+                        **o["opts"])
+    out.backward(on_gpu(o["inputs"][3:], dtype)[0])
+    for x in leaves:
+        assert x.grad.device == x.device and x.grad.dtype == x.dtype
+    check_mods([host(out), None] + [host(x.grad) for x in leaves], o, dtype, case)

@@ -67,11 +67,12 @@ struct Grads {
 // values; P (softmax in float) rounded to `dt` before dV = P^T dO; dP = dO V^T in float;
 // dS = P (dP - D) with D = rowsum(dO out) (out as the caller saved it, 16-bit) rounded to `dt`
 // before dK = scale dS^T Q and dQ = scale dS K; float accumulation (over the query heads of a
-// group too), results rounded to `dt`.
+// group too), results rounded to `dt`. mods: the score modifiers (dS then carries the softcap's
+// derivative before the rounding), or null.
 inline Grads naive_lowp_backward(const Shape& s, const BwdInputs& in, const std::vector<float>& out,
-                                 flashdl::DType dt) {
+                                 flashdl::DType dt, const ScoreMods* mods = nullptr) {
   const auto nq = size_t(s.b * s.sq * s.h * s.d), nk = size_t(s.b * s.sk * s.hk * s.d);
-  std::vector<float> gq(nq, 0.0f), gk(nk, 0.0f), gv(nk, 0.0f), p(size_t(s.sk));
+  std::vector<float> gq(nq, 0.0f), gk(nk, 0.0f), gv(nk, 0.0f), p(size_t(s.sk)), g(size_t(s.sk));
   const float scale = 1.0f / std::sqrt(float(s.d));
   for (int64_t bi = 0; bi < s.b; ++bi)
     for (int64_t hi = 0; hi < s.h; ++hi) {
@@ -86,7 +87,8 @@ inline Grads naive_lowp_backward(const Shape& s, const BwdInputs& in, const std:
           const float* kr = &in.k[size_t(((bi * s.sk + j) * s.hk + hk) * s.d)];
           float dot = 0.0f;
           for (int64_t c = 0; c < s.d; ++c) dot += qr[c] * kr[c];
-          p[j] = dot * scale;
+          p[j] = mods ? mods->score(dot * scale, bi, hi, i + s.sk - s.sq - j) : dot * scale;
+          g[j] = mods ? mods->grad(dot * scale) : 1.0f;
           m = std::fmax(m, p[j]);
         }
         if (m == -INFINITY) continue;  // empty row: no gradient anywhere
@@ -101,7 +103,7 @@ inline Grads naive_lowp_backward(const Shape& s, const BwdInputs& in, const std:
           const float pr = round_to(p[j] / l, dt);
           float dp = 0.0f;
           for (int64_t c = 0; c < s.d; ++c) dp += dor[c] * vr[c];
-          const float ds = round_to(pr * (dp - D), dt);
+          const float ds = round_to(pr * (dp - D) * g[j], dt);
           float *dk = &gk[ko], *dv = &gv[ko];
           for (int64_t c = 0; c < s.d; ++c) {
             dv[c] += pr * dor[c];

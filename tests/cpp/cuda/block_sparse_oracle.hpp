@@ -119,12 +119,14 @@ struct Visibility {
 // backward_oracle.hpp's naive_lowp_backward with the mask, and the forward of cuda_harness.hpp's
 // naive_lowp: float math from the 16-bit values, P rounded to `dt` before P V and P^T dO, dS
 // rounded before dS K and dS^T Q, float accumulation, results rounded to `dt`. `out` is the
-// saved output the backward reads (16-bit values); the forward's result goes to `fwd`.
+// saved output the backward reads (16-bit values); the forward's result goes to `fwd`. mods: the
+// score modifiers (cuda_harness.hpp), or null.
 inline Grads naive_lowp(const Shape& s, const Visibility& vis, const BwdInputs& in,
                         const std::vector<float>& out, flashdl::DType dt,
-                        std::vector<double>& fwd) {
+                        std::vector<double>& fwd, const ScoreMods* mods = nullptr) {
   const auto nq = size_t(s.b * s.sq * s.h * s.d), nk = size_t(s.b * s.sk * s.hk * s.d);
-  std::vector<float> gq(nq, 0.0f), gk(nk, 0.0f), gv(nk, 0.0f), p(size_t(s.sk)), acc(size_t(s.d));
+  std::vector<float> gq(nq, 0.0f), gk(nk, 0.0f), gv(nk, 0.0f), p(size_t(s.sk)), g(size_t(s.sk)),
+      acc(size_t(s.d));
   fwd.assign(nq, 0.0);
   const float scale = 1.0f / std::sqrt(float(s.d));
   for (int64_t bi = 0; bi < s.b; ++bi)
@@ -140,7 +142,8 @@ inline Grads naive_lowp(const Shape& s, const Visibility& vis, const BwdInputs& 
           const float* kr = &in.k[size_t(((bi * s.sk + j) * s.hk + hk) * s.d)];
           float dot = 0.0f;
           for (int64_t c = 0; c < s.d; ++c) dot += qr[c] * kr[c];
-          p[j] = dot * scale;
+          p[j] = mods ? mods->score(dot * scale, bi, hi, i + s.sk - s.sq - j) : dot * scale;
+          g[j] = mods ? mods->grad(dot * scale) : 1.0f;
           m = std::fmax(m, p[j]);
         }
         if (m == -INFINITY) continue;  // empty row: out 0, no gradient anywhere
@@ -155,7 +158,7 @@ inline Grads naive_lowp(const Shape& s, const Visibility& vis, const BwdInputs& 
           const float pr = round_to(p[j] / l, dt);
           float dp = 0.0f;
           for (int64_t c = 0; c < s.d; ++c) dp += dor[c] * vr[c];
-          const float ds = round_to(pr * (dp - D), dt);
+          const float ds = round_to(pr * (dp - D) * g[j], dt);
           for (int64_t c = 0; c < s.d; ++c) {
             acc[c] += pr * vr[c];
             gv[ko + c] += pr * dor[c];

@@ -1,7 +1,7 @@
 // Helpers for the CUDA tests: 16-bit float conversions on the host, strided layouts, buffers
 // poisoned with NaN (device memory, or host memory for --cpu runs), placing arrays in a layout and
 // reading them back with a check of the gaps, and the naive forward "in the input precision" of
-// the tolerance rule.
+// the tolerance rule, with or without the score modifiers (softcap, ALiBi).
 // Self-contained on purpose: it shares no code with the kernels it checks.
 #pragma once
 
@@ -295,8 +295,32 @@ struct Shape {
   }
 };
 
+// The score modifiers as the naive algorithms apply them, in float and the natural-log domain, in
+// flash-attn's order: s = scale q.k; s = softcap tanh(s / softcap); s -= slope |i + sk - sq - j|.
+// Written from the definition, independently of the library's detail/score_mod.hpp.
+struct ScoreMods {
+  float softcap = 0.0f;       // 0: off
+  int64_t nheads = 0;
+  std::vector<float> slopes;  // logical (b, nheads) (broadcast slopes repeated); empty: no ALiBi
+
+  // s = scale q.k of query i at key j, dist = i + sk - sq - j.
+  float score(float s, int64_t b, int64_t h, int64_t dist) const {
+    if (softcap > 0.0f) s = softcap * std::tanh(s / softcap);
+    if (!slopes.empty()) s -= slopes[size_t(b * nheads + h)] * float(dist < 0 ? -dist : dist);
+    return s;
+  }
+  // d score / d (scale q.k): 1 - tanh^2 with a cap, else 1.
+  float grad(float s) const {
+    if (!(softcap > 0.0f)) return 1.0f;
+    const float t = std::tanh(s / softcap);
+    return 1.0f - t * t;
+  }
+};
+
+// mods: the score modifiers, or null for plain attention.
 inline void naive_lowp(const Shape& s, const std::vector<float>& q, const std::vector<float>& k,
-                       const std::vector<float>& v, flashdl::DType dt, std::vector<double>& out) {
+                       const std::vector<float>& v, flashdl::DType dt, std::vector<double>& out,
+                       const ScoreMods* mods = nullptr) {
   out.assign(size_t(s.b * s.sq * s.h * s.d), 0.0);
   const float scale = 1.0f / std::sqrt(float(s.d));
   std::vector<float> p(size_t(s.sk)), acc(size_t(s.d));
@@ -312,7 +336,7 @@ inline void naive_lowp(const Shape& s, const std::vector<float>& q, const std::v
           const float* kr = &k[size_t(((bi * s.sk + j) * s.hk + hk) * s.d)];
           float dot = 0.0f;
           for (int64_t c = 0; c < s.d; ++c) dot += qr[c] * kr[c];
-          p[j] = dot * scale;
+          p[j] = mods ? mods->score(dot * scale, bi, hi, i + s.sk - s.sq - j) : dot * scale;
           m = std::fmax(m, p[j]);
         }
         std::fill(acc.begin(), acc.end(), 0.0f);

@@ -4,8 +4,9 @@
 // strided and misaligned inputs and gradients. The backward is given consistent saved tensors: out
 // and lse of the float64 forward (out rounded to the dtype). Gradients are poisoned with NaN before
 // every call, their gaps must stay untouched and the inputs unchanged. Then dropout
-// (dropout_backward.hpp) and repeat tests (bitwise equal gradients, with and without dropout).
-// Exit code 77 (skipped) when there is no CUDA device.
+// (dropout_backward.hpp), repeat tests (bitwise equal gradients, with and without dropout) and
+// the score modifiers (softcap, ALiBi in each slope layout, both; score_mod_cases.hpp) against the
+// reference with the same modifiers. Exit code 77 (skipped) when there is no CUDA device.
 //
 // FLASHDL_CUDA_SMEM_LIMIT=101376 (bytes) caps the shared memory the launchers plan against, which
 // exercises the 99 KiB fallback variants (smaller tiles) that an H100 never selects.
@@ -23,6 +24,7 @@
 #include "cuda_harness.hpp"
 #include "dropout_backward.hpp"
 #include "flashdl/api.hpp"
+#include "score_mod_cases.hpp"
 
 using namespace cuda_test;
 using flashdl::DType;
@@ -170,8 +172,9 @@ struct BwdResult {
   bool gaps_untouched = true;
 };
 
+// mods: the score modifiers (their slopes on the target), or null.
 BwdResult run_backward(const Target& t, const Case& c, const Shape& s, DType dt, const Saved& in,
-                       const Variant& var) {
+                       const Variant& var, const ModArgs* mods = nullptr) {
   const Layout lq = make_layout(s.b, s.sq, s.h, s.d, c.grad);
   const Layout lk = make_layout(s.b, s.sk, s.hk, s.d, c.grad);
   Buffer dq(size_t(lq.span) * 2, t.host), dk(size_t(lk.span) * 2, t.host),
@@ -179,7 +182,7 @@ BwdResult run_backward(const Target& t, const Case& c, const Shape& s, DType dt,
   dq.poison();
   dk.poison();
   dv.poison();
-  flashdl::Options o = options_of(c);
+  flashdl::Options o = mods ? mods->apply(options_of(c), false) : options_of(c);
   o.schedule = var.schedule;
   o.sram_bytes = var.sram_bytes;
   o.deterministic = var.deterministic;
@@ -313,6 +316,96 @@ int run_repeats(const Target& t, const Cli& cli) {
   return failures;
 }
 
+// ---- score modifiers ----------------------------------------------------------------------------
+// A case, its modifiers and the head dims it runs (both dtypes, every variant).
+struct ModPlan {
+  Case c;
+  ModSpec m;
+  std::vector<int> dims;
+};
+
+std::vector<ModPlan> mod_plans(const Cli& cli) {
+  const std::vector<int> all_dims(std::begin(kHeadDims), std::end(kHeadDims));
+  if (cli.quick)
+    return {
+        // both, causal with 25 empty rows, MQA
+        {{2, 70, 45, 2, 1, true, -1, -1, Kind::contiguous, Kind::contiguous, false},
+         {2.0, Alibi::batch_heads},
+         all_dims},
+        {{1, 100, 130, 4, 2, false, 16, 8, Kind::padded, Kind::odd, true},
+         {0.0, Alibi::strided},
+         {64}},
+    };
+  return {
+      // softcap alone, no mask: the unmasked path, GQA
+      {{2, 97, 130, 4, 2, false, -1, -1, Kind::contiguous, Kind::contiguous, false},
+       {2.0, Alibi::none},
+       all_dims},
+      // ALiBi (nheads,), causal with seqlen_q > seqlen_k: 33 empty rows
+      {{2, 130, 97, 4, 4, true, -1, -1, Kind::transposed, Kind::padded, true},
+       {0.0, Alibi::heads},
+       {64, 128}},
+      // ALiBi (batch, nheads) with padded rows, MQA, sliding window
+      {{2, 257, 300, 4, 1, false, 32, 8, Kind::padded, Kind::contiguous, false},
+       {0.0, Alibi::strided},
+       {64, 256}},
+      // both, causal, GQA, every head dim
+      {{2, 300, 200, 4, 2, true, -1, -1, Kind::contiguous, Kind::odd, true},
+       {5.0, Alibi::batch_heads},
+       all_dims},
+      // both, the diagonal only: 260 keys no query sees (dk = dv = 0 exactly)
+      {{1, 40, 300, 2, 1, false, 0, 0, Kind::padded, Kind::odd, false},
+       {1.0, Alibi::heads},
+       {64, 128}},
+      // both, a wide window: the blocks inside it take the unmasked path
+      {{1, 1000, 1000, 2, 1, false, 200, 100, Kind::contiguous, Kind::contiguous, false},
+       {2.0, Alibi::batch_heads},
+       {64, 128}},
+  };
+}
+
+// Softcap and ALiBi against the reference with the same modifiers (its out and lse are the saved
+// tensors), under the same rule: the naive backward applies them too, dS with the cap's factor.
+int run_score_mods(const Target& t, const Cli& cli) {
+  int failures = 0;
+  const std::vector<ModPlan> ps = mod_plans(cli);
+  for (size_t pi = 0; pi < ps.size(); ++pi)
+    for (const int d : ps[pi].dims) {
+      const Case& c = ps[pi].c;
+      const std::string mods = mod_label(ps[pi].m);
+      auto selected = [&](DType dt) {
+        for (const Variant& var : kVariants)
+          if (cli.selected(label_of(c, d, dt, var.name) + mods)) return true;
+        return false;
+      };
+      if (!selected(DType::float16) && !selected(DType::bfloat16)) continue;
+      const Shape s = shape_of(c, d);
+      std::mt19937 rng(uint32_t(104729 * (pi + 1) + size_t(d)));
+      const BwdInputs in = random_inputs(s, rng);
+      const ModArgs m(t.host, ps[pi].m, s.b, s.h);
+      const BwdOracle ref = reference_backward(s, m.apply(options_of(c), true), in, true);
+      for (const DType dt : {DType::float16, DType::bfloat16}) {
+        if (!selected(dt)) continue;
+        const std::vector<float> out_r = rounded(ref.out, dt);
+        const Grads lowp = naive_lowp_backward(s, in, out_r, dt, &m.naive());
+        const Saved saved(t, c, s, dt, in, out_r, ref.lse);
+        for (const Variant& var : kVariants) {
+          const std::string label = label_of(c, d, dt, var.name) + mods;
+          if (!cli.selected(label)) continue;
+          failures += run_case(label, [&] {
+            return check(label, s, ref, lowp, run_backward(t, c, s, dt, saved, var, &m), dt);
+          });
+        }
+        if (!saved.unchanged()) {
+          std::printf("FAIL %s: an input (q, k, v, dout, out, lse or a gap) was written\n",
+                      (label_of(c, d, dt, "inputs after all schedules,") + mods).c_str());
+          ++failures;
+        }
+      }
+    }
+  return failures;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -324,6 +417,7 @@ int main(int argc, char** argv) {
   try {
     failures += run_accuracy(t, cli);
     failures += dropout::run_backward_accuracy(t, cli);
+    failures += run_score_mods(t, cli);
     if (cli.repeats()) {
       failures += run_repeats(t, cli);
       failures += dropout::run_backward_repeats(t, cli);

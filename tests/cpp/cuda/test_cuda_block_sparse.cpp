@@ -6,8 +6,10 @@
 // tiles; masks per (batch, head), broadcast by size-1 dimensions and by a stride of 0, padded;
 // causal, GQA/MQA; zero rows and columns of blocks and an all-zero mask, whose rows and keys must
 // get exact zeros. Then NaN in q, k, v rows that only zero blocks cover must change nothing (bit
-// for bit), and deterministic schedules repeat bitwise. Outputs are poisoned with NaN before every
-// call and their gaps must stay untouched. Exit code 77 (skipped) without a CUDA device.
+// for bit), and deterministic schedules repeat bitwise; block masks with the score modifiers
+// (softcap, ALiBi), whose zero blocks must stay exactly zero under a cap. Outputs are poisoned with
+// NaN before every call and their gaps must stay untouched. Exit code 77 (skipped) without a CUDA
+// device.
 // Command line (cli.hpp): --quick (for compute-sanitizer), --filter SUBSTR, --no-race, --cpu.
 #include <cuda_runtime.h>
 
@@ -25,6 +27,7 @@
 #include "cli.hpp"
 #include "cuda_harness.hpp"
 #include "flashdl/api.hpp"
+#include "score_mod_cases.hpp"
 
 using namespace cuda_test;
 using namespace cuda_test::block_sparse;
@@ -138,9 +141,11 @@ struct Result {
 };
 
 // Forward into poisoned out and lse, or (backward) the gradients from the saved out and lse.
+// mods: the score modifiers (their slopes on the target), or null.
 Result run(const Target& t, const Case& c, const Shape& s, DType dt, const Arrays& in,
-           const HostMask& m, const Variant& var, bool backward) {
+           const HostMask& m, const Variant& var, bool backward, const ModArgs* mods = nullptr) {
   flashdl::Options o = options_of(c, m, m.view(in.mask.ptr, in.mask.device()));
+  if (mods) o = mods->apply(o, false);
   o.schedule = var.schedule;
   o.sram_bytes = var.sram_bytes;
   o.deterministic = var.deterministic;
@@ -380,6 +385,68 @@ int run_repeats(const Target& t, const Cli& cli) {
   return failures;
 }
 
+// Block masks with softcap and ALiBi: the rule against the reference with the same mask and
+// modifiers, and exact zeros where only zero blocks reach (a cap applied after the block mask's
+// -inf would make those scores finite).
+int run_score_mods(const Target& t, const Cli& cli) {
+  struct ModCase {
+    Case c;
+    ModSpec m;
+  };
+  const std::vector<ModCase> cases =
+      cli.quick ? std::vector<ModCase>{{kQuick, {2.0, Alibi::batch_heads}}}
+                : std::vector<ModCase>{
+                      {{"softcap+alibi, zero blocks", 2, 230, 260, 4, 2, true, 100, 64,
+                        MaskKind::full, 0.7, 0, 3, Kind::contiguous},
+                       {2.0, Alibi::batch_heads}},
+                      {{"blocks = the fa2 tile, softcap+alibi", 2, 200, 260, 4, 2, false, 64, 64,
+                        MaskKind::heads, 0.5, -1, -1, Kind::padded},
+                       {5.0, Alibi::heads}},
+                  };
+  int failures = 0;
+  for (size_t ci = 0; ci < cases.size(); ++ci)
+    for (const int d : {64, 128}) {
+      const Case& c = cases[ci].c;
+      if (cli.quick && d != 64) continue;
+      const std::string mods = mod_label(cases[ci].m);
+      bool any = false;
+      for (const DType dt : {DType::float16, DType::bfloat16})
+        for (const Variant& var : kVariants)
+          for (const char* pass : {"fwd", "bwd"})
+            any |= cli.selected(label_of(c, d, dt, var.name, pass) + mods);
+      if (!any) continue;
+      const Shape s = shape_of(c, d);
+      const HostMask m = mask_of(c, 104729 * ci + 3);
+      const Visibility vis{s, m};
+      const Dead dead = dead_of(s, vis);
+      const BwdInputs in = random_inputs(s, uint32_t(104729 * ci + size_t(d)));
+      const ModArgs mod(t.host, cases[ci].m, s.b, s.h);
+      const flashdl::TensorView host_mask =
+          m.view(const_cast<uint8_t*>(m.bytes.data()), flashdl::Device{});
+      const BwdOracle ref = reference_backward(s, mod.apply(options_of(c, m, host_mask), true), in,
+                                               true);
+      for (const DType dt : {DType::float16, DType::bfloat16}) {
+        std::vector<float> out_r(ref.out.size());
+        for (size_t i = 0; i < out_r.size(); ++i) out_r[i] = round_to(float(ref.out[i]), dt);
+        std::vector<double> lowp_out;
+        const Grads lowp = naive_lowp(s, vis, in, out_r, dt, lowp_out, &mod.naive());
+        const Arrays dev(t, c, s, dt, in, m, out_r, ref.lse);
+        for (const Variant& var : kVariants)
+          for (const bool bwd : {false, true}) {
+            if (!bwd && var.deterministic) continue;  // the same forward as fa2
+            const std::string label = label_of(c, d, dt, var.name, bwd ? "bwd" : "fwd") + mods;
+            if (!cli.selected(label)) continue;
+            failures += run_case(label, [&] {
+              const Result r = run(t, c, s, dt, dev, m, var, bwd, &mod);
+              return bwd ? check_backward(label, s, ref, lowp, dead, r, dt)
+                         : check_forward(label, s, ref, lowp_out, dead, r, dt);
+            });
+          }
+      }
+    }
+  return failures;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -391,6 +458,7 @@ int main(int argc, char** argv) {
   try {
     failures += run_accuracy(t, cli);
     failures += run_nan(t, cli);
+    failures += run_score_mods(t, cli);
     if (cli.repeats()) failures += run_repeats(t, cli);
   } catch (const std::exception& e) {
     std::printf("FAIL unexpected exception: %s\n", e.what());

@@ -1,9 +1,10 @@
 // The CUDA forward kernels (fa1 and fa2) against the CPU float64 reference: both dtypes, every head
 // dim, causal and windows, GQA/MQA, seqlen_q != seqlen_k, odd lengths, strided and misaligned
 // arrays, empty rows; outputs poisoned with NaN before every call and their padding checked to stay
-// untouched. Then a race test (100 identical calls, bitwise equal) and dropout: the exact keep-mask
-// and accuracy with dropout (dropout_forward.hpp). Exit code 77 (skipped) when there is no CUDA
-// device.
+// untouched. Then a race test (100 identical calls, bitwise equal), dropout: the exact keep-mask
+// and accuracy with dropout (dropout_forward.hpp), and the score modifiers (softcap, ALiBi with
+// (nheads,), (batch, nheads) and padded slopes, both together; score_mod_cases.hpp) against the
+// reference with the same modifiers. Exit code 77 (skipped) when there is no CUDA device.
 //
 // FLASHDL_CUDA_SMEM_LIMIT=101376 (bytes) caps the shared memory the launchers plan against, which
 // exercises the 99 KiB fallback variants (smaller tiles) that an H100 never selects.
@@ -22,6 +23,7 @@
 #include "cuda_harness.hpp"
 #include "dropout_forward.hpp"
 #include "flashdl/api.hpp"
+#include "score_mod_cases.hpp"
 
 using namespace cuda_test;
 using flashdl::DType;
@@ -73,11 +75,13 @@ struct Oracle {
   std::vector<float> lse;
 };
 
+// mods: the score modifiers (their host slopes), or null.
 Oracle reference(const Case& c, const Shape& s, const std::vector<float>& q,
-                 const std::vector<float>& k, const std::vector<float>& v) {
+                 const std::vector<float>& k, const std::vector<float>& v,
+                 const ModArgs* mods = nullptr) {
   std::vector<double> q64(q.begin(), q.end()), k64(k.begin(), k.end()), v64(v.begin(), v.end());
   Oracle r{std::vector<double>(q.size()), std::vector<float>(size_t(s.b * s.h * s.sq))};
-  flashdl::Options o = options_of(c);
+  flashdl::Options o = mods ? mods->apply(options_of(c), true) : options_of(c);
   o.schedule = Schedule::reference;
   flashdl::forward(flashdl::make_view(q64.data(), DType::float64, {s.b, s.sq, s.h, s.d}),
                    flashdl::make_view(k64.data(), DType::float64, {s.b, s.sk, s.hk, s.d}),
@@ -109,14 +113,15 @@ struct GpuInputs {
   }
 };
 
+// mods: the score modifiers (their slopes on the target), or null.
 GpuResult run_gpu(const Target& t, const Case& c, const Shape& s, DType dt, const GpuInputs& in,
-                  Schedule sched, int64_t sram_bytes) {
+                  Schedule sched, int64_t sram_bytes, const ModArgs* mods = nullptr) {
   const Layout lo = in.lq;
   const Layout ll = lse_layout(s.b, s.h, s.sq, c.strided_lse);
   Buffer out(size_t(lo.span) * 2, t.host), lse(size_t(ll.span) * 4, t.host);
   out.poison();
   lse.poison();
-  flashdl::Options o = options_of(c);
+  flashdl::Options o = mods ? mods->apply(options_of(c), false) : options_of(c);
   o.schedule = sched;
   o.stream = t.stream;
   o.sram_bytes = sram_bytes;
@@ -270,6 +275,86 @@ int run_race(const Target& t, const Cli& cli) {
   return failures;
 }
 
+// ---- score modifiers ----------------------------------------------------------------------------
+// A case, its modifiers and the head dims it runs (both dtypes, the schedules of variants()).
+struct ModPlan {
+  Case c;
+  ModSpec m;
+  std::vector<int> dims;
+};
+
+std::vector<ModPlan> mod_plans(const Cli& cli) {
+  const std::vector<int> all_dims(std::begin(kHeadDims), std::end(kHeadDims));
+  if (cli.quick)
+    return {
+        // both, causal with 25 empty rows, MQA
+        {{2, 70, 45, 2, 1, true, -1, -1, Kind::contiguous, false, true},
+         {2.0, Alibi::batch_heads},
+         all_dims},
+        {{1, 100, 130, 4, 2, false, 16, 8, Kind::padded, true, false}, {0.0, Alibi::strided}, {64}},
+    };
+  return {
+      // softcap alone, no mask: the unmasked (full-block) path, GQA
+      {{2, 97, 130, 4, 2, false, -1, -1, Kind::contiguous, false, true}, {2.0, Alibi::none},
+       all_dims},
+      // ALiBi (nheads,), causal with seqlen_q > seqlen_k: 33 empty rows
+      {{2, 130, 97, 4, 4, true, -1, -1, Kind::transposed, true, false}, {0.0, Alibi::heads},
+       {64, 128}},
+      // ALiBi (batch, nheads) with padded rows, MQA, sliding window
+      {{2, 257, 300, 4, 1, false, 32, 8, Kind::padded, false, true}, {0.0, Alibi::strided},
+       {64, 256}},
+      // both, causal, GQA, every head dim
+      {{2, 300, 200, 4, 2, true, -1, -1, Kind::contiguous, true, false},
+       {5.0, Alibi::batch_heads},
+       all_dims},
+      // both, one query row (decoding), rows not 16-byte aligned
+      {{2, 1, 257, 4, 2, false, -1, -1, Kind::odd, false, false}, {1.0, Alibi::heads}, {64, 128}},
+      // both, a wide window: the blocks inside it take the unmasked path
+      {{1, 1000, 1000, 2, 1, false, 200, 100, Kind::contiguous, false, true},
+       {2.0, Alibi::batch_heads},
+       {64, 128}},
+  };
+}
+
+// Softcap and ALiBi against the reference with the same modifiers, under the same rule (the naive
+// algorithm in the input precision applies them too).
+int run_score_mods(const Target& t, const Cli& cli) {
+  int failures = 0;
+  const std::vector<ModPlan> ps = mod_plans(cli);
+  for (size_t pi = 0; pi < ps.size(); ++pi)
+    for (const int d : ps[pi].dims) {
+      const Case& c = ps[pi].c;
+      const std::string mods = mod_label(ps[pi].m);
+      auto selected = [&](DType dt) {
+        for (const auto& [sched, sram] : variants(c))
+          if (cli.selected(label_of(c, d, dt, sched, sram) + mods)) return true;
+        return false;
+      };
+      if (!selected(DType::float16) && !selected(DType::bfloat16)) continue;
+      const Shape s = shape_of(c, d);
+      std::mt19937 rng(uint32_t(104729 * (pi + 1) + size_t(d)));
+      const auto hq = random_values(s.b * s.sq * s.h * d, rng);
+      const auto hk = random_values(s.b * s.sk * s.hk * d, rng);
+      const auto hv = random_values(s.b * s.sk * s.hk * d, rng);
+      const ModArgs m(t.host, ps[pi].m, s.b, s.h);
+      const Oracle ref = reference(c, s, hq, hk, hv, &m);
+      for (const DType dt : kDtypes) {
+        if (!selected(dt)) continue;
+        std::vector<double> lowp;
+        naive_lowp(s, hq, hk, hv, dt, lowp, &m.naive());
+        const GpuInputs in(t, c, s, dt, hq, hk, hv);
+        for (const auto& [sched, sram] : variants(c)) {
+          const std::string label = label_of(c, d, dt, sched, sram) + mods;
+          if (!cli.selected(label)) continue;
+          failures += run_case(label, [&, sched = sched, sram = sram] {
+            return check(label, ref, lowp, run_gpu(t, c, s, dt, in, sched, sram, &m), dt);
+          });
+        }
+      }
+    }
+  return failures;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -283,6 +368,7 @@ int main(int argc, char** argv) {
     if (cli.repeats()) failures += run_race(t, cli);
     failures += dropout::run_mask_tests(t, cli);
     failures += dropout::run_forward_accuracy(t, cli);
+    failures += run_score_mods(t, cli);
   } catch (const std::exception& e) {
     std::printf("FAIL unexpected exception: %s\n", e.what());
     ++failures;
