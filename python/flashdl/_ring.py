@@ -16,7 +16,7 @@ Layouts: "contiguous" (rank r holds chunk r of W) and "zigzag" (rank r holds chu
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,7 @@ def _chunks_of(rank: int, world: int, layout: str) -> List[int]:
     return [rank] if layout == "contiguous" else [rank, 2 * world - 1 - rank]
 
 
-def _check_layout(layout):
+def _check_layout(layout: str) -> None:
     if layout not in LAYOUTS:
         raise ValueError(f"layout: expected 'zigzag' or 'contiguous', got {layout!r}")
 
@@ -243,7 +243,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                    group: Optional[dist.ProcessGroup] = None, causal: bool = False,
                    softmax_scale: Optional[float] = None,
                    window_size: Tuple[int, int] = (-1, -1), layout: str = "zigzag",
-                   return_lse: bool = False):
+                   return_lse: bool = False
+                   ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Exact attention over a sequence sharded across the ranks of a torch.distributed group
     (ring attention), differentiable with respect to q, k and v.
 
