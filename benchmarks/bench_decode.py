@@ -27,9 +27,9 @@ every call, so the cache does not change between rounds.
   repeated to 32 heads beforehand where this torch lacks enable_gqa: the header says which),
   is_causal=False (one query row sees every key, as the causal flashdl call's does). Target:
   flashdl / SDPA speed >= 2.
-- num_splits: at batch 1, num_splits=1 (one task per kv head: 8 tasks) against the automatic
-  choice (0), contiguous cache. (The automatic choice aims at two tasks per thread, so with 4
-  threads or fewer it is 1 split here as well, and the two rows time the same computation.)
+- num_splits: at batch 1, num_splits=1 (one task: a task is a (sequence, key split) and reads
+  every kv head of its keys, so one thread works) against the automatic choice (0: splits of at
+  least 256 keys, two tasks per thread), contiguous cache.
 Per configuration the variants are timed in interleaved rounds: each round gives every variant a
 turn -- a 50 ms pause (torch's OpenMP threads keep spinning for a while after SDPA returns and,
 on a small machine, would slow whatever runs next by ~2x), one untimed call, then a ~20 ms burst
@@ -299,8 +299,8 @@ def main():
                   + ", ".join(skipped) + "."]
     lines += [
         "",
-        "num_splits at batch 1 (contiguous cache): one split per kv head (8 tasks) against the "
-        "automatic choice:",
+        "num_splits at batch 1 (contiguous cache): one split (one task, one busy thread) against "
+        "the automatic choice:",
         "",
         "| dtype | L | auto ms | num_splits=1 ms | num_splits=1 / auto time |",
         "|---|---|---|---|---|",
