@@ -31,6 +31,43 @@ inline int64_t kv_num_splits(const Params& p, int threads, int64_t row_chunks, i
   return std::max<int64_t>(1, std::min({want, most, tiles}));
 }
 
+// s[r * ld] = dot(Q row r, x) for rows [0, n) of Q (rows dp apart): each vector of x is loaded
+// once for up to four rows (the rows of a GQA group share the key row).
+template <typename T>
+inline void rows_dot(const T* Q, int64_t n, const T* x, int64_t dp, T* s, int64_t ld) {
+  constexpr int W = Simd<T>::W;
+  int64_t r = 0;
+  for (; r + 4 <= n; r += 4) {
+    vec_t<T> a0{}, a1{}, a2{}, a3{};
+    const T* q = Q + r * dp;
+    for (int64_t c = 0; c < dp; c += W) {
+      const vec_t<T> xv = vload(x + c);
+      a0 += vload(q + c) * xv;
+      a1 += vload(q + dp + c) * xv;
+      a2 += vload(q + 2 * dp + c) * xv;
+      a3 += vload(q + 3 * dp + c) * xv;
+    }
+    s[r * ld] = hsum<T>(a0);
+    s[(r + 1) * ld] = hsum<T>(a1);
+    s[(r + 2) * ld] = hsum<T>(a2);
+    s[(r + 3) * ld] = hsum<T>(a3);
+  }
+  for (; r < n; ++r) s[r * ld] = row_dot(Q + r * dp, x, dp);
+}
+
+// O row r += p[r * ld] * x for rows [0, n) of O (rows dp apart); rows with p 0 are skipped.
+template <typename T>
+inline void rows_axpy(T* O, int64_t n, const T* x, int64_t dp, const T* p, int64_t ld) {
+  constexpr int W = Simd<T>::W;
+  for (int64_t r = 0; r < n; ++r) {
+    const T a = p[r * ld];
+    if (a == T(0)) continue;
+    const vec_t<T> va = vset1(a);
+    T* o = O + r * dp;
+    for (int64_t c = 0; c < dp; c += W) vstore(o + c, vload(o + c) + va * vload(x + c));
+  }
+}
+
 template <typename T>
 void kvcache_forward_impl(const Params& p, int threads) {
   const int64_t group = p.h_h_k_ratio, sq = p.seqlen_q, d = p.headdim;
@@ -103,8 +140,8 @@ void kvcache_forward_impl(const Params& p, int threads) {
             convert_row_in(element(p.k_ptr, p.dtype, detail::k_cache_offset(p, b, t0 + j, hk)),
                            p.dtype, d, row);
             std::fill(row + d, row + dp, T(0));
-            for (int64_t r = first(hk); r < last(hk); ++r)
-              Sc[r * Bt + j] = row_dot(Q + r * dp, row, dp);
+            const int64_t r = first(hk);
+            rows_dot(Q + r * dp, last(hk) - r, row, dp, Sc + r * Bt + j, Bt);
           }
         for (int64_t r = 0; r < rows; ++r) {  // modifiers, mask, online softmax
           T* srow = Sc + r * Bt;
@@ -122,10 +159,8 @@ void kvcache_forward_impl(const Params& p, int threads) {
             convert_row_in(element(p.v_ptr, p.dtype, detail::v_cache_offset(p, b, t0 + j, hk)),
                            p.dtype, d, row);
             std::fill(row + d, row + dp, T(0));
-            for (int64_t r = first(hk); r < last(hk); ++r) {
-              const T pj = Sc[r * Bt + j];
-              if (pj != T(0)) row_axpby(O + r * dp, row, dp, T(1), pj);
-            }
+            const int64_t r = first(hk);
+            rows_axpy(O + r * dp, last(hk) - r, row, dp, Sc + r * Bt + j, Bt);
           }
       }
 
