@@ -278,7 +278,8 @@ void forward_kvcache(const InArray& q, const InArray& k_cache, const InArray& v_
 }
 
 void merge_states(const std::vector<InArray>& outs, const std::vector<InArray>& lses,
-                  const OutArray& out, const OutArray& lse, std::optional<std::string> dtype) {
+                  const OutArray& out, const OutArray& lse, std::optional<std::string> dtype,
+                  uintptr_t stream) {
   const Override ov = parse_override(dtype);
   std::vector<flashdl::TensorView> to, tl;
   for (size_t i = 0; i < outs.size(); ++i)
@@ -288,7 +289,7 @@ void merge_states(const std::vector<InArray>& outs, const std::vector<InArray>& 
                          false));
   const auto tout = to_view("out", out, ov, true), tlse = to_view("lse", lse, Override::none, false);
   nb::gil_scoped_release release;
-  flashdl::merge_states(to, tl, tout, tlse);
+  flashdl::merge_states(to, tl, tout, tlse, reinterpret_cast<void*>(stream));
 }
 
 void dropout_mask(const OutArray& mask_out, double dropout_p, uint64_t seed, uint64_t offset) {
@@ -384,7 +385,9 @@ NB_MODULE(_ext, m) {
 
   m.def("merge_states", &merge_states, "outs"_a.noconvert(), "lses"_a.noconvert(),
         "out"_a.noconvert(), "lse"_a.noconvert(), nb::kw_only(), "dtype"_a = nb::none(),
-        "Merges attention results over disjoint key sets: writes out and lse.");
+        "stream"_a = 0,
+        "Merges attention results over disjoint key sets: writes out and lse (CUDA arrays: on "
+        "`stream`, a cudaStream_t as an int; 0: the legacy default stream).");
 
   m.def("dropout_mask", &dropout_mask, "mask_out"_a.noconvert(), nb::kw_only(), "dropout_p"_a,
         "seed"_a, "offset"_a = 0,

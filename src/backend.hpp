@@ -1,11 +1,24 @@
 // The interface api.cpp dispatches to. Each backend receives a validated Params and trusts it.
 #pragma once
 
+#include <cstdint>
 #include <string>
+#include <vector>
 
 #include "flashdl/params.hpp"
 
 namespace flashdl {
+
+// The new keys and values of a KV-cache call (src/kvcache.cpp), (batch, seqlen_new, nheads_kv,
+// headdim) with element strides, to be written into the cache at positions
+// seqused_k[b] - seqlen_new onward. seqlen_new 0 (or null pointers): nothing to append.
+struct KvAppend {
+  const void* k_ptr = nullptr;
+  const void* v_ptr = nullptr;
+  int64_t seqlen_new = 0;
+  int64_t k_batch_stride = 0, k_row_stride = 0, k_head_stride = 0;
+  int64_t v_batch_stride = 0, v_row_stride = 0, v_head_stride = 0;
+};
 
 namespace cpu {
 void forward(const Params& params);
@@ -22,6 +35,13 @@ std::string architectures();        // the CUDA_ARCHITECTURES compiled in
 int device_count(std::string* status);  // never throws; status says why 0
 void forward(const Params& params);
 void backward(const Params& params);
+// Attention over a KV cache (Params.seqused_k and block_table in host memory, checked): the
+// append and the attention on the device of q, on params.stream. Plans (and refuses) before it
+// writes the cache.
+void forward_kvcache(const Params& params, const KvAppend& append);
+// merge_states (src/merge.cpp, validated there) on the arrays' device, on `stream`.
+void merge_states(const std::vector<TensorView>& outs, const std::vector<TensorView>& lses,
+                  const TensorView& out, const TensorView& lse, void* stream);
 }  // namespace cuda
 
 }  // namespace flashdl

@@ -1,11 +1,13 @@
 // Attention over a KV cache (flash-attn's flash_attn_with_kvcache): validated whole, then the new
 // keys and values are appended to the cache (the one place flashdl writes a caller's array, and
 // only after every check has passed), then one forward call reads the cache through
-// Params.seqused_k (and Params.block_table when it is paged).
+// Params.seqused_k (and Params.block_table when it is paged). CUDA arrays: the append and the
+// attention are the CUDA backend's (cuda::forward_kvcache), on the device.
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "backend.hpp"
 #include "flashdl/api.hpp"
 #include "flashdl/detail/kv_cache.hpp"
 #include "validate.hpp"
@@ -204,9 +206,6 @@ void forward_kvcache(const TensorView& q, const TensorView& k_cache, const Tenso
     }
     check_no_overlap("v_cache", v_cache, "k_cache", k_cache);
   }
-  if (q.device.type != DeviceType::cpu)
-    fail(ErrorKind::unsupported, "q: attention over a KV cache runs on the CPU only in this "
-                                 "version (the CUDA kernel is not written yet)");
 
   Params p = make_params(q, k4, v4, out, lse, options, s);
   p.seqused_k = c.used.data();
@@ -220,6 +219,26 @@ void forward_kvcache(const TensorView& q, const TensorView& k_cache, const Tenso
     p.page_size = c.page_size;
   }
   p.num_splits = options.num_splits;
+  if (q.device.type != DeviceType::cpu) {
+    // On the device of q, on the call's stream: the CUDA backend plans (and may still refuse)
+    // first, then copies seqused_k and the page table over, appends and attends. The host loop
+    // below must not touch device memory.
+    if (s.batch == 0) return;
+    KvAppend a;
+    if (k_new.defined()) {
+      a.k_ptr = k_new.data;
+      a.v_ptr = v_new.data;
+      a.seqlen_new = c.seqlen_new;
+      a.k_batch_stride = k_new.strides[0];
+      a.k_row_stride = k_new.strides[1];
+      a.k_head_stride = k_new.strides[2];
+      a.v_batch_stride = v_new.strides[0];
+      a.v_row_stride = v_new.strides[1];
+      a.v_head_stride = v_new.strides[2];
+    }
+    cuda::forward_kvcache(p, a);
+    return;
+  }
   // Every check has passed: now the cache may be written.
   if (k_new.defined()) {
     append_rows(p, c, k_new, false);

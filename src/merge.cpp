@@ -1,10 +1,12 @@
 // merge_states: the exact combination of attention results over disjoint key sets (the seeds'
 // softmax decomposition): (o_i, lse_i) -> (o, lse) with lse = log sum_i exp(lse_i) and
 // o = sum_i exp(lse_i - lse) o_i, through detail::merge_weights, the function the split-KV
-// kernels use. Validated here; the loop runs on the host (CPU arrays).
+// kernels use. Validated here; the loop runs on the host (CPU arrays) or the CUDA backend's kernel
+// (CUDA arrays, src/cuda/merge.cu).
 #include <string>
 #include <vector>
 
+#include "backend.hpp"
 #include "cpu/convert.hpp"
 #include "flashdl/api.hpp"
 #include "flashdl/detail/softmax.hpp"
@@ -15,7 +17,7 @@ namespace flashdl {
 using namespace validate;
 
 void merge_states(const std::vector<TensorView>& outs, const std::vector<TensorView>& lses,
-                  const TensorView& out, const TensorView& lse) {
+                  const TensorView& out, const TensorView& lse, void* stream) {
   if (outs.empty())
     fail(ErrorKind::value, "outs: expected at least one partial result, got none");
   if (lses.size() != outs.size())
@@ -49,12 +51,10 @@ void merge_states(const std::vector<TensorView>& outs, const std::vector<TensorV
       out.dtype != DType::float32 && out.dtype != DType::float64)
     fail(ErrorKind::type, std::string("out: expected dtype float16, bfloat16, float32 or float64, "
                                       "got ") + dtype_name(out.dtype));
-  if (out.device.type != DeviceType::cpu)
-    fail(ErrorKind::unsupported, "out: merge_states runs on CPU arrays only in this version");
-
   for (size_t i = 0; i < outs.size(); ++i)
     check_last_dim_contiguous(("outs[" + std::to_string(i) + "]").c_str(), outs[i]);
   check_last_dim_contiguous("out", out);
+  if (out.device.type != DeviceType::cpu) return cuda::merge_states(outs, lses, out, lse, stream);
   auto at = [&](const TensorView& t, int64_t b, int64_t s, int64_t h) {
     return b * t.strides[0] + s * t.strides[1] + h * t.strides[2];
   };

@@ -23,10 +23,11 @@
 # nothing is built, and the exit status is 0. The exit status is 1 iff some step FAILED.
 set -uo pipefail
 
-STEPS=(env build cpp_forward cpp_backward cpp_block_sparse cpp_forward_fallback
+STEPS=(env build cpp_forward cpp_backward cpp_block_sparse cpp_kvcache cpp_forward_fallback
        cpp_backward_fallback pytest_cuda memcheck_forward memcheck_backward memcheck_block_sparse
-       racecheck_forward racecheck_backward racecheck_block_sparse synccheck_forward
-       synccheck_backward synccheck_block_sparse bench)
+       memcheck_kvcache racecheck_forward racecheck_backward racecheck_block_sparse
+       racecheck_kvcache synccheck_forward synccheck_backward synccheck_block_sparse
+       synccheck_kvcache bench)
 
 usage() {
   echo "usage: bash tools/gpu_check.sh OUTDIR [STEP ...] | --list | --detect" >&2
@@ -281,6 +282,7 @@ cpp_test() {  # cpp_test NAME [ARGS...]
 step_cpp_forward() { cpp_test test_cuda_forward; }
 step_cpp_backward() { cpp_test test_cuda_backward; }
 step_cpp_block_sparse() { cpp_test test_cuda_block_sparse; }
+step_cpp_kvcache() { cpp_test test_cuda_kvcache; }
 step_cpp_forward_fallback() { FLASHDL_CUDA_SMEM_LIMIT=$SMEM_LIMIT cpp_test test_cuda_forward --quick; }
 step_cpp_backward_fallback() { FLASHDL_CUDA_SMEM_LIMIT=$SMEM_LIMIT cpp_test test_cuda_backward --quick; }
 
@@ -321,6 +323,9 @@ step_synccheck_backward() { sanitize synccheck test_cuda_backward; }
 step_memcheck_block_sparse() { sanitize memcheck test_cuda_block_sparse; }
 step_racecheck_block_sparse() { sanitize racecheck test_cuda_block_sparse; }
 step_synccheck_block_sparse() { sanitize synccheck test_cuda_block_sparse; }
+step_memcheck_kvcache() { sanitize memcheck test_cuda_kvcache; }
+step_racecheck_kvcache() { sanitize racecheck test_cuda_kvcache; }
+step_synccheck_kvcache() { sanitize synccheck test_cuda_kvcache; }
 
 step_bench() {
   PYTHONUNBUFFERED=1 "$PYTHON" benchmarks/bench_cuda.py --quick --out "$OUTDIR/bench_cuda_quick.md"
@@ -337,11 +342,12 @@ run_step build               420   build.log                  step_build
 run_step cpp_forward         240   cpp_forward.log            step_cpp_forward
 run_step cpp_backward        240   cpp_backward.log           step_cpp_backward
 run_step cpp_block_sparse    120   cpp_block_sparse.log       step_cpp_block_sparse
+run_step cpp_kvcache         120   cpp_kvcache.log            step_cpp_kvcache
 run_step cpp_forward_fallback  90  cpp_forward_fallback.log   step_cpp_forward_fallback
 run_step cpp_backward_fallback 90  cpp_backward_fallback.log  step_cpp_backward_fallback
 run_step pytest_cuda         240   pytest_cuda.log            step_pytest_cuda
 for tool in memcheck racecheck synccheck; do
-  for t in forward backward block_sparse; do
+  for t in forward backward block_sparse kvcache; do
     run_step "${tool}_$t"    120   "${tool}_$t.log"           "step_${tool}_$t"
   done
 done

@@ -29,7 +29,9 @@ compile() {  # one generated translation unit -> object + ptxas log
 }
 export -f compile
 export ARCH WORK
-ls "$GEN"/*.cu | xargs -P "$(nproc)" -I{} bash -c 'compile {}'
+# The generated translation units, and the sources that define kernels of their own (kvcache.cu's
+# append and combine, merge.cu's merge_states).
+ls "$GEN"/*.cu src/cuda/*.cu | xargs -P "$(nproc)" -I{} bash -c 'compile {}'
 
 echo "# CUDA kernels, sm_$ARCH: ptxas report"
 echo

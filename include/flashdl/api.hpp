@@ -77,7 +77,10 @@ void backward_varlen(const TensorView& dout, const TensorView& q, const TensorVi
 // cache_seqlens[b] + seqlen_new keys; causal and windows align bottom-right per sequence. out like
 // q, lse float32 (batch, nheads, seqlen_q). Options used: softmax_scale, causal, window,
 // alibi_slopes, softcap, num_splits (key splits per (batch, kv head), merged exactly; 0:
-// chosen), num_threads; dropout and block masks are refused. CPU arrays only in this version.
+// chosen), num_threads, stream; dropout and block masks are refused. CUDA arrays (float16,
+// bfloat16): the append and the attention run on the device of q, on options.stream (k_new,
+// v_new and the caches on that device; cache_seqlens and block_table stay host arrays, copied
+// to the device on the stream).
 void forward_kvcache(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
                      const TensorView& cache_seqlens, const TensorView& k_new,
                      const TensorView& v_new, const TensorView& block_table,
@@ -87,9 +90,11 @@ void forward_kvcache(const TensorView& q, const TensorView& k_cache, const Tenso
 // headdim), lses[i] float32 (batch, nheads, seqlen), as attention returns them, into out (shape
 // and dtype of outs[0]) and lse: lse = log sum_i exp(lses[i]), out = sum_i exp(lses[i] - lse)
 // outs[i] (detail::merge_weights, in order). Partials with lse -inf (no key) weigh nothing.
-// CPU arrays only in this version.
+// CUDA arrays (every dtype of the CPU path) are merged on their device, on `stream`
+// (cudaStream_t; null: the legacy default stream), accumulating in float32 (float64 for
+// float64).
 void merge_states(const std::vector<TensorView>& outs, const std::vector<TensorView>& lses,
-                  const TensorView& out, const TensorView& lse);
+                  const TensorView& out, const TensorView& lse, void* stream = nullptr);
 
 // The dropout keep-mask the kernels apply for (p, seed, offset): mask_out, bool
 // (batch, nheads, seqlen_q, seqlen_k) on the CPU, any strides with a contiguous last dimension,

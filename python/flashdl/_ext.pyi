@@ -159,9 +159,16 @@ def forward_kvcache(
     then writes out (like q) and lse (float32, (batch, nheads, seqlen_q))."""
 
 def merge_states(
-    outs: List[_Array], lses: List[_Array], out: _Array, lse: _Array, *, dtype: Optional[str] = None
+    outs: List[_Array],
+    lses: List[_Array],
+    out: _Array,
+    lse: _Array,
+    *,
+    dtype: Optional[str] = None,
+    stream: int = 0,
 ) -> None:
-    """Merges attention results over disjoint key sets: writes out and lse."""
+    """Merges attention results over disjoint key sets: writes out and lse (CUDA arrays: on
+    `stream`, a cudaStream_t as an int; 0: the legacy default stream)."""
 
 def dropout_mask(mask_out: _Array, *, dropout_p: float, seed: int, offset: int = 0) -> None:
     """Writes the dropout keep-mask of (dropout_p, seed, offset) into mask_out, bool

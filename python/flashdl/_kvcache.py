@@ -83,7 +83,9 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
     alibi_slopes and softcap as in flashdl.attention. No dropout, no gradient (inference).
 
     Returns out (like q), or (out, lse) with return_lse=True, lse float32 (batch, nheads,
-    seqlen_q). CPU arrays only in this version.
+    seqlen_q). CUDA arrays (float16, bfloat16; PyTorch or CuPy): the append and the attention
+    run on the device of q on the current stream (written, not yet run on a GPU);
+    cache_seqlens and block_table stay host arrays, copied to the device on that stream.
     """
     frame = Frame({"q": q, "k_cache": k_cache, "v_cache": v_cache}, _FLOATS)
     if frame.kind == "torch" and sys.modules["torch"].is_grad_enabled() and q.requires_grad:
@@ -124,7 +126,8 @@ def merge_states(out_a: ArrayLike, lse_a: ArrayLike, out_b: ArrayLike, lse_b: Ar
     each: out_a, out_b (batch, seqlen, nheads, headdim) and lse_a, lse_b float32 (batch, nheads,
     seqlen), as flashdl.attention(..., return_lse=True) returns them. Exact (the softmax
     decomposition): lse = log(exp(lse_a) + exp(lse_b)), out = exp(lse_a - lse) out_a +
-    exp(lse_b - lse) out_b; a row with lse -inf (it saw no key) weighs nothing. CPU arrays."""
+    exp(lse_b - lse) out_b; a row with lse -inf (it saw no key) weighs nothing. CUDA arrays are
+    merged on their device, on the current stream (written, not yet run on a GPU)."""
     return merge_states_list([out_a, out_b], [lse_a, lse_b])
 
 
@@ -146,5 +149,5 @@ def merge_states_list(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike]
     lse = frame.empty(tuple(lses[0].shape), frame.float32()) if len(lses) else \
         frame.empty((0, 0, 0), frame.float32())
     _ext.merge_states([frame.export(o) for o in outs], [frame.export(x) for x in lses],
-                      frame.dest(out), frame.dest(lse), dtype=frame.dtype)
+                      frame.dest(out), frame.dest(lse), dtype=frame.dtype, stream=frame.stream)
     return frame.finish(out), frame.finish(lse)

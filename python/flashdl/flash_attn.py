@@ -11,7 +11,8 @@ cu_seqlens. Differences from flash-attn (also in README.md, "Coming from flash-a
   argument. flash_attn_with_kvcache is flashdl.attention_with_kvcache: block_table (any page
   size), cache_seqlens (an int, a CPU int32 tensor or None), k/v appended in place, num_splits,
   softcap, alibi_slopes; rotary_cos/rotary_sin, cache_batch_idx and cache_leftpad raise
-  NotImplementedError; CPU tensors only in this version.
+  NotImplementedError. cache_seqlens and block_table on a GPU are copied to the host first
+  (flashdl reads them there: one synchronisation); the CUDA path is written, not yet run.
 - softmax_lse of a query that sees no key is -inf (flashdl's contract; flash-attn gives +inf).
 - With alibi_slopes and causal=True, softmax_lse is the lse of the biased scores as written
   (-slope * |i + seqlen_k - seqlen_q - j|); flash-attn's causal kernel adds slope * j instead, the
@@ -469,6 +470,11 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                                    dtype=torch.int32)
     elif isinstance(cache_seqlens, numbers.Integral):
         cache_seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32)
+    # flash-attn takes these on the GPU; flashdl checks them on the host.
+    if isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.device.type != "cpu":
+        cache_seqlens = cache_seqlens.cpu()
+    if isinstance(block_table, torch.Tensor) and block_table.device.type != "cpu":
+        block_table = block_table.cpu()
     mods = _score_mods(softcap, alibi_slopes)
     with torch.no_grad():
         return _fdt.attention_with_kvcache(

@@ -278,7 +278,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """flashdl.attention_with_kvcache for torch tensors (decoding; no autograd): runs under
     torch.no_grad(), appends k, v into k_cache, v_cache in place when given. cache_seqlens and
-    block_table: int32 CPU tensors (or NumPy arrays). CPU tensors only in this version."""
+    block_table: int32 CPU tensors (or NumPy arrays), also for CUDA q (copied to the device on
+    the current stream; the CUDA path is written, not yet run on a GPU)."""
     with torch.no_grad():
         return _attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, k=k,
                                        v=v, block_table=block_table, causal=causal,

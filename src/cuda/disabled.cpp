@@ -17,5 +17,11 @@ int device_count(std::string* status) {
 }
 void forward(const Params&) { not_built(); }
 void backward(const Params&) { not_built(); }
+void forward_kvcache(const Params&, const KvAppend&) { not_built(); }
+void merge_states(const std::vector<TensorView>&, const std::vector<TensorView>&,
+                  const TensorView&, const TensorView&, void*) {
+  throw Error(ErrorKind::unsupported, "out: CUDA arrays were given but flashdl was built without "
+                                      "the CUDA backend (rebuild with FLASHDL_CUDA=ON)");
+}
 
 }  // namespace flashdl::cuda

@@ -3,6 +3,9 @@
 // change to one schedule recompiles only what it must.
 #pragma once
 
+#include <vector>
+
+#include "backend.hpp"
 #include "check.hpp"
 #include "flashdl/params.hpp"
 
@@ -27,5 +30,14 @@ void launch_fa1_backward(const Params& p, const LaunchContext& ctx);
 // with dK, dV in registers, dQ by float atomics or, deterministic, by a pass over query blocks.
 template <typename T, int kHeadDim>
 void launch_fa2_backward(const Params& p, const LaunchContext& ctx);
+
+// Attention over a KV cache (kvcache.cu): plans the decode launch (refusing what no kernel
+// serves before anything is written), copies seqused_k and block_table to the device, appends the
+// new keys and values, then the decode kernel and, with several key splits, their combine.
+void run_kvcache(const Params& p, const KvAppend& append, const LaunchContext& ctx);
+
+// merge_states on CUDA arrays (merge.cu), validated by src/merge.cpp.
+void run_merge_states(const std::vector<TensorView>& outs, const std::vector<TensorView>& lses,
+                      const TensorView& out, const TensorView& lse, cudaStream_t stream);
 
 }  // namespace flashdl::cuda

@@ -1,6 +1,7 @@
 // The CUDA backend's entry: device discovery (safe with no driver: the static runtime reports an
 // error, never aborts) and the forward and backward dispatch (device guard, device limits, dtype x
-// head dim at compile time, schedule at run time). Params arrive validated by api.cpp.
+// head dim at compile time, schedule at run time), attention over a KV cache and merge_states
+// (kvcache.cu, merge.cu). Params arrive validated by api.cpp (kvcache.cpp, merge.cpp).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -139,6 +140,7 @@ class DeviceOffsets {
 }  // namespace
 
 void forward(const Params& params) {
+  if (params.seqused_k != nullptr) return forward_kvcache(params, KvAppend{});  // nothing to append
   DeviceGuard guard(params.device.id);
   const LaunchContext ctx = make_context(params, false);
   Params p = params;
@@ -154,6 +156,17 @@ void forward(const Params& params) {
     });
   });
   offsets.release();
+}
+
+void forward_kvcache(const Params& params, const KvAppend& append) {
+  DeviceGuard guard(params.device.id);
+  run_kvcache(params, append, make_context(params, false));
+}
+
+void merge_states(const std::vector<TensorView>& outs, const std::vector<TensorView>& lses,
+                  const TensorView& out, const TensorView& lse, void* stream) {
+  DeviceGuard guard(out.device.id);
+  run_merge_states(outs, lses, out, lse, static_cast<cudaStream_t>(stream));
 }
 
 void backward(const Params& params) {

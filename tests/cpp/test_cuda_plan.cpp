@@ -2,7 +2,9 @@
 // the fa2 backward's tile configs, shared-memory layouts and variant choice per device limit, its
 // workspace, the fa1 forward and backward tile plans, the block ranges the kernels loop over
 // (against brute force over the window mask), the block-mask tile questions (cover, rows and keys
-// to zero-fill) and the varlen sequence offsets with their clamping.
+// to zero-fill), the varlen sequence offsets with their clamping, and the decode (KV cache) plan:
+// layouts and variants, row chunks, the key splits against brute force, the split count and the
+// workspace.
 #include <algorithm>
 #include <cstddef>
 #include <random>
@@ -11,6 +13,7 @@
 
 #include "check.hpp"
 #include "cuda/bwd_plan.hpp"
+#include "cuda/decode_plan.hpp"
 #include "cuda/fa1_plan.hpp"
 #include "flashdl/detail/block_mask.hpp"
 #include "flashdl/detail/block_range.hpp"
@@ -250,6 +253,117 @@ void test_sequences() {
   }
 }
 
+// The decode kernel's layouts: aligned, disjoint regions of the sizes its tiles need, the
+// epilogue's O within the K/V buffers, one thread per K and V row of a tile; the variant per
+// device.
+void test_decode_layouts() {
+  for (int d : kHeadDims) {
+    for (int w : {4, 2}) {
+      context() = "d=" + std::to_string(d) + " warps=" + std::to_string(w);
+      const fc::DecodeLayout L = fc::decode_layout(d, w);
+      const std::size_t offs[] = {L.off_q, L.off_k, L.off_v, L.off_s, L.off_rows, L.off_stats,
+                                  L.bytes};
+      for (std::size_t o : offs) CHECK_EQ(o % 128, std::size_t(0));
+      CHECK_EQ(L.threads, 2 * L.block_n);
+      CHECK_EQ(L.block_n, 16 * w);
+      CHECK(L.off_k - L.off_q >= std::size_t(fc::kDecodeRows) * L.ld_qkv * 2);
+      CHECK(L.kv_stage_bytes >= std::size_t(L.block_n) * L.ld_qkv * 2);
+      CHECK(L.off_v - L.off_k >= fc::kDecodeStages * L.kv_stage_bytes);
+      CHECK(L.off_s - L.off_v >= fc::kDecodeStages * L.kv_stage_bytes);
+      CHECK(L.off_rows - L.off_s >= std::size_t(w) * fc::kDecodeRows * L.ld_s * 4);
+      CHECK(L.off_stats - L.off_rows >= std::size_t(fc::kDecodeStages) * 2 * L.block_n * 8);
+      CHECK(L.bytes - L.off_stats >= (3 * std::size_t(w) + 1) * fc::kDecodeRows * 4);
+      CHECK(L.merge_bytes <= L.off_s - L.off_k);  // over K and V, not S or the stats
+      // wmma: ld a multiple of 8 halves and 4 floats; P in place (2 * ld_s halves) holds a row.
+      CHECK(L.ld_qkv % 8 == 0 && L.ld_s % 4 == 0 && (2 * L.ld_s) % 8 == 0 && L.ld_o % 4 == 0);
+      CHECK(16 * 2 <= L.ld_s * 4);
+    }
+    context() = "d=" + std::to_string(d);
+    CHECK_EQ(fc::pick_decode_warps(d, kH100), 4);
+    CHECK_EQ(fc::pick_decode_warps(d, kA100), 4);
+    // 99 KiB parts: the 4-warp tiles up to d = 128 (82 KiB there), 2 warps (32-key tiles) above.
+    CHECK_EQ(fc::pick_decode_warps(d, kSmall), d <= 128 ? 4 : 2);
+    CHECK(fc::decode_has_fallback(d) == (d > 128));
+    CHECK_EQ(fc::pick_decode_warps(d, 16 * 1024), 0);
+  }
+  CHECK_EQ(fc::decode_layout(128, 4).bytes, std::size_t(82048));
+  CHECK_EQ(fc::decode_row_chunks(1, 1), int64_t(1));
+  CHECK_EQ(fc::decode_row_chunks(8, 2), int64_t(1));
+  CHECK_EQ(fc::decode_row_chunks(17, 1), int64_t(2));
+  CHECK_EQ(fc::decode_row_chunks(4, 0), int64_t(1));  // seqlen_q 0: a valid (unlaunched) grid
+}
+
+// The splits of a sequence: in order, they partition the keys its rows see, each a whole number
+// of tiles but the last; every visible (i, j) falls in exactly one split (brute force over masks).
+void test_decode_splits() {
+  std::mt19937 rng(11);
+  std::uniform_int_distribution<int> len(0, 300), qlen(0, 9), win(-1, 40), spl(1, 9);
+  for (int trial = 0; trial < 400; ++trial) {
+    const int64_t sq = qlen(rng), sk = len(rng), left = win(rng), right = win(rng);
+    const int64_t splits = spl(rng), tile = trial % 2 ? 64 : 32;
+    const fd::Mask m = fd::make_mask(sq, sk, left, right);
+    context() = "sq=" + std::to_string(sq) + " sk=" + std::to_string(sk) + " w=(" +
+                std::to_string(left) + "," + std::to_string(right) + ") splits=" +
+                std::to_string(splits) + " tile=" + std::to_string(tile);
+    const fc::KeyRange vis = fc::visible_keys(m);
+    int64_t next = vis.begin;
+    for (int64_t s = 0; s < splits; ++s) {
+      const fc::KeyRange r = fc::split_keys(vis, s, splits, tile);
+      CHECK(r.begin <= r.end);
+      if (r.begin == r.end) continue;
+      CHECK_EQ(r.begin, next);
+      CHECK_EQ((r.begin - vis.begin) % tile, int64_t(0));
+      next = r.end;
+    }
+    if (vis.begin < vis.end) CHECK_EQ(next, vis.end);
+    for (int64_t i = 0; i < sq; ++i)
+      for (int64_t j = 0; j < sk; ++j) {
+        if (!m.visible(i, j)) continue;
+        int owners = 0;
+        for (int64_t s = 0; s < splits; ++s) {
+          const fc::KeyRange r = fc::split_keys(vis, s, splits, tile);
+          owners += j >= r.begin && j < r.end;
+        }
+        CHECK_EQ(owners, 1);
+      }
+  }
+  const fc::KeyRange none = fc::visible_keys(fd::make_mask(3, 0, -1, -1));
+  CHECK(none.begin >= none.end);
+  CHECK(fc::split_keys(none, 0, 4, 64).begin == fc::split_keys(none, 0, 4, 64).end);
+}
+
+// The split count: the caller's (capped by tiles), else none when the CTAs fill the SMs, else two
+// CTAs per SM within kDecodeMinSplitKeys keys a split and kDecodeMaxSplits; the workspace.
+void test_decode_num_splits() {
+  CHECK_EQ(fc::decode_num_splits(3, 1, 1000, 64, 132), int64_t(3));
+  CHECK_EQ(fc::decode_num_splits(1000, 1, 1000, 64, 132), int64_t(16));  // tiles of 64 keys
+  CHECK_EQ(fc::decode_num_splits(5, 1, 0, 64, 132), int64_t(1));
+  CHECK_EQ(fc::decode_num_splits(0, 132, 100000, 64, 132), int64_t(1));  // one wave already
+  CHECK_EQ(fc::decode_num_splits(0, 8, 100, 64, 132), int64_t(1));       // too few keys to split
+  CHECK_EQ(fc::decode_num_splits(0, 8, 100000, 64, 132), int64_t(33));   // 2 x 132 / 8
+  CHECK_EQ(fc::decode_num_splits(0, 8, 2048, 64, 132), int64_t(8));      // 256 keys a split
+  CHECK_EQ(fc::decode_num_splits(0, 1, 1 << 20, 64, 132), fc::kDecodeMaxSplits);
+  std::mt19937 rng(5);
+  for (int trial = 0; trial < 500; ++trial) {
+    const int64_t ctas = 1 + rng() % 300, keys = rng() % 70000;
+    const int64_t req = rng() % 4 == 0 ? rng() % 50 : 0;
+    const int sms = 1 + int(rng() % 140);
+    context() = "ctas=" + std::to_string(ctas) + " keys=" + std::to_string(keys) +
+                " requested=" + std::to_string(req) + " sms=" + std::to_string(sms);
+    const int64_t s = fc::decode_num_splits(req, ctas, keys, 64, sms);
+    CHECK(s >= 1);
+    CHECK(s <= std::max<int64_t>(1, fd::ceil_div(keys, 64)));
+    if (req == 0) CHECK(s <= fc::kDecodeMaxSplits);
+    if (req == 0 && s > 1) CHECK(keys / s >= fc::kDecodeMinSplitKeys);
+  }
+  const fc::DecodeWorkspace one = fc::decode_workspace(2, 1, 8, 3, 64);
+  CHECK_EQ(one.floats(), int64_t(0));
+  const fc::DecodeWorkspace w = fc::decode_workspace(2, 5, 8, 3, 64);
+  CHECK_EQ(w.rows, int64_t(24));
+  CHECK_EQ(w.lse, int64_t(2 * 5 * 24));
+  CHECK_EQ(w.o, int64_t(2 * 5 * 24 * 64));
+}
+
 }  // namespace
 
 int main() {
@@ -259,5 +373,8 @@ int main() {
   run_test("cuda plan: block ranges vs brute force", test_block_ranges);
   run_test("cuda plan: varlen sequences and their clamping", test_sequences);
   run_test("cuda plan: block-mask tile cover, rows and keys vs brute force", test_block_mask_tiles);
+  run_test("cuda plan: decode layouts and variants", test_decode_layouts);
+  run_test("cuda plan: decode key splits vs brute force", test_decode_splits);
+  run_test("cuda plan: decode split count and workspace", test_decode_num_splits);
   return finish();
 }

@@ -1,0 +1,250 @@
+// Attention over a KV cache on CUDA (forward_kvcache: the append kernel, the decode kernel and
+// the combine of its key splits) and merge_states on CUDA arrays, against the CPU float64
+// reference: contiguous and paged caches (pages shuffled, spare pages, pages smaller and larger
+// than the kernel's tiles), with and without an append, num_splits 1, chosen and several (more
+// than the keys allow too), GQA/MQA and groups beyond one 16-row CTA, seqlen_q 1 to 20, causal
+// and windows (bottom-right per sequence), softcap and ALiBi, empty sequences and empty rows,
+// padded and misaligned layouts, both dtypes, every head dim. Every slot of the cache that holds
+// no key is NaN; out and lse are poisoned and their gaps must stay untouched; the cache must hold
+// exactly the old rows plus the appended ones, bitwise, and nothing else may change. Then
+// merge_states (merge_cases.hpp). Exit code 77 (skipped) when there is no CUDA device.
+//
+// FLASHDL_CUDA_SMEM_LIMIT=101376 (bytes) makes the launcher pick the 2-warp decode kernels
+// (d = 192, 256) that an H100 never selects. Command line (cli.hpp): --quick (for
+// compute-sanitizer), --filter SUBSTR, --no-race, --cpu.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cli.hpp"
+#include "cuda_harness.hpp"
+#include "flashdl/api.hpp"
+#include "kvcache_oracle.hpp"
+#include "merge_cases.hpp"
+#include "score_mod_cases.hpp"
+
+using namespace cuda_test;
+using flashdl::DType;
+
+namespace {
+
+const int kHeadDims[] = {32, 64, 96, 128, 192, 256};
+const DType kDtypes[] = {DType::float16, DType::bfloat16};
+const ModSpec kNoMods{0.0, Alibi::none};
+
+std::vector<KvCase> cases(const Cli& cli) {
+  const Kind C = Kind::contiguous, P = Kind::padded, O = Kind::odd, T = Kind::transposed;
+  if (cli.quick)
+    return {
+        // paged, append, GQA, causal, two splits and the chosen count
+        {2, 1, 4, 2, 300, 1, {150, 0}, 16, true, -1, -1, C, kNoMods, {0, 2}},
+        // contiguous, groups beyond one CTA (24 rows), window, modifiers, misaligned rows
+        {1, 3, 8, 1, 200, 2, {97}, 0, false, 20, 4, O, {2.0, Alibi::batch_heads}, {1, 3}},
+    };
+  return {
+      // one query row, MHA, contiguous, no append
+      {3, 1, 4, 4, 520, 0, {1, 257, 520}, 0, false, -1, -1, C, kNoMods, {1, 0, 4}},
+      // decoding step with an append, GQA 4, paged (pages of 16 in a 64-key tile)
+      {2, 1, 8, 2, 1000, 1, {999, 300}, 16, true, -1, -1, C, kNoMods, {1, 0, 7}},
+      // speculative decoding: 4 new rows, causal, MQA with 8 heads (32 rows: two row chunks)
+      {2, 4, 8, 1, 700, 4, {600, 33}, 0, true, -1, -1, P, kNoMods, {1, 0, 3}},
+      // pages larger than a tile, an empty sequence, a full one, more splits than tiles
+      {3, 2, 4, 2, 512, 0, {0, 512, 100}, 256, false, -1, -1, C, kNoMods, {1, 0, 1000}},
+      // sliding window: only its keys are read and split
+      {2, 3, 4, 2, 900, 3, {800, 40}, 32, true, 64, -1, C, kNoMods, {1, 0, 5}},
+      // seqlen_q > keys under causal: empty rows (out 0, lse -inf); odd strides (no cp.async)
+      {2, 20, 2, 1, 64, 0, {5, 0}, 0, true, -1, -1, O, kNoMods, {1, 0}},
+      // two-sided window, transposed q/out and cache layouts
+      {1, 5, 4, 4, 400, 2, {333}, 0, false, 16, 8, T, kNoMods, {1, 3}},
+      // softcap and ALiBi (batch, nheads), GQA, paged with pages of 7 (tiles span pages)
+      {2, 2, 4, 2, 300, 1, {250, 64}, 7, true, -1, -1, C, {3.0, Alibi::batch_heads}, {1, 0, 3}},
+      // ALiBi (nheads,) alone, strided slopes with a window
+      {2, 1, 4, 1, 300, 0, {280, 9}, 0, false, 50, 0, P, {0.0, Alibi::heads}, {1, 4}},
+      {1, 3, 6, 2, 260, 1, {200}, 13, false, 32, 8, C, {0.0, Alibi::strided}, {0, 2}},
+      // no query rows: the append alone
+      {2, 0, 4, 2, 64, 3, {10, 61}, 16, false, -1, -1, C, kNoMods, {0}},
+  };
+}
+
+std::string label_of(const KvCase& c, int64_t d, DType dt, int64_t splits) {
+  std::string lens;
+  for (int32_t l : c.lens) lens += (lens.empty() ? "" : ",") + std::to_string(l);
+  char buf[300];
+  std::snprintf(buf, sizeof buf,
+                "kvcache %s d=%lld b=%lld sq=%lld h=%lld/%lld cap=%lld new=%lld lens=[%s] "
+                "cache=%s%s w=(%lld,%lld) %slayout=%s splits=%lld",
+                flashdl::dtype_name(dt), (long long)d, (long long)c.b, (long long)c.sq,
+                (long long)c.h, (long long)c.hk, (long long)c.capacity, (long long)c.seqlen_new,
+                lens.c_str(), c.paged() ? "paged" : "contiguous",
+                c.paged() ? std::to_string(c.page_size).c_str() : "", (long long)c.left,
+                (long long)c.right, c.causal ? "causal " : "", kind_name(c.kind),
+                (long long)splits);
+  return std::string(buf) + mod_label(c.mods);
+}
+
+struct KvResult {
+  std::vector<double> out;
+  std::vector<float> lse;
+  bool gaps_untouched = true;
+  bool cache_ok = true;
+};
+
+KvResult run_target(const Target& t, const KvCase& c, int64_t d, DType dt, const KvValues& x,
+                    const CacheLayout& cl, const ModArgs& mods, int64_t splits) {
+  const Layout lq = make_layout(c.b, c.sq, c.h, d, c.kind);
+  const Layout ln = make_layout(c.b, c.seqlen_new, c.hk, d, c.kind);
+  const Layout ll = lse_layout(c.b, c.h, c.sq, c.kind == Kind::padded);
+  Buffer q(size_t(lq.span) * 2, t.host), out(size_t(lq.span) * 2, t.host),
+      lse(size_t(ll.span) * 4, t.host), kc(size_t(cl.L.span) * 2, t.host),
+      vc(size_t(cl.L.span) * 2, t.host), kn(size_t(ln.span) * 2, t.host),
+      vn(size_t(ln.span) * 2, t.host);
+  q.upload(place(x.q, lq, dt));
+  kc.upload(cl.place(c, d, x, false, false, dt));
+  vc.upload(cl.place(c, d, x, true, false, dt));
+  kn.upload(place(x.k_new, ln, dt));
+  vn.upload(place(x.v_new, ln, dt));
+  out.poison();
+  lse.poison();
+
+  flashdl::Options o = mods.apply(flashdl::Options{}, false);
+  o.causal = c.causal;
+  o.window_left = c.left;
+  o.window_right = c.right;
+  o.num_splits = splits;
+  o.stream = t.stream;
+  std::vector<int32_t> lens = c.lens, table = cl.table;  // host arrays, as the API takes them
+  const flashdl::TensorView none{};
+  const flashdl::TensorView lens_v = flashdl::make_view(lens.data(), DType::int32, {c.b});
+  const flashdl::TensorView table_v =
+      c.paged() ? flashdl::make_view(table.data(), DType::int32, {c.b, cl.max_pages}) : none;
+  const bool append = c.seqlen_new > 0;
+  flashdl::forward_kvcache(view_of(q, dt, lq, 4), view_of(kc, dt, cl.L, 4),
+                           view_of(vc, dt, cl.L, 4), lens_v, append ? view_of(kn, dt, ln, 4) : none,
+                           append ? view_of(vn, dt, ln, 4) : none, table_v,
+                           view_of(out, dt, lq, 4), view_of(lse, DType::float32, ll, 3), o);
+  t.sync();
+
+  KvResult r;
+  r.out = gather(out.download<uint16_t>(), lq, dt, r.gaps_untouched);
+  const std::vector<uint32_t> lb = lse.download<uint32_t>();
+  std::vector<char> used(lb.size(), 0);
+  for (int64_t a = 0; a < c.b; ++a)
+    for (int64_t h = 0; h < c.h; ++h)
+      for (int64_t i = 0; i < c.sq; ++i) {
+        const auto off = size_t(ll.offset(a, h, i, 0));
+        used[off] = 1;
+        r.lse.push_back(bits_to_float(lb[off]));
+      }
+  for (size_t i = 0; i < lb.size(); ++i) r.gaps_untouched &= used[i] || lb[i] == 0xffffffffu;
+  // The caches: the old rows and the appended ones, bitwise, and the NaN poison everywhere else.
+  r.cache_ok = kc.download<uint16_t>() == cl.place(c, d, x, false, true, dt) &&
+               vc.download<uint16_t>() == cl.place(c, d, x, true, true, dt);
+  return r;
+}
+
+// flash-attn's rule for out (max|got - oracle| <= 2 max|naive_lowp - oracle| + eps(dtype)); lse
+// -inf exactly where the oracle has it, else within 1e-3 + 1e-4 |lse|.
+bool check(const std::string& label, const KvOracle& ref, const KvResult& g, DType dt) {
+  const double eps = dt == DType::float16 ? 1e-3 : 8e-3;
+  const double err = max_abs_diff(g.out, ref.out);
+  const double tol = 2.0 * max_abs_diff(ref.lowp, ref.out) + eps;
+  bool lse_ok = g.lse.size() == ref.lse.size();
+  for (size_t i = 0; lse_ok && i < ref.lse.size(); ++i) {
+    const float want = ref.lse[i], got = g.lse[i];
+    lse_ok = std::isinf(want) ? got == want
+                              : std::fabs(double(got) - want) <= 1e-3 + 1e-4 * std::fabs(want);
+  }
+  const bool ok = err <= tol && lse_ok && g.gaps_untouched && g.cache_ok;
+  std::printf("%s %s | err %.2e tol %.2e%s%s%s\n", ok ? "ok  " : "FAIL", label.c_str(), err, tol,
+              lse_ok ? "" : " [lse]", g.gaps_untouched ? "" : " [wrote outside out/lse]",
+              g.cache_ok ? "" : " [cache]");
+  return ok;
+}
+
+int run_kvcache(const Target& t, const Cli& cli) {
+  int failures = 0;
+  const std::vector<KvCase> cs = cases(cli);
+  for (size_t ci = 0; ci < cs.size(); ++ci) {
+    const KvCase& c = cs[ci];
+    // Quick: every head dim for the first case, d = 128 for the others.
+    std::vector<int> dims(std::begin(kHeadDims), std::end(kHeadDims));
+    if (cli.quick && ci > 0) dims = {128};
+    for (const int d : dims) {
+      auto selected = [&](DType dt) {
+        for (const int64_t s : c.splits)
+          if (cli.selected(label_of(c, d, dt, s))) return true;
+        return false;
+      };
+      if (!selected(DType::float16) && !selected(DType::bfloat16)) continue;
+      // Seeded per (case, head dim): a --filter run sees the same values and pages.
+      std::mt19937 rng(uint32_t(6133 * ci + size_t(d)));
+      const KvValues x(c, d, rng);
+      const CacheLayout cl(c, d, rng);
+      const ModArgs mods(t.host, c.mods, c.b, c.h);
+      for (const DType dt : kDtypes) {
+        if (!selected(dt)) continue;
+        const KvOracle ref = kv_oracle(c, d, x, dt);
+        for (const int64_t s : c.splits) {
+          const std::string label = label_of(c, d, dt, s);
+          if (!cli.selected(label)) continue;
+          failures += run_case(label, [&] {
+            return check(label, ref, run_target(t, c, d, dt, x, cl, mods, s), dt);
+          });
+        }
+      }
+    }
+  }
+  return failures;
+}
+
+// The same call 50 times: bitwise equal out and lse (each split's CTA merges its warps and the
+// combine its splits in a fixed order, so a difference would be a race).
+int run_race(const Target& t, const Cli& cli) {
+  const KvCase c{2, 2, 8, 2, 2000, 0, {1999, 1500}, 16, true, -1, -1, Kind::contiguous,
+                 kNoMods, {0}};
+  const int64_t d = 128;
+  const std::string label = "race x50 " + label_of(c, d, DType::float16, 0);
+  if (!cli.selected(label)) return 0;
+  std::mt19937 rng(77);
+  const KvValues x(c, d, rng);
+  const CacheLayout cl(c, d, rng);
+  const ModArgs mods(t.host, c.mods, c.b, c.h);
+  return run_case(label, [&] {
+    const KvResult first = run_target(t, c, d, DType::float16, x, cl, mods, 0);
+    int mismatches = 0;
+    for (int rep = 1; rep < 50; ++rep) {
+      const KvResult g = run_target(t, c, d, DType::float16, x, cl, mods, 0);
+      mismatches += !(g.out == first.out &&
+                      std::memcmp(g.lse.data(), first.lse.data(), g.lse.size() * 4) == 0);
+    }
+    std::printf("%s %s | %d of 49 repeats differ\n", mismatches ? "FAIL" : "ok  ", label.c_str(),
+                mismatches);
+    return mismatches == 0;
+  });
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Cli cli;
+  if (const int rc = parse_cli(argc, argv, cli); rc >= 0) return rc;
+  Target t;
+  if (const int rc = open_target(cli, t); rc >= 0) return rc;
+  int failures = 0;
+  try {
+    failures += run_kvcache(t, cli);
+    if (cli.repeats()) failures += run_race(t, cli);
+    failures += merge::run_merge_states(t, cli);
+  } catch (const std::exception& e) {
+    std::printf("FAIL unexpected exception: %s\n", e.what());
+    ++failures;
+  }
+  failures += close_target(t);
+  std::printf("%d case(s) run, %d failure(s)\n", cases_run(), failures);
+  return failures == 0 ? 0 : 1;
+}
