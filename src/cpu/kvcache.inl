@@ -16,8 +16,10 @@
 inline int64_t kv_rows_per_task() { return 64; }
 // Keys per tile: S holds rows x kv_tile_keys() scores.
 inline int64_t kv_tile_keys() { return 64; }
-// A split below this many keys costs more in merging and per-task setup than it saves.
-inline int64_t kv_min_split_keys() { return 256; }
+// A split below this many keys costs more in merging and per-task setup than it saves (at 256,
+// batch 1 with 1k keys ran 1.4x slower split four ways than whole, 2 threads; at 4k and 16k
+// keys four splits beat two; benchmarks/results/decode_cpu_*.md).
+inline int64_t kv_min_split_keys() { return 512; }
 
 // Splits per sequence: the caller's num_splits, else as many as keep every thread busy (two
 // tasks per thread) while each split keeps kv_min_split_keys() keys; never more than the longest
