@@ -19,9 +19,6 @@ from . import _ext
 from ._api import ArrayLike, _lse_shape, _options, _score_mods
 from ._frameworks import Frame
 
-_FLOATS = ("q", "k_cache", "v_cache")
-
-
 def _index_array(name, x, required):
     """cache_seqlens and block_table: int32 CPU arrays (NumPy, or the framework of q); the core
     checks dtype, rank, shape, device and every value."""
@@ -87,17 +84,18 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
     run on the device of q on the current stream (written, not yet run on a GPU);
     cache_seqlens and block_table stay host arrays, copied to the device on that stream.
     """
-    frame = Frame({"q": q, "k_cache": k_cache, "v_cache": v_cache}, _FLOATS)
+    if (k is None) != (v is None):
+        raise ValueError(f"{'v' if k is not None else 'k'}: expected both k and v (the new keys "
+                         "and values) or neither")
+    arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
+    if k is not None:
+        arrays.update(k=k, v=v)
+    frame = Frame(arrays, tuple(arrays))
     if frame.kind == "torch" and sys.modules["torch"].is_grad_enabled() and q.requires_grad:
         raise ValueError("q: a tensor that requires grad was given to "
                          "flashdl.attention_with_kvcache, which has no backward (inference); "
                          "pass q.detach() or call it under torch.no_grad()")
-    if (k is None) != (v is None):
-        raise ValueError(f"{'v' if k is not None else 'k'}: expected both k and v (the new keys "
-                         "and values) or neither")
     if k is not None:
-        new = Frame({"k_cache": k_cache, "k": k, "v": v}, ("k_cache", "k", "v"))
-        del new  # only checks that k and v are arrays of the cache's framework
         for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
             _writable(name, x, frame.kind)
     if not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool):
