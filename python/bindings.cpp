@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "flashdl/api.hpp"
+#include "xla_ffi.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -312,6 +313,16 @@ nb::dict build_info() {
   return d;
 }
 
+// The XLA FFI custom-call targets (xla_ffi.hpp) as (name, platform, capsule) for
+// jax.ffi.register_ffi_target; flashdl.jax registers them on first use.
+nb::list xla_ffi_targets() {
+  nb::list out;
+  for (const auto& t : flashdl::xla_ffi::targets())
+    out.append(nb::make_tuple(t.name, t.platform,
+                              nb::capsule(reinterpret_cast<void*>(t.handler))));
+  return out;
+}
+
 void translate_error(const std::exception_ptr& p, void*) {
   try {
     std::rethrow_exception(p);
@@ -393,6 +404,9 @@ NB_MODULE(_ext, m) {
         "seed"_a, "offset"_a = 0,
         "Writes the dropout keep-mask of (dropout_p, seed, offset) into mask_out, bool "
         "(batch, nheads, seqlen_q, seqlen_k).");
+
+  m.def("xla_ffi_targets", &xla_ffi_targets,
+        "XLA FFI handlers of this build: a list of (target name, platform, PyCapsule).");
 
   m.def("build_info", &build_info, "What this build and machine offer.");
   m.def("set_num_threads", &flashdl::set_num_threads, "n"_a,

@@ -31,8 +31,8 @@ def _kind(name: str, x) -> str:
     if root in ("jax", "jaxlib") and "jax" in sys.modules:
         jax = sys.modules["jax"]
         if isinstance(x, jax.core.Tracer):
-            raise TypeError(f"{name}: got a JAX tracer; flashdl cannot run inside jax.jit, "
-                            "jax.grad or jax.vmap yet (call it on concrete arrays)")
+            raise TypeError(f"{name}: got a JAX tracer; inside jax.jit, jax.grad or jax.vmap "
+                            "use flashdl.jax.attention (this entry point takes concrete arrays)")
         if isinstance(x, jax.Array):
             return "jax"
     if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__") and hasattr(x, "shape"):

@@ -1,0 +1,233 @@
+// flashdl's XLA FFI handlers: XLA's call frame in, one call into the C++ core, an XLA error out
+// when the core refuses (its message names the argument). See xla_ffi.hpp for the targets.
+#include "xla_ffi.hpp"
+
+#include <cmath>
+#include <exception>
+#include <limits>
+#include <string>
+#include <string_view>
+
+#include "flashdl/api.hpp"
+
+namespace flashdl::xla_ffi {
+namespace {
+
+using namespace xla_abi;
+
+[[noreturn]] void fail(ErrorKind kind, const std::string& msg) { throw flashdl::Error(kind, msg); }
+
+enum class Platform { cpu, cuda };
+
+// The decoded call frame: buffers as TensorViews on the call's device, attributes by name.
+class Frame {
+ public:
+  Frame(const CallFrame* cf, Platform platform) : cf_(cf) {
+    if (platform == Platform::cuda) {
+      const Api* api = cf->api;
+      const size_t need = offsetof(Api, device_ordinal_get) + sizeof(void*);
+      if (api->struct_size < need || api->device_ordinal_get == nullptr)
+        fail(ErrorKind::unsupported, "this XLA has no device ordinal query (XLA FFI < 0.1)");
+      DeviceOrdinalGetArgs dev{kDeviceOrdinalGetArgsSize, nullptr, cf->ctx, 0};
+      StreamGetArgs st{kStreamGetArgsSize, nullptr, cf->ctx, nullptr};
+      if (api->device_ordinal_get(&dev) != nullptr || api->stream_get(&st) != nullptr)
+        fail(ErrorKind::runtime, "XLA did not give the call's device and stream");
+      device_ = {DeviceType::cuda, dev.device_ordinal};
+      stream_ = st.stream;
+    }
+  }
+
+  void* stream() const { return stream_; }
+
+  // Argument i as a view named `name`. keep > 0: every axis before the last `keep` folds into
+  // one leading (batch) axis, so rank keep + 1 comes out of any rank > keep.
+  TensorView arg(int64_t i, const char* name, int keep = 0) const {
+    if (i >= cf_->args.size)
+      fail(ErrorKind::value, std::string(name) + ": missing (the call has " +
+                                 std::to_string(cf_->args.size) + " arguments)");
+    return view(static_cast<const Buffer*>(cf_->args.args[i]), name, keep);
+  }
+  TensorView ret(int64_t i, const char* name, int keep = 0) const {
+    if (i >= cf_->rets.size)
+      fail(ErrorKind::value, std::string(name) + ": missing (the call has " +
+                                 std::to_string(cf_->rets.size) + " results)");
+    return view(static_cast<const Buffer*>(cf_->rets.rets[i]), name, keep);
+  }
+
+  bool flag(std::string_view name) const { return integer(name) != 0; }
+
+  int64_t integer(std::string_view name) const {
+    const Scalar& s = scalar(name);
+    switch (s.dtype) {
+      case kPred: return *static_cast<const bool*>(s.value) ? 1 : 0;
+      case kS8: return *static_cast<const int8_t*>(s.value);
+      case kS16: return *static_cast<const int16_t*>(s.value);
+      case kS32: return *static_cast<const int32_t*>(s.value);
+      case kS64: return *static_cast<const int64_t*>(s.value);
+      case kU8: return *static_cast<const uint8_t*>(s.value);
+      case kU16: return *static_cast<const uint16_t*>(s.value);
+      case kU32: return *static_cast<const uint32_t*>(s.value);
+      default: break;
+    }
+    fail(ErrorKind::type, std::string(name) + ": expected an integer or bool attribute");
+  }
+
+  double real(std::string_view name) const {
+    const Scalar& s = scalar(name);
+    if (s.dtype == kF64) return *static_cast<const double*>(s.value);
+    if (s.dtype == kF32) return *static_cast<const float*>(s.value);
+    return static_cast<double>(integer(name));
+  }
+
+  std::string text(std::string_view name) const {
+    const int64_t i = find(name, kAttrString);
+    const auto* span = static_cast<const ByteSpan*>(cf_->attrs.attrs[i]);
+    return std::string(span->ptr, span->len);
+  }
+
+ private:
+  int64_t find(std::string_view name, AttrType type) const {
+    for (int64_t i = 0; i < cf_->attrs.size; ++i) {
+      const ByteSpan* n = cf_->attrs.names[i];
+      if (std::string_view(n->ptr, n->len) != name) continue;
+      if (cf_->attrs.types[i] != type)
+        fail(ErrorKind::type, std::string(name) + ": attribute of the wrong kind");
+      return i;
+    }
+    fail(ErrorKind::value, std::string(name) + ": missing attribute");
+  }
+
+  const Scalar& scalar(std::string_view name) const {
+    return *static_cast<const Scalar*>(cf_->attrs.attrs[find(name, kAttrScalar)]);
+  }
+
+  TensorView view(const Buffer* b, const char* name, int keep) const {
+    TensorView t;
+    t.data = b->data;
+    t.device = device_;
+    switch (b->dtype) {
+      case kF16: t.dtype = DType::float16; break;
+      case kBF16: t.dtype = DType::bfloat16; break;
+      case kF32: t.dtype = DType::float32; break;
+      case kF64: t.dtype = DType::float64; break;
+      case kS32: t.dtype = DType::int32; break;
+      case kPred: t.dtype = DType::boolean; break;
+      default:
+        fail(ErrorKind::type, std::string(name) + ": unsupported XLA element type " +
+                                  std::to_string(static_cast<int>(b->dtype)));
+    }
+    const int64_t lead = keep > 0 && b->rank > keep ? b->rank - keep : 0;
+    const int64_t rank = lead > 0 ? keep + 1 : b->rank;
+    if (rank > kMaxRank)
+      fail(ErrorKind::value, std::string(name) + ": rank " + std::to_string(b->rank) +
+                                 " is more than flashdl's " + std::to_string(kMaxRank));
+    t.rank = static_cast<int>(rank);
+    int64_t outer = 1;
+    for (int64_t i = 0; i < lead; ++i) outer *= b->dims[i];
+    for (int64_t i = 0; i < rank; ++i)
+      t.shape[i] = lead > 0 ? (i == 0 ? outer : b->dims[lead + i - 1]) : b->dims[i];
+    int64_t stride = 1;  // XLA hands custom calls dense row-major buffers
+    for (int64_t i = rank - 1; i >= 0; --i) {
+      t.strides[i] = stride;
+      stride *= t.shape[i];
+    }
+    return t;
+  }
+
+  const CallFrame* cf_;
+  Device device_{};
+  void* stream_ = nullptr;
+};
+
+Options options_of(const Frame& f, bool backward) {
+  Options o;
+  o.causal = f.flag("causal");
+  o.softmax_scale = f.real("softmax_scale");  // NaN: 1/sqrt(headdim)
+  o.window_left = f.integer("window_left");
+  o.window_right = f.integer("window_right");
+  o.schedule = parse_schedule(f.text("schedule"));
+  o.softcap = f.real("softcap");
+  if (backward) o.deterministic = f.flag("deterministic");
+  o.stream = f.stream();
+  return o;
+}
+
+void attention_fwd(const Frame& f) {
+  flashdl::forward(f.arg(0, "q", 3), f.arg(1, "k", 3), f.arg(2, "v", 3), f.ret(0, "out", 3),
+                   f.ret(1, "lse", 2), options_of(f, false));
+}
+
+void attention_bwd(const Frame& f) {
+  flashdl::backward(f.arg(0, "dout", 3), f.arg(1, "q", 3), f.arg(2, "k", 3), f.arg(3, "v", 3),
+                    f.arg(4, "out", 3), f.arg(5, "lse", 2), f.ret(0, "dq", 3),
+                    f.ret(1, "dk", 3), f.ret(2, "dv", 3), options_of(f, true));
+}
+
+void varlen_fwd(const Frame& f) {
+  flashdl::forward_varlen(f.arg(0, "q"), f.arg(1, "k"), f.arg(2, "v"), f.arg(3, "cu_seqlens_q"),
+                          f.arg(4, "cu_seqlens_k"), f.integer("max_seqlen_q"),
+                          f.integer("max_seqlen_k"), f.ret(0, "out"), f.ret(1, "lse"),
+                          options_of(f, false));
+}
+
+void varlen_bwd(const Frame& f) {
+  flashdl::backward_varlen(f.arg(0, "dout"), f.arg(1, "q"), f.arg(2, "k"), f.arg(3, "v"),
+                           f.arg(4, "out"), f.arg(5, "lse"), f.arg(6, "cu_seqlens_q"),
+                           f.arg(7, "cu_seqlens_k"), f.integer("max_seqlen_q"),
+                           f.integer("max_seqlen_k"), f.ret(0, "dq"), f.ret(1, "dk"),
+                           f.ret(2, "dv"), options_of(f, true));
+}
+
+FfiError* make_error(const CallFrame* cf, ErrorCode code, const char* msg) {
+  ErrorCreateArgs args{kErrorCreateArgsSize, nullptr, msg, code};
+  return cf->api->error_create(&args);
+}
+
+// Every handler: answer XLA's registration-time metadata query, check the frame, run, and turn
+// the core's exceptions into XLA errors (no exception crosses the C ABI).
+template <void (*Run)(const Frame&), Platform P>
+FfiError* handle(CallFrame* cf) {
+  if (cf->extension_start != nullptr && cf->extension_start->type == kExtensionMetadata) {
+    auto* ext = reinterpret_cast<MetadataExtension*>(cf->extension_start);
+    if (ext->extension_base.struct_size >= kMetadataExtensionSize &&
+        ext->metadata->struct_size >= kMetadataSize) {
+      ext->metadata->api_version = ApiVersion{kApiVersionSize, nullptr, kApiMajor, kApiMinor};
+      ext->metadata->traits = 0;
+    }
+    return nullptr;  // a metadata left unfilled (version 0.0) makes XLA refuse the handler
+  }
+  if (cf->struct_size < kCallFrameSize)
+    return make_error(cf, kInvalidArgument, "flashdl: XLA's call frame is older than FFI 0.1");
+  if (cf->stage != kExecute) return nullptr;  // only the execute stage does work
+  try {
+    Run(Frame(cf, P));
+    return nullptr;
+  } catch (const flashdl::Error& e) {
+    const ErrorCode code = e.kind() == ErrorKind::unsupported ? kUnimplemented
+                           : e.kind() == ErrorKind::runtime   ? kInternal
+                                                              : kInvalidArgument;
+    return make_error(cf, code, e.what());
+  } catch (const std::exception& e) {
+    return make_error(cf, kInternal, e.what());
+  }
+}
+
+}  // namespace
+
+std::vector<Target> targets() {
+  std::vector<Target> t = {
+      {"flashdl_attention_fwd", "cpu", handle<attention_fwd, Platform::cpu>},
+      {"flashdl_attention_bwd", "cpu", handle<attention_bwd, Platform::cpu>},
+      {"flashdl_attention_varlen_fwd", "cpu", handle<varlen_fwd, Platform::cpu>},
+      {"flashdl_attention_varlen_bwd", "cpu", handle<varlen_bwd, Platform::cpu>},
+  };
+  if (build_info().cuda_compiled) {
+    t.push_back({"flashdl_attention_fwd", "CUDA", handle<attention_fwd, Platform::cuda>});
+    t.push_back({"flashdl_attention_bwd", "CUDA", handle<attention_bwd, Platform::cuda>});
+    t.push_back({"flashdl_attention_varlen_fwd", "CUDA", handle<varlen_fwd, Platform::cuda>});
+    t.push_back({"flashdl_attention_varlen_bwd", "CUDA", handle<varlen_bwd, Platform::cuda>});
+  }
+  return t;
+}
+
+}  // namespace flashdl::xla_ffi
