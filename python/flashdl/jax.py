@@ -53,7 +53,7 @@ def _register() -> None:
 class _Config(NamedTuple):
     """The static (hashable) options of one call; they become the custom call's attributes."""
     causal: bool
-    softmax_scale: float  # NaN: 1/sqrt(headdim)
+    softmax_scale: float  # NaN: 1/sqrt(headdim) (made explicit by _resolved before the call)
     window_left: int
     window_right: int
     schedule: str
@@ -129,6 +129,15 @@ def _fwd_outputs(q):
             jax.ShapeDtypeStruct((*batch, h, sq), jnp.float32))
 
 
+def _resolved(cfg, q):
+    """cfg with the default scale made explicit (1/sqrt(headdim), as the core computes it): a NaN
+    attribute would never compare equal to itself and defeat JAX's caching of eager calls."""
+    if not math.isnan(cfg.softmax_scale):
+        return cfg
+    d = q.shape[-1]
+    return cfg._replace(softmax_scale=1.0 / math.sqrt(d) if d > 0 else 1.0)
+
+
 def _forward(q, k, v, cfg):
     _register()
     call = jax.ffi.ffi_call(_FWD, _fwd_outputs(q), vmap_method="broadcast_all")
@@ -187,7 +196,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
     """
     cfg = _config(causal, softmax_scale, window_size, schedule, softcap, deterministic)
     _check(_check_dense, {"q": q, "k": k, "v": v}, cfg)
-    out, lse = _attention(q, k, v, cfg)
+    out, lse = _attention(q, k, v, _resolved(cfg, q))
     return (out, jax.lax.stop_gradient(lse)) if return_lse else out
 
 
@@ -267,7 +276,7 @@ def attention_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax
         raise ValueError("cu_seqlens_k: expected the shape of cu_seqlens_q "
                          f"{jnp.shape(cu_seqlens_q)}, got {jnp.shape(cu_seqlens_k)}")
     _check(_check_varlen, {"q": q, "k": k, "v": v}, cfg, (lens, nseq), same_first=False)
-    out, lse = _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, cfg, lens)
+    out, lse = _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, _resolved(cfg, q), lens)
     return (out, jax.lax.stop_gradient(lse)) if return_lse else out
 
 
