@@ -105,13 +105,14 @@ def _check(entry, arrays, cfg, extra=(), same_first=True):
     dict name -> traced array), so a bad call raises the core's ValueError or TypeError naming
     the argument before anything is compiled. Only the axes past the first are probed, so with
     same_first the first axes (the batch) of q, k and v are compared here."""
-    probes, bf16 = {}, set()
+    q_dtype = jnp.dtype(arrays["q"].dtype)
+    for name, x in arrays.items():  # as the core words it; bfloat16 reaches it as uint16 below
+        if name != "q" and jnp.dtype(x.dtype) != q_dtype:
+            raise TypeError(f"{name}: expected dtype {q_dtype} (the dtype of q), "
+                            f"got {jnp.dtype(x.dtype)}")
+    probes, bf16 = {}, False
     for name, x in arrays.items():
-        probes[name], is_bf16 = _probe(x, name)
-        if is_bf16:
-            bf16.add(name)
-    if bf16 and len(bf16) != len([n for n in arrays if n in ("q", "k", "v", "dout", "out")]):
-        bf16 = set()  # mixed dtypes: let the core name the odd one out (as uint16)
+        probes[name], bf16 = _probe(x, name)
     first = {n: tuple(x.shape)[0] for n, x in arrays.items() if n in ("q", "k", "v")}
     if same_first and len(set(first.values())) > 1:
         raise ValueError("k, v: expected the batch (first axis) of q, got "
