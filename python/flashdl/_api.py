@@ -109,7 +109,9 @@ def _score_mods(alibi_slopes, softcap):
     return dict(alibi_slopes=alibi_slopes, softcap=float(softcap))
 
 
-def _options(causal, softmax_scale, schedule, window_size, frame):
+def _scalars(causal, softmax_scale, schedule, window_size):
+    """(causal, softmax_scale, schedule, (left, right)) as far as Python checks them (the core
+    checks the schedule's name and the values); flashdl.torch passes them on to its custom ops."""
     if not isinstance(schedule, str):
         raise TypeError(f"schedule: expected a str ('auto', 'fa1', 'fa2' or 'reference'), "
                         f"got {type(schedule).__name__}")
@@ -119,8 +121,13 @@ def _options(causal, softmax_scale, schedule, window_size, frame):
         except (TypeError, ValueError):
             raise TypeError("softmax_scale: expected a float or None, "
                             f"got {type(softmax_scale).__name__}") from None
-    left, right = _window(window_size)
-    return dict(dtype=frame.dtype, softmax_scale=softmax_scale, causal=bool(causal),
+    return bool(causal), softmax_scale, schedule, _window(window_size)
+
+
+def _options(causal, softmax_scale, schedule, window_size, frame):
+    causal, softmax_scale, schedule, (left, right) = _scalars(causal, softmax_scale, schedule,
+                                                              window_size)
+    return dict(dtype=frame.dtype, softmax_scale=softmax_scale, causal=causal,
                 window_left=left, window_right=right, schedule=schedule, stream=frame.stream)
 
 

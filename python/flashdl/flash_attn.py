@@ -21,6 +21,9 @@ cu_seqlens. Differences from flash-attn (also in README.md, "Coming from flash-a
 - S_dmask (return_attn_probs=True) is described in _attn_probs below: the normalised attention
   probabilities in q's dtype, (batch, nheads, seqlen_q, seqlen_k) with no rounding up of the
   sequence lengths, dropped entries negated; an empty tensor when dropout_p == 0, as flash-attn.
+- torch.compile and torch.export see flashdl.torch's custom ops (no graph break, dropout
+  included), except return_attn_probs=True with dropout: the seed is then read back as an int
+  (.item()) to rebuild the mask, a graph break (and a synchronisation on CUDA).
 
 This module only adapts arguments: validation and every kernel are flashdl's.
 """
@@ -73,14 +76,16 @@ def _window(window_size):
         return window_size
 
 
-def _seed(q, dropout_p):
-    """63 bits from the generator of q's device (torch.cuda's for CUDA tensors, the CPU one
-    otherwise), as torch's dropout draws from, so torch.manual_seed makes dropout repeatable.
-    On CUDA reading it back synchronises once: the core takes the seed as a host integer."""
-    if not isinstance(dropout_p, numbers.Real) or dropout_p <= 0:
-        return 0  # no dropout (or a bad dropout_p, which flashdl then reports)
+def _seed(q, dropout_p, return_attn_probs):
+    """The dropout seed: None (no dropout, or without return_attn_probs) lets flashdl.torch draw
+    it from the generator of q's device as a tensor, which torch.compile keeps in the graph.
+    return_attn_probs needs it as an int here (for flashdl.dropout_mask): the same draw
+    (flashdl.torch._draw_seed), read back with .item(), a graph break under torch.compile
+    (the probabilities are for tests, as in flash-attn)."""
+    if not return_attn_probs or not isinstance(dropout_p, numbers.Real) or dropout_p <= 0:
+        return None  # no dropout (or a bad dropout_p, which flashdl then reports)
     device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
-    return int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64, device=device).item())
+    return int(_fdt._draw_seed(device).item())
 
 
 def _visible(sq, sk, causal, window, device):
@@ -148,7 +153,7 @@ def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alib
     mods = _score_mods(softcap, alibi_slopes)
     q, k, v = (_maybe_contiguous(x) for x in (q, k, v))
     window = _window(window_size)
-    seed = _seed(q, dropout_p)
+    seed = _seed(q, dropout_p, return_attn_probs)
     out, lse = _fdt.attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
                               window_size=window, dropout_p=dropout_p, seed=seed,
                               deterministic=deterministic, return_lse=True, **mods)
@@ -171,7 +176,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     mods = _score_mods(softcap, alibi_slopes, block_table)
     q, k, v = (_maybe_contiguous(x) for x in (q, k, v))
     window = _window(window_size)
-    seed = _seed(q, dropout_p)
+    seed = _seed(q, dropout_p, return_attn_probs)
     out, lse = _fdt.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                      max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
                                      window_size=window, dropout_p=dropout_p, seed=seed,

@@ -1,26 +1,37 @@
 """PyTorch autograd for flashdl: flashdl.torch.attention(q, k, v) with loss.backward() support.
 
-The forward saves q, k, v, out and lse (and, with dropout, the seed and offset, not the mask);
-the backward recomputes the attention matrix and the dropout mask block by block
-(flashdl.attention_backward), as FlashAttention does, instead of storing them.
+attention and attention_varlen are torch.library custom ops (flashdl::attention_forward,
+flashdl::attention_backward, flashdl::attention_varlen_forward, flashdl::attention_varlen_backward)
+with fake (meta) implementations and a registered autograd formula, so torch.compile (also with
+fullgraph=True) and torch.export see one op each instead of breaking the graph at an opaque
+Python call. The forward saves q, k, v, out and lse (and, with dropout, the seed tensor and the
+offset, not the mask); the backward recomputes the attention matrix and the dropout mask block
+by block (flashdl.attention_backward), as FlashAttention does, instead of storing them.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Tuple, Union, overload
+from typing import List, Literal, Optional, Tuple, Union, overload
 
+import numpy as np
 import torch
 
 from . import _sdpa
-from ._api import ArrayLike, BlockSize, _dropout
+from ._api import (_FLOATS_FWD, ArrayLike, BlockSize, _block_sparse, _cu_seqlens, _dropout,
+                   _lse_shape, _max_seqlen, _scalars, _score_mods, _varlen_lse_shape)
 from ._api import attention as _attention
 from ._api import attention_backward as _attention_backward
 from ._api import attention_varlen as _attention_varlen
 from ._api import attention_varlen_backward as _attention_varlen_backward
+from ._frameworks import Frame
 from ._kvcache import attention_with_kvcache as _attention_with_kvcache
 from ._ring import ring_attention
 from ._ring import shard as ring_shard
 from ._ring import unshard as ring_unshard
+
+if not hasattr(torch.library, "custom_op"):
+    raise ImportError("flashdl.torch needs PyTorch >= 2.4 (torch.library.custom_op), found "
+                      f"{torch.__version__}")
 
 __all__ = ["attention", "attention_varlen", "attention_with_kvcache", "ring_attention",
            "ring_shard", "ring_unshard", "scaled_dot_product_attention"]
@@ -34,34 +45,249 @@ def _last_dim_contiguous(dout):
     return dout
 
 
-class _Attention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, schedule, window_size, dropout_p, seed,
-                offset, block_mask, block_size, deterministic, alibi_slopes, softcap):
-        opts = dict(causal=causal, softmax_scale=softmax_scale, schedule=schedule,
-                    window_size=window_size, dropout_p=dropout_p, seed=seed, offset=offset,
-                    block_mask=block_mask, block_size=block_size, alibi_slopes=alibi_slopes,
-                    softcap=softcap)
-        out, lse = _attention(q, k, v, return_lse=True, **opts)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.opts = opts
-        ctx.deterministic = deterministic
-        # lse is returned for callers that want it (return_lse=True); no gradient flows into it.
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+# ---- the custom ops ------------------------------------------------------------------------------
+#
+# Their schemas take only tensors, ints, floats, bools, strs and lists of ints: the public
+# functions below validate every argument (naming it) and convert NumPy arrays to tensors first.
+# The dropout seed crosses as a 0-dim int64 tensor holding the 64-bit seed in two's complement
+# (None without dropout), so that a seed drawn under torch.compile stays a tensor in the graph;
+# the implementations read it back as a host int (on CUDA, one synchronisation).
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _attention_backward(_last_dim_contiguous(dout), q, k, v, out, lse,
-                                         deterministic=ctx.deterministic, **ctx.opts)
-        return (dq, dk, dv) + (None,) * 12
+def _seed_int(seed: Optional[torch.Tensor]) -> int:
+    """The 64-bit dropout seed an op received: 0 for None, else the int64 value mod 2**64."""
+    if seed is None:
+        return 0
+    if seed.dtype != torch.int64 or seed.dim() != 0:
+        raise ValueError("seed: expected a 0-dim int64 tensor (the 64-bit seed in two's "
+                         f"complement), got {seed.dtype} of shape {tuple(seed.shape)}")
+    return int(seed.item()) % 2**64
 
 
-def _torch_seed() -> int:
-    """63 bits from torch's default CPU generator, so torch.manual_seed makes dropout repeatable."""
-    return int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64).item())
+def _pair(x: List[int]) -> Tuple[int, int]:
+    return x[0], x[1]
+
+
+@torch.library.custom_op("flashdl::attention_forward", mutates_args=())
+def _attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                       softmax_scale: Optional[float], schedule: str, window_size: List[int],
+                       dropout_p: float, seed: Optional[torch.Tensor], offset: int,
+                       block_mask: Optional[torch.Tensor], block_size: List[int],
+                       alibi_slopes: Optional[torch.Tensor], softcap: float,
+                       deterministic: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of flashdl.attention; deterministic is only for the backward (saved by the
+    autograd formula), it does not change the forward."""
+    return _attention(q, k, v, causal=causal, softmax_scale=softmax_scale, schedule=schedule,
+                      window_size=_pair(window_size), dropout_p=dropout_p, seed=_seed_int(seed),
+                      offset=offset, block_mask=block_mask, block_size=_pair(block_size),
+                      alibi_slopes=alibi_slopes, softcap=softcap, return_lse=True)
+
+
+@_attention_forward.register_fake
+def _attention_forward_fake(q, k, v, *args):
+    # Contiguous, like the real outputs (flashdl allocates them with torch.empty).
+    return q.new_empty(q.shape), q.new_empty(_lse_shape(q), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashdl::attention_backward", mutates_args=())
+def _attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           out: torch.Tensor, lse: torch.Tensor, causal: bool,
+                           softmax_scale: Optional[float], schedule: str,
+                           window_size: List[int], dropout_p: float,
+                           seed: Optional[torch.Tensor], offset: int,
+                           block_mask: Optional[torch.Tensor], block_size: List[int],
+                           alibi_slopes: Optional[torch.Tensor], softcap: float,
+                           deterministic: bool
+                           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of flashdl.attention_backward."""
+    return _attention_backward(dout, q, k, v, out, lse, causal=causal,
+                               softmax_scale=softmax_scale, schedule=schedule,
+                               window_size=_pair(window_size), deterministic=deterministic,
+                               dropout_p=dropout_p, seed=_seed_int(seed), offset=offset,
+                               block_mask=block_mask, block_size=_pair(block_size),
+                               alibi_slopes=alibi_slopes, softcap=softcap)
+
+
+@_attention_backward_op.register_fake
+def _attention_backward_fake(dout, q, k, v, *args):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+# The options after q, k, v (and the varlen arguments) in both schemas, in the forward's order.
+_OPTIONS = ("causal", "softmax_scale", "schedule", "window_size", "dropout_p", "seed", "offset",
+            "block_mask", "block_size", "alibi_slopes", "softcap", "deterministic")
+
+
+def _save(ctx, tensors, out, lse, options):
+    """Saves what a backward op needs: the inputs' tensors, out, lse and the options (the seed,
+    block_mask and alibi_slopes tensors through save_for_backward, the rest as attributes)."""
+    opts = dict(zip(_OPTIONS, options))
+    ctx.save_for_backward(*tensors, out, lse, opts.pop("seed"), opts.pop("block_mask"),
+                          opts.pop("alibi_slopes"))
+    ctx.opts = opts
+    # lse is returned for callers that want it (return_lse=True); no gradient flows into it.
+    ctx.mark_non_differentiable(lse)
+
+
+def _saved(ctx):
+    """(tensors, out, lse, options) as _save kept them, the options as backward-op keywords."""
+    *tensors, out, lse, seed, block_mask, alibi_slopes = ctx.saved_tensors
+    return tensors, out, lse, dict(ctx.opts, seed=seed, block_mask=block_mask,
+                                   alibi_slopes=alibi_slopes)
+
+
+def _attention_setup(ctx, inputs, output):
+    _save(ctx, inputs[:3], *output, inputs[3:])
+
+
+def _attention_grad(ctx, dout, _dlse):
+    (q, k, v), out, lse, opts = _saved(ctx)
+    dq, dk, dv = _attention_backward_op(_last_dim_contiguous(dout), q, k, v, out, lse, **opts)
+    return (dq, dk, dv) + (None,) * len(_OPTIONS)
+
+
+_attention_forward.register_autograd(_attention_grad, setup_context=_attention_setup)
+
+
+@torch.library.custom_op("flashdl::attention_varlen_forward", mutates_args=())
+def _attention_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                              max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                              softmax_scale: Optional[float], schedule: str,
+                              window_size: List[int], dropout_p: float,
+                              seed: Optional[torch.Tensor], offset: int,
+                              block_mask: Optional[torch.Tensor], block_size: List[int],
+                              alibi_slopes: Optional[torch.Tensor], softcap: float,
+                              deterministic: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of flashdl.attention_varlen; deterministic only for the backward."""
+    return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             causal=causal, softmax_scale=softmax_scale, schedule=schedule,
+                             window_size=_pair(window_size), dropout_p=dropout_p,
+                             seed=_seed_int(seed), offset=offset, block_mask=block_mask,
+                             block_size=_pair(block_size), alibi_slopes=alibi_slopes,
+                             softcap=softcap, return_lse=True)
+
+
+@_attention_varlen_forward.register_fake
+def _attention_varlen_forward_fake(q, k, v, *args):
+    return q.new_empty(q.shape), q.new_empty(_varlen_lse_shape(q), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashdl::attention_varlen_backward", mutates_args=())
+def _attention_varlen_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                                  v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                                  cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                                  max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                                  softmax_scale: Optional[float], schedule: str,
+                                  window_size: List[int], dropout_p: float,
+                                  seed: Optional[torch.Tensor], offset: int,
+                                  block_mask: Optional[torch.Tensor], block_size: List[int],
+                                  alibi_slopes: Optional[torch.Tensor], softcap: float,
+                                  deterministic: bool
+                                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of flashdl.attention_varlen_backward."""
+    return _attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                      max_seqlen_q, max_seqlen_k, causal=causal,
+                                      softmax_scale=softmax_scale, schedule=schedule,
+                                      window_size=_pair(window_size),
+                                      deterministic=deterministic, dropout_p=dropout_p,
+                                      seed=_seed_int(seed), offset=offset, block_mask=block_mask,
+                                      block_size=_pair(block_size), alibi_slopes=alibi_slopes,
+                                      softcap=softcap)
+
+
+@_attention_varlen_backward_op.register_fake
+def _attention_varlen_backward_fake(dout, q, k, v, *args):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _attention_varlen_setup(ctx, inputs, output):
+    _save(ctx, inputs[:5], *output, inputs[7:])
+    ctx.max_seqlens = inputs[5:7]
+
+
+def _attention_varlen_grad(ctx, dout, _dlse):
+    (q, k, v, cu_q, cu_k), out, lse, opts = _saved(ctx)
+    dq, dk, dv = _attention_varlen_backward_op(_last_dim_contiguous(dout), q, k, v, out, lse,
+                                               cu_q, cu_k, *ctx.max_seqlens, **opts)
+    return (dq, dk, dv) + (None,) * (4 + len(_OPTIONS))
+
+
+_attention_varlen_forward.register_autograd(_attention_varlen_grad,
+                                            setup_context=_attention_varlen_setup)
+
+
+# ---- arguments: validated here, in the public API's order, then converted for the ops --------
+
+def _tensors(arrays: dict, api: str) -> None:
+    """q, k, v must be torch tensors: the framework errors of flashdl.attention for mixed or
+    unknown arrays, a TypeError pointing to flashdl.attention for other frameworks' arrays."""
+    if all(isinstance(x, torch.Tensor) for x in arrays.values()):
+        return
+    Frame(arrays, _FLOATS_FWD)  # raises for mixed frameworks and for non-arrays
+    name = next(n for n, x in arrays.items() if not isinstance(x, torch.Tensor))
+    raise TypeError(f"{name}: expected a torch.Tensor ({api} is for torch tensors; "
+                    f"flashdl.{api.split('.')[-1]} takes other arrays), "
+                    f"got {type(arrays[name]).__name__}")
+
+
+def _draw_seed(device: torch.device) -> torch.Tensor:
+    """A 0-dim int64 tensor of 63 random bits from the generator of device (torch.cuda's for a
+    CUDA device, the CPU one otherwise), where torch's own dropout draws from: torch.manual_seed
+    makes dropout repeatable, and under torch.compile the draw is an op of the graph (no
+    .item()). flashdl.flash_attn draws its seeds here too."""
+    return torch.randint(0, 2**63 - 1, (), dtype=torch.int64, device=device)
+
+
+def _seed_tensor(dropout_p, seed, offset, device):
+    """(dropout_p, seed tensor or None, offset) for the ops: seed None draws one (only when
+    dropout_p > 0); an int seed in [0, 2**64) becomes its int64 two's complement."""
+    if seed is None:
+        dropout_p, _, offset = _dropout(dropout_p, 0, offset)
+        return dropout_p, (_draw_seed(device) if dropout_p > 0 else None), offset
+    dropout_p, seed, offset = _dropout(dropout_p, seed, offset)
+    if not dropout_p > 0:
+        return dropout_p, None, offset  # the seed selects nothing without dropout
+    return dropout_p, torch.tensor(seed - 2**64 if seed >= 2**63 else seed,
+                                   dtype=torch.int64), offset
+
+
+def _as_tensor(name: str, x):
+    """x for an op's schema: None, a tensor, or any other DLPack array (NumPy's included) as a
+    tensor sharing its memory. A read-only NumPy array is copied first (torch cannot wrap one);
+    under torch.compile, torch.from_numpy is what Dynamo traces (it makes the array a tensor)."""
+    if x is None or isinstance(x, torch.Tensor):
+        return x
+    try:
+        if isinstance(x, np.ndarray):
+            if torch.compiler.is_compiling() or x.flags.writeable:
+                return torch.from_numpy(x)
+            return torch.from_numpy(x.copy(order="K"))
+        if hasattr(x, "__dlpack__"):
+            return torch.from_dlpack(x)
+    except (TypeError, ValueError, RuntimeError, BufferError) as err:
+        raise TypeError(f"{name}: cannot pass this {type(x).__name__} to torch ({err})") from None
+    return x  # not an array: the caller's check names it
+
+
+def _int64(name: str, x: int, what: str) -> int:
+    if not -2**63 <= x < 2**63:
+        raise ValueError(f"{name}: expected {what}, got {x}")
+    return x
+
+
+def _op_options(q, causal, softmax_scale, schedule, window_size, dropout_p, seed, offset,
+                block_mask, block_size, deterministic, alibi_slopes, softcap):
+    """The ops' option arguments (_OPTIONS) from the public ones, every bad one named."""
+    dropout_p, seed, offset = _seed_tensor(dropout_p, seed, offset, q.device)
+    causal, softmax_scale, schedule, window = _scalars(causal, softmax_scale, schedule,
+                                                       window_size)
+    window = [_int64("window_size", x, "window sizes that fit int64 (-1 for unbounded)")
+              for x in window]
+    sparse = _block_sparse(_as_tensor("block_mask", block_mask), block_size)
+    mods = _score_mods(_as_tensor("alibi_slopes", alibi_slopes), softcap)
+    return (causal, softmax_scale, schedule, window, dropout_p, seed, offset, sparse["block_mask"],
+            [sparse["block_size_q"], sparse["block_size_k"]], mods["alibi_slopes"],
+            mods["softcap"], bool(deterministic))
 
 
 @overload
@@ -109,9 +335,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     reproducible, and so is every gradient on the CPU (for a given thread count).
 
     dropout_p in [0, 1) drops attention probabilities (kept ones scaled by 1 / (1 - dropout_p)),
-    as flashdl.attention does; seed None draws one from torch's default CPU generator (so
+    as flashdl.attention does; seed None draws one from the generator of q's device (torch's
+    CPU generator for CPU tensors, torch.cuda's for CUDA ones, as torch's dropout; so
     torch.manual_seed makes it repeatable), and the backward reuses that seed and offset: the
-    mask is regenerated, never stored. Pass dropout_p=0 at evaluation time.
+    mask is regenerated, never stored. On CUDA the drawn seed is read back to the host (the core
+    takes it there): one synchronisation per call with dropout. Pass dropout_p=0 at evaluation.
 
     block_mask, block_size: block-sparse attention as in flashdl.attention (a bool CPU tensor or
     NumPy array); the backward skips the same zero blocks.
@@ -121,42 +349,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
     return_lse=True returns (out, lse), lse float32 (batch, nheads, seqlen_q) as in
     flashdl.attention; lse carries no gradient (it is marked non-differentiable).
+
+    torch.compile and torch.export: the call is the custom op flashdl::attention_forward (its
+    backward flashdl::attention_backward), so graphs do not break here, fullgraph=True included,
+    also with dropout and seed None (the seed is drawn by a torch.randint in the graph; inductor
+    replaces that by its own generator unless torch._inductor.config.fallback_random is set, so
+    its masks differ from eager ones, still repeatable under torch.manual_seed). NumPy
+    block_mask and alibi_slopes are passed as tensors (torch.from_numpy, no copy). Double
+    backward is not supported (nor was it before).
     """
-    if seed is None:
-        seed = _torch_seed() if _dropout(dropout_p, 0, offset)[0] > 0 else 0
-    dropout_p, seed, offset = _dropout(dropout_p, seed, offset)
-    out, lse = _Attention.apply(q, k, v, causal, softmax_scale, schedule, window_size, dropout_p,
-                                seed, offset, block_mask, block_size, bool(deterministic),
-                                alibi_slopes, softcap)
+    _tensors({"q": q, "k": k, "v": v}, "flashdl.torch.attention")
+    out, lse = _attention_forward(q, k, v, *_op_options(
+        q, causal, softmax_scale, schedule, window_size, dropout_p, seed, offset, block_mask,
+        block_size, deterministic, alibi_slopes, softcap))
     return (out, lse) if return_lse else out
-
-
-class _AttentionVarlen(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                softmax_scale, schedule, window_size, dropout_p, seed, offset, block_mask,
-                block_size, deterministic, alibi_slopes, softcap):
-        opts = dict(causal=causal, softmax_scale=softmax_scale, schedule=schedule,
-                    window_size=window_size, dropout_p=dropout_p, seed=seed, offset=offset,
-                    block_mask=block_mask, block_size=block_size, alibi_slopes=alibi_slopes,
-                    softcap=softcap)
-        out, lse = _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                     max_seqlen_k, return_lse=True, **opts)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        ctx.opts = opts
-        ctx.deterministic = deterministic
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _attention_varlen_backward(_last_dim_contiguous(dout), q, k, v, out, lse,
-                                                *ctx.varlen, deterministic=ctx.deterministic,
-                                                **ctx.opts)
-        return (dq, dk, dv) + (None,) * 16
 
 
 @overload
@@ -211,15 +417,19 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     its device (see flashdl.attention_varlen). With
     dropout, sequence b gets the mask dense batch b would get (flashdl.dropout_mask); with a
     block_mask, its plane b (or the shared one), blocks counted from the sequence's start.
-    deterministic and return_lse (lse (nheads, total_q), no gradient) as in attention.
+    deterministic, dropout seeds and return_lse (lse (nheads, total_q), no gradient) as in
+    attention. torch.compile and torch.export see the custom op flashdl::attention_varlen_forward
+    (backward flashdl::attention_varlen_backward); NumPy cu_seqlens, block_mask and alibi_slopes
+    are passed as tensors.
     """
-    if seed is None:
-        seed = _torch_seed() if _dropout(dropout_p, 0, offset)[0] > 0 else 0
-    dropout_p, seed, offset = _dropout(dropout_p, seed, offset)
-    out, lse = _AttentionVarlen.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                      max_seqlen_k, causal, softmax_scale, schedule, window_size,
-                                      dropout_p, seed, offset, block_mask, block_size,
-                                      bool(deterministic), alibi_slopes, softcap)
+    _tensors({"q": q, "k": k, "v": v}, "flashdl.torch.attention_varlen")
+    options = _op_options(q, causal, softmax_scale, schedule, window_size, dropout_p, seed, offset,
+                          block_mask, block_size, deterministic, alibi_slopes, softcap)
+    cu_q, cu_k = (_cu_seqlens(n, _as_tensor(n, x)) for n, x in (("cu_seqlens_q", cu_seqlens_q),
+                                                                  ("cu_seqlens_k", cu_seqlens_k)))
+    max_q, max_k = (_int64(n, _max_seqlen(n, x), "an int that fits int64") for n, x in (
+        ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)))
+    out, lse = _attention_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *options)
     return (out, lse) if return_lse else out
 
 
@@ -241,9 +451,10 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     h // (heads // heads_kv)); with False the heads must be equal, or heads_kv 1 (torch
     broadcasts it). scale None is 1/sqrt(dim). attn_mask: None or an all-True bool mask
     (float masks and other bool masks raise NotImplementedError). dropout_p > 0 uses flashdl's
-    Philox dropout with a seed drawn from torch's CPU generator (torch.manual_seed repeats it):
-    the same distribution as torch's dropout, but not the same mask as torch's RNG stream would
-    give. Value's head dim must equal query's.
+    Philox dropout with a seed drawn from the generator of query's device (torch.manual_seed
+    repeats it): the same distribution as torch's dropout, but not the same mask as torch's RNG
+    stream would give. Value's head dim must equal query's. Through flashdl.torch.attention, a
+    custom op for torch.compile and torch.export.
     """
     _sdpa.check_layout(query, key, value, enable_gqa)
     rank3 = query.dim() == 3
