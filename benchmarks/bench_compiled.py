@@ -10,8 +10,8 @@ the larger one shows whether that cost still matters once there is work.
 
 JAX columns: `flashdl.attention` on JAX arrays (the eager DLPack entry point), `flashdl.jax` eager
 (op by op) and under `jax.jit`, and `jax.nn.dot_product_attention` under `jax.jit` (XLA's own
-attention). torch columns: `flashdl.torch.attention` eager and inside `torch.compile(fullgraph=True)`
-(compiled once, before timing), and SDPA eager. fwd+bwd is the gradient of a sum through each path.
+attention). torch columns: `flashdl.torch.attention` eager and inside
+`torch.compile(fullgraph=True)` (compiled once, before timing), and SDPA eager. fwd+bwd is the gradient of a sum through each path.
 """
 from __future__ import annotations
 

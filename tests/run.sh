@@ -15,10 +15,13 @@ fi
 
 # Optional frameworks the suite also exercises; their tests skip when an install is impossible.
 # Say where they go: this changes the caller's environment, not a throwaway one.
-echo "tests/run.sh: installing torch and jax (and flashdl) into the active Python environment," \
+echo "tests/run.sh: installing torch, jax and transformers (and flashdl) into the active Python" \
+  "environment," \
   "$("$PYTHON" -c 'import sys; print(sys.prefix)')"
 "$PYTHON" -m pip install -q "torch==2.13.0" || echo "note: torch not installed, its tests will skip"
 "$PYTHON" -m pip install -q jax || echo "note: jax not installed, its tests will skip"
+"$PYTHON" -m pip install -q transformers \
+  || echo "note: transformers not installed, its tests will skip"
 
 "$PYTHON" -m pip install -q ".[test]" \
   -Cbuild-dir="$BUILD_DIR" \

@@ -32,8 +32,8 @@ if not TYPE_CHECKING:
     # Hidden from type checkers, which would otherwise accept any flashdl.<name>: for them,
     # `import flashdl.torch` (as documented) is what makes flashdl.torch known.
     def __getattr__(name):
-        # flashdl.torch imports torch: load it only when asked for.
-        if name == "torch":
+        # flashdl.torch, .jax and .transformers import their framework: load them when asked.
+        if name in ("torch", "jax", "transformers"):
             import importlib
 
             return importlib.import_module(".torch", __name__)
