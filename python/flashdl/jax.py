@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _ext
-from ._api import _window
+from ._api import _scalars, _score_mods
 
 __all__ = ["attention", "attention_varlen"]
 
@@ -70,23 +70,11 @@ class _Config(NamedTuple):
 
 
 def _config(causal, softmax_scale, window_size, schedule, softcap, deterministic) -> _Config:
-    if not isinstance(schedule, str):
-        raise TypeError("schedule: expected a str ('auto', 'fa1', 'fa2' or 'reference'), "
-                        f"got {type(schedule).__name__}")
-    scale = math.nan
-    if softmax_scale is not None:
-        try:
-            scale = float(softmax_scale)
-        except (TypeError, ValueError):
-            raise TypeError("softmax_scale: expected a float or None, "
-                            f"got {type(softmax_scale).__name__}") from None
-    try:
-        cap = float(softcap)
-    except (TypeError, ValueError):
-        raise TypeError(f"softcap: expected a float >= 0 (0: off), got {type(softcap).__name__}"
-                        ) from None
-    left, right = _window(window_size)
-    return _Config(bool(causal), scale, left, right, schedule, cap, bool(deterministic))
+    causal, scale, schedule, (left, right) = _scalars(causal, softmax_scale, schedule,
+                                                      window_size)
+    cap = _score_mods(None, softcap)["softcap"]
+    return _Config(causal, math.nan if scale is None else scale, left, right, schedule, cap,
+                   bool(deterministic))
 
 
 def _probe(x, name):
