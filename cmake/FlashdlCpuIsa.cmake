@@ -11,13 +11,14 @@ function(flashdl_cpu_isa_sources out_var)
     set(_is_x86 ON)
   endif()
   if(_is_x86 AND CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
-    list(APPEND _sources ${_dir}/isa_avx2.cpp ${_dir}/isa_avx512.cpp)
+    list(APPEND _sources ${_dir}/isa_avx2.cpp ${_dir}/isa_avx512.cpp ${_dir}/isa_avx512bf16.cpp)
     # The target is switched on by a pragma inside each file, after its headers (see
     # kernels_deps.hpp); here only a * b + c may become one FMA instruction.
-    set_source_files_properties(${_dir}/isa_avx2.cpp ${_dir}/isa_avx512.cpp PROPERTIES
+    set_source_files_properties(${_dir}/isa_avx2.cpp ${_dir}/isa_avx512.cpp
+      ${_dir}/isa_avx512bf16.cpp PROPERTIES
       COMPILE_OPTIONS "-ffp-contract=fast")
     set_property(SOURCE ${_dir}/backend.cpp APPEND PROPERTY COMPILE_DEFINITIONS FLASHDL_X86_ISAS=1)
-    set(_isas avx512 avx2 generic)
+    set(_isas avx512bf16 avx512 avx2 generic)
   endif()
   set(${out_var} ${_sources} PARENT_SCOPE)
   set(FLASHDL_CPU_ISAS ${_isas} PARENT_SCOPE)

@@ -19,6 +19,7 @@ namespace {
 std::vector<const KernelTable*> compiled_tables() {
   std::vector<const KernelTable*> t;
 #if defined(FLASHDL_X86_ISAS)
+  t.push_back(&kernels_avx512bf16());
   t.push_back(&kernels_avx512());
   t.push_back(&kernels_avx2());
 #endif
@@ -26,7 +27,7 @@ std::vector<const KernelTable*> compiled_tables() {
   return t;
 }
 
-// The widest copy the CPU runs; FLASHDL_CPU_ISA=avx512|avx2|generic asks for one by name (to test
+// The widest copy the CPU runs; FLASHDL_CPU_ISA=avx512bf16|avx512|avx2|generic asks for one by name (to test
 // or compare the narrower copies on a wider machine). Null, with `why`, when the asked-for copy is
 // not compiled in or the CPU lacks its instructions.
 const KernelTable* pick_kernels(std::string& why) {

@@ -134,15 +134,13 @@ struct HeadMods {
   const detail::ScoreMod<T>* get() const { return on ? &mod : nullptr; }
 };
 
-// S = Q K^T for the tile pair, scaled to the exp2 domain, with invisible keys, padding rows and
-// padding columns at -inf. Writes each row's max to row_max (mp entries). With score modifiers
+// S (the tile pair's Q K^T, unscaled) scaled to the exp2 domain, with invisible keys, padding rows
+// and padding columns at -inf. Writes each row's max to row_max (mp entries). With score modifiers
 // (mod non-null) they are applied before the mask, and grad (non-null: the backward) receives
 // d score / d (scale q.k) for every element of the mp x np tile (0 in padding rows).
 template <typename T>
-void masked_scores(const Geometry<T>& g, const Mask& mask, const T* Q, const T* Kt, int64_t ldkt,
-                   T* S, const TilePair& t, T* row_max, const detail::ScoreMod<T>* mod = nullptr,
-                   T* grad = nullptr) {
-  gemm<T, false, false>(t.mp, t.np, g.d, Q, g.dp, Kt, ldkt, S, g.Bcp);
+void mask_scores(const Geometry<T>& g, const Mask& mask, T* S, const TilePair& t, T* row_max,
+                 const detail::ScoreMod<T>* mod = nullptr, T* grad = nullptr) {
   if (mod != nullptr) {
     for (int64_t r = 0; r < t.mp; ++r) {
       T* s = S + r * g.Bcp;
@@ -175,6 +173,15 @@ void masked_scores(const Geometry<T>& g, const Mask& mask, const T* Q, const T* 
       row_max[r] = row_scale_range_max(s, t.np, g.c, lo, hi);
     }
   }
+}
+
+// S = Q K^T for the tile pair, then mask_scores.
+template <typename T>
+void masked_scores(const Geometry<T>& g, const Mask& mask, const T* Q, const T* Kt, int64_t ldkt,
+                   T* S, const TilePair& t, T* row_max, const detail::ScoreMod<T>* mod = nullptr,
+                   T* grad = nullptr) {
+  gemm<T, false, false>(t.mp, t.np, g.d, Q, g.dp, Kt, ldkt, S, g.Bcp);
+  mask_scores(g, mask, S, t, row_max, mod, grad);
 }
 
 // Z: the dropout multipliers (0 or 1 / (1 - p)) of the tile pair, from the counter-based

@@ -49,15 +49,41 @@ struct PackedKV {
   }
 };
 
+// The forward's two products in T: S = Q K^T and O += P V on the tiles converted to T (every
+// dtype's path; bfloat16 has a faster one where the CPU multiplies bfloat16 pairs, bf16dot.inl).
 template <typename T>
+struct Products {
+  PackedKV<T> kv;
+  Buffer<T> qbuf;
+  const T* V = nullptr;
+
+  // Query rows [i0, i0 + rows) of head h, and K/V of (b, hk), for the tiles that follow.
+  void start(const Params& p, const Geometry<T>& g, int64_t b, int64_t h, int64_t hk, int64_t i0,
+             int64_t rows) {
+    kv.select(p, g, b, hk);
+    load_rows(element(p.q_ptr, p.dtype, q_offset(p, b, i0, h)), p.dtype, p.q_row_stride, rows,
+              g.d, qbuf.get(g.Brp * g.dp), g.dp, g.Brp);
+  }
+  // S = Q K^T (unscaled) for key tile kt.
+  void scores(const Params& p, const Geometry<T>& g, int64_t kt, const TilePair& t, T* S) {
+    const auto [Kt, Vt] = kv.tile(p, g, kt);
+    V = Vt;
+    gemm<T, false, false>(t.mp, t.np, g.d, qbuf.data.data(), g.dp, Kt, g.Bcp, S, g.Bcp);
+  }
+  // O += P V for the key tile of the last scores() call.
+  void accumulate(const Geometry<T>& g, const TilePair& t, const T* P, T* O) {
+    gemm<T, false, true>(t.mp, g.dp, t.np, P, g.Bcp, V, g.dp, O, g.dp);
+  }
+};
+
+template <typename T, typename Prod>
 void fa2_forward_impl(const Params& p, int threads) {
   const Geometry<T> g = make_geometry<T>(p, fa2_block_rows(), fa2_block_cols(), true);
   const Mask mask = mask_of(p);
   const bool zigzag = uneven_work(p);
   parallel_for(p.batch * p.nheads * g.nqb, threads, [&](int64_t begin, int64_t end, int) {
-    PackedKV<T> kv;
-    Buffer<T> qbuf, sbuf, obuf, mbuf;
-    T* Q = qbuf.get(g.Brp * g.dp);
+    Prod prod;
+    Buffer<T> sbuf, obuf, mbuf;
     T* S = sbuf.get(g.Brp * g.Bcp);
     T* O = obuf.get(g.Brp * g.dp);
     T* row_max = mbuf.get(g.Brp);
@@ -78,14 +104,12 @@ void fa2_forward_impl(const Params& p, int threads) {
            ++kt) {
         if (!pair_in_mask(g, bm, qt, kt)) continue;  // a zero block: never loaded or computed
         if (!q_loaded) {
-          kv.select(p, g, b, hk);
-          load_rows(element(p.q_ptr, p.dtype, q_offset(p, b, i0, h)), p.dtype, p.q_row_stride,
-                    rows, g.d, Q, g.dp, g.Brp);
+          prod.start(p, g, b, h, hk, i0, rows);
           q_loaded = true;
         }
         const TilePair t = tile_pair(g, qt, kt);
-        const auto [Kt, V] = kv.tile(p, g, kt);
-        masked_scores(g, mask, Q, Kt, g.Bcp, S, t, row_max, mods.get());
+        prod.scores(p, g, kt, t, S);
+        mask_scores(g, mask, S, t, row_max, mods.get());
         for (int64_t r = 0; r < rows; ++r) {
           const T alpha = sm[r].rescale_factor(row_max[r]);
           sm[r].accumulate(alpha, row_exp2_sum(S + r * g.Bcp, t.np, sm[r].reference()));
@@ -93,7 +117,7 @@ void fa2_forward_impl(const Params& p, int threads) {
         }
         for (int64_t r = rows; r < t.mp; ++r) std::fill(S + r * g.Bcp, S + r * g.Bcp + t.np, T(0));
         if (p.p_dropout > 0.0f) apply_dropout(g, p, b, h, t, S);
-        gemm<T, false, true>(t.mp, g.dp, t.np, S, g.Bcp, V, g.dp, O, g.dp);
+        prod.accumulate(g, t, S, O);
       }
       for (int64_t r = 0; r < rows; ++r) {
         convert_row_out(O + r * g.dp, sm[r].inv_l(), g.d,
@@ -237,8 +261,11 @@ void fa2_backward_impl(const Params& p, int threads) {
 }
 
 inline void fa2_forward(const Params& p, int threads) {
-  if (p.dtype == DType::float64) return fa2_forward_impl<double>(p, threads);
-  fa2_forward_impl<float>(p, threads);
+  if (p.dtype == DType::float64) return fa2_forward_impl<double, Products<double>>(p, threads);
+#if FLASHDL_HAVE_BF16_DOT
+  if (p.dtype == DType::bfloat16) return fa2_forward_impl<float, Bf16Products>(p, threads);
+#endif
+  fa2_forward_impl<float, Products<float>>(p, threads);
 }
 
 inline void fa2_backward(const Params& p, int threads) {

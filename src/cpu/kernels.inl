@@ -6,6 +6,11 @@
 #error "include kernels.inl from an isa_*.cpp that defines FLASHDL_ISA_NS, FLASHDL_VEC_BYTES, FLASHDL_HAVE_F16C"
 #endif
 
+// FLASHDL_HAVE_BF16_DOT (AVX512_BF16 copies only): bfloat16 products with vdpbf16ps.
+#ifndef FLASHDL_HAVE_BF16_DOT
+#define FLASHDL_HAVE_BF16_DOT 0
+#endif
+
 namespace flashdl::cpu::FLASHDL_ISA_NS {
 
 // clang-format off
@@ -13,6 +18,9 @@ namespace flashdl::cpu::FLASHDL_ISA_NS {
 #include "cpu/gemm.inl"
 #include "cpu/pack.inl"
 #include "cpu/blocks.inl"
+#if FLASHDL_HAVE_BF16_DOT
+#include "cpu/bf16dot.inl"
+#endif
 #include "cpu/fa1.inl"
 #include "cpu/fa2.inl"
 #include "cpu/kvcache.inl"

@@ -24,6 +24,7 @@ const KernelTable& kernels_generic();
 #if defined(FLASHDL_X86_ISAS)
 const KernelTable& kernels_avx2();
 const KernelTable& kernels_avx512();
+const KernelTable& kernels_avx512bf16();
 #endif
 
 void reference_forward(const Params& p, int threads);

@@ -1,0 +1,140 @@
+// bfloat16 products on CPUs with AVX512_BF16 (compiled only into that copy, isa_avx512bf16.cpp):
+// vdpbf16ps multiplies pairs of bfloat16 and adds both products into a float32 lane, twice the
+// multiply-adds of a float32 FMA per instruction, with no widening of the operands.
+//
+// Operands are held as 32-bit words, each a pair of bfloat16 along the product's inner dimension
+// (the lower half the even index): A rows of pairs, B rows of pairs by columns. The fa2 forward
+// (fa2.inl) uses it for bfloat16 inputs: S = Q K^T on the caller's bfloat16 values (exact), and
+// O += P V with P rounded to bfloat16 (round to nearest even), as GPU kernels do; l, the row sums,
+// stay those of the float32 P. Accumulation is float32 throughout.
+
+constexpr int kNRb = 32;  // C columns per micro-kernel tile: two vectors of 16 float32
+
+// C[kMR x 32] (+)= A[kMR x 2kp] B[2kp x 32]: A row r is kp words at A + r * lda, B row p (pair p)
+// 32 words at B + p * ldb.
+template <bool Accumulate>
+inline void micro_kernel_bf16(int64_t kp, const uint32_t* __restrict A, int64_t lda,
+                              const uint32_t* __restrict B, int64_t ldb, float* __restrict C,
+                              int64_t ldc) {
+  __m512 c0[kMR], c1[kMR];
+#pragma GCC unroll 6
+  for (int r = 0; r < kMR; ++r) c0[r] = c1[r] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < kp; ++p) {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(B + p * ldb);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(B + p * ldb + 16);
+#pragma GCC unroll 6
+    for (int r = 0; r < kMR; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(A[r * lda + p]));
+      c0[r] = _mm512_dpbf16_ps(c0[r], a, b0);
+      c1[r] = _mm512_dpbf16_ps(c1[r], a, b1);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < kMR; ++r) {
+    float* row = C + r * ldc;
+    if (Accumulate) {
+      c0[r] = _mm512_add_ps(c0[r], _mm512_loadu_ps(row));
+      c1[r] = _mm512_add_ps(c1[r], _mm512_loadu_ps(row + 16));
+    }
+    _mm512_storeu_ps(row, c0[r]);
+    _mm512_storeu_ps(row + 16, c1[r]);
+  }
+}
+
+// C[m x n] (+)= A[m x 2kp] B[2kp x n] in words as above; m % kMR == 0, n % 32 == 0.
+template <bool Accumulate>
+void gemm_bf16(int64_t m, int64_t n, int64_t kp, const uint32_t* A, int64_t lda, const uint32_t* B,
+               int64_t ldb, float* C, int64_t ldc) {
+  for (int64_t j = 0; j < n; j += kNRb)
+    for (int64_t i = 0; i < m; i += kMR)
+      micro_kernel_bf16<Accumulate>(kp, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc);
+}
+
+// Word p of a bfloat16 row of d values: elements 2p and 2p + 1 (0 past the end).
+inline uint32_t bf16_pair(const uint16_t* row, int64_t d, int64_t p) {
+  const uint32_t lo = row[2 * p];
+  const uint32_t hi = 2 * p + 1 < d ? row[2 * p + 1] : 0u;
+  return lo | (hi << 16);
+}
+
+// P (float rows of ld, mp x np, np % 32 == 0) rounded to bfloat16 pairs along the keys: Pw row r
+// has np / 2 words at Pw + r * ldw.
+inline void round_pairs(const float* P, int64_t ld, int64_t mp, int64_t np, uint32_t* Pw,
+                        int64_t ldw) {
+  for (int64_t r = 0; r < mp; ++r)
+    for (int64_t j = 0; j < np; j += 32) {
+      const __m512 lo = _mm512_loadu_ps(P + r * ld + j), hi = _mm512_loadu_ps(P + r * ld + j + 16);
+      _mm512_storeu_si512(Pw + r * ldw + j / 2, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+
+// The fa2 forward's products for bfloat16 inputs (see Products in fa2.inl for the interface).
+// Q rows as pairs along the head dim (Brp x dw words, dw = dp / 2); per (b, kv head), tile by
+// tile as PackedKV does, K^T as pairs along the head dim (kd = ceil(d / 2) rows of Bcp words) and
+// V as pairs of keys (Bcp / 2 rows of dp words); zeros in every padding.
+struct Bf16Products {
+  Buffer<uint32_t> qw, ktw, vw, pw;
+  std::vector<char> packed;
+  int64_t key = -1, b = 0, hk = 0;
+  const uint32_t* V = nullptr;
+
+  static int64_t dw(const Geometry<float>& g) { return g.dp / 2; }
+  static int64_t kd(const Geometry<float>& g) { return (g.d + 1) / 2; }
+
+  void start(const Params& p, const Geometry<float>& g, int64_t b_, int64_t h, int64_t hk_,
+             int64_t i0, int64_t rows) {
+    const int64_t k = b_ * p.nheads_kv + hk_;
+    if (k != key) {
+      key = k;
+      b = b_;
+      hk = hk_;
+      ktw.get(g.nkb * kd(g) * g.Bcp);
+      vw.get(g.nkb * (g.Bcp / 2) * g.dp);
+      packed.assign(static_cast<size_t>(g.nkb), 0);
+    }
+    uint32_t* Q = qw.get(g.Brp * dw(g));
+    const auto* src = static_cast<const uint16_t*>(p.q_ptr) + q_offset(p, b_, i0, h);
+    for (int64_t r = 0; r < g.Brp; ++r) {
+      uint32_t* row = Q + r * dw(g);
+      int64_t w = 0;
+      if (r < rows)
+        for (; w < kd(g); ++w) row[w] = bf16_pair(src + r * p.q_row_stride, g.d, w);
+      std::fill(row + w, row + dw(g), 0u);
+    }
+  }
+
+  void pack(const Params& p, const Geometry<float>& g, int64_t kt) {
+    const int64_t j0 = g.kt.start(kt), cols = g.kt.size(kt);
+    uint32_t* Kt = ktw.data.data() + kt * kd(g) * g.Bcp;
+    uint32_t* Vp = vw.data.data() + kt * (g.Bcp / 2) * g.dp;
+    const auto* k = static_cast<const uint16_t*>(p.k_ptr) + k_offset(p, b, j0, hk);
+    const auto* v = static_cast<const uint16_t*>(p.v_ptr) + v_offset(p, b, j0, hk);
+    std::fill(Kt, Kt + kd(g) * g.Bcp, 0u);
+    for (int64_t j = 0; j < cols; ++j)
+      for (int64_t w = 0; w < kd(g); ++w) Kt[w * g.Bcp + j] = bf16_pair(k + j * p.k_row_stride, g.d, w);
+    for (int64_t pr = 0; pr < g.Bcp / 2; ++pr) {
+      uint32_t* row = Vp + pr * g.dp;
+      const int64_t j = 2 * pr;
+      std::fill(row, row + g.dp, 0u);
+      if (j >= cols) continue;
+      const uint16_t* v0 = v + j * p.v_row_stride;
+      const uint16_t* v1 = j + 1 < cols ? v + (j + 1) * p.v_row_stride : nullptr;
+      for (int64_t c = 0; c < g.d; ++c)
+        row[c] = uint32_t{v0[c]} | (v1 ? uint32_t{v1[c]} << 16 : 0u);
+    }
+    packed[kt] = 1;
+  }
+
+  void scores(const Params& p, const Geometry<float>& g, int64_t kt, const TilePair& t, float* S) {
+    if (!packed[kt]) pack(p, g, kt);
+    V = vw.data.data() + kt * (g.Bcp / 2) * g.dp;
+    gemm_bf16<false>(t.mp, t.np, kd(g), qw.data.data(), dw(g),
+                     ktw.data.data() + kt * kd(g) * g.Bcp, g.Bcp, S, g.Bcp);
+  }
+
+  void accumulate(const Geometry<float>& g, const TilePair& t, const float* P, float* O) {
+    uint32_t* Pw = pw.get(g.Brp * (g.Bcp / 2));
+    round_pairs(P, g.Bcp, t.mp, t.np, Pw, g.Bcp / 2);
+    gemm_bf16<true>(t.mp, g.dp, t.np / 2, Pw, g.Bcp / 2, V, g.dp, O, g.dp);
+  }
+};
