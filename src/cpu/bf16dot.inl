@@ -50,11 +50,13 @@ void gemm_bf16(int64_t m, int64_t n, int64_t kp, const uint32_t* A, int64_t lda,
       micro_kernel_bf16<Accumulate>(kp, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc);
 }
 
-// Word p of a bfloat16 row of d values: elements 2p and 2p + 1 (0 past the end).
-inline uint32_t bf16_pair(const uint16_t* row, int64_t d, int64_t p) {
-  const uint32_t lo = row[2 * p];
-  const uint32_t hi = 2 * p + 1 < d ? row[2 * p + 1] : 0u;
-  return lo | (hi << 16);
+// A bfloat16 row of d values as ceil(d / 2) words of pairs (elements 2w, 2w + 1; the half past
+// the end 0), zero-filled to n words: on a little-endian CPU the pairs are the row's own bytes.
+inline void row_pairs(const uint16_t* row, int64_t d, uint32_t* dst, int64_t n) {
+  std::memcpy(dst, row, static_cast<size_t>(d / 2) * 4);
+  int64_t w = d / 2;
+  if (d % 2) dst[w++] = row[d - 1];
+  std::fill(dst + w, dst + n, 0u);
 }
 
 // P (float rows of ld, mp x np, np % 32 == 0) rounded to bfloat16 pairs along the keys: Pw row r
@@ -73,7 +75,7 @@ inline void round_pairs(const float* P, int64_t ld, int64_t mp, int64_t np, uint
 // tile as PackedKV does, K^T as pairs along the head dim (kd = ceil(d / 2) rows of Bcp words) and
 // V as pairs of keys (Bcp / 2 rows of dp words); zeros in every padding.
 struct Bf16Products {
-  Buffer<uint32_t> qw, ktw, vw, pw;
+  Buffer<uint32_t> qw, ktw, vw, pw, scratch;
   std::vector<char> packed;
   int64_t key = -1, b = 0, hk = 0;
   const uint32_t* V = nullptr;
@@ -94,13 +96,8 @@ struct Bf16Products {
     }
     uint32_t* Q = qw.get(g.Brp * dw(g));
     const auto* src = static_cast<const uint16_t*>(p.q_ptr) + q_offset(p, b_, i0, h);
-    for (int64_t r = 0; r < g.Brp; ++r) {
-      uint32_t* row = Q + r * dw(g);
-      int64_t w = 0;
-      if (r < rows)
-        for (; w < kd(g); ++w) row[w] = bf16_pair(src + r * p.q_row_stride, g.d, w);
-      std::fill(row + w, row + dw(g), 0u);
-    }
+    for (int64_t r = 0; r < rows; ++r) row_pairs(src + r * p.q_row_stride, g.d, Q + r * dw(g), dw(g));
+    std::fill(Q + rows * dw(g), Q + g.Brp * dw(g), 0u);
   }
 
   void pack(const Params& p, const Geometry<float>& g, int64_t kt) {
@@ -109,18 +106,20 @@ struct Bf16Products {
     uint32_t* Vp = vw.data.data() + kt * (g.Bcp / 2) * g.dp;
     const auto* k = static_cast<const uint16_t*>(p.k_ptr) + k_offset(p, b, j0, hk);
     const auto* v = static_cast<const uint16_t*>(p.v_ptr) + v_offset(p, b, j0, hk);
+    uint32_t* words = scratch.get(dw(g));
     std::fill(Kt, Kt + kd(g) * g.Bcp, 0u);
-    for (int64_t j = 0; j < cols; ++j)
-      for (int64_t w = 0; w < kd(g); ++w) Kt[w * g.Bcp + j] = bf16_pair(k + j * p.k_row_stride, g.d, w);
+    for (int64_t j = 0; j < cols; ++j) {
+      row_pairs(k + j * p.k_row_stride, g.d, words, kd(g));
+      for (int64_t w = 0; w < kd(g); ++w) Kt[w * g.Bcp + j] = words[w];
+    }
+    const std::vector<uint16_t> zeros(static_cast<size_t>(g.d), 0);
     for (int64_t pr = 0; pr < g.Bcp / 2; ++pr) {
       uint32_t* row = Vp + pr * g.dp;
       const int64_t j = 2 * pr;
-      std::fill(row, row + g.dp, 0u);
-      if (j >= cols) continue;
-      const uint16_t* v0 = v + j * p.v_row_stride;
-      const uint16_t* v1 = j + 1 < cols ? v + (j + 1) * p.v_row_stride : nullptr;
-      for (int64_t c = 0; c < g.d; ++c)
-        row[c] = uint32_t{v0[c]} | (v1 ? uint32_t{v1[c]} << 16 : 0u);
+      const uint16_t* v0 = j < cols ? v + j * p.v_row_stride : zeros.data();
+      const uint16_t* v1 = j + 1 < cols ? v + (j + 1) * p.v_row_stride : zeros.data();
+      for (int64_t c = 0; c < g.d; ++c) row[c] = uint32_t{v0[c]} | (uint32_t{v1[c]} << 16);
+      std::fill(row + g.d, row + g.dp, 0u);
     }
     packed[kt] = 1;
   }
