@@ -27,8 +27,8 @@ std::vector<const KernelTable*> compiled_tables() {
   return t;
 }
 
-// The widest copy the CPU runs; FLASHDL_CPU_ISA=avx512bf16|avx512|avx2|generic asks for one by name (to test
-// or compare the narrower copies on a wider machine). Null, with `why`, when the asked-for copy is
+// The widest copy the CPU runs; FLASHDL_CPU_ISA=avx512bf16|avx512|avx2|generic asks for one by
+// name (to test or compare the narrower copies on a wider machine). Null, with `why`, when the asked-for copy is
 // not compiled in or the CPU lacks its instructions.
 const KernelTable* pick_kernels(std::string& why) {
   const char* env = std::getenv("FLASHDL_CPU_ISA");
