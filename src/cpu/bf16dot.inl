@@ -10,9 +10,9 @@
 
 constexpr int kNRb = 32;  // C columns per micro-kernel tile: two vectors of 16 float32
 
-// C[kMR x 32] (+)= A[kMR x 2kp] B[2kp x 32]: A row r is kp words at A + r * lda, B row p (pair p)
-// 32 words at B + p * ldb.
-template <bool Accumulate>
+// C[kMR x 32] (+)= A[kMR x 2kp] B[2kp x 32]: A row r is kp words at A + r * lda (TransA: word p
+// of row r at A + p * lda + r), B row p (pair p) 32 words at B + p * ldb.
+template <bool TransA, bool Accumulate>
 inline void micro_kernel_bf16(int64_t kp, const uint32_t* __restrict A, int64_t lda,
                               const uint32_t* __restrict B, int64_t ldb, float* __restrict C,
                               int64_t ldc) {
@@ -24,7 +24,8 @@ inline void micro_kernel_bf16(int64_t kp, const uint32_t* __restrict A, int64_t 
     const __m512bh b1 = (__m512bh)_mm512_loadu_si512(B + p * ldb + 16);
 #pragma GCC unroll 6
     for (int r = 0; r < kMR; ++r) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(A[r * lda + p]));
+      const uint32_t w = TransA ? A[p * lda + r] : A[r * lda + p];
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(w));
       c0[r] = _mm512_dpbf16_ps(c0[r], a, b0);
       c1[r] = _mm512_dpbf16_ps(c1[r], a, b1);
     }
@@ -42,12 +43,13 @@ inline void micro_kernel_bf16(int64_t kp, const uint32_t* __restrict A, int64_t 
 }
 
 // C[m x n] (+)= A[m x 2kp] B[2kp x n] in words as above; m % kMR == 0, n % 32 == 0.
-template <bool Accumulate>
+template <bool TransA, bool Accumulate>
 void gemm_bf16(int64_t m, int64_t n, int64_t kp, const uint32_t* A, int64_t lda, const uint32_t* B,
                int64_t ldb, float* C, int64_t ldc) {
   for (int64_t j = 0; j < n; j += kNRb)
     for (int64_t i = 0; i < m; i += kMR)
-      micro_kernel_bf16<Accumulate>(kp, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc);
+      micro_kernel_bf16<TransA, Accumulate>(kp, TransA ? A + i : A + i * lda, lda, B + j, ldb,
+                                            C + i * ldc + j, ldc);
 }
 
 // A bfloat16 row of d values as ceil(d / 2) words of pairs (elements 2w, 2w + 1; the half past
@@ -69,6 +71,78 @@ inline void round_pairs(const float* P, int64_t ld, int64_t mp, int64_t np, uint
       _mm512_storeu_si512(Pw + r * ldw + j / 2, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
 }
+
+// Pairs of rows: dst[ip * ldd + c] = (X[2ip][c], X[2ip + 1][c]) rounded to bfloat16, for
+// ip < pairs and c < n (n % 16 == 0); rows from `rows` on count as zeros.
+inline void pair_rows(const float* X, int64_t ldx, int64_t rows, int64_t pairs, int64_t n,
+                      uint32_t* dst, int64_t ldd) {
+  alignas(64) static constexpr uint16_t kInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5,
+                                                           21, 6, 22, 7, 23, 8, 24, 9, 25, 10, 26,
+                                                           11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i idx = _mm512_load_si512(kInterleave);
+  for (int64_t ip = 0; ip < pairs; ++ip) {
+    const float* x0 = 2 * ip < rows ? X + 2 * ip * ldx : nullptr;
+    const float* x1 = 2 * ip + 1 < rows ? X + (2 * ip + 1) * ldx : nullptr;
+    for (int64_t c = 0; c < n; c += 16) {
+      const __m512 a = x0 ? _mm512_loadu_ps(x0 + c) : _mm512_setzero_ps();
+      const __m512 b = x1 ? _mm512_loadu_ps(x1 + c) : _mm512_setzero_ps();
+      const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // a's 16 values, then b's
+      _mm512_storeu_si512(dst + ip * ldd + c, _mm512_permutexvar_epi16(idx, v));
+    }
+  }
+}
+
+// The backward's products (BackwardProducts in blocks.inl) for bfloat16 inputs: S = Q K^T and
+// dP = dO V^T on the inputs' own values (exact), dV += P^T dO, dK += dS^T Q and dQ += dS K with P
+// and dS rounded to bfloat16, as GPU kernels do. keys() converts a key tile once, queries() the
+// query rows of each step.
+struct Bf16BackwardProducts {
+  mutable Buffer<uint32_t> ktw, vtw, ki, qw, dow, qi, doi, a;
+  int64_t kd = 0, dw = 0;
+
+  // K (Bcp x dp), K^T and V^T (d x Bcp) of the key tile, as KeyBlock holds them.
+  void keys(const Geometry<float>& g, const float* K, const float* Kt, const float* Vt) {
+    kd = (g.d + 1) / 2;
+    dw = g.dp / 2;
+    pair_rows(Kt, g.Bcp, g.d, kd, g.Bcp, ktw.get(kd * g.Bcp), g.Bcp);
+    pair_rows(Vt, g.Bcp, g.d, kd, g.Bcp, vtw.get(kd * g.Bcp), g.Bcp);
+    pair_rows(K, g.dp, g.Bcp, g.Bcp / 2, g.dp, ki.get(g.Bcp / 2 * g.dp), g.dp);
+  }
+  // Q and dO, t.mp rows of dp (zeros past the tile's rows).
+  void queries(const Geometry<float>& g, const TilePair& t, const float* Q, const float* dO) {
+    round_pairs(Q, g.dp, t.mp, g.dp, qw.get(g.Brp * dw), dw);
+    round_pairs(dO, g.dp, t.mp, g.dp, dow.get(g.Brp * dw), dw);
+    pair_rows(Q, g.dp, t.mp, t.mp / 2, g.dp, qi.get(g.Brp / 2 * g.dp), g.dp);
+    pair_rows(dO, g.dp, t.mp, t.mp / 2, g.dp, doi.get(g.Brp / 2 * g.dp), g.dp);
+  }
+
+  void scores(const Geometry<float>& g, const TilePair& t, float* S) const {
+    gemm_bf16<false, false>(t.mp, t.np, kd, qw.data.data(), dw, ktw.data.data(), g.Bcp, S, g.Bcp);
+  }
+  void dp(const Geometry<float>& g, const TilePair& t, float* dP) const {
+    gemm_bf16<false, false>(t.mp, t.np, kd, dow.data.data(), dw, vtw.data.data(), g.Bcp, dP,
+                            g.Bcp);
+  }
+  // X^T Y for X = P or dS (t.mp x nm, in rows of Bcp), Y = dO or Q as row pairs: C += ...
+  void transposed(const Geometry<float>& g, const TilePair& t, const float* X,
+                  const uint32_t* Y, float* C) const {
+    const int64_t n16 = detail::round_up(t.nm, int64_t{16});
+    uint32_t* xt = a.get(g.Brp / 2 * g.Bcp);
+    pair_rows(X, g.Bcp, t.mp, t.mp / 2, n16, xt, g.Bcp);
+    gemm_bf16<true, true>(t.nm, g.dp, t.mp / 2, xt, g.Bcp, Y, g.dp, C, g.dp);
+  }
+  void dv(const Geometry<float>& g, const TilePair& t, const float* Pd, float* dV) const {
+    transposed(g, t, Pd, doi.data.data(), dV);
+  }
+  void dk(const Geometry<float>& g, const TilePair& t, const float* dS, float* dK) const {
+    transposed(g, t, dS, qi.data.data(), dK);
+  }
+  void dq(const Geometry<float>& g, const TilePair& t, const float* dS, float* dQ) const {
+    uint32_t* w = a.get(g.Brp * (g.Bcp / 2));
+    round_pairs(dS, g.Bcp, t.mp, t.np, w, g.Bcp / 2);
+    gemm_bf16<false, true>(t.mp, g.dp, t.np / 2, w, g.Bcp / 2, ki.data.data(), g.dp, dQ, g.dp);
+  }
+};
 
 // The fa2 forward's products for bfloat16 inputs (see Products in fa2.inl for the interface).
 // Q rows as pairs along the head dim (Brp x dw words, dw = dp / 2); per (b, kv head), tile by
@@ -127,13 +201,13 @@ struct Bf16Products {
   void scores(const Params& p, const Geometry<float>& g, int64_t kt, const TilePair& t, float* S) {
     if (!packed[kt]) pack(p, g, kt);
     V = vw.data.data() + kt * (g.Bcp / 2) * g.dp;
-    gemm_bf16<false>(t.mp, t.np, kd(g), qw.data.data(), dw(g),
+    gemm_bf16<false, false>(t.mp, t.np, kd(g), qw.data.data(), dw(g),
                      ktw.data.data() + kt * kd(g) * g.Bcp, g.Bcp, S, g.Bcp);
   }
 
   void accumulate(const Geometry<float>& g, const TilePair& t, const float* P, float* O) {
     uint32_t* Pw = pw.get(g.Brp * (g.Bcp / 2));
     round_pairs(P, g.Bcp, t.mp, t.np, Pw, g.Bcp / 2);
-    gemm_bf16<true>(t.mp, g.dp, t.np / 2, Pw, g.Bcp / 2, V, g.dp, O, g.dp);
+    gemm_bf16<false, true>(t.mp, g.dp, t.np / 2, Pw, g.Bcp / 2, V, g.dp, O, g.dp);
   }
 };

@@ -227,24 +227,46 @@ struct BackwardScratch {
   Buffer<T> S, dS, Z, Pd, G, row_max;
 };
 
+// The backward's five products in T, on the tiles as converted: Q and dO (t.mp rows of dp), K
+// (Bcp x dp), K^T and V^T (d x Bcp). dK, dQ without the softmax scale (callers apply it).
+template <typename T>
+struct BackwardProducts {
+  const T *Q, *dO, *K, *Kt, *Vt;
+  void scores(const Geometry<T>& g, const TilePair& t, T* S) const {  // S = Q K^T
+    gemm<T, false, false>(t.mp, t.np, g.d, Q, g.dp, Kt, g.Bcp, S, g.Bcp);
+  }
+  void dv(const Geometry<T>& g, const TilePair& t, const T* Pd, T* dV) const {  // dV += Pd^T dO
+    gemm<T, true, true>(t.nm, g.dp, t.mp, Pd, g.Bcp, dO, g.dp, dV, g.dp);
+  }
+  void dp(const Geometry<T>& g, const TilePair& t, T* dP) const {  // dP = dO V^T
+    gemm<T, false, false>(t.mp, t.np, g.d, dO, g.dp, Vt, g.Bcp, dP, g.Bcp);
+  }
+  void dk(const Geometry<T>& g, const TilePair& t, const T* dS, T* dK) const {  // dK += dS^T Q
+    gemm<T, true, true>(t.nm, g.dp, t.mp, dS, g.Bcp, Q, g.dp, dK, g.dp);
+  }
+  void dq(const Geometry<T>& g, const TilePair& t, const T* dS, T* dQ) const {  // dQ += dS K
+    gemm<T, false, true>(t.mp, g.dp, t.np, dS, g.Bcp, K, g.dp, dQ, g.dp);
+  }
+};
+
 // One step of Algorithm 4 for the tile pair t (query rows of head (b, h), keys of its kv head):
 //   P = exp2(scores - L2); dV += (P*Z)^T dO; dP = (dO V^T)*Z; dS = P*(dP - D);
 //   dK += dS^T Q; dQ += dS K           (dK and dQ without the softmax scale; callers apply it)
-// With a softcap, dS is also multiplied by the cap's derivative G (masked_scores).
-// Q, dO, dQ hold t.mp rows of dp; L2 (lse in the exp2 domain) and D t.mp entries; K is Bcp x dp,
-// Kt and Vt are d x Bcp; dK, dV are Bcp x dp.
-template <typename T>
+// with the products of `prod` (BackwardProducts, or bfloat16 ones: bf16dot.inl).
+// With a softcap, dS is also multiplied by the cap's derivative G (mask_scores).
+// L2 (lse in the exp2 domain) and D hold t.mp entries; dK, dV are Bcp x dp, dQ t.mp x dp.
+template <typename T, typename Prod>
 void backward_block(const Geometry<T>& g, const Params& p, const Mask& mask, int64_t b, int64_t h,
-                    const TilePair& t, const T* Q, const T* dO, const T* L2, const T* D,
-                    const T* K, const T* Kt, const T* Vt, T* dK, T* dV, T* dQ,
-                    BackwardScratch<T>& scratch) {
+                    const TilePair& t, const T* L2, const T* D, const Prod& prod, T* dK, T* dV,
+                    T* dQ, BackwardScratch<T>& scratch) {
   const int64_t n = g.Brp * g.Bcp;
   T* S = scratch.S.get(n);
   T* dS = scratch.dS.get(n);
   T* row_max = scratch.row_max.get(g.Brp);
   const HeadMods<T> mods(p, b, h);
   T* G = mods.on && mods.mod.capped() ? scratch.G.get(n) : nullptr;
-  masked_scores(g, mask, Q, Kt, g.Bcp, S, t, row_max, mods.get(), G);
+  prod.scores(g, t, S);
+  mask_scores(g, mask, S, t, row_max, mods.get(), G);
   for (int64_t r = 0; r < t.mp; ++r)  // P = exp2(t - lse2); masked entries give exactly 0
     row_exp2_sum(S + r * g.Bcp, t.np, detail::softmax_reference_point(L2[r]));
 
@@ -265,8 +287,8 @@ void backward_block(const Geometry<T>& g, const Params& p, const Mask& mask, int
       std::fill(X + r * g.Bcp + t.np, X + r * g.Bcp + t.nm, T(0));
   };
   zero_tail(Pd);
-  gemm<T, true, true>(t.nm, g.dp, t.mp, Pd, g.Bcp, dO, g.dp, dV, g.dp);
-  gemm<T, false, false>(t.mp, t.np, g.d, dO, g.dp, Vt, g.Bcp, dS, g.Bcp);
+  prod.dv(g, t, Pd, dV);
+  prod.dp(g, t, dS);
   constexpr int W = Simd<T>::W;
   for (int64_t r = 0; r < t.mp; ++r) {
     const vec_t<T> vd = vset1(D[r]);
@@ -280,8 +302,18 @@ void backward_block(const Geometry<T>& g, const Params& p, const Mask& mask, int
       for (int64_t j = r * g.Bcp; j < r * g.Bcp + t.np; j += W)
         vstore(dS + j, vload(dS + j) * vload(G + j));
   zero_tail(dS);
-  gemm<T, true, true>(t.nm, g.dp, t.mp, dS, g.Bcp, Q, g.dp, dK, g.dp);
-  gemm<T, false, true>(t.mp, g.dp, t.np, dS, g.Bcp, K, g.dp, dQ, g.dp);
+  prod.dk(g, t, dS, dK);
+  prod.dq(g, t, dS, dQ);
+}
+
+// The same step with the products in T on Q, dO (t.mp rows of dp), K (Bcp x dp), Kt, Vt (d x Bcp).
+template <typename T>
+void backward_block(const Geometry<T>& g, const Params& p, const Mask& mask, int64_t b, int64_t h,
+                    const TilePair& t, const T* Q, const T* dO, const T* L2, const T* D,
+                    const T* K, const T* Kt, const T* Vt, T* dK, T* dV, T* dQ,
+                    BackwardScratch<T>& scratch) {
+  backward_block(g, p, mask, b, h, t, L2, D, BackwardProducts<T>{Q, dO, K, Kt, Vt}, dK, dV, dQ,
+                 scratch);
 }
 
 // Offsets of row i of head h in batch b, in elements.

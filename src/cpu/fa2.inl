@@ -204,6 +204,11 @@ void fa2_backward_impl(const Params& p, int threads) {
     KeyBlock<T> kb_bufs;
     Buffer<T> dk_buf, dv_buf;
     BackwardScratch<T> scratch;
+#if FLASHDL_HAVE_BF16_DOT
+    // bfloat16 inputs: the products on bfloat16 pairs (bf16dot.inl).
+    const bool bf16 = std::is_same_v<T, float> && p.dtype == DType::bfloat16;
+    Bf16BackwardProducts bprod;
+#endif
     T* dK = dk_buf.get(g.Bcp * g.dp);
     T* dV = dv_buf.get(g.Bcp * g.dp);
     for (int64_t task = begin; task < end; ++task) {
@@ -222,10 +227,25 @@ void fa2_backward_impl(const Params& p, int threads) {
           if (!pair_in_mask(g, bm, qt, kt)) continue;  // a zero block: never loaded or computed
           if (!kv_loaded) {
             kb_bufs.load(p, g, b, hk, j0, cols);
+#if FLASHDL_HAVE_BF16_DOT
+            if constexpr (std::is_same_v<T, float>)
+              if (bf16) bprod.keys(g, kb_bufs.K.data.data(), kb_bufs.Kt.data.data(),
+                                   kb_bufs.Vt.data.data());
+#endif
             kv_loaded = true;
           }
           const TilePair tp = tile_pair(g, qt, kt);
           const int64_t t0 = tile_row(g, qt);
+#if FLASHDL_HAVE_BF16_DOT
+          if constexpr (std::is_same_v<T, float>) {
+            if (bf16) {
+              bprod.queries(g, tp, in.q(bh, t0), in.dout(bh, t0));
+              backward_block(g, p, mask, b, h, tp, in.l2(bh, t0), in.d(bh, t0), bprod, dK, dV,
+                             dq_head + t0 * g.dp, scratch);
+              continue;
+            }
+          }
+#endif
           backward_block(g, p, mask, b, h, tp, in.q(bh, t0), in.dout(bh, t0), in.l2(bh, t0),
                          in.d(bh, t0), kb_bufs.K.data.data(), kb_bufs.Kt.data.data(),
                          kb_bufs.Vt.data.data(), dK, dV, dq_head + t0 * g.dp, scratch);
