@@ -115,6 +115,11 @@ void fa1_backward_impl(const Params& p, int threads, int64_t sram_bytes) {
     T* O = o_buf.get(g.Brp * g.dp);
     T* L2 = l2_buf.get(g.Brp);
     T* D = d_buf.get(g.Brp);
+#if FLASHDL_HAVE_BF16_DOT
+    // bfloat16 inputs: the products on bfloat16 pairs (bf16dot.inl).
+    const bool bf16 = std::is_same_v<T, float> && p.dtype == DType::bfloat16;
+    Bf16BackwardProducts bprod;
+#endif
     for (int64_t bhk = begin; bhk < end; ++bhk) {
       const int64_t b = bhk / p.nheads_kv, hk = bhk % p.nheads_kv;
       std::fill(dQ, dQ + group * rows_alloc * g.dp, T(0));  // line 5 (dQ in HBM)
@@ -132,6 +137,10 @@ void fa1_backward_impl(const Params& p, int threads, int64_t sram_bytes) {
             if (!pair_in_mask(g, bm, qt, kt)) continue;  // a zero block: never loaded or computed
             if (!kv_loaded) {
               kv.load(p, g, b, hk, j0, cols);  // line 7
+#if FLASHDL_HAVE_BF16_DOT
+              if constexpr (std::is_same_v<T, float>)
+                if (bf16) bprod.keys(g, kv.K.data.data(), kv.Kt.data.data(), kv.Vt.data.data());
+#endif
               kv_loaded = true;
             }
             const TilePair t = tile_pair(g, qt, kt);
@@ -151,9 +160,18 @@ void fa1_backward_impl(const Params& p, int threads, int64_t sram_bytes) {
                                : T(0);
             }
             // Lines 11-21.
+            T* dQ_i = dQ + (hg * rows_alloc + tile_row(g, qt)) * g.dp;
+#if FLASHDL_HAVE_BF16_DOT
+            if constexpr (std::is_same_v<T, float>) {
+              if (bf16) {
+                bprod.queries(g, t, Q, dO);
+                backward_block(g, p, mask, b, h, t, L2, D, bprod, dK, dV, dQ_i, scratch);
+                continue;
+              }
+            }
+#endif
             backward_block(g, p, mask, b, h, t, Q, dO, L2, D, kv.K.data.data(),
-                           kv.Kt.data.data(), kv.Vt.data.data(), dK, dV,
-                           dQ + (hg * rows_alloc + tile_row(g, qt)) * g.dp, scratch);
+                           kv.Kt.data.data(), kv.Vt.data.data(), dK, dV, dQ_i, scratch);
           }
         }
         store_key_grads(p, g, b, hk, j0, cols, dK, dV);  // line 24
