@@ -5,7 +5,10 @@ flash_attn_varlen_qkvpacked_func and flash_attn_varlen_kvpacked_func with flash-
 signatures, defaults and return values, over flashdl.torch (autograd) on CPU or CUDA tensors.
 Same layouts as flash-attn: q (batch, seqlen, nheads, headdim), qkv (batch, seqlen, 3, nheads,
 headdim), kv (batch, seqlen, 2, nheads_k, headdim); varlen (total, nheads, headdim) with int32
-cu_seqlens. Differences from flash-attn (also in README.md, "Coming from flash-attn"):
+cu_seqlens; unpad_input and pad_input are flash_attn.bert_padding's, to go between padded batches
+and that layout. flash-attn's own test module runs against this one: tools/flash_attn_upstream.py,
+docs/flash_attn_tests.md. Differences from flash-attn (also in README.md, "Coming from
+flash-attn"):
 
 - block_table (paged KV) in flash_attn_varlen_func raises NotImplementedError naming the
   argument. flash_attn_with_kvcache is flashdl.attention_with_kvcache: block_table (any page
@@ -24,6 +27,8 @@ cu_seqlens. Differences from flash-attn (also in README.md, "Coming from flash-a
 - torch.compile and torch.export see flashdl.torch's custom ops (no graph break, dropout
   included), except return_attn_probs=True with dropout: the seed is then read back as an int
   (.item()) to rebuild the mask, a graph break (and a synchronisation on CUDA).
+- Invalid arguments raise flashdl's ValueError or TypeError naming the argument (flash-attn's C++
+  checks raise RuntimeError with their own wording).
 
 This module only adapts arguments: validation and every kernel are flashdl's.
 """
@@ -41,7 +46,8 @@ from ._api import dropout_mask as _dropout_mask
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
            "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
-           "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache"]
+           "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache", "unpad_input",
+           "pad_input"]
 
 # return_attn_probs=True: (out, softmax_lse, S_dmask); False: out alone.
 _WithProbs = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -60,8 +66,9 @@ def _score_mods(softcap, alibi_slopes, block_table=None):
     except (TypeError, ValueError):
         raise TypeError(f"softcap: expected a float, got {type(softcap).__name__}") from None
     if block_table is not None:
-        raise NotImplementedError("block_table: paged KV caches are not implemented in flashdl "
-                                  "yet (use block_table=None)")
+        raise NotImplementedError("block_table: paged keys and values in flash_attn_varlen_func "
+                                  "are not implemented in flashdl yet (use block_table=None; "
+                                  "flash_attn_with_kvcache takes block_table)")
     # flash-attn's kernel treats softcap <= 0 as off; flashdl takes 0 for that.
     return dict(softcap=softcap if softcap > 0 else 0.0, alibi_slopes=alibi_slopes)
 
@@ -487,3 +494,34 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             block_table=block_table, softmax_scale=softmax_scale, causal=causal,
             window_size=_window(window_size), num_splits=num_splits,
             return_lse=return_softmax_lse, **mods)
+
+
+def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor,
+                unused_mask: Optional[torch.Tensor] = None
+                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """flash_attn.bert_padding.unpad_input: from a padded batch to the varlen layout.
+
+    hidden_states (batch, seqlen, ...); attention_mask (batch, seqlen), bool or 0/1, true for the
+    tokens to keep; unused_mask (batch, seqlen), optional, tokens that are kept (allocated) but not
+    counted as used. Returns (hidden_states (total, ...) in batch-major token order, indices
+    (total,) int64 into the flattened (batch * seqlen) tokens, cu_seqlens int32 (batch + 1,),
+    max_seqlen (int), seqused int32 (batch,): the tokens of attention_mask alone). The gradient
+    flows back into hidden_states."""
+    all_masks = attention_mask + unused_mask if unused_mask is not None else attention_mask
+    seqlens = all_masks.sum(dim=-1, dtype=torch.int32)
+    used = attention_mask.sum(dim=-1, dtype=torch.int32)
+    indices = torch.nonzero(all_masks.flatten(), as_tuple=False).flatten()
+    max_seqlen = int(seqlens.max().item()) if seqlens.numel() else 0
+    cu_seqlens = torch.nn.functional.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
+    flat = hidden_states.reshape(-1, *hidden_states.shape[2:])
+    return flat[indices], indices, cu_seqlens, max_seqlen, used
+
+
+def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int
+              ) -> torch.Tensor:
+    """flash_attn.bert_padding.pad_input: the inverse of unpad_input. hidden_states (total, ...)
+    goes to rows `indices` of a zero (batch * seqlen, ...) tensor, returned as (batch, seqlen,
+    ...). The gradient flows back into hidden_states."""
+    out = hidden_states.new_zeros((batch * seqlen, *hidden_states.shape[1:]))
+    out = out.index_put((indices,), hidden_states)
+    return out.reshape(batch, seqlen, *hidden_states.shape[1:])

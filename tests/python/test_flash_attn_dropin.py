@@ -3,7 +3,7 @@ the float64 oracle (forward, lse, autograd gradients, float32 and bfloat16); pac
 the unpacked call; varlen equals each sequence alone; return_attn_probs (shapes, dtypes, lse, and
 the dropout keep-mask recovered from S_dmask equals flashdl.dropout_mask); windows below -1;
 strided last dimensions; softcap and alibi_slopes against flash-attn's reference formulas;
-NotImplementedError for block_table."""
+NotImplementedError for block_table; unpad_input/pad_input (flash_attn.bert_padding)."""
 
 import inspect
 import subprocess
@@ -445,3 +445,47 @@ def test_with_kvcache_int_and_none_cache_seqlens_and_unsupported():
     for name in ("rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad"):
         with pytest.raises(NotImplementedError, match=name):
             flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, **{name: torch.zeros(1)})
+
+
+def test_unpad_pad_input_roundtrip_and_varlen():
+    # flash_attn.bert_padding's unpad_input/pad_input: tokens in batch-major order, cu_seqlens
+    # int32, max_seqlen an int, seqused the attention_mask counts; gradients flow through both.
+    b, s, h, d = 3, 7, 2, 8
+    lengths = torch.tensor([7, 0, 4])
+    mask = torch.arange(s)[None, :] < lengths[:, None]
+    unused = torch.zeros_like(mask)
+    unused[2, 4:6] = True  # allocated but not used: kept by unpad_input, not counted in seqused
+    x = randn(b, s, h, d, seed=5, grad=True)
+    xu, idx, cus, mx, used = flash_attn.unpad_input(x, mask, unused)
+    assert idx.tolist() == [i * s + j for i in range(b) for j in range(s)
+                            if mask[i, j] or unused[i, j]]
+    assert cus.dtype == torch.int32 and cus.tolist() == [0, 7, 7, 13]
+    assert mx == 7 and isinstance(mx, int) and used.dtype == torch.int32
+    assert used.tolist() == [7, 0, 4]
+    assert torch.equal(xu, x.detach().reshape(b * s, h, d)[idx])
+    back = flash_attn.pad_input(xu, idx, b, s)
+    keep = (mask | unused)[..., None, None]
+    assert torch.equal(back, torch.where(keep, x.detach(), torch.zeros(())))
+    w = randn(b, s, h, d, seed=6)
+    (back * w).sum().backward()
+    assert torch.equal(x.grad, torch.where(keep, w, torch.zeros(())))
+    # The varlen call on unpadded tensors equals the dense call on each sequence.
+    q, k, v = (randn(b, s, h, d, seed=t) for t in (1, 2, 3))
+    qu, iq, cq, mq, _ = flash_attn.unpad_input(q, mask)
+    (ku, _, ck, mk, _), (vu, _, _, _, _) = flash_attn.unpad_input(k, mask), \
+        flash_attn.unpad_input(v, mask)
+    out = flash_attn.pad_input(flash_attn.flash_attn_varlen_func(qu, ku, vu, cq, ck, mq, mk,
+                                                                 causal=True), iq, b, s)
+    for i, n in enumerate(lengths.tolist()):
+        ref = flash_attn.flash_attn_func(q[i:i + 1, :n], k[i:i + 1, :n], v[i:i + 1, :n],
+                                         causal=True)
+        torch.testing.assert_close(out[i:i + 1, :n], ref, rtol=1e-6, atol=1e-6)
+        assert not out[i, n:].any()
+
+
+def test_window_size_as_a_tensor():
+    # flash-attn's tests pass window_size=torch.randint(0, seqlen_k, (2,)); its interface reads
+    # the two entries as ints.
+    q, k, v = qkv_of(1, 9, 11, 2, 2, 8)
+    got = flash_attn.flash_attn_func(q, k, v, window_size=torch.tensor([3, 1]))
+    assert torch.equal(got, flash_attn.flash_attn_func(q, k, v, window_size=(3, 1)))
