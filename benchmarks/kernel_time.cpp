@@ -3,8 +3,8 @@
 //
 // Build against a CMake build of the core (e.g. the one pip leaves in build/<dir>):
 //   g++ -O2 -std=c++17 -Iinclude benchmarks/kernel_time.cpp build/me/libflashdl_core.a
-//       -lpthread -o /tmp/kernel_time      (one line)
-//   FLASHDL_NUM_THREADS=1 FLASHDL_CPU_ISA=avx512bf16 /tmp/kernel_time fwd bfloat16 2048 64 10
+//       -lpthread -o kernel_time      (one line)
+//   FLASHDL_NUM_THREADS=1 FLASHDL_CPU_ISA=avx512bf16 ./kernel_time fwd bfloat16 2048 64 10
 // It is also what `perf record` profiles: the core library keeps its symbols.
 #include <algorithm>
 #include <chrono>
