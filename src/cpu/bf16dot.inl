@@ -110,6 +110,8 @@ struct Bf16BackwardProducts {
   }
   // Q and dO, t.mp rows of dp (zeros past the tile's rows).
   void queries(const Geometry<float>& g, const TilePair& t, const float* Q, const float* dO) {
+    kd = (g.d + 1) / 2;  // set here too: callers may convert queries before keys
+    dw = g.dp / 2;
     round_pairs(Q, g.dp, t.mp, g.dp, qw.get(g.Brp * dw), dw);
     round_pairs(dO, g.dp, t.mp, g.dp, dow.get(g.Brp * dw), dw);
     pair_rows(Q, g.dp, t.mp, t.mp / 2, g.dp, qi.get(g.Brp / 2 * g.dp), g.dp);

@@ -3,7 +3,8 @@
 // an unnormalised accumulator, normalised once at the end; lse is saved.
 // Backward: a task is one K/V block of one kv head; dK and dV stay in the thread's buffers, dQ is
 // accumulated in per-thread partial sums over the thread's static slice and reduced in thread
-// order, so results are bitwise reproducible for a given thread count.
+// order, so results are bitwise reproducible for a given thread count. Where query tiles
+// outnumber key tiles several times, the loops swap (backward_by_queries, below).
 
 // Br x Bc = 48 x 96 was fastest of seven shapes measured on a 2-core AVX2 machine, forward and
 // backward (benchmarks/results/cpu_tuning.md); both are multiples of the micro-kernel tile.
@@ -146,6 +147,27 @@ struct BackwardInputs {
   int64_t dp_ = 0;
 };
 
+// Query tile qt of head (b, h) as the backward reads it: Q and dO converted to T (Brp rows of dp,
+// padding rows zero: Q = dO = 0 there makes their dS and dV terms 0), lse in the exp2 domain and
+// D = rowsum(dO * O) (Brp entries, zero past the tile's rows). O: scratch of Brp x dp.
+template <typename T>
+void load_query_tile(const Params& p, const Geometry<T>& g, int64_t b, int64_t h, int64_t qt,
+                     T* Q, T* dO, T* L2, T* D, T* O) {
+  const int64_t i0 = g.qt.start(qt), rows = g.qt.size(qt);
+  load_rows(element(p.q_ptr, p.dtype, q_offset(p, b, i0, h)), p.dtype, p.q_row_stride, rows, g.d,
+            Q, g.dp, g.Brp);
+  load_rows(element(p.do_ptr, p.dtype, do_offset(p, b, i0, h)), p.dtype, p.do_row_stride, rows,
+            g.d, dO, g.dp, g.Brp);
+  load_rows(element(p.o_ptr, p.dtype, o_offset(p, b, i0, h)), p.dtype, p.o_row_stride, rows, g.d,
+            O, g.dp, rows);
+  for (int64_t r = 0; r < g.Brp; ++r) {
+    const bool in_tile = r < rows;
+    D[r] = in_tile ? row_dot(dO + r * g.dp, O + r * g.dp, g.dp) : T(0);
+    L2[r] = in_tile ? static_cast<T>(lse_at(p, b, h, i0 + r)) * static_cast<T>(detail::kLog2e)
+                    : T(0);
+  }
+}
+
 template <typename T>
 void prepare_backward_inputs(const Params& p, const Geometry<T>& g, int threads,
                              BackwardInputs<T>& in) {
@@ -161,30 +183,18 @@ void prepare_backward_inputs(const Params& p, const Geometry<T>& g, int threads,
     T* O = obuf.get(g.Brp * g.dp);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / g.nqb, b = bh / p.nheads, h = bh % p.nheads, qt = task % g.nqb;
-      const int64_t i0 = g.qt.start(qt), rows = g.qt.size(qt), t0 = tile_row(g, qt);
-      // Padding rows of the tile are zeros: Q = dO = 0 there makes their dS and dV terms 0.
-      load_rows(element(p.q_ptr, p.dtype, q_offset(p, b, i0, h)), p.dtype, p.q_row_stride, rows,
-                g.d, in.q(bh, t0), g.dp, g.Brp);
-      load_rows(element(p.do_ptr, p.dtype, do_offset(p, b, i0, h)), p.dtype, p.do_row_stride, rows,
-                g.d, in.dout(bh, t0), g.dp, g.Brp);
-      load_rows(element(p.o_ptr, p.dtype, o_offset(p, b, i0, h)), p.dtype, p.o_row_stride, rows,
-                g.d, O, g.dp, rows);
-      for (int64_t r = 0; r < g.Brp; ++r) {
-        const bool in_tile = r < rows;
-        *in.d(bh, t0 + r) = in_tile ? row_dot(in.dout(bh, t0 + r), O + r * g.dp, g.dp) : T(0);
-        *in.l2(bh, t0 + r) =
-            in_tile ? static_cast<T>(lse_at(p, b, h, i0 + r)) * static_cast<T>(detail::kLog2e)
-                    : T(0);
-      }
+      const int64_t t0 = tile_row(g, qt);
+      load_query_tile(p, g, b, h, qt, in.q(bh, t0), in.dout(bh, t0), in.l2(bh, t0), in.d(bh, t0),
+                      O);
     }
   });
 }
 
+// The backward with key tiles as tasks: dK and dV of a task stay in the thread's buffers; Q and dO
+// are converted once for all tasks (BackwardInputs) and dQ is summed in per-thread partials.
 template <typename T>
-void fa2_backward_impl(const Params& p, int threads) {
-  const Geometry<T> g = make_geometry<T>(p, fa2_block_rows(), fa2_block_cols(), true);
-  const Mask mask = mask_of(p);
-  const bool zigzag = uneven_work(p);
+void fa2_backward_by_keys(const Params& p, const Geometry<T>& g, const Mask& mask, bool zigzag,
+                          int threads) {
   BackwardInputs<T> in;
   prepare_backward_inputs(p, g, threads, in);
 
@@ -278,6 +288,142 @@ void fa2_backward_impl(const Params& p, int threads) {
       }
     }
   });
+}
+
+// The backward with query tiles as tasks, for long queries over few keys: dQ of a tile is complete
+// when its task ends and goes straight to the output, so nothing of size seqlen_q is allocated;
+// dK and dV are summed in per-thread partials over the (batch, kv head) pairs of the thread's
+// slice, reduced in thread order (bitwise reproducible for a given thread count, as by_keys).
+template <typename T>
+void fa2_backward_by_queries(const Params& p, const Geometry<T>& g, const Mask& mask,
+                             bool zigzag, int threads) {
+  const int64_t group = p.h_h_k_ratio;
+  const int64_t ntasks = p.batch * p.nheads * g.nqb;
+  const int nthreads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, ntasks)));
+  const int64_t kv_elems = g.nkb * g.Bcp * g.dp;  // one (batch, kv head)'s dK (or dV) tiles
+  std::vector<std::vector<T>> dkv_part(static_cast<size_t>(nthreads));
+  // Thread t's partials cover (batch, kv head) pairs first_bhk[t]..last_bhk[t]: bhk = bh / group.
+  std::vector<int64_t> first_bhk(static_cast<size_t>(nthreads), 0), last_bhk(nthreads, -1);
+  parallel_for(ntasks, nthreads, [&](int64_t begin, int64_t end, int t) {
+    first_bhk[t] = begin / g.nqb / group;
+    last_bhk[t] = (end - 1) / g.nqb / group;
+    std::vector<T>& part = dkv_part[t];
+    part.assign(static_cast<size_t>((last_bhk[t] - first_bhk[t] + 1) * 2 * kv_elems), T(0));
+    Buffer<T> qbuf, dobuf, l2buf, dbuf, obuf, dqbuf;
+    T* Q = qbuf.get(g.Brp * g.dp);
+    T* dO = dobuf.get(g.Brp * g.dp);
+    T* L2 = l2buf.get(g.Brp);
+    T* D = dbuf.get(g.Brp);
+    T* O = obuf.get(g.Brp * g.dp);
+    T* dQ = dqbuf.get(g.Brp * g.dp);
+    KeyBlock<T> kb_bufs;
+    int64_t loaded = -1;  // the (bhk, key tile) in kb_bufs
+    BackwardScratch<T> scratch;
+#if FLASHDL_HAVE_BF16_DOT
+    const bool bf16 = std::is_same_v<T, float> && p.dtype == DType::bfloat16;
+    Bf16BackwardProducts bprod;
+#endif
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / g.nqb, b = bh / p.nheads, h = bh % p.nheads;
+      const int64_t hk = h / group, bhk = bh / group;
+      const int64_t qt = block_order(task % g.nqb, g.nqb, zigzag);
+      const int64_t i0 = g.qt.start(qt), rows = g.qt.size(qt);
+      const int64_t j_begin = mask.block_col_begin(i0), j_end = mask.block_col_end(i0 + rows);
+      const BlockMask bm = detail::block_mask_of(p, b, h);
+      T* dK_head = part.data() + (bhk - first_bhk[t]) * 2 * kv_elems;
+      T* dV_head = dK_head + kv_elems;
+      std::fill(dQ, dQ + g.Brp * g.dp, T(0));
+      bool q_loaded = false;
+      for (int64_t kt = g.kt.tile_of(j_begin);
+           j_begin < j_end && kt < g.nkb && g.kt.start(kt) < j_end; ++kt) {
+        if (!pair_in_mask(g, bm, qt, kt)) continue;  // a zero block: never loaded or computed
+        const TilePair tp = tile_pair(g, qt, kt);
+        if (!q_loaded) {
+          load_query_tile(p, g, b, h, qt, Q, dO, L2, D, O);
+#if FLASHDL_HAVE_BF16_DOT
+          if constexpr (std::is_same_v<T, float>)
+            if (bf16) bprod.queries(g, tp, Q, dO);
+#endif
+          q_loaded = true;
+        }
+        if (loaded != bhk * g.nkb + kt) {
+          kb_bufs.load(p, g, b, hk, tp.j0, tp.cols);
+#if FLASHDL_HAVE_BF16_DOT
+          if constexpr (std::is_same_v<T, float>)
+            if (bf16) bprod.keys(g, kb_bufs.K.data.data(), kb_bufs.Kt.data.data(),
+                                 kb_bufs.Vt.data.data());
+#endif
+          loaded = bhk * g.nkb + kt;
+        }
+        T* dK = dK_head + kt * g.Bcp * g.dp;
+        T* dV = dV_head + kt * g.Bcp * g.dp;
+#if FLASHDL_HAVE_BF16_DOT
+        if constexpr (std::is_same_v<T, float>) {
+          if (bf16) {
+            backward_block(g, p, mask, b, h, tp, L2, D, bprod, dK, dV, dQ, scratch);
+            continue;
+          }
+        }
+#endif
+        backward_block(g, p, mask, b, h, tp, Q, dO, L2, D, kb_bufs.K.data.data(),
+                       kb_bufs.Kt.data.data(), kb_bufs.Vt.data.data(), dK, dV, dQ, scratch);
+      }
+      for (int64_t r = 0; r < rows; ++r)
+        convert_row_out(dQ + r * g.dp, static_cast<T>(p.scale_softmax), g.d,
+                        element(p.dq_ptr, p.dtype,
+                                b * p.dq_batch_stride + (i0 + r) * p.dq_row_stride +
+                                    h * p.dq_head_stride),
+                        p.dtype);
+    }
+  });
+
+  // dK, dV = the sums of the partials in thread order (dK scaled by store_key_grads).
+  parallel_for(p.batch * p.nheads_kv * g.nkb, threads, [&](int64_t begin, int64_t end, int) {
+    Buffer<T> dk_buf, dv_buf;
+    T* dK = dk_buf.get(g.Bcp * g.dp);
+    T* dV = dv_buf.get(g.Bcp * g.dp);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bhk = task / g.nkb, kt = task % g.nkb;
+      std::fill(dK, dK + g.Bcp * g.dp, T(0));
+      std::fill(dV, dV + g.Bcp * g.dp, T(0));
+      for (int t = 0; t < nthreads; ++t) {
+        if (bhk < first_bhk[t] || bhk > last_bhk[t]) continue;
+        const T* src = dkv_part[t].data() + (bhk - first_bhk[t]) * 2 * kv_elems +
+                       kt * g.Bcp * g.dp;
+        row_axpby(dK, src, g.Bcp * g.dp, T(1), T(1));
+        row_axpby(dV, src + kv_elems, g.Bcp * g.dp, T(1), T(1));
+      }
+      store_key_grads(p, g, bhk / p.nheads_kv, bhk % p.nheads_kv, g.kt.start(kt), g.kt.size(kt),
+                      dK, dV);
+    }
+  });
+}
+
+// Which loop is outer in the backward. Keys (by_keys, FlashAttention-2's order) reuse Q and dO
+// converted once for all key tiles; queries (by_queries) reload each key tile for every query tile
+// but drop by_keys' per-call copies of Q and dO, its dQ partials and their reduction, all of size
+// seqlen_q, which dominate where there are few key tiles per query tile. Measured
+// (benchmarks/results/cpu_tuning.md, section 8): by_queries 1.2-3.5x faster from 4 query tiles per
+// key tile up (256 x 16 to 100,000 x 16, 1024 x 256), within noise at 2048 x 1024 and 4096 x 1024,
+// 1.5x slower at 2048 x 2048. Its dK/dV partials (threads x every key tile) are capped in size.
+inline int64_t backward_query_tiles_per_key_tile() { return 4; }
+
+template <typename T>
+bool backward_by_queries(const Params& p, const Geometry<T>& g, int threads) {
+  const int64_t key_tiles = p.batch * p.nheads_kv * g.nkb;
+  const int64_t partial_bytes = threads * key_tiles * 2 * g.Bcp * g.dp * int64_t{sizeof(T)};
+  return g.nqb >= backward_query_tiles_per_key_tile() * g.nkb &&
+         partial_bytes <= (int64_t{64} << 20);
+}
+
+template <typename T>
+void fa2_backward_impl(const Params& p, int threads) {
+  const Geometry<T> g = make_geometry<T>(p, fa2_block_rows(), fa2_block_cols(), true);
+  const Mask mask = mask_of(p);
+  const bool zigzag = uneven_work(p);
+  if (backward_by_queries(p, g, threads))
+    return fa2_backward_by_queries(p, g, mask, zigzag, threads);
+  fa2_backward_by_keys(p, g, mask, zigzag, threads);
 }
 
 inline void fa2_forward(const Params& p, int threads) {

@@ -109,3 +109,34 @@ def test_hypothesis_backward(sq, sk, hk, group, d, window, schedule, dtype, seed
     for name, g, e, lo, u in zip(("dq", "dk", "dv"), got, exact, low, grad_ulps(dtype, q, k)):
         assert_rule(g, e, lo, dtype, factor=3.0, what=name, ulps=u, grad=True,
                     magnitude=grad_magnitude(exact))
+
+
+# fa2's backward swaps its loops where query tiles (48 rows) outnumber key tiles (96 keys) four
+# times or more (long queries over few keys; src/cpu/fa2.inl): shapes on both sides of that choice.
+LOOP_ORDER_SHAPES = [
+    (2, 300, 40, 4, 2, 64),    # 7 query tiles, 1 key tile: queries outer
+    (1, 500, 150, 3, 1, 32),   # 11 query tiles, 2 key tiles: queries outer
+    (1, 150, 300, 2, 2, 64),   # keys outer
+]
+
+
+@pytest.mark.parametrize("mods", [False, True], ids=["plain", "softcap-alibi"])
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (50, 7)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", LOOP_ORDER_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_fa2_backward_loop_orders(shape, dtype, window, mods):
+    rng = np.random.default_rng(zlib.crc32(repr((shape, dtype, window, mods)).encode()))
+    q, k, v = make_qkv(rng, *shape, dtype=dtype)
+    dout = make(rng, q.shape, dtype)
+    kw = dict(softcap=2.0, alibi_slopes=rng.uniform(0.05, 0.5, shape[3]).astype(np.float32)) \
+        if mods else {}
+    out, lse = flashdl.attention(q, k, v, window_size=window, return_lse=True, **kw)
+    got = flashdl.attention_backward(dout, q, k, v, out, lse, window_size=window, **kw)
+    again = flashdl.attention_backward(dout, q, k, v, out, lse, window_size=window, **kw)
+    exact = backward(dout, q, k, v, window=window, **kw)
+    low = backward(dout, q, k, v, window=window, dtype=dtype, exact=False, **kw)
+    for name, g, a, e, lo, u in zip(("dq", "dk", "dv"), got, again, exact, low,
+                                    grad_ulps(dtype, q, k)):
+        np.testing.assert_array_equal(g, a, err_msg=f"{name}: not reproducible")
+        assert_rule(g, e, lo, dtype, factor=3.0, what=name, ulps=u, grad=True,
+                    magnitude=grad_magnitude(exact))

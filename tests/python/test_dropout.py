@@ -99,6 +99,7 @@ CASES = [
     (1, 29, 13, 4, 2, 32, True, (-1, -1)),     # empty causal rows, GQA
     (1, 13, 70, 3, 1, 16, False, (5, 2)),      # MQA, window
     (2, 65, 47, 2, 1, 64, False, (-1, -1)),
+    (1, 300, 40, 4, 2, 32, True, (-1, -1)),    # long queries, few keys: fa2 backward by queries
 ]
 
 
