@@ -23,6 +23,9 @@ struct KvAppend {
 namespace cpu {
 void forward(const Params& params);
 void backward(const Params& params);
+// Independent problems (the sequences of a varlen batch), run over the threads together.
+void forward_batch(const std::vector<Params>& problems);
+void backward_batch(const std::vector<Params>& problems);
 std::string isa_name();       // the vector kernels picked at run time
 int num_threads();            // threads the next call uses
 void set_num_threads(int n);  // 0: default

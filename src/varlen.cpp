@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "backend.hpp"
 #include "flashdl/api.hpp"
 #include "validate.hpp"
 
@@ -191,7 +192,8 @@ void forward_varlen(const TensorView& q, const TensorView& k, const TensorView& 
     return dispatch_forward(p);
   }
   // Each sequence is a batch-1 dense problem over its own rows: causal and window alignment are
-  // per sequence for free, and no padding is computed.
+  // per sequence for free, and no padding is computed. The backend runs them together.
+  std::vector<Params> problems;
   for (int64_t b = 0; b < vb.batch(); ++b) {
     const int64_t q0 = vb.cu_q[b], sq = vb.cu_q[b + 1] - q0;
     const int64_t k0 = vb.cu_k[b], sk = vb.cu_k[b + 1] - k0;
@@ -200,8 +202,9 @@ void forward_varlen(const TensorView& q, const TensorView& k, const TensorView& 
     Params p = make_params(slice(q4, 1, q0, sq), slice(k4, 1, k0, sk), slice(v4, 1, k0, sk),
                            slice(o4, 1, q0, sq), slice(l3, 2, q0, sq), options, s);
     select_sequence(p, b);
-    dispatch_forward(p);
+    problems.push_back(p);
   }
+  cpu::forward_batch(problems);
 }
 
 void backward_varlen(const TensorView& dout, const TensorView& q, const TensorView& k,
@@ -235,6 +238,7 @@ void backward_varlen(const TensorView& dout, const TensorView& q, const TensorVi
     return dispatch_backward(p);
   }
   // Sequences with no query rows still run: the backend writes their dk, dv (zeros).
+  std::vector<Params> problems;
   for (int64_t b = 0; b < vb.batch(); ++b) {
     const int64_t q0 = vb.cu_q[b], sq = vb.cu_q[b + 1] - q0;
     const int64_t k0 = vb.cu_k[b], sk = vb.cu_k[b + 1] - k0;
@@ -244,8 +248,9 @@ void backward_varlen(const TensorView& dout, const TensorView& q, const TensorVi
         slice(o4, 1, q0, sq), slice(l3, 2, q0, sq), slice(dq4, 1, q0, sq),
         slice(dk4, 1, k0, sk), slice(dv4, 1, k0, sk), options, s);
     select_sequence(p, b);
-    dispatch_backward(p);
+    problems.push_back(p);
   }
+  cpu::backward_batch(problems);
 }
 
 }  // namespace flashdl

@@ -1,6 +1,8 @@
 // The CPU backend's entry: picks the instruction set once, the thread count per call, and the
 // schedule the validated Params ask for.
+#include <algorithm>
 #include <atomic>
+#include <numeric>
 #include <cstdlib>
 #include <fstream>
 #include <string>
@@ -10,6 +12,7 @@
 #include "cpu/schedules.hpp"
 #include "cpu/threads.hpp"
 #include "flashdl/api.hpp"
+#include "flashdl/detail/mask.hpp"
 
 namespace flashdl::cpu {
 
@@ -70,6 +73,54 @@ int64_t read_cache_bytes(const char* path) {
   return value;
 }
 
+// The work of one problem, for balancing a batch of them: its visible (query, key) pairs plus one
+// per query and key row (the per-row costs, which dominate short sequences), times its heads.
+double problem_cost(const Params& p) {
+  const detail::Mask mask{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
+  double pairs = 0;
+  for (int64_t i = 0; i < p.seqlen_q; ++i)
+    pairs += static_cast<double>(std::max<int64_t>(0, mask.col_end(i) - mask.col_begin(i)));
+  return (pairs + static_cast<double>(p.seqlen_q + p.seqlen_k)) *
+         static_cast<double>(p.batch * p.nheads);
+}
+
+// Independent problems (a varlen batch's sequences) over the threads together, instead of one
+// after another each spread over every thread (which leaves threads idle on short sequences and
+// pays a parallel region per sequence). A problem with at least 1/threads of the total work runs
+// alone on every thread, as a single call would; the others are dealt, largest first, to the
+// thread with the least work so far (longest-processing-time-first), and each thread runs its
+// share one thread each. The deal depends only on the shapes, so results are reproducible for a
+// given thread count.
+void run_batch(const std::vector<Params>& problems, void (*run)(const Params&)) {
+  if (problems.empty()) return;
+  const int threads = threads_for(problems.front());
+  std::vector<double> cost(problems.size());
+  for (size_t i = 0; i < problems.size(); ++i) cost[i] = problem_cost(problems[i]);
+  const double total = std::accumulate(cost.begin(), cost.end(), 0.0);
+  std::vector<size_t> order(problems.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return cost[a] > cost[b]; });
+  std::vector<std::vector<size_t>> share(static_cast<size_t>(threads));
+  std::vector<double> load(static_cast<size_t>(threads), 0.0);
+  for (size_t i : order) {
+    if (threads == 1 || cost[i] * threads >= total) {
+      run(problems[i]);
+      continue;
+    }
+    const auto t = static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+    share[t].push_back(i);
+    load[t] += cost[i];
+  }
+  parallel_for(threads, threads, [&](int64_t begin, int64_t end, int) {
+    for (int64_t t = begin; t < end; ++t)
+      for (size_t i : share[static_cast<size_t>(t)]) {
+        Params one = problems[i];
+        one.num_threads = 1;
+        run(one);
+      }
+  });
+}
+
 }  // namespace
 
 // Never throws (build_info reports it): a bad FLASHDL_CPU_ISA shows here and fails the calls.
@@ -119,5 +170,9 @@ void backward(const Params& p) {
   }
   throw Error(ErrorKind::value, "schedule: unknown schedule code");
 }
+
+void forward_batch(const std::vector<Params>& problems) { run_batch(problems, &forward); }
+
+void backward_batch(const std::vector<Params>& problems) { run_batch(problems, &backward); }
 
 }  // namespace flashdl::cpu

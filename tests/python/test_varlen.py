@@ -1,6 +1,7 @@
 """Variable-length batches (flash-attn's varlen layout): attention_varlen equals each sequence run
-alone through flashdl.attention, bitwise for the same schedule, forward and backward; it matches
-the float64 oracle per sequence (causal and windows aligned within each sequence, GQA); empty
+alone through flashdl.attention, bitwise for the same schedule on one thread, forward and
+backward; it matches the float64 oracle per sequence (causal and windows aligned within each
+sequence, GQA), also with many sequences dealt over several threads, reproducibly; empty
 sequences; the (nheads, total_q) lse layout; torch autograd; every validation error."""
 
 import numpy as np
@@ -39,9 +40,20 @@ def pieces(cq, ck, b):
     return slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
 
 
+@pytest.fixture
+def threads():
+    """flashdl.set_num_threads for one test; the default again afterwards."""
+    yield flashdl.set_num_threads
+    flashdl.set_num_threads(0)
+
+
+# On more threads the CPU backend deals short sequences to threads whole (one thread each) while
+# the dense call spreads one sequence over all of them: the sums then differ in rounding only
+# (test_many_sequences_over_threads).
 @pytest.mark.parametrize("schedule", ["fa1", "fa2", "reference"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_equals_each_sequence_alone_bitwise(schedule, causal):
+def test_equals_each_sequence_alone_bitwise(schedule, causal, threads):
+    threads(1)
     opts = dict(causal=causal, schedule=schedule, softmax_scale=SCALE, window_size=(4, -1))
     (q, k, v, dout, cq, ck), (out, lse), (dq, dk, dv) = run(LENS, **opts)
     assert out.shape == q.shape and lse.shape == (q.shape[1], q.shape[0])
@@ -73,6 +85,32 @@ def test_matches_float64_oracle(causal, h, hk):
         want = backward(dout[None, sq_], *args, causal=causal, softmax_scale=SCALE)
         for g, w, rows in zip((dq, dk, dv), want, (sq_, sk_, sk_)):
             np.testing.assert_allclose(g[rows], w[0], atol=1e-6)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("schedule", ["fa1", "fa2"])
+def test_many_sequences_over_threads(n, schedule, threads):
+    """40 sequences of 0 to 300 rows and one long enough to run alone on every thread: each
+    matches the float64 oracle, and a second call is bitwise the first."""
+    rng = np.random.default_rng(n)
+    lens = [(int(a), int(b)) for a, b in rng.integers(0, 301, (40, 2))] + [(1200, 1100)]
+    threads(n)
+    opts = dict(causal=True, schedule=schedule, softmax_scale=SCALE)
+    (q, k, v, dout, cq, ck), (out, lse), grads = run(lens, h=2, hk=1, d=8, dtype="float64",
+                                                     seed=n, **opts)
+    _, (out2, lse2), grads2 = run(lens, h=2, hk=1, d=8, dtype="float64", seed=n, **opts)
+    for a, b in zip((out, lse) + grads, (out2, lse2) + grads2):
+        assert np.array_equal(a, b)
+    for b in range(len(lens)):
+        sq_, sk_ = pieces(cq, ck, b)
+        args = (q[None, sq_], k[None, sk_], v[None, sk_])
+        want_o, want_l = forward(*args, causal=True, softmax_scale=SCALE)
+        np.testing.assert_allclose(out[sq_], want_o[0], atol=1e-6, err_msg=f"out {b}")
+        if sq_.stop > sq_.start:
+            assert_lse(lse[:, sq_], want_l[0])
+        want = backward(dout[None, sq_], *args, causal=True, softmax_scale=SCALE)
+        for name, g, w, rows in zip(("dq", "dk", "dv"), grads, want, (sq_, sk_, sk_)):
+            np.testing.assert_allclose(g[rows], w[0], atol=1e-6, err_msg=f"{name} {b}")
 
 
 def test_causal_is_per_sequence():
