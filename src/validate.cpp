@@ -363,6 +363,7 @@ Params make_params(const TensorView& q, const TensorView& k, const TensorView& v
   p.seed = o.seed;
   p.offset = o.offset;
   p.schedule = o.schedule == Schedule::automatic ? Schedule::fa2 : o.schedule;
+  p.auto_schedule = o.schedule == Schedule::automatic;
   p.deterministic = o.deterministic;
   p.stream = o.stream;
   p.sram_bytes = o.sram_bytes;

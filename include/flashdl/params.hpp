@@ -132,6 +132,9 @@ struct Params {
   int64_t num_splits;
 
   Schedule schedule;  // never automatic here: api.cpp resolves it
+  // The caller asked for "auto" (resolved to fa2 above): a backend may pick another kernel for the
+  // shape. The CPU runs few query rows over many keys with its KV-cache kernel (cpu/backend.cpp).
+  bool auto_schedule;
   bool deterministic;
   void* stream;
   int64_t sram_bytes;

@@ -2,9 +2,10 @@
 // schedule the validated Params ask for.
 #include <algorithm>
 #include <atomic>
-#include <numeric>
 #include <cstdlib>
 #include <fstream>
+#include <limits>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -121,6 +122,20 @@ void run_batch(const std::vector<Params>& problems, void (*run)(const Params&)) 
   });
 }
 
+// "auto" runs few query rows over many keys (decoding through attention()) with the KV-cache
+// kernel (kvcache.inl) instead of fa2: it reads key and value rows in place and splits the keys
+// over the threads, where fa2 packs every key tile for a query tile of a few rows and has fewer
+// tasks than threads. Rows: seqlen_q x the GQA group, per kv head. The bounds are where the
+// KV-cache kernel was faster at every head layout measured (8/8 and 32/8 heads, headdim 64,
+// 256 to 100,000 keys; benchmarks/results/cpu_tuning.md, section 9).
+bool decode_shaped(const Params& p) {
+  const int64_t rows = p.seqlen_q * p.h_h_k_ratio;
+  const int64_t max_rows = p.seqlen_k >= 8192 ? 16 : 4;
+  return p.auto_schedule && p.p_dropout == 0.0f && p.block_mask_ptr == nullptr &&
+         rows <= max_rows && p.seqlen_k >= 256 &&
+         p.seqlen_k <= std::numeric_limits<int32_t>::max();
+}
+
 }  // namespace
 
 // Never throws (build_info reports it): a bad FLASHDL_CPU_ISA shows here and fails the calls.
@@ -152,6 +167,12 @@ int64_t default_sram_bytes() {
 void forward(const Params& p) {
   // A KV-cache call has its own kernel whatever the schedule (src/kvcache.cpp).
   if (p.seqused_k != nullptr) return kernels().kvcache_forward(p, threads_for(p));
+  if (decode_shaped(p)) {  // as a cache that every sequence fills to seqlen_k
+    const std::vector<int32_t> used(static_cast<size_t>(p.batch), static_cast<int32_t>(p.seqlen_k));
+    Params cache = p;
+    cache.seqused_k = used.data();
+    return kernels().kvcache_forward(cache, threads_for(p));
+  }
   switch (p.schedule) {
     case Schedule::reference: return reference_forward(p, threads_for(p));
     case Schedule::fa1: return kernels().fa1_forward(p, threads_for(p), sram_for(p));

@@ -173,3 +173,32 @@ def test_thread_count_does_not_change_the_result(schedule):
     for out, lse in outs[1:]:
         np.testing.assert_allclose(out, outs[0][0], rtol=0, atol=1e-6)
         np.testing.assert_allclose(lse, outs[0][1], rtol=1e-6, atol=1e-6)
+
+
+# "auto" runs a few query rows per kv head over many keys with the KV-cache kernel (decoding
+# through attention(); src/cpu/backend.cpp): seqlen_q x group <= 4 from 256 keys, <= 16 from 8192.
+DECODE_SHAPES = [
+    (1, 1, 256, 2, 2, 64),     # the smallest routed
+    (2, 2, 1000, 8, 4, 32),    # GQA: 4 rows per kv head
+    (1, 16, 8192, 2, 2, 16),   # 16 rows over 8192 keys
+    (1, 5, 300, 2, 2, 16),     # 5 rows: fa2 (not routed)
+]
+
+
+@pytest.mark.parametrize("mods", [False, True], ids=["plain", "softcap-alibi"])
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (100, 3)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", DECODE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_auto_few_queries_many_keys(shape, dtype, window, mods):
+    rng = np.random.default_rng(zlib.crc32(repr((shape, dtype, window, mods)).encode()))
+    q, k, v = make_qkv(rng, *shape, dtype=dtype)
+    kw = dict(softcap=3.0, alibi_slopes=rng.uniform(0.01, 0.1, shape[3]).astype(np.float32)) \
+        if mods else {}
+    out, lse = flashdl.attention(q, k, v, window_size=window, return_lse=True, **kw)
+    o_ref, lse_ref = forward(q, k, v, window=window, **kw)
+    o_low, _ = forward(q, k, v, window=window, dtype=dtype, exact=False, **kw)
+    assert_rule(out, o_ref, o_low, dtype, ulps=fwd_ulps(dtype, q, k))
+    assert_lse(lse, lse_ref)
+    # the same function as fa2, to rounding
+    o2, l2 = flashdl.attention(q, k, v, window_size=window, return_lse=True, schedule="fa2", **kw)
+    assert_lse(lse, l2)
