@@ -344,9 +344,11 @@ struct KeyBlock {
     load_rows(element(p.k_ptr, p.dtype, k_offset(p, b, j0, hk)), p.dtype, p.k_row_stride, cols, g.d,
               K.get(g.Bcp * g.dp), g.dp, g.Bcp);
     load_rows_transposed(element(p.k_ptr, p.dtype, k_offset(p, b, j0, hk)), p.dtype,
-                         p.k_row_stride, cols, g.d, Kt.get(g.d * g.Bcp), g.Bcp, scratch.get(g.dp));
+                         p.k_row_stride, cols, g.d, Kt.get(g.d * g.Bcp), g.Bcp,
+                         scratch.get(kTransposeRows * g.dp));
     load_rows_transposed(element(p.v_ptr, p.dtype, v_offset(p, b, j0, hk)), p.dtype,
-                         p.v_row_stride, cols, g.d, Vt.get(g.d * g.Bcp), g.Bcp, scratch.get(g.dp));
+                         p.v_row_stride, cols, g.d, Vt.get(g.d * g.Bcp), g.Bcp,
+                         scratch.get(kTransposeRows * g.dp));
   }
 };
 

@@ -48,7 +48,8 @@ void fa1_forward_impl(const Params& p, int threads, int64_t sram_bytes) {
           if (!kv_loaded) {
             // Line 6: K_j, V_j to on-chip memory (only for blocks some query tile needs).
             load_rows_transposed(element(p.k_ptr, p.dtype, k_offset(p, b, j0, hk)), p.dtype,
-                                 p.k_row_stride, cols, g.d, Kt, g.Bcp, scratch.get(g.dp));
+                                 p.k_row_stride, cols, g.d, Kt, g.Bcp,
+                                 scratch.get(kTransposeRows * g.dp));
             load_rows(element(p.v_ptr, p.dtype, v_offset(p, b, j0, hk)), p.dtype, p.v_row_stride,
                       cols, g.d, V, g.dp, g.Bcp);
             kv_loaded = true;

@@ -41,7 +41,8 @@ struct PackedKV {
     if (!packed[kt]) {
       const int64_t j0 = g.kt.start(kt), cols = g.kt.size(kt);
       load_rows_transposed(element(p.k_ptr, p.dtype, k_offset(p, b, j0, hk)), p.dtype,
-                           p.k_row_stride, cols, g.d, kt_ptr, g.Bcp, scratch.get(g.dp));
+                           p.k_row_stride, cols, g.d, kt_ptr, g.Bcp,
+                           scratch.get(kTransposeRows * g.dp));
       load_rows(element(p.v_ptr, p.dtype, v_offset(p, b, j0, hk)), p.dtype, p.v_row_stride, cols,
                 g.d, v_ptr, g.dp, g.Bcp);
       packed[kt] = 1;

@@ -107,14 +107,25 @@ void load_rows(const void* src, DType dt, int64_t row_stride, int64_t rows, int6
   std::fill(dst + rows * ld, dst + rows_pad * ld, T(0));
 }
 
+// Rows load_rows_transposed converts at a time; its scratch holds this many rows of `cols`.
+constexpr int64_t kTransposeRows = 16;
+
 // The transpose: dst[c * ld + r] = src row r, column c, for c < cols; zeros for r in [rows, ld).
+// kTransposeRows rows are converted into scratch, then written a column at a time: each store
+// run is then kTransposeRows consecutive elements of one cache line, not one element per line
+// (a store per row and column made this the forward's top cost over a few query rows).
 template <typename T>
 void load_rows_transposed(const void* src, DType dt, int64_t row_stride, int64_t rows, int64_t cols,
                           T* dst, int64_t ld, T* scratch) {
   for (int64_t c = 0; c < cols; ++c) std::fill(dst + c * ld + rows, dst + (c + 1) * ld, T(0));
-  for (int64_t r = 0; r < rows; ++r) {
-    convert_row_in(element(src, dt, r * row_stride), dt, cols, scratch);
-    for (int64_t c = 0; c < cols; ++c) dst[c * ld + r] = scratch[c];
+  for (int64_t r0 = 0; r0 < rows; r0 += kTransposeRows) {
+    const int64_t n = std::min(kTransposeRows, rows - r0);
+    for (int64_t i = 0; i < n; ++i)
+      convert_row_in(element(src, dt, (r0 + i) * row_stride), dt, cols, scratch + i * cols);
+    for (int64_t c = 0; c < cols; ++c) {
+      T* out = dst + c * ld + r0;
+      for (int64_t i = 0; i < n; ++i) out[i] = scratch[i * cols + c];
+    }
   }
 }
 
