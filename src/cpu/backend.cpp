@@ -127,10 +127,10 @@ void run_batch(const std::vector<Params>& problems, void (*run)(const Params&)) 
 // over the threads, where fa2 packs every key tile for a query tile of a few rows and has fewer
 // tasks than threads. Rows: seqlen_q x the GQA group, per kv head. The bounds are where the
 // KV-cache kernel was faster at every head layout measured (8/8 and 32/8 heads, headdim 64,
-// 256 to 100,000 keys; benchmarks/results/cpu_tuning.md, section 9).
+// 1,024 to 100,000 keys: 1.2-5.7x; benchmarks/results/cpu_tuning.md, section 9).
 bool decode_shaped(const Params& p) {
   const int64_t rows = p.seqlen_q * p.h_h_k_ratio;
-  const int64_t max_rows = p.seqlen_k >= 8192 ? 16 : 4;
+  const int64_t max_rows = p.seqlen_k >= 8192 ? 8 : 2;
   return p.auto_schedule && p.p_dropout == 0.0f && p.block_mask_ptr == nullptr &&
          rows <= max_rows && p.seqlen_k >= 256 &&
          p.seqlen_k <= std::numeric_limits<int32_t>::max();
