@@ -243,8 +243,9 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
     nheads a multiple of nheads_kv (GQA/MQA). The last dimension must be contiguous; any other
     strides work (a (batch, nheads, seqlen, headdim) array transposed to this layout is fine).
     causal is bottom-right aligned: key j is visible to query i iff j <= i + seqlen_k - seqlen_q.
-    softmax_scale defaults to 1/sqrt(headdim). schedule: 'auto', 'fa1', 'fa2' or 'reference'
-    (naive float64, the test oracle). window_size=(left, right) limits the visible keys: key j
+    softmax_scale defaults to 1/sqrt(headdim). schedule: 'auto' (fa2; on the CPU, a few query
+    rows over many keys run on the KV-cache kernel, as README.md says), 'fa1', 'fa2' or
+    'reference' (naive float64, the test oracle). window_size=(left, right) limits the visible keys: key j
     is visible to query i iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q +
     right, -1 for unbounded on that side. causal=True is the window (-1, 0): no bound on the
     left, and no key past the bottom-right diagonal j = i + seqlen_k - seqlen_q; causal with a
