@@ -41,12 +41,23 @@ def _kind(name: str, x) -> str:
                     f"__dlpack__), got {_type_name(x)}")
 
 
+# str() of a NumPy dtype costs microseconds, several times per call; dtypes are few and hashable.
+_DTYPE_NAMES: dict = {}
+
+
 def _dtype_name(x) -> str:
-    return str(getattr(x, "dtype", ""))
+    dtype = getattr(x, "dtype", "")
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        name = _DTYPE_NAMES[dtype] = str(dtype)
+        return name
+    except TypeError:  # an unhashable dtype object
+        return str(dtype)
 
 
 def _is_numpy_bfloat16(x) -> bool:
-    return isinstance(x, np.ndarray) and x.dtype.name == "bfloat16"
+    return isinstance(x, np.ndarray) and _dtype_name(x) == "bfloat16"
 
 
 class Frame:
