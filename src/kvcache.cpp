@@ -128,7 +128,8 @@ Cache check_cache(const TensorView& q, const TensorView& k_cache, const TensorVi
            "cache_seqlens: " + at("cache_seqlens", b) + " = " + std::to_string(len) +
                (c.seqlen_new ? " plus " + std::to_string(c.seqlen_new) + " new tokens" : "") +
                " exceeds the cache's capacity of " + std::to_string(c.capacity) +
-               (c.paged ? " (max_pages_per_sequence x page_size)" : " (seqlen_cache)") +
+               (c.paged ? " (the pages of block_table: max_pages_per_sequence x page_size)"
+                        : " (seqlen_cache)") +
                "; nothing was written");
     c.used[b] = static_cast<int32_t>(len + c.seqlen_new);
     if (!c.paged) continue;

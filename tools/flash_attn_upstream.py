@@ -14,14 +14,9 @@ memory or capability), creates every tensor on the CPU, and tests flashdl.flash_
 The other imports of the module (flash_attn.bert_padding, flash_attn.flash_attn_interface,
 flash_attn.layers.rotary) resolve to a small `flash_attn` shim package written next to the copy
 (see SHIM below): pad_input/unpad_input are flashdl.flash_attn's, apply_rotary_emb is a plain
-torch reference, _get_block_size_n is flash-attn's sm80 table, USE_TRITON_ROCM is False.
-
---sdmask-normalised adds one more, opt-in substitution (5): the module's normalize_flash_attn_S,
-which undoes the per-key-block scaling of flash-attn's CUDA kernel, is replaced by one that only
-zeroes padded query rows, because flashdl's S_dmask is already normalised (flash-attn documents
-S_dmask as "the output of softmax (possibly with different scaling)"). Without it, the `attn`
-check of every dropout case fails on that scaling alone; with it, the same check compares flashdl's
-probabilities with the reference's.
+torch reference, _get_block_size_n is flashdl.flash_attn's (flash-attn's sm80 key-block widths,
+in which flashdl.flash_attn scales S_dmask as flash-attn's kernel does, so the module's
+normalize_flash_attn_S reads it unchanged), USE_TRITON_ROCM is False.
 
 Selection (options of the generated conftest.py, passed through to pytest):
   --flashdl-supported     deselect the cases that need what flashdl lacks (UNSUPPORTED below)
@@ -34,7 +29,7 @@ Selection (options of the generated conftest.py, passed through to pytest):
   --flashdl-sample TEST=N that many of test function TEST (repeatable; 0: all of it)
 The expression also sees `test`, the test function's name, and float16, bfloat16 and torch.
 
-    python tools/flash_attn_upstream.py PATH [--out DIR] [--sdmask-normalised] [-- PYTEST ARGS]
+    python tools/flash_attn_upstream.py PATH [--out DIR] [-- PYTEST ARGS]
     python tools/flash_attn_upstream.py --from-sdist [--version 2.8.3.post2] [-- PYTEST ARGS]
 
 PATH: tests/test_flash_attn.py itself, a flash-attn checkout (its tests/test_flash_attn.py is
@@ -72,20 +67,6 @@ SUBSTITUTIONS = [
      "the functions under test are flashdl's (the helper submodules come from the shim)"),
 ]
 
-SDMASK_SUBSTITUTION = (
-    "normalize_flash_attn_S -> already normalised (--sdmask-normalised)",
-    r"^def normalize_flash_attn_S\(",
-    "def normalize_flash_attn_S(attn_unnorm, q, k, v, query_padding_mask=None, *args, "
-    "**kwargs):\n"
-    "    # flashdl's S_dmask holds normalised probabilities: only zero padded query rows,\n"
-    "    # as the original does last.\n"
-    "    if query_padding_mask is not None:\n"
-    "        attn_unnorm = attn_unnorm.masked_fill(~query_padding_mask[:, None, :, None], 0.0)\n"
-    "    return attn_unnorm\n\n\n"
-    "def _flash_attn_cuda_normalize_S(",
-    "flash-attn's kernel stores exp(s - running max) per key block; flashdl stores exp(s - lse)",
-)
-
 # Cases that need what flashdl lacks, for --flashdl-supported: (test function, predicate over its
 # parameters or None for every case, reason). Reasons are repeated in docs/flash_attn_tests.md.
 UNSUPPORTED = [
@@ -116,23 +97,11 @@ SHIM = {
         ''',
     "flash_attn/flash_attn_interface.py": '''
         from flashdl.flash_attn import *  # noqa: F401,F403
+        # The key-block widths in which flashdl.flash_attn scales S_dmask (flash-attn's sm80
+        # table); the tests' normalize_flash_attn_S undoes that scaling with them.
+        from flashdl.flash_attn import _get_block_size_n  # noqa: F401
 
         USE_TRITON_ROCM = False
-
-
-        def _get_block_size_n(device, head_dim, is_dropout, is_causal):
-            """The key-block width of flash-attn's sm80 forward kernel, which its tests use to
-            undo that kernel's per-block scaling of S_dmask. flashdl's S_dmask is not scaled
-            per block (it is normalised), so no width makes that undoing right for it; see
-            --sdmask-normalised."""
-            assert head_dim <= 256
-            if head_dim <= 32:
-                return 128
-            if head_dim <= 64:
-                return 64 if is_dropout else 128
-            if head_dim <= 128:
-                return 32 if is_dropout else 64
-            return 64
         ''',
     "flash_attn/layers/__init__.py": "",
     "flash_attn/layers/rotary.py": '''
@@ -289,10 +258,9 @@ def download_sdist(version, into):
     return os.path.join(into, tars[0])
 
 
-def adapt(text, sdmask_normalised):
-    subs = SUBSTITUTIONS + ([SDMASK_SUBSTITUTION] if sdmask_normalised else [])
+def adapt(text):
     report = []
-    for what, pattern, repl, why in subs:
+    for what, pattern, repl, why in SUBSTITUTIONS:
         text, n = re.subn(pattern, lambda _m, r=repl: r, text, flags=re.MULTILINE)
         report.append((what, n, why))
     left = [ln for ln in text.splitlines()
@@ -346,8 +314,6 @@ def main(argv=None):
     ap.add_argument("--from-sdist", action="store_true", help="pip download flash-attn's sdist")
     ap.add_argument("--version", default=None, help="with --from-sdist: flash-attn's version")
     ap.add_argument("--out", default=None, help="directory for the adapted copy (default: temp)")
-    ap.add_argument("--sdmask-normalised", action="store_true",
-                    help="substitution 5: flashdl's S_dmask is already normalised")
     ap.add_argument("--no-run", action="store_true", help="write the copy, do not run pytest")
     args = ap.parse_args(argv)
     if bool(args.source) == args.from_sdist:
@@ -356,7 +322,7 @@ def main(argv=None):
     work = tempfile.mkdtemp(prefix="flashdl-fa-") if args.from_sdist or not args.out else None
     source = download_sdist(args.version, work) if args.from_sdist else args.source
     text, origin = read_source(source)
-    text, report, left = adapt(text, args.sdmask_normalised)
+    text, report, left = adapt(text)
     out = os.path.abspath(args.out or os.path.join(work, "adapted"))
     write_tree(out, text)
 
@@ -368,7 +334,7 @@ def main(argv=None):
         print("  lines still naming torch.cuda (not substituted):")
         for ln in left:
             print("    " + ln.strip())
-    if any(n == 0 for _w, n, _y in report[:4]):
+    if any(n == 0 for _w, n, _y in report):
         print("warning: a substitution matched nothing; the module may have changed upstream")
     if args.no_run:
         return 0

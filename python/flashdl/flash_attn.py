@@ -21,14 +21,22 @@ flash-attn"):
   (-slope * |i + seqlen_k - seqlen_q - j|); flash-attn's causal kernel adds slope * j instead, the
   same softmax shifted per row, so its lse is larger by slope * (i + seqlen_k - seqlen_q). out and
   the gradients are the same.
-- S_dmask (return_attn_probs=True) is described in _attn_probs below: the normalised attention
-  probabilities in q's dtype, (batch, nheads, seqlen_q, seqlen_k) with no rounding up of the
-  sequence lengths, dropped entries negated; an empty tensor when dropout_p == 0, as flash-attn.
 - torch.compile and torch.export see flashdl.torch's custom ops (no graph break, dropout
   included), except return_attn_probs=True with dropout: the seed is then read back as an int
   (.item()) to rebuild the mask, a graph break (and a synchronisation on CUDA).
-- Invalid arguments raise flashdl's ValueError or TypeError naming the argument (flash-attn's C++
-  checks raise RuntimeError with their own wording).
+- Invalid arguments raise flashdl's messages naming the argument: TypeError for a wrong type,
+  and for a wrong value ArgumentError, which is both a ValueError (flashdl's class) and a
+  RuntimeError (what flash-attn's C++ checks raise), so handlers written for either catch it.
+
+S_dmask (return_attn_probs=True with dropout; an empty tensor without, as flash-attn) is in
+the scaling of flash-attn's kernel (see _attn_probs below): (batch, nheads, seqlen_q, seqlen_k)
+in q's dtype (varlen: sequence b in the top-left of plane b, zeros elsewhere); for key j in key
+block J (width _get_block_size_n(...), flash-attn's sm80 table), exp(s_ij - m_iJ), m_iJ the
+largest visible score of row i in blocks J..last (the kernel's running maximum: it walks the
+blocks from the last one), 0 where key j is invisible, negated where dropout dropped it. The
+probabilities are block J times exp(m_iJ - lse_i), which is what flash-attn's tests'
+normalize_flash_attn_S computes. Unlike flash-attn's, the sequence lengths are not rounded up to
+128 (its tests crop them anyway).
 
 This module only adapts arguments: validation and every kernel are flashdl's.
 """
@@ -37,14 +45,15 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Literal, Optional, Tuple, Union, overload
+import functools
+from typing import Any, Callable, Literal, Optional, Tuple, TypeVar, Union, overload
 
 import torch
 
 from . import torch as _fdt
 from ._api import dropout_mask as _dropout_mask
 
-__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
+__all__ = ["ArgumentError", "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
            "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
            "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache", "unpad_input",
            "pad_input"]
@@ -52,6 +61,26 @@ __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_
 # return_attn_probs=True: (out, softmax_lse, S_dmask); False: out alone.
 _WithProbs = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 _OutOrProbs = Union[torch.Tensor, _WithProbs]
+
+
+class ArgumentError(ValueError, RuntimeError):
+    """An invalid argument: flashdl's ValueError, and a RuntimeError as flash-attn raises."""
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _flash_attn_errors(fn: _F) -> _F:
+    """fn with flashdl's ValueErrors re-raised as ArgumentError (same message)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ArgumentError:
+            raise
+        except ValueError as e:
+            raise ArgumentError(str(e)) from e
+    return wrapper  # type: ignore[return-value]
 
 
 def _maybe_contiguous(x):
@@ -110,17 +139,36 @@ def _visible(sq, sk, causal, window, device):
     return ok
 
 
-def _attn_probs(q, k, lse, scale, causal, window, keep, softcap=0.0, slopes=None):
-    """S_dmask for one dense batch: (batch, nheads, seqlen_q, seqlen_k) in q's dtype.
+def _get_block_size_n(device, head_dim, is_dropout, is_causal):
+    """The key-block width of flash-attn's sm80 forward kernel (flash-attn's function of this
+    name and signature, which its tests import to undo S_dmask's per-block scaling). S_dmask
+    exists only with dropout, where flash-attn's widths do not depend on the GPU or on causal:
+    device and is_causal are there for the signature."""
+    if head_dim <= 32:
+        return 128
+    if head_dim <= 64:
+        return 64 if is_dropout else 128
+    if head_dim <= 96:
+        return 64
+    if head_dim <= 128:
+        return 32 if is_dropout else 64
+    return 64
 
-    Entry (b, h, i, j) is the attention probability P = exp(s_ij - lse_i) of the undropped
-    softmax (0 where key j is invisible to query i), s_ij the score q_i k_j * scale after softcap
-    and the ALiBi bias (slopes: (nheads,) or (batch, nheads), or None), negated where dropout
-    dropped it:
-    the sign bit (torch.signbit) is exactly ~flashdl.dropout_mask(...) for every entry, and
-    flash-attn's tests' `S_dmask >= 0` recovers the keep-mask wherever P != 0. flash-attn's kernel
-    stores unnormalised exp(s - running max) with the same sign convention and sequence lengths
-    rounded up to 128; its tests normalise and crop it, which here is the identity.
+
+def _attn_probs(q, k, scale, causal, window, keep, softcap=0.0, slopes=None):
+    """S_dmask for one dense batch: (batch, nheads, seqlen_q, seqlen_k) in q's dtype, in the
+    scaling of flash-attn's kernel, so that code written for flash-attn (its tests'
+    normalize_flash_attn_S) reads it unchanged.
+
+    s_ij is the score q_i k_j * scale after softcap and the ALiBi bias (slopes: (nheads,) or
+    (batch, nheads), or None). flash-attn's kernel walks the keys in blocks of width
+    W = _get_block_size_n(...) from the last block to the first and stores, for key j in block
+    J, exp(s_ij - m_iJ), m_iJ the largest visible score of row i in blocks J..last: entries are
+    in [0, 1], 0 where key j is invisible to query i. The probability exp(s_ij - lse_i) is that
+    times exp(m_iJ - lse_i). Entries dropout dropped are negated: the sign bit (torch.signbit)
+    is exactly ~flashdl.dropout_mask(...) for every entry, zeros included, and `S_dmask >= 0`
+    recovers the keep-mask wherever the entry is not 0. flash-attn rounds the sequence lengths
+    up to 128 and its tests crop that; here there is nothing to crop.
     Only for testing, as in flash-attn: it materialises the seqlen_q x seqlen_k matrix.
     """
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -136,9 +184,15 @@ def _attn_probs(q, k, lse, scale, causal, window, keep, softcap=0.0, slopes=None
         i = torch.arange(sq, device=q.device)[:, None] + (sk - sq)
         j = torch.arange(sk, device=q.device)[None, :]
         s = s - slopes * (i - j).abs().to(work)
-    vis = _visible(sq, sk, causal, window, q.device)
-    p = torch.where(vis, torch.exp(s - lse.to(work)[..., None]), torch.zeros((), dtype=work,
-                                                                            device=q.device))
+    s = s.masked_fill(~_visible(sq, sk, causal, window, q.device), -math.inf)
+    width = _get_block_size_n(q.device, q.shape[3], True, causal)
+    nblocks = -(-sk // width)
+    blocks = torch.nn.functional.pad(s, (0, nblocks * width - sk), value=-math.inf)
+    m = blocks.reshape(*s.shape[:3], nblocks, width).amax(-1)
+    m = m.flip(-1).cummax(-1).values.flip(-1)  # the running max, last block first
+    m = m.repeat_interleave(width, dim=-1)[..., :sk]
+    # No visible key in blocks J..last: every s of block J is -inf; 0 (not -inf) keeps exp at 0.
+    p = torch.exp(s - m.masked_fill(m == -math.inf, 0.0))
     keep = torch.as_tensor(keep, device=q.device)
     return torch.where(keep, p, -p).to(q.dtype)
 
@@ -172,7 +226,7 @@ def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alib
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     keep = _dropout_mask(b, h, sq, k.shape[1], dropout_p, seed)
     with torch.no_grad():
-        probs = _attn_probs(q.detach(), k.detach(), lse, scale, causal, window, keep,
+        probs = _attn_probs(q.detach(), k.detach(), scale, causal, window, keep,
                             mods["softcap"], mods["alibi_slopes"])
     return out, lse, probs
 
@@ -192,8 +246,9 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
         return out
     if not dropout_p > 0:
         return out, lse, _empty_probs(q)
-    # Sequence b gets dense batch b's dropout mask (flashdl.attention_varlen), so its probabilities
-    # sit in the top-left corner of plane b, zeros elsewhere, as in flash-attn's layout.
+    # Sequence b gets dense batch b's dropout mask (flashdl.attention_varlen), so its S_dmask sits
+    # in the top-left corner of plane b, zeros elsewhere, as in flash-attn's layout; its key
+    # blocks start at its own first key, as in flash-attn's kernel.
     cq, ck = (torch.as_tensor(c).tolist() for c in (cu_seqlens_q, cu_seqlens_k))
     batch, h, d = len(cq) - 1, q.shape[1], q.shape[2]
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
@@ -203,9 +258,8 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
         for b in range(batch):
             sq, sk = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
             probs[b, :, :sq, :sk] = _attn_probs(
-                q.detach()[None, cq[b]:cq[b + 1]], k.detach()[None, ck[b]:ck[b + 1]],
-                lse[None, :, cq[b]:cq[b + 1]], scale, causal, window,
-                keep[b:b + 1, :, :sq, :sk], mods["softcap"],
+                q.detach()[None, cq[b]:cq[b + 1]], k.detach()[None, ck[b]:ck[b + 1]], scale,
+                causal, window, keep[b:b + 1, :, :sq, :sk], mods["softcap"],
                 _slopes_row(mods["alibi_slopes"], b))[0]
     return out, lse, probs
 
@@ -232,6 +286,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
                     ) -> _OutOrProbs: ...
 
 
+@_flash_attn_errors
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
                     softmax_scale: Optional[float] = None, causal: bool = False,
                     window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
@@ -269,6 +324,7 @@ def flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = ...,
                               ) -> _OutOrProbs: ...
 
 
+@_flash_attn_errors
 def flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = 0.0,
                               softmax_scale: Optional[float] = None, causal: bool = False,
                               window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
@@ -304,6 +360,7 @@ def flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float
                              ) -> _OutOrProbs: ...
 
 
+@_flash_attn_errors
 def flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float = 0.0,
                              softmax_scale: Optional[float] = None, causal: bool = False,
                              window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
@@ -347,6 +404,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            ) -> _OutOrProbs: ...
 
 
+@_flash_attn_errors
 def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                            max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
@@ -392,6 +450,7 @@ def flash_attn_varlen_qkvpacked_func(qkv: torch.Tensor, cu_seqlens: torch.Tensor
                                      ) -> _OutOrProbs: ...
 
 
+@_flash_attn_errors
 def flash_attn_varlen_qkvpacked_func(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                                      dropout_p: float = 0.0,
                                      softmax_scale: Optional[float] = None, causal: bool = False,
@@ -436,6 +495,7 @@ def flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor,
                                     ) -> _OutOrProbs: ...
 
 
+@_flash_attn_errors
 def flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, cu_seqlens_q: torch.Tensor,
                                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
                                     max_seqlen_k: int, dropout_p: float = 0.0,
@@ -451,6 +511,7 @@ def flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, cu_seqlen
                    alibi_slopes, deterministic, return_attn_probs)
 
 
+@_flash_attn_errors
 def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None,
                             rotary_cos: Optional[torch.Tensor] = None,

@@ -1,7 +1,9 @@
 """flashdl.flash_attn, the flash-attn 2.x drop-in: flash-attn's signatures; every function against
 the float64 oracle (forward, lse, autograd gradients, float32 and bfloat16); packed layouts equal
-the unpacked call; varlen equals each sequence alone; return_attn_probs (shapes, dtypes, lse, and
-the dropout keep-mask recovered from S_dmask equals flashdl.dropout_mask); windows below -1;
+the unpacked call; varlen equals each sequence alone; return_attn_probs (shapes, dtypes, lse, the
+dropout keep-mask recovered from S_dmask equals flashdl.dropout_mask, S_dmask in the per-key-block
+scaling of flash-attn's kernel, which flash-attn's normalisation turns into the probabilities,
+against float64 written from that definition); windows below -1;
 strided last dimensions; softcap and alibi_slopes against flash-attn's reference formulas;
 NotImplementedError for block_table; unpad_input/pad_input (flash_attn.bert_padding)."""
 
@@ -223,11 +225,70 @@ def test_varlen_packed_equal_unpacked():
     assert torch.equal(dq, sep[0]) and torch.equal(dkv, torch.stack(sep[1:], dim=1))
 
 
-def probs_oracle(q, k, causal, window):
-    """The undropped attention probabilities (b, h, sq, sk) in float64."""
-    vis = visible(q.shape[1], k.shape[1], causal, window)
-    q, k = masked_oracle._heads(q), masked_oracle._heads(k, q.shape[2] // k.shape[2])
-    return masked_oracle._probs(q, k, vis, 1.0 / np.sqrt(q.shape[-1]))[0]
+# flash-attn's sm80 key-block widths with dropout (its flash_attn_interface._get_block_size_n),
+# written out here rather than read from the module under test.
+def fa_block_width(d):
+    return 128 if d <= 32 else 64 if d <= 96 else 32 if d <= 128 else 64
+
+
+def ref_scores(q, k, causal=False, window=(-1, -1), softcap=0.0, alibi_slopes=None):
+    """float64 scores (b, h, sq, sk) as flash-attn's tests' attention_ref builds them (bottom-right
+    aligned): q k / sqrt(d), then softcap * tanh(scores / softcap), then the ALiBi bias
+    -slope * |i + sk - sq - j|, -inf where the key is invisible."""
+    q, k = q.double(), k.double().repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    s = torch.einsum("bihd,bjhd->bhij", q, k) / q.shape[-1] ** 0.5
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    sq, sk = q.shape[1], k.shape[1]
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.double().reshape(-1, q.shape[2])[..., None, None]
+        dist = (torch.arange(sq)[:, None] + sk - sq - torch.arange(sk)[None, :]).abs()
+        s = s - slopes * dist
+    return s.masked_fill(~torch.as_tensor(visible(sq, sk, causal, window)), -torch.inf)
+
+
+def sdmask_oracle(s, width):
+    """|S_dmask| from the definition of flash-attn's kernel's scaling: key j in block
+    J = j // width gets exp(s_ij - m), m the largest s_i over blocks J..last (its running max,
+    walking the blocks from the last), 0 where s_ij = -inf."""
+    out = torch.zeros_like(s)
+    for j0 in range(0, s.shape[-1], width):
+        m = s[..., j0:].amax(-1, keepdim=True)
+        out[..., j0:j0 + width] = torch.exp(s[..., j0:j0 + width] - m).nan_to_num(0.0)
+    return out
+
+
+def fa_normalize(s_dmask, s, width):
+    """flash-attn's tests' normalize_flash_attn_S on |S_dmask| (s: the scores): block J times
+    exp(m_J - lse), m_J the block maxima of s cumulated from the right, lse its logsumexp (+inf
+    where -inf, so that a row that sees no key gives 0, not NaN)."""
+    blocks = s.split(width, dim=-1)
+    lse = torch.logsumexp(s, dim=-1)
+    lse[lse == -torch.inf] = torch.inf
+    m = torch.stack([x.amax(-1) for x in blocks], dim=-1).flip(-1).cummax(-1).values.flip(-1)
+    return torch.cat([a * torch.exp(mj - lse)[..., None] for a, mj in
+                      zip(s_dmask.abs().double().split(width, dim=-1), m.unbind(-1))], dim=-1)
+
+
+def keep_after(torch_seed, b, h, sq, sk, p):
+    """The keep-mask of a call made right after torch.manual_seed(torch_seed): the dropout seed
+    comes from torch's generator."""
+    torch.manual_seed(torch_seed)
+    seed = int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64).item())
+    return flashdl.dropout_mask(b, h, sq, sk, p, seed)
+
+
+def check_s_dmask(s_dmask, s, keep, width, atol):
+    """S_dmask against its float64 definition: the sign bit is the dropout, `S_dmask >= 0`
+    (flash-attn's tests) recovers the keep-mask wherever the entry is not 0, |S_dmask| is
+    flash-attn's scaling, and flash-attn's normalisation gives the softmax of the scores."""
+    s = s.detach()
+    assert np.array_equal(torch.signbit(s_dmask).numpy(), ~keep)
+    nonzero = (s_dmask != 0).numpy()
+    assert np.array_equal((s_dmask >= 0).numpy()[nonzero], keep[nonzero])
+    torch.testing.assert_close(s_dmask.abs().double(), sdmask_oracle(s, width), rtol=0, atol=atol)
+    torch.testing.assert_close(fa_normalize(s_dmask, s, width),
+                               torch.softmax(s, dim=-1).nan_to_num(0.0), rtol=0, atol=atol)
 
 
 @pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (4, -1))])
@@ -239,16 +300,10 @@ def test_dropout_mask_recovered_from_s_dmask(causal, window):
                                                    window_size=window, return_attn_probs=True)
     assert s_dmask.shape == (b, h, sq, sk) and s_dmask.dtype == torch.float32
     # The seed came from torch's generator: the same torch seed gives the same dropout.
-    torch.manual_seed(123)
-    seed = int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64).item())
-    keep = flashdl.dropout_mask(b, h, sq, sk, p, seed)
-    assert np.array_equal(torch.signbit(s_dmask).numpy(), ~keep)
-    nonzero = (s_dmask != 0).numpy()
-    assert np.array_equal((s_dmask >= 0).numpy()[nonzero], keep[nonzero])  # flash-attn's tests'
+    keep = keep_after(123, b, h, sq, sk, p)
+    check_s_dmask(s_dmask, ref_scores(*leaves[:2], causal, window), keep, fa_block_width(d), 1e-6)
     q, k, v = np64(*leaves)
     vis = visible(sq, sk, causal, window)
-    np.testing.assert_allclose(s_dmask.abs().numpy(), probs_oracle(q, k, causal, window),
-                               rtol=1e-5, atol=1e-6)
     o_ref, lse_ref = masked_oracle.forward(q, k, v, vis, keep, p)
     masked_oracle.close(out.detach().numpy(), o_ref, 1e-5, "out")
     assert_lse(lse.numpy(), lse_ref)
@@ -263,26 +318,60 @@ def test_dropout_mask_recovered_from_s_dmask(causal, window):
         masked_oracle.close(g.numpy(), e, 1e-4, f"d{name}", magnitude=mag)
 
 
-def test_varlen_dropout_s_dmask():
-    h, d, p = 2, 8, 0.25
-    sq, sk = [4, 9, 1], [6, 3, 5]
-    q, k, v = randn(sum(sq), h, d, seed=1), randn(sum(sk), h, d, seed=2), randn(sum(sk), h, d,
-                                                                               seed=3)
+SDMASK_SHAPES = [
+    (37, 293, False, (-1, -1)),  # several blocks of every width, the last one partial
+    (37, 293, True, (-1, -1)),   # bottom-right causal: the last blocks are invisible to some rows
+    (150, 133, True, (-1, -1)),  # the first 17 rows see no key
+    (37, 293, False, (70, 20)),  # whole blocks outside the window on both sides
+]
+
+
+@pytest.mark.parametrize("d", [16, 48, 80, 112, 160])  # one in each row of the width table
+@pytest.mark.parametrize("sq,sk,causal,window", SDMASK_SHAPES)
+def test_s_dmask_has_flash_attns_block_scaling(d, sq, sk, causal, window):
+    b, h, hk, p = 2, 4, 2, 0.2
+    q, k, v = qkv_of(b, sq, sk, h, hk, d)
+    torch.manual_seed(5)
+    _, _, s_dmask = flash_attn.flash_attn_func(q, k, v, dropout_p=p, causal=causal,
+                                               window_size=window, return_attn_probs=True)
+    assert s_dmask.shape == (b, h, sq, sk) and s_dmask.abs().max() <= 1
+    check_s_dmask(s_dmask, ref_scores(q, k, causal, window), keep_after(5, b, h, sq, sk, p),
+                  fa_block_width(d), 1e-5)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 2**-8), (torch.float16, 2**-11)])
+def test_s_dmask_in_q_dtype_with_softcap_and_alibi(dtype, atol):
+    b, sq, sk, h, d, p = 2, 21, 150, 2, 112, 0.25
+    q, k, v = qkv_of(b, sq, sk, h, h, d, dtype=dtype)
+    slopes = torch.tensor([[0.25, 0.0625], [0.5, 0.125]])
+    torch.manual_seed(9)
+    _, _, s_dmask = flash_attn.flash_attn_func(q, k, v, dropout_p=p, causal=True, softcap=4.0,
+                                               alibi_slopes=slopes, return_attn_probs=True)
+    assert s_dmask.dtype == dtype
+    s = ref_scores(q, k, True, softcap=4.0, alibi_slopes=slopes)
+    check_s_dmask(s_dmask, s, keep_after(9, b, h, sq, sk, p), fa_block_width(d), atol)
+
+
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (30, 10))])
+def test_varlen_dropout_s_dmask(causal, window):
+    h, hk, d, p = 4, 2, 48, 0.25
+    sq, sk = [40, 9, 1, 70], [150, 3, 70, 65]
+    q, k, v = randn(sum(sq), h, d, seed=1), randn(sum(sk), hk, d, seed=2), randn(sum(sk), hk, d,
+                                                                                seed=3)
     cq, ck = cu(sq), cu(sk)
     torch.manual_seed(7)
     out, lse, s_dmask = flash_attn.flash_attn_varlen_func(q, k, v, cq, ck, max(sq), max(sk),
-                                                          dropout_p=p, causal=True,
+                                                          dropout_p=p, causal=causal,
+                                                          window_size=window,
                                                           return_attn_probs=True)
-    assert s_dmask.shape == (3, h, max(sq), max(sk)) and lse.shape == (h, sum(sq))
-    torch.manual_seed(7)
-    seed = int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64).item())
-    keep = flashdl.dropout_mask(3, h, max(sq), max(sk), p, seed)
-    for b in range(3):
-        plane = s_dmask[b, :, :sq[b], :sk[b]]
-        assert np.array_equal(torch.signbit(plane).numpy(), ~keep[b, :, :sq[b], :sk[b]])
-        q1, k1 = np64(q[cq[b]:cq[b + 1]][None], k[ck[b]:ck[b + 1]][None])
-        np.testing.assert_allclose(plane.abs().numpy(), probs_oracle(q1, k1, True, (-1, -1))[0],
-                                   rtol=1e-5, atol=1e-6)
+    n = len(sq)
+    assert s_dmask.shape == (n, h, max(sq), max(sk)) and lse.shape == (h, sum(sq))
+    keep = keep_after(7, n, h, max(sq), max(sk), p)
+    for b in range(n):
+        # Each sequence alone, its key blocks starting at its own first key, as in flash-attn.
+        s = ref_scores(q[cq[b]:cq[b + 1]][None], k[ck[b]:ck[b + 1]][None], causal, window)
+        check_s_dmask(s_dmask[b:b + 1, :, :sq[b], :sk[b]], s, keep[b:b + 1, :, :sq[b], :sk[b]],
+                      fa_block_width(d), 1e-5)
         rest = s_dmask[b].clone()
         rest[:, :sq[b], :sk[b]] = 0
         assert (rest == 0).all()
@@ -309,22 +398,10 @@ def test_strided_last_dim_is_copied():
 
 
 def ref_attention(q, k, v, causal=False, window=(-1, -1), softcap=0.0, alibi_slopes=None):
-    """flash-attn's tests' attention_ref in float64 torch (bottom-right aligned): scores, then
-    softcap * tanh(scores / softcap), then the ALiBi bias -slope * |i + sk - sq - j|, then the
-    mask, then softmax."""
-    q, k, v = (x.double() for x in (q, k, v))
-    group = q.shape[2] // k.shape[2]
-    k, v = (x.repeat_interleave(group, dim=2) for x in (k, v))
-    s = torch.einsum("bihd,bjhd->bhij", q, k) / q.shape[-1] ** 0.5
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
-    sq, sk = q.shape[1], k.shape[1]
-    if alibi_slopes is not None:
-        slopes = alibi_slopes.double().reshape(-1, q.shape[2])[..., None, None]
-        dist = (torch.arange(sq)[:, None] + sk - sq - torch.arange(sk)[None, :]).abs()
-        s = s - slopes * dist
-    s = s.masked_fill(~torch.as_tensor(visible(sq, sk, causal, window)), -torch.inf)
-    return torch.einsum("bhij,bjhd->bihd", torch.softmax(s, dim=-1).nan_to_num(0.0), v)
+    """flash-attn's tests' attention_ref in float64 torch: the softmax of ref_scores times v."""
+    p = torch.softmax(ref_scores(q, k, causal, window, softcap, alibi_slopes), dim=-1)
+    v = v.double().repeat_interleave(q.shape[2] // v.shape[2], dim=2)
+    return torch.einsum("bhij,bjhd->bihd", p.nan_to_num(0.0), v)
 
 
 @pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (6, 3))])
@@ -366,9 +443,11 @@ def test_negative_softcap_is_off_and_s_dmask_uses_the_modifiers():
     slopes = torch.tensor([0.5, 0.125])
     out, lse, s_dmask = flash_attn.flash_attn_func(q, k, v, dropout_p=0.3, softcap=1.5,
                                                    alibi_slopes=slopes, return_attn_probs=True)
-    # |S_dmask| are the undropped probabilities of the modified scores: rows sum to 1.
-    assert torch.allclose(s_dmask.abs().double().sum(-1), torch.ones(1, 2, 9, dtype=torch.float64),
-                          atol=1e-5)
+    # 12 keys, one key block (width 128): |S_dmask| is exp(s - row max) of the modified scores s,
+    # so times exp(row max - lse), with the call's lse, it is their softmax: rows sum to 1.
+    s = ref_scores(q, k, softcap=1.5, alibi_slopes=slopes)
+    probs = s_dmask.abs().double() * torch.exp(s.amax(-1) - lse.double())[..., None]
+    assert torch.allclose(probs.sum(-1), torch.ones(1, 2, 9, dtype=torch.float64), atol=1e-5)
     assert torch.isfinite(lse).all() and out.shape == q.shape
 
 
@@ -445,6 +524,29 @@ def test_with_kvcache_int_and_none_cache_seqlens_and_unsupported():
     for name in ("rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad"):
         with pytest.raises(NotImplementedError, match=name):
             flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, **{name: torch.zeros(1)})
+
+
+def test_invalid_values_raise_argument_error_both_value_and_runtime_error():
+    """flash-attn's checks raise RuntimeError, flashdl's ValueError: ArgumentError is both, with
+    flashdl's message naming the argument. Paged bounds as flash-attn's test checks them: the
+    call is refused naming block_table, and nothing is written."""
+    assert issubclass(flash_attn.ArgumentError, ValueError)
+    assert issubclass(flash_attn.ArgumentError, RuntimeError)
+    q = randn(1, 4, 2, 8, seed=1)
+    with pytest.raises(RuntimeError, match="softmax_scale"):
+        flash_attn.flash_attn_func(q, q, q, softmax_scale=float("nan"))
+    with pytest.raises(ValueError, match="softmax_scale"):
+        flash_attn.flash_attn_func(q, q, q, softmax_scale=float("nan"))
+    pages_k, pages_v = randn(4, 4, 2, 8, seed=2), randn(4, 4, 2, 8, seed=3)
+    before = pages_k.clone(), pages_v.clone()
+    table = torch.tensor([[0, 1]], dtype=torch.int32)  # 2 pages of 4: room for 8 tokens
+    k = v = randn(1, 2, 2, 8, seed=4)
+    with pytest.raises(RuntimeError, match="block_table"):
+        flash_attn.flash_attn_with_kvcache(q[:, :1], pages_k, pages_v, k, v, block_table=table,
+                                           cache_seqlens=torch.tensor([7], dtype=torch.int32))
+    assert torch.equal(pages_k, before[0]) and torch.equal(pages_v, before[1])
+    with pytest.raises(TypeError):  # a wrong type stays a TypeError
+        flash_attn.flash_attn_func(q, q, q, window_size="wide")
 
 
 def test_unpad_pad_input_roundtrip_and_varlen():
