@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The first command to run on a machine with a GPU: environment, build for sm_90, the CUDA C++
-# tests (in full, then the small-tile fallback kernels), the CUDA pytest files, compute-sanitizer,
-# and the quick CUDA benchmark.
+# tests (in full, then the small-tile fallback kernels and the fa2 forward's shared-memory softmax),
+# the CUDA pytest files, compute-sanitizer, and the quick CUDA benchmark.
 #
 #   bash tools/gpu_check.sh OUTDIR [STEP ...]     (from any directory)
 #   bash tools/gpu_check.sh --list                (the step names, in order)
@@ -24,10 +24,10 @@
 set -uo pipefail
 
 STEPS=(env build cpp_forward cpp_backward cpp_block_sparse cpp_kvcache cpp_forward_fallback
-       cpp_backward_fallback pytest_cuda memcheck_forward memcheck_backward memcheck_block_sparse
-       memcheck_kvcache racecheck_forward racecheck_backward racecheck_block_sparse
-       racecheck_kvcache synccheck_forward synccheck_backward synccheck_block_sparse
-       synccheck_kvcache bench)
+       cpp_backward_fallback cpp_forward_smem_softmax pytest_cuda memcheck_forward
+       memcheck_backward memcheck_block_sparse memcheck_kvcache racecheck_forward
+       racecheck_backward racecheck_block_sparse racecheck_kvcache synccheck_forward
+       synccheck_backward synccheck_block_sparse synccheck_kvcache bench)
 
 usage() {
   echo "usage: bash tools/gpu_check.sh OUTDIR [STEP ...] | --list | --detect" >&2
@@ -285,6 +285,8 @@ step_cpp_block_sparse() { cpp_test test_cuda_block_sparse; }
 step_cpp_kvcache() { cpp_test test_cuda_kvcache; }
 step_cpp_forward_fallback() { FLASHDL_CUDA_SMEM_LIMIT=$SMEM_LIMIT cpp_test test_cuda_forward --quick; }
 step_cpp_backward_fallback() { FLASHDL_CUDA_SMEM_LIMIT=$SMEM_LIMIT cpp_test test_cuda_backward --quick; }
+# The fa2 forward's shared-memory softmax (its fallback from the register softmax) on every call.
+step_cpp_forward_smem_softmax() { FLASHDL_CUDA_FA2_SMEM_SOFTMAX=1 cpp_test test_cuda_forward --quick; }
 
 step_pytest_cuda() {
   local args=(-q -rfEs -p no:cacheprovider --junitxml="$OUTDIR/pytest_cuda.xml")
@@ -345,6 +347,7 @@ run_step cpp_block_sparse    120   cpp_block_sparse.log       step_cpp_block_spa
 run_step cpp_kvcache         120   cpp_kvcache.log            step_cpp_kvcache
 run_step cpp_forward_fallback  90  cpp_forward_fallback.log   step_cpp_forward_fallback
 run_step cpp_backward_fallback 90  cpp_backward_fallback.log  step_cpp_backward_fallback
+run_step cpp_forward_smem_softmax 90 cpp_forward_smem_softmax.log step_cpp_forward_smem_softmax
 run_step pytest_cuda         240   pytest_cuda.log            step_pytest_cuda
 for tool in memcheck racecheck synccheck; do
   for t in forward backward block_sparse kvcache; do

@@ -80,6 +80,7 @@ struct LaunchContext {
   int max_grid_y, max_grid_z;
   bool vec_load;         // q, k, v (and dout) rows start on 16-byte boundaries: cp.async copies
   bool vec_store;        // out (or dq, dk, dv) rows start on 16-byte boundaries: 16-byte stores
+  bool fa2_smem_softmax; // FLASHDL_CUDA_FA2_SMEM_SOFTMAX set: the fa2 forward's fallback softmax
 };
 
 }  // namespace flashdl::cuda

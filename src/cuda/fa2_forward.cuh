@@ -1,18 +1,24 @@
 // The FlashAttention-2 forward on tensor cores.
 //
-// Grid: (Q block, head, batch). A CTA of 4 warps owns kBlockM = 64 query rows, 16 per warp; every
-// warp sees every key (no split of K/V between warps). K/V blocks stream through a double buffer in
-// shared memory with cp.async; per block, each warp computes its 16 x kBlockN scores on tensor
-// cores, applies the score modifiers (softcap, ALiBi) when the head has any, masks them, runs the
-// online softmax per row (exp2 domain, two lanes per row), rescales its output accumulators in
-// registers and adds P V, again on tensor cores. The division by l happens once at the end, which
-// also writes lse (natural log, of the modified scores) for the backward pass.
+// Grid: (Q block, head, batch). A CTA of 4 warps owns kBlockM query rows, kWarpRows = 16 or 32 per
+// warp (the tile table of fa2_plan.hpp: 128 rows where the registers allow); every warp sees every
+// key (no split of K/V between warps). K/V blocks stream through a double buffer in shared memory
+// with cp.async, one block barrier per block; per block, each warp computes its kWarpRows x
+// kBlockN scores on tensor cores (each K fragment feeding every 16-row band), masks them, runs the
+// online softmax per row (exp2 domain, the scale folded into the FMA before exp2) on the score
+// accumulators in registers, rescales its output accumulators and adds P V with P converted from
+// the scores to A operands in registers (each V fragment feeding every band). Where the fragment
+// layout is not the one the register path knows, and for block masks, dropout and score modifiers
+// (softcap, ALiBi), the same body runs the softmax through shared memory instead. The division by
+// l happens once at the end, which also writes lse (natural log, of the modified scores) for the
+// backward pass. The translation units are compiled with -ftz=true (src/cuda/CMakeLists.txt).
 #pragma once
 
 #include <cuda_pipeline.h>
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "check.hpp"
 #include "fa2_traits.cuh"
@@ -73,14 +79,19 @@ __device__ __forceinline__ void apply_score_mods(float* sS, const ScoreModF& mod
   }
 }
 
-// One online-softmax step for the row this lane pair owns (lanes 2r and 2r+1 share row r, taking
-// alternate columns). Scales the scores into the exp2 domain, masks keys outside [col_lo, col_hi)
-// and in zero blocks of the block mask (row_in: the row, clamped into the sequence) when kMasked,
-// updates {m, l} and writes P = exp2(t - m) as T over the scores in place, with the elements
-// dropout drops set to 0 (l sums the undropped values; the kept ones' 1 / (1 - p) is applied with
-// 1 / l in the epilogue, so P is rounded once, as without dropout). Returns the factor by which
-// the row's output accumulator must be rescaled. The block mask and dropout run in loops of their
-// own, not unrolled: inlined into the unrolled score loop they made ptxas spill.
+// One online-softmax step in shared memory for the row this lane pair owns (lanes 2r and 2r+1
+// share row r, taking alternate columns): the fa2 forward's fallback path (fragment layouts other
+// than acc_row / acc_col, block masks, dropout, score modifiers) and the decode kernel's step.
+// Masks keys outside [col_lo, col_hi) and in zero blocks of the block mask (row_in: the row,
+// clamped into the sequence) when kMasked, updates {m, l} (the max over the scores times
+// scale_log2) and writes P = exp2(fma(s, scale_log2, -m)) as T over the scores in place, with the
+// elements dropout drops set to 0 (l sums the undropped values; the kept ones' 1 / (1 - p) is
+// applied with 1 / l in the epilogue, so P is rounded once, as without dropout). Returns the
+// factor by which the row's output accumulator must be rescaled. The block mask and dropout run
+// in loops of their own, not unrolled: inlined into the unrolled score loop they made ptxas spill.
+// Rows r and r + 8 start in the same bank (the row stride is 4 mod 32 words, or 20 for 16-key
+// blocks): rows 8 to 15 visit their column pairs rotated by one (smem_softmax_col), so the 32
+// loads of a step, and its P stores, hit 32 different banks.
 template <typename Tr, bool kMasked>
 __device__ __forceinline__ float softmax_step(float* sS, detail::OnlineSoftmax<float>& sm,
                                               float scale_log2, int64_t n0, int64_t col_lo,
@@ -88,46 +99,101 @@ __device__ __forceinline__ float softmax_step(float* sS, detail::OnlineSoftmax<f
                                               int64_t row_in, const detail::Dropout& drop,
                                               int64_t row) {
   using T = typename Tr::T;
+  constexpr int K = Tr::kColsPerLane;
+  static_assert(K <= 32 && (K & (K - 1)) == 0, "a power of two, one visibility bit per column");
   const int lane = threadIdx.x % 32;
   const int r = lane / 2, half = lane % 2;
   if (kMasked && !bm.dense()) {  // zero blocks: -inf before the row max (each lane its own scores)
 #pragma unroll 1
-    for (int k = 0; k < Tr::kColsPerLane; ++k) {
+    for (int k = 0; k < K; ++k) {
       const int c = 2 * k + half;
       if (n0 + c < col_hi && !bm.visible(row_in, n0 + c)) sS[r * Tr::kLdS + c] = -INFINITY;
     }
   }
-  float t[Tr::kColsPerLane];
+  float x[K];
+  unsigned visible = 0u;
   float block_max = -INFINITY;
 #pragma unroll
-  for (int k = 0; k < Tr::kColsPerLane; ++k) {
-    const int c = 2 * k + half;
-    float v = sS[r * Tr::kLdS + c] * scale_log2;
-    if (kMasked && (n0 + c < col_lo || n0 + c >= col_hi)) v = -INFINITY;
-    t[k] = v;
-    block_max = fmaxf(block_max, v);
+  for (int k = 0; k < K; ++k) {
+    const int c = smem_softmax_col(lane, k, K);
+    x[k] = sS[r * Tr::kLdS + c];
+    const bool in = !kMasked || (n0 + c >= col_lo && n0 + c < col_hi);
+    if (kMasked) visible |= unsigned(in) << k;
+    if (in) block_max = fmaxf(block_max, x[k] * scale_log2);
   }
   block_max = fmaxf(block_max, __shfl_xor_sync(kFullMask, block_max, 1));
   const float alpha = sm.rescale_factor(block_max);
-  const float ref = sm.reference();  // 0 while the row has seen no key: exp2(-inf - 0) = 0
-  __syncwarp();                      // every score is in registers: P may overwrite them
+  const float neg_ref = -sm.reference();  // 0 while the row has seen no key
+  __syncwarp();                           // every score is in registers: P may overwrite them
   T* sP = reinterpret_cast<T*>(sS);
   float block_sum = 0.0f;
 #pragma unroll
-  for (int k = 0; k < Tr::kColsPerLane; ++k) {
-    const float pk = exp2f(t[k] - ref);
+  for (int k = 0; k < K; ++k) {
+    const int c = smem_softmax_col(lane, k, K);
+    const bool in = !kMasked || ((visible >> k) & 1u);
+    const float pk = in ? exp2f(fmaf(x[k], scale_log2, neg_ref)) : 0.0f;
     block_sum += pk;
-    sP[r * Tr::kLdP + 2 * k + half] = from_float<T>(pk);
+    sP[r * Tr::kLdP + c] = from_float<T>(pk);
   }
   if (drop.on()) {  // this lane's own elements of P: no barrier needed
 #pragma unroll 1
-    for (int k = 0; k < Tr::kColsPerLane; ++k)
+    for (int k = 0; k < K; ++k)
       if (!drop.keep(row, n0 + 2 * k + half)) sP[r * Tr::kLdP + 2 * k + half] = from_float<T>(0.0f);
   }
   block_sum += __shfl_xor_sync(kFullMask, block_sum, 1);
   sm.accumulate(alpha, block_sum);
   __syncwarp();  // P complete before the tensor cores read it
   return alpha;
+}
+
+// The online-softmax step of the warp's kRowFrags x 16 rows on the score accumulators themselves
+// (the acc_row / acc_col layout, checked at kernel start): lane l holds, of each 16-row band, rows
+// l / 4 and l / 4 + 8 (elements with (i / 2) % 2 = 0, 1), 4 of their columns per fragment; the 4
+// lanes of a quad hold a row between them, so its max and sum take two shuffles. The scores become
+// P = exp2(fma(s, scale_log2, -m)) in place (0 for masked keys); alpha gets each row's rescale
+// factor. kMasked: keys outside [lo, hi) of a row, relative to the block, are masked.
+template <typename Tr, bool kMasked>
+__device__ __forceinline__ void softmax_regs(FragAcc (&s)[Tr::kRowFrags][Tr::kFragsN],
+                                             detail::OnlineSoftmax<float> (&sm)[Tr::kRowFrags][2],
+                                             float scale_log2, const int (&lo)[Tr::kRowFrags][2],
+                                             const int (&hi)[Tr::kRowFrags][2],
+                                             float (&alpha)[Tr::kRowFrags][2]) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int rf = 0; rf < Tr::kRowFrags; ++rf) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float block_max = -INFINITY;
+#pragma unroll
+      for (int nf = 0; nf < Tr::kFragsN; ++nf)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int i = (j / 2) * 4 + h * 2 + j % 2;  // the elements of row half h
+          const int c = nf * kFrag + acc_col(lane, i);
+          if (!kMasked || (c >= lo[rf][h] && c < hi[rf][h]))
+            block_max = fmaxf(block_max, s[rf][nf].x[i] * scale_log2);
+        }
+      block_max = fmaxf(block_max, __shfl_xor_sync(kFullMask, block_max, 1));
+      block_max = fmaxf(block_max, __shfl_xor_sync(kFullMask, block_max, 2));
+      alpha[rf][h] = sm[rf][h].rescale_factor(block_max);
+      const float neg_ref = -sm[rf][h].reference();
+      float block_sum = 0.0f;
+#pragma unroll
+      for (int nf = 0; nf < Tr::kFragsN; ++nf)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int i = (j / 2) * 4 + h * 2 + j % 2;
+          const int c = nf * kFrag + acc_col(lane, i);
+          const bool in = !kMasked || (c >= lo[rf][h] && c < hi[rf][h]);
+          const float pk = in ? exp2f(fmaf(s[rf][nf].x[i], scale_log2, neg_ref)) : 0.0f;
+          s[rf][nf].x[i] = pk;
+          block_sum += pk;
+        }
+      block_sum += __shfl_xor_sync(kFullMask, block_sum, 1);
+      block_sum += __shfl_xor_sync(kFullMask, block_sum, 2);
+      sm[rf][h].accumulate(alpha[rf][h], block_sum);
+    }
+  }
 }
 
 // Multiplies every output accumulator element by the factor of its row. Lane 2r holds row r's
@@ -163,45 +229,48 @@ __device__ __forceinline__ void accumulate_pv(const typename Tr::T* sP, const ty
   }
 }
 
-// Epilogue: O / l, converted to T, written to this warp's rows of out (rows >= rows_valid are
-// padding and not stored), one 16 x 16 fragment at a time through the warp's scratch.
-template <typename Tr>
-__device__ __forceinline__ void store_output(FragAcc (&acc)[Tr::kFragsD], const FragRows& rows,
-                                             float inv_l, float* scratch, typename Tr::T* gO,
-                                             int64_t o_row_stride, int rows_valid, bool vec) {
-  scale_rows(acc, rows, inv_l);
-  const int lane = threadIdx.x % 32;
-  const int r = lane / 2, c0 = (lane % 2) * 8;
+// The accumulator row map, learnt from the 16 x 16 tile of row indices at `tile` (ld 16).
+__device__ __forceinline__ FragRows load_rows(const float* tile) {
+  FragAcc f;
+  wmma::load_matrix_sync(f, tile, kFrag, wmma::mem_row_major);
+  FragRows rows;
 #pragma unroll
-  for (int df = 0; df < Tr::kFragsD; ++df) {
-    wmma::store_matrix_sync(scratch, acc[df], Tr::kLdS, wmma::mem_row_major);
-    __syncwarp();
-    if (r < rows_valid) store8(gO + r * o_row_stride + df * kFrag + c0, scratch + r * Tr::kLdS + c0, vec);
-    __syncwarp();
-  }
+  for (int i = 0; i < FragAcc::num_elements; ++i) rows.r[i] = static_cast<int>(f.x[i]);
+  return rows;
 }
 
-// Two CTAs per SM is what the shared memory allows from d = 96 on; the bound lets ptxas use the
-// registers that leaves (without it, it capped some variants at 168 and spilled).
+// Two CTAs per SM: the tile table (fa2_plan.hpp) keeps the shared memory within half an H100's;
+// the bound lets ptxas use the registers that leaves.
 // kMods: the call has score modifiers (softcap, ALiBi; detail::has_score_mod). A compile-time
-// switch here only: as a run-time branch the modifier pass cost the unmodified kernel up to 9
-// registers (ptxas, sm_90; float16 d = 64 went from 160 to 169, 3 to 2 CTAs per SM on an H100),
-// while the other kernels branch at run time at no such cost.
+// switch: as a run-time branch the modifier pass cost the unmodified kernel registers.
+// smem_softmax: run the shared-memory softmax even where the register one would do (testing).
+//
+// One body, two softmax paths chosen per CTA at run time (the same choice in every warp):
+// - registers: the scores stay in their accumulator fragments, the softmax runs on them (quad
+//   shuffles) and P becomes the A operand of P V by conversion; taken where the fragment layout
+//   check holds and the block has no block mask, no dropout and an unmodified head;
+// - shared memory (fallback): each 16-row band's scores go through the warp's scratch (the
+//   modifiers, the block mask and dropout apply there), P comes back as A fragments by wmma loads.
+// A head with slope 0 and no cap takes the path, and the arithmetic, of a call without modifiers.
 template <typename Tr, bool kMods>
 __global__ void __launch_bounds__(Tr::kThreads, 2)
     forward_kernel(const __grid_constant__ Params p, const ScoreModF mods, const bool vec_load,
-                   const bool vec_store) {
+                   const bool vec_store, const bool smem_softmax) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   __trap();  // the launcher refuses devices below sm_80 (bfloat16 wmma, cp.async)
 #else
   using T = typename Tr::T;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kD = Tr::kHeadDim, kLd = Tr::kLdQKV;
+  constexpr int R = Tr::kRowFrags, kFragsN = Tr::kFragsN, kFragsD = Tr::kFragsD;
   extern __shared__ __align__(128) unsigned char smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int w0 = warp * Tr::kWarpRows;  // this warp's first row in the Q block
   T* sQ = reinterpret_cast<T*>(smem + Tr::kOffQ);
   T* sK = reinterpret_cast<T*>(smem + Tr::kOffK);
   T* sV = reinterpret_cast<T*>(smem + Tr::kOffV);
-  float* sS = reinterpret_cast<float*>(smem + Tr::kOffS) + warp * Tr::kWarpRows * Tr::kLdS;
+  float* sS = reinterpret_cast<float*>(smem + Tr::kOffS) + warp * kFrag * Tr::kLdS;
+  float* sRows = reinterpret_cast<float*>(smem + Tr::kOffRows);
+  float* sRowF = reinterpret_cast<float*>(smem + Tr::kOffRowF);
 
   const int64_t batch = blockIdx.z, head = blockIdx.y, kv_head = head / p.h_h_k_ratio;
   const int64_t m0 = int64_t(blockIdx.x) * kBlockM;
@@ -236,72 +305,209 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
     const int rows = int(seqlen_k - n0 < kBlockN ? seqlen_k - n0 : kBlockN);
     // Keys no row of this Q block may see through the block mask are zero-filled, never read.
     auto keep = [&](int r) { return bm.col_any(n0 + r, m0, m0 + m_rows); };
-    load_tile<kD, Tr::kThreads>(sK + stage * kBlockN * kLd, kLd, gK + n0 * p.k_row_stride,
-                                p.k_row_stride, kBlockN, rows, vec_load, keep);
-    load_tile<kD, Tr::kThreads>(sV + stage * kBlockN * kLd, kLd, gV + n0 * p.v_row_stride,
-                                p.v_row_stride, kBlockN, rows, vec_load, keep);
+    load_tile_rows<kBlockN, kD, Tr::kThreads>(sK + stage * kBlockN * kLd, kLd,
+                                              gK + n0 * p.k_row_stride, p.k_row_stride, rows,
+                                              vec_load, keep);
+    load_tile_rows<kBlockN, kD, Tr::kThreads>(sV + stage * kBlockN * kLd, kLd,
+                                              gV + n0 * p.v_row_stride, p.v_row_stride, rows,
+                                              vec_load, keep);
   };
 
-  // Load Q (once) and the first K/V block.
-  load_tile<kD, Tr::kThreads>(sQ, kLd, gQ + m0 * p.q_row_stride, p.q_row_stride, kBlockM, m_rows,
-                              vec_load);
+  // Load Q (once) and the first K/V block (stage 0).
+  load_tile_rows<kBlockM, kD, Tr::kThreads>(sQ, kLd, gQ + m0 * p.q_row_stride, p.q_row_stride,
+                                            m_rows, vec_load);
   int n = next_block(n_begin);
   if (n < n_end) load_kv(n, 0);
   __pipeline_commit();
 
-  const FragRows frag_rows = accumulator_rows(sS, Tr::kLdS);
-  const int64_t row = m0 + warp * Tr::kWarpRows + lane / 2;  // the row this lane pair owns
-  const int64_t col_lo = mask.col_begin(row), col_hi = mask.col_end(row);
-  const int64_t row_in = row < seqlen_q ? row : seqlen_q - 1;
+  // The row map (kept) and the layout check's index tiles, in K's stage 1: first written by the
+  // prefetch after the loop's first barrier.
+  float* codes_f = reinterpret_cast<float*>(sK + kBlockN * kLd);
+  T* codes_t = reinterpret_cast<T*>(codes_f + kFrag * kFrag);
+  fill_layout_tiles(codes_f, codes_t, Tr::kThreads);
+  for (int e = threadIdx.x; e < kFrag * kFrag; e += Tr::kThreads) sRows[e] = float(e / kFrag);
+  __syncthreads();
   const detail::Dropout drop = detail::dropout_of(p, batch, head);
-  detail::OnlineSoftmax<float> softmax;
-  FragAcc acc_o[Tr::kFragsD];
+  // Whether the head's modifiers change any score (a slope of 0 and no cap do not): only then do
+  // they run, on the shared-memory path. Rebuilt per block there, from `mods` and the slope (one
+  // cached load): held across the loop they cost registers.
+  const bool modded = kMods && modifies(head_score_mods(mods, p, batch, head));
+  const bool in_regs = layout_holds<T>(codes_f, codes_t) && !smem_softmax && !drop.on() &&
+                       bm.dense() && !modded;
+  const float scale_log2 = modded ? 1.0f : float(p.scale_softmax_log2);
+  // load_frag's bfloat16 loads (as float16) are those of wmma on every architecture they are
+  // compiled for (SASS, sm_80 and sm_90): a failure here is a compiler change, not a fallback.
+  if (!twin_loads_hold<T>(codes_t)) __trap();
+
+  detail::OnlineSoftmax<float> sm[R][2];  // [band][row half]; the shared-memory path uses [band][0]
+  FragAcc acc_o[R][kFragsD];
 #pragma unroll
-  for (int df = 0; df < Tr::kFragsD; ++df) wmma::fill_fragment(acc_o[df], 0.0f);
+  for (int rf = 0; rf < R; ++rf)
+#pragma unroll
+    for (int df = 0; df < kFragsD; ++df) wmma::fill_fragment(acc_o[rf][df], 0.0f);
 
-  for (int stage = 0; n < n_end; stage ^= 1) {
-    const int next = next_block(n + 1);
-    if (next < n_end) load_kv(next, stage ^ 1);  // prefetch the next block into the other buffer
-    __pipeline_commit();
-    __pipeline_wait_prior(1);  // block n has landed; block n + 1 may still be in flight
-    __syncthreads();
+  // The K/V loop, instantiated once per softmax path (the choice is made per CTA, before the
+  // loop): one loop with a run-time branch inside kept the registers of both paths live at once
+  // and spilled (float16 d = 128 with modifiers on sm_80: 180 bytes).
+  auto kv_loop = [&](auto regs) {
+    constexpr bool kRegs = decltype(regs)::value;
+    for (int stage = 0; n < n_end; stage ^= 1) {
+      // The one barrier per block: block n has landed for every thread, and every warp is done with
+      // the other stage (block n - 1), which the prefetch below then refills.
+      __pipeline_wait_prior(0);
+      __syncthreads();
+      const int next = next_block(n + 1);
+      if (next < n_end) {
+        load_kv(next, stage ^ 1);
+        __pipeline_commit();
+      }
+      const T* sKn = sK + stage * kBlockN * kLd;
+      const T* sVn = sV + stage * kBlockN * kLd;
 
-    const T* sKn = sK + stage * kBlockN * kLd;
-    const T* sVn = sV + stage * kBlockN * kLd;
-    compute_scores<Tr>(sQ + warp * Tr::kWarpRows * kLd, sKn, sS);  // S = Q K^T
-    __syncwarp();
-    const int64_t n0 = int64_t(n) * kBlockN;
-    // Softcap, ALiBi: S becomes the exp2-domain scores in place (each lane its own elements), on
-    // full blocks too; the softmax then scales by 1. The head's modifiers are rebuilt here, per
-    // block, from `mods` and its slope (one cached load): held across the loop they cost
-    // registers. A head with slope 0 and no cap gets S * scale * log2(e) exactly as without.
-    if constexpr (kMods)
-      apply_score_mods<Tr>(sS, head_score_mods(mods, p, batch, head), mask.diag(row), n0);
-    const bool full = mask.block_fully_visible(m0, m0 + m_rows, n0, n0 + kBlockN) && cover(n).all;
-    const float scale_log2 = kMods ? 1.0f : float(p.scale_softmax_log2);
-    const float alpha =  // mask, online softmax
-        full ? softmax_step<Tr, false>(sS, softmax, scale_log2, n0, col_lo, col_hi, bm, row_in,
-                                       drop, row)
-             : softmax_step<Tr, true>(sS, softmax, scale_log2, n0, col_lo, col_hi, bm, row_in,
-                                      drop, row);
-    scale_rows(acc_o, frag_rows, alpha);
-    accumulate_pv<Tr>(reinterpret_cast<const T*>(sS), sVn, acc_o);  // O += P V
-    __syncthreads();  // this stage is refilled by the next iteration's prefetch
-    n = next;
-  }
+      // S = Q K^T for the warp's R bands: each K fragment feeds R products.
+      FragAcc acc_s[R][kFragsN];
+#pragma unroll
+      for (int rf = 0; rf < R; ++rf)
+#pragma unroll
+        for (int nf = 0; nf < kFragsN; ++nf) wmma::fill_fragment(acc_s[rf][nf], 0.0f);
+#pragma unroll
+      for (int kf = 0; kf < kFragsD; ++kf) {
+        FragA<T> a[R];
+#pragma unroll
+        for (int rf = 0; rf < R; ++rf)
+          load_frag(a[rf], sQ + (w0 + rf * kFrag) * kLd + kf * kFrag, kLd);
+#pragma unroll
+        for (int nf = 0; nf < kFragsN; ++nf) {
+          FragBt<T> b;
+          load_frag(b, sKn + nf * kFrag * kLd + kf * kFrag, kLd);
+#pragma unroll
+          for (int rf = 0; rf < R; ++rf) wmma::mma_sync(acc_s[rf][nf], a[rf], b, acc_s[rf][nf]);
+        }
+      }
+
+      const int64_t n0 = int64_t(n) * kBlockN;
+      const bool full = mask.block_fully_visible(m0, m0 + m_rows, n0, n0 + kBlockN) && cover(n).all;
+      FragA<T> pa[R][kFragsN];  // P, the A operands of P V
+      if constexpr (kRegs) {
+        float alpha[R][2];
+        if (full) {
+          const int none[R][2] = {};
+          softmax_regs<Tr, false>(acc_s, sm, scale_log2, none, none, alpha);
+        } else {  // the window of each row, relative to the block, clamped to [0, kBlockN]
+          int lo[R][2], hi[R][2];
+#pragma unroll
+          for (int rf = 0; rf < R; ++rf)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int64_t row = m0 + w0 + rf * kFrag + h * 8 + lane / 4;
+              const int64_t b = mask.col_begin(row) - n0, e = mask.col_end(row) - n0;
+              lo[rf][h] = int(b < 0 ? 0 : b > kBlockN ? kBlockN : b);
+              hi[rf][h] = int(e < 0 ? 0 : e > kBlockN ? kBlockN : e);
+            }
+          softmax_regs<Tr, true>(acc_s, sm, scale_log2, lo, hi, alpha);
+        }
+#pragma unroll
+        for (int rf = 0; rf < R; ++rf)
+#pragma unroll
+          for (int df = 0; df < kFragsD; ++df)
+#pragma unroll
+            for (int i = 0; i < FragAcc::num_elements; ++i)
+              acc_o[rf][df].x[i] *= alpha[rf][(i / 2) % 2];
+#pragma unroll
+        for (int rf = 0; rf < R; ++rf)
+#pragma unroll
+          for (int kf = 0; kf < kFragsN; ++kf) to_a_operand(pa[rf][kf], acc_s[rf][kf]);
+      } else {
+#pragma unroll
+        for (int rf = 0; rf < R; ++rf) {
+#pragma unroll
+          for (int nf = 0; nf < kFragsN; ++nf)
+            wmma::store_matrix_sync(sS + nf * kFrag, acc_s[rf][nf], Tr::kLdS, wmma::mem_row_major);
+          __syncwarp();
+          const int64_t row = m0 + w0 + rf * kFrag + lane / 2;  // the row this lane pair owns
+          // Softcap, ALiBi: S becomes the exp2-domain scores in place (each lane its own elements),
+          // on full blocks too; the softmax then scales by 1.
+          if (kMods && modded)
+            apply_score_mods<Tr>(sS, head_score_mods(mods, p, batch, head), mask.diag(row), n0);
+          const int64_t col_lo = mask.col_begin(row), col_hi = mask.col_end(row);
+          const int64_t row_in = row < seqlen_q ? row : seqlen_q - 1;
+          const float alpha =  // mask, online softmax; P over S in place
+              full ? softmax_step<Tr, false>(sS, sm[rf][0], scale_log2, n0, col_lo, col_hi, bm,
+                                             row_in, drop, row)
+                   : softmax_step<Tr, true>(sS, sm[rf][0], scale_log2, n0, col_lo, col_hi, bm,
+                                            row_in, drop, row);
+          scale_rows(acc_o[rf], load_rows(sRows), alpha);
+          const T* sP = reinterpret_cast<const T*>(sS);
+#pragma unroll
+          for (int kf = 0; kf < kFragsN; ++kf)
+            load_frag(pa[rf][kf], sP + kf * kFrag, Tr::kLdP);
+          __syncwarp();  // the next band's scores overwrite P
+        }
+      }
+
+      // O += P V: each V fragment feeds R products.
+#pragma unroll
+      for (int kf = 0; kf < kFragsN; ++kf)
+#pragma unroll
+        for (int df = 0; df < kFragsD; ++df) {
+          FragB<T> b;
+          load_frag(b, sVn + kf * kFrag * kLd + df * kFrag, kLd);
+#pragma unroll
+          for (int rf = 0; rf < R; ++rf)
+            wmma::mma_sync(acc_o[rf][df], pa[rf][kf], b, acc_o[rf][df]);
+        }
+      n = next;
+    }
+  };
+  if (in_regs)
+    kv_loop(std::true_type{});
+  else
+    kv_loop(std::false_type{});
   __pipeline_wait_prior(0);  // no copy may still be in flight when the CTA retires
 
-  // Epilogue: O / l and lse.
-  const int w0 = warp * Tr::kWarpRows;
+  // Epilogue: the lanes that own a row put its 1 / l (with dropout's 1 / (1 - p)) in the warp's
+  // rows of sRowF and write its lse (natural log, of the modified scores); rows that saw no key
+  // get 0 and -inf. Then O / l, converted to T, one 16 x 16 fragment at a time through the scratch
+  // (rows past the sequence are padding and not stored).
+  auto finish_row = [&](int local, const detail::OnlineSoftmax<float>& s) {
+    sRowF[local] = s.inv_l() * drop.kept_scale;
+    const int64_t row = m0 + local;
+    if (row < seqlen_q)
+      p.lse_ptr[batch * p.lse_batch_stride + head * p.lse_head_stride +
+                (seq.q0 + row) * p.lse_row_stride] = s.lse();
+  };
+  if (in_regs) {
+    if (lane % 4 == 0)
+#pragma unroll
+      for (int rf = 0; rf < R; ++rf)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) finish_row(w0 + rf * kFrag + h * 8 + lane / 4, sm[rf][h]);
+  } else if (lane % 2 == 0) {
+#pragma unroll
+    for (int rf = 0; rf < R; ++rf) finish_row(w0 + rf * kFrag + lane / 2, sm[rf][0]);
+  }
+  __syncwarp();
+  const FragRows rows = load_rows(sRows);
   T* gO = static_cast<T*>(p.o_ptr) + batch * p.o_batch_stride + head * p.o_head_stride +
           (seq.q0 + m0 + w0) * p.o_row_stride;
-  __syncwarp();
-  store_output<Tr>(acc_o, frag_rows, softmax.inv_l() * drop.kept_scale, sS, gO, p.o_row_stride,
-                   m_rows - w0, vec_store);
-  if (lane % 2 == 0 && row < seqlen_q)
-    p.lse_ptr[batch * p.lse_batch_stride + head * p.lse_head_stride +
-              (seq.q0 + row) * p.lse_row_stride] =
-        softmax.lse();
+  const int r = lane / 2, c0 = (lane % 2) * 8;
+#pragma unroll
+  for (int rf = 0; rf < R; ++rf) {
+    float f[FragAcc::num_elements];
+#pragma unroll
+    for (int i = 0; i < FragAcc::num_elements; ++i) f[i] = sRowF[w0 + rf * kFrag + rows.r[i]];
+#pragma unroll
+    for (int df = 0; df < kFragsD; ++df) {
+#pragma unroll
+      for (int i = 0; i < FragAcc::num_elements; ++i) acc_o[rf][df].x[i] *= f[i];
+      wmma::store_matrix_sync(sS, acc_o[rf][df], Tr::kLdS, wmma::mem_row_major);
+      __syncwarp();
+      if (rf * kFrag + r < m_rows - w0)
+        store8(gO + (rf * kFrag + r) * p.o_row_stride + df * kFrag + c0, sS + r * Tr::kLdS + c0,
+               vec_store);
+      __syncwarp();
+    }
+  }
 #endif
 }
 
@@ -322,18 +528,19 @@ void launch_fa2(const Params& p, const LaunchContext& ctx) {
   const dim3 grid(static_cast<unsigned>(m_blocks), static_cast<unsigned>(p.nheads),
                   static_cast<unsigned>(p.batch));
   kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, ctx.stream>>>(p, call_score_mods(p), ctx.vec_load,
-                                                              ctx.vec_store);
+                                                              ctx.vec_store, ctx.fa2_smem_softmax);
   FLASHDL_CUDA_CHECK_LAUNCH("fa2 forward kernel launch");
 }
 
-// The tiles of fa2_block_n where the device has the shared memory; else, for the head dims whose
-// tiles exceed the smallest opt-in limit of an sm_80+ part (99 KiB: sm_86, sm_89, sm_120), half
+// The tile of fa2_fwd_tile where the device has the shared memory; else, for the head dims whose
+// tile exceeds the smallest opt-in limit of an sm_80+ part (99 KiB: sm_86, sm_89, sm_120), half
 // as many keys per block; else a clear error.
 template <typename T, int kHeadDim>
 void launch_fa2_forward(const Params& p, const LaunchContext& ctx) {
   using Tr = Fa2Traits<T, kHeadDim>;
-  using Small = Fa2Traits<T, kHeadDim, Tr::kBlockN / 2>;
-  constexpr bool kHasSmall = Tr::kSmemBytes > kFa2SmallestOptin;
+  constexpr Fa2FwdTile kSmall = fa2_fwd_small_tile(kHeadDim, int(sizeof(T)));
+  using Small = Fa2Traits<T, kHeadDim, kSmall.row_frags, kSmall.block_n>;
+  constexpr bool kHasSmall = fa2_fwd_has_small(kHeadDim, int(sizeof(T)));
   const auto optin = static_cast<std::size_t>(ctx.smem_optin);
   if (Tr::kSmemBytes <= optin) return launch_fa2<Tr>(p, ctx);
   if constexpr (kHasSmall) {

@@ -6,6 +6,10 @@
 #include <cuda_fp16.h>
 #include <mma.h>
 
+#include <type_traits>
+
+#include "fa2_plan.hpp"
+
 namespace flashdl::cuda {
 
 namespace wmma = nvcuda::wmma;
@@ -51,6 +55,81 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
+// wmma::load_matrix_sync for bfloat16 compiles (nvcc 13) to generic 32-bit loads with 64-bit
+// addresses (wmma.load without .shared), where float16's becomes one ldmatrix (LDSM) from a
+// 32-bit shared address: the bfloat16 kernels spent registers on it (the fa2 forward spilled).
+// load_frag loads a bfloat16 tile as float16 (the same 16-bit patterns) and copies the bits into
+// the bfloat16 fragment, which then holds what wmma's own load would put there: so on sm_80 to
+// sm_90 (kTwinLoads; by the SASS, both loads give the m16n8k16 operand layout), checked at
+// kernel start by twin_loads_hold. Other architectures take wmma's own load.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && __CUDA_ARCH__ < 1000
+constexpr bool kTwinLoads = true;
+#else
+constexpr bool kTwinLoads = false;
+#endif
+
+template <typename Use, typename Layout, typename T>
+__device__ __forceinline__ void load_frag(wmma::fragment<Use, kFrag, kFrag, kFrag, T, Layout>& f,
+                                          const T* p, unsigned ld) {
+  if constexpr (kTwinLoads && std::is_same<T, __nv_bfloat16>::value) {
+    wmma::fragment<Use, kFrag, kFrag, kFrag, __half, Layout> h;
+    wmma::load_matrix_sync(h, reinterpret_cast<const __half*>(p), ld);
+#pragma unroll
+    for (int i = 0; i < f.num_elements; ++i)
+      f.x[i] = __ushort_as_bfloat16(__half_as_ushort(h.x[i]));
+  } else {
+    wmma::load_matrix_sync(f, p, ld);
+  }
+}
+
+template <typename Use, typename Layout, typename T>
+__device__ __forceinline__ bool twin_load_matches(const T* tile) {
+  wmma::fragment<Use, kFrag, kFrag, kFrag, T, Layout> own, twin;
+  wmma::load_matrix_sync(own, tile, kFrag);
+  load_frag(twin, tile, kFrag);
+  bool ok = true;
+#pragma unroll
+  for (int i = 0; i < own.num_elements; ++i) ok = ok && to_float(own.x[i]) == to_float(twin.x[i]);
+  return ok;
+}
+
+// Whether load_frag gives wmma's own fragments (A row-major, B column- and row-major), from a
+// 16 x 16 tile of distinct values (fill_layout_tiles's, ld 16); the same answer in every lane.
+// Trivially true where load_frag is wmma's load.
+template <typename T>
+__device__ __forceinline__ bool twin_loads_hold(const T* codes_t) {
+  if constexpr (!kTwinLoads || !std::is_same<T, __nv_bfloat16>::value) {
+    return true;
+  } else {
+    const bool ok = twin_load_matches<wmma::matrix_a, wmma::row_major>(codes_t) &&
+                    twin_load_matches<wmma::matrix_b, wmma::col_major>(codes_t) &&
+                    twin_load_matches<wmma::matrix_b, wmma::row_major>(codes_t);
+    return __all_sync(kFullMask, ok);
+  }
+}
+
+// P as the A operand of P V, from the float accumulator fragment of the scores, for the layout
+// layout_holds checks: element i of the A fragment is element i % 8 of the accumulator. Pairs
+// convert with one instruction; float16's repeated elements 8 to 15 take the same pairs.
+__device__ __forceinline__ void to_a_operand(FragA<__half>& a, const FragAcc& s) {
+#pragma unroll
+  for (int j = 0; j < FragA<__half>::num_elements / 2; ++j) {
+    const int i = (2 * j) % FragAcc::num_elements;
+    const __half2 h = __floats2half2_rn(s.x[i], s.x[i + 1]);
+    a.x[2 * j] = __low2half(h);
+    a.x[2 * j + 1] = __high2half(h);
+  }
+}
+__device__ __forceinline__ void to_a_operand(FragA<__nv_bfloat16>& a, const FragAcc& s) {
+#pragma unroll
+  for (int j = 0; j < FragA<__nv_bfloat16>::num_elements / 2; ++j) {
+    const int i = (2 * j) % FragAcc::num_elements;
+    const __nv_bfloat162 h = __floats2bfloat162_rn(s.x[i], s.x[i + 1]);
+    a.x[2 * j] = __low2bfloat16(h);
+    a.x[2 * j + 1] = __high2bfloat16(h);
+  }
+}
+
 // wmma leaves the mapping of accumulator elements to (row, col) unspecified, but it is fixed for a
 // fragment type on a given architecture. A warp learns the row of each element it holds once, by
 // loading a 16x16 tile whose entries are their own row index; per-row factors (the online-softmax
@@ -71,6 +150,45 @@ __device__ __forceinline__ FragRows accumulator_rows(float* scratch, int ld) {
   for (int i = 0; i < FragAcc::num_elements; ++i) rows.r[i] = static_cast<int>(f.x[i]);
   __syncwarp();  // the scratch is reused by the caller
   return rows;
+}
+
+// The register layout of the 16 x 16 fragments that the tensor cores' m16n8k16 instruction gives
+// on sm_80 and sm_90 (the float accumulator is two m16n8 halves): lane l's accumulator element i
+// holds (acc_row(l, i), acc_col(l, i); fa2_plan.hpp, tested on the host), and the matrix_a
+// fragment (row-major, float16 or bfloat16) holds the same (row, col) at element i % 8 (float16's
+// fragment repeats its 8 values in elements 8 to 15). With it the softmax runs on the score
+// accumulators in registers (a row's values sit in the 4 lanes of a quad) and P becomes an A
+// operand without shared memory. wmma does not promise it: a kernel checks it once with
+// layout_holds and falls back to a shared-memory path when it fails.
+//
+// Fills the two 16 x 16 index tiles layout_holds reads (ld 16): entry (r, c) = 16 r + c, as float
+// and as T (exact in both: at most 255). The caller synchronises the block before the warps read.
+template <typename T>
+__device__ __forceinline__ void fill_layout_tiles(float* codes_f, T* codes_t, int threads) {
+  for (int e = threadIdx.x; e < kFrag * kFrag; e += threads) {
+    codes_f[e] = float(e);
+    codes_t[e] = from_float<T>(float(e));
+  }
+}
+
+// Whether this architecture's wmma fragments follow acc_row / acc_col (accumulator) and put the
+// same (row, col) at element i % 8 of matrix_a; the same answer in every lane (warp vote).
+template <typename T>
+__device__ __forceinline__ bool layout_holds(const float* codes_f, const T* codes_t) {
+  static_assert(FragA<T>::num_elements % FragAcc::num_elements == 0, "8 or 16 A elements");
+  const int lane = threadIdx.x % 32;
+  FragAcc f;
+  FragA<T> a;
+  wmma::load_matrix_sync(f, codes_f, kFrag, wmma::mem_row_major);
+  wmma::load_matrix_sync(a, codes_t, kFrag);
+  bool ok = true;
+#pragma unroll
+  for (int i = 0; i < FragAcc::num_elements; ++i)
+    ok = ok && f.x[i] == float(kFrag * acc_row(lane, i) + acc_col(lane, i));
+#pragma unroll
+  for (int i = 0; i < FragA<T>::num_elements; ++i)
+    ok = ok && to_float(a.x[i]) == f.x[i % FragAcc::num_elements];
+  return __all_sync(kFullMask, ok);
 }
 
 // The (row, col) of every accumulator element this lane holds, for kernels that write

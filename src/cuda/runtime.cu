@@ -89,6 +89,11 @@ LaunchContext make_context(const Params& p, bool backward) {
   const bool qkv = rows_aligned_16(p.q_ptr, p.q_batch_stride, p.q_row_stride, p.q_head_stride) &&
                    rows_aligned_16(p.k_ptr, p.k_batch_stride, p.k_row_stride, p.k_head_stride) &&
                    rows_aligned_16(p.v_ptr, p.v_batch_stride, p.v_row_stride, p.v_head_stride);
+  // A testing switch: the fa2 forward runs its shared-memory softmax (the path it takes where the
+  // fragment layout check fails) everywhere.
+  const char* smem_softmax = std::getenv("FLASHDL_CUDA_FA2_SMEM_SOFTMAX");
+  c.fa2_smem_softmax = smem_softmax != nullptr && *smem_softmax != '\0' &&
+                       std::string(smem_softmax) != "0";
   if (!backward) {  // loads q, k, v; stores out
     c.vec_load = qkv;
     c.vec_store = rows_aligned_16(p.o_ptr, p.o_batch_stride, p.o_row_stride, p.o_head_stride);

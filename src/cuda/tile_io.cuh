@@ -45,6 +45,39 @@ __device__ __forceinline__ void load_tile(T* s, int ld_s, const T* g, int64_t g_
   }
 }
 
+// load_tile for a tile of compile-time height kTileRows: the loop is unrolled, and every thread's
+// chunks sit at offsets known at compile time from its first one (row and column computed once).
+template <int kTileRows, int kHeadDim, int kThreads, typename T, typename Keep = KeepAllRows>
+__device__ __forceinline__ void load_tile_rows(T* s, int ld_s, const T* g, int64_t g_stride,
+                                               int rows, bool vec, Keep keep = Keep()) {
+  static_assert(kHeadDim % 8 == 0, "16-byte chunks of 8 elements");
+  constexpr int kChunks = kHeadDim / 8;
+  constexpr int kN = kTileRows * kChunks;
+  constexpr int kIters = (kN + kThreads - 1) / kThreads;
+  const int r0 = threadIdx.x / kChunks, c0 = (threadIdx.x % kChunks) * 8;
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    // Chunk threadIdx.x + it * kThreads, kThreads = kQ rows and kRem chunks: with kRem = 0 (head
+    // dims 32, 64, 128, 256) the same column and a constant row step.
+    constexpr int kQ = kThreads / kChunks, kRem = kThreads % kChunks;
+    const int cc = c0 / 8 + it * kRem;
+    const int r = r0 + it * kQ + cc / kChunks, c = (cc % kChunks) * 8;
+    if (kN % kThreads != 0 && r >= kTileRows) break;
+    T* dst = s + r * ld_s + c;
+    if (r >= rows || !keep(r)) {
+      *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+      continue;
+    }
+    const T* src = g + r * g_stride + c;
+    if (vec) {
+      __pipeline_memcpy_async(dst, src, 16);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) dst[e] = src[e];
+    }
+  }
+}
+
 // Converts 8 floats to T and writes them to dst (16 bytes at once with vec).
 template <typename T>
 __device__ __forceinline__ void store8(T* dst, const float* v, bool vec) {

@@ -1,5 +1,7 @@
 // Host-side checks of the CUDA launch planning, runnable on any machine (no GPU, no CUDA headers):
-// the fa2 backward's tile configs, shared-memory layouts and variant choice per device limit, its
+// the fa2 forward's tile table (register and shared-memory budgets, layouts, the register
+// layout its softmax assumes, the bank pattern of its shared-memory softmax), the fa2 backward's
+// tile configs, shared-memory layouts and variant choice per device limit, its
 // workspace, the fa1 forward and backward tile plans, the block ranges the kernels loop over
 // (against brute force over the window mask), the block-mask tile questions (cover, rows and keys
 // to zero-fill), the varlen sequence offsets with their clamping, and the decode (KV cache) plan:
@@ -14,6 +16,7 @@
 #include "check.hpp"
 #include "cuda/bwd_plan.hpp"
 #include "cuda/decode_plan.hpp"
+#include "cuda/fa2_plan.hpp"
 #include "cuda/fa1_plan.hpp"
 #include "flashdl/detail/block_mask.hpp"
 #include "flashdl/detail/block_range.hpp"
@@ -51,6 +54,130 @@ void check_fa2_layout(int d, fc::Fa2BwdConfig c, int q_stages) {
   CHECK_EQ((2 * L.ld_s) % 8, 0);
   // A T row of P (Bc elements) fits in the float row of S it overwrites.
   CHECK(std::size_t(c.block_n) * 2 <= std::size_t(L.ld_s) * 4);
+}
+
+// The fa2 forward's tile per head dim: the first of the preference order within both budgets,
+// laid out without overlap, with two CTAs per SM on an H100, and the half-kBlockN variant exactly
+// where the tile exceeds the smallest opt-in.
+void check_fa2_forward_layout(int d, fc::Fa2FwdTile t) {
+  const fc::Fa2FwdLayout L = fc::fa2_fwd_layout(d, t);
+  CHECK_EQ(L.block_m, 4 * 16 * t.row_frags);
+  const std::size_t offs[] = {L.off_q, L.off_k, L.off_v, L.off_s, L.off_rows, L.off_rowf, L.bytes};
+  for (std::size_t o : offs) CHECK_EQ(o % 128, std::size_t(0));
+  const std::size_t kv = std::size_t(t.block_n) * L.ld_qkv * 2;
+  CHECK(L.off_k - L.off_q >= std::size_t(L.block_m) * L.ld_qkv * 2);
+  CHECK(L.off_v - L.off_k >= 2 * kv);
+  CHECK(L.off_s - L.off_v >= 2 * kv);
+  CHECK(L.off_rows - L.off_s >= std::size_t(4) * 16 * L.ld_s * 4);  // 16 rows of scratch a warp
+  CHECK(L.off_rowf - L.off_rows >= std::size_t(16 * 16 * 4));      // the row-index tile
+  CHECK(L.bytes - L.off_rowf >= std::size_t(L.block_m) * 4);       // a factor per row
+  // wmma: ld a multiple of 8 halves and of 4 floats; P (T) in place over S needs 2 * ld_s; the
+  // epilogue stages 16 columns; the layout check's index tiles (1,536 bytes) sit in K's stage 1,
+  // 32-byte aligned.
+  CHECK_EQ(L.ld_qkv % 8, 0);
+  CHECK_EQ(L.ld_s % 4, 0);
+  CHECK(L.ld_s >= t.block_n + 4 && L.ld_s >= 20);
+  CHECK(std::size_t(t.block_n) * 2 <= std::size_t(L.ld_s) * 4);
+  CHECK(kv >= 1536 && kv % 32 == 0);
+}
+
+void test_fa2_forward_tiles() {
+  const int expect_rows[] = {128, 128, 128, 128, 64, 64};
+  const int expect_n[] = {64, 64, 32, 32, 32, 32};
+  const fc::Fa2FwdTile order[] = {{2, 64}, {2, 32}, {1, 64}, {1, 32}};
+  for (int i = 0; i < 6; ++i) {
+    const int d = kHeadDims[i];
+    context() = "d=" + std::to_string(d);
+    const fc::Fa2FwdTile t = fc::fa2_fwd_tile(d);
+    const fc::Fa2FwdLayout L = fc::fa2_fwd_layout(d, t);
+    CHECK_EQ(L.block_m, expect_rows[i]);
+    CHECK_EQ(t.block_n, expect_n[i]);
+    CHECK(fc::fa2_fwd_acc_regs(d, t) <= fc::kFa2AccRegBudget);
+    CHECK(L.bytes <= fc::kFa2TwoCtaSmem);
+    CHECK(2 * (L.bytes + 1024) <= std::size_t(228 * 1024));  // two CTAs per H100 SM
+    for (const fc::Fa2FwdTile& o : order) {  // every preferred candidate before it misses a budget
+      if (o.row_frags == t.row_frags && o.block_n == t.block_n) break;
+      CHECK(!fc::fa2_fwd_tile_fits(d, o));
+    }
+    check_fa2_forward_layout(d, t);
+    const bool small = L.bytes > fc::kFa2SmallestOptin;
+    CHECK_EQ(fc::fa2_fwd_has_small(d), small);
+    if (small) {
+      const fc::Fa2FwdTile s = fc::fa2_fwd_small_tile(d);
+      CHECK_EQ(s.row_frags, t.row_frags);
+      CHECK_EQ(s.block_n, t.block_n / 2);
+      CHECK(fc::fa2_fwd_layout(d, s).bytes <= fc::kFa2SmallestOptin);
+      check_fa2_forward_layout(d, s);
+    }
+  }
+  CHECK(fc::fa2_fwd_has_small(256));
+  CHECK(!fc::fa2_fwd_has_small(128));
+}
+
+// The accumulator layout the register softmax assumes: a bijection of the 16 x 16 tile onto
+// (lane, element); a lane's elements with (i / 2) % 2 = h in row lane / 4 + 8 h; the 4 lanes of a
+// quad (xor 1, 2: the softmax's shuffles) hold all 16 columns of their rows.
+void test_fa2_register_layout() {
+  int seen[16][16] = {};
+  for (int lane = 0; lane < 32; ++lane)
+    for (int i = 0; i < 8; ++i) {
+      const int r = fc::acc_row(lane, i), c = fc::acc_col(lane, i);
+      CHECK(r >= 0 && r < 16 && c >= 0 && c < 16);
+      if (r < 0 || r >= 16 || c < 0 || c >= 16) continue;
+      ++seen[r][c];
+      CHECK_EQ(r, lane / 4 + 8 * ((i / 2) % 2));
+    }
+  for (int r = 0; r < 16; ++r)
+    for (int c = 0; c < 16; ++c) CHECK_EQ(seen[r][c], 1);
+  for (int lane = 0; lane < 32; ++lane)
+    for (int h = 0; h < 2; ++h) {
+      int cols = 0;
+      for (int q = 0; q < 4; ++q) {
+        const int other = (lane & ~3) | q;  // lane ^ 1, lane ^ 2, lane ^ 3 and itself
+        for (int j = 0; j < 4; ++j) {
+          const int i = (j / 2) * 4 + h * 2 + j % 2;  // softmax_regs's elements of row half h
+          CHECK_EQ(fc::acc_row(other, i), fc::acc_row(lane, i));
+          cols |= 1 << fc::acc_col(other, i);
+        }
+      }
+      CHECK_EQ(cols, 0xffff);
+    }
+}
+
+// The shared-memory softmax's access pattern: each lane pair covers its row's columns once, and
+// for the row strides of the table (and their small variants) every step's 32 float loads hit 32
+// banks and its P stores (T, stride 2 ld_s) never put two words of one bank in a step.
+void test_fa2_smem_softmax_banks() {
+  for (int d : kHeadDims) {
+    const fc::Fa2FwdTile tiles[] = {fc::fa2_fwd_tile(d), fc::fa2_fwd_small_tile(d)};
+    for (const fc::Fa2FwdTile& t : tiles) {
+      context() = "d=" + std::to_string(d) + " n=" + std::to_string(t.block_n);
+      const int ld = fc::fa2_fwd_layout(d, t).ld_s, K = t.block_n / 2;
+      for (int lane = 0; lane < 32; ++lane) {
+        unsigned long long cols = 0;
+        for (int k = 0; k < K; ++k) cols |= 1ull << fc::smem_softmax_col(lane, k, K);
+        unsigned long long want = 0;
+        for (int c = lane % 2; c < t.block_n; c += 2) want |= 1ull << c;
+        CHECK(cols == want);
+      }
+      for (int k = 0; k < K; ++k) {
+        unsigned load_banks = 0;
+        int store_word[32];
+        for (int b = 0; b < 32; ++b) store_word[b] = -1;
+        bool store_ok = true;
+        for (int lane = 0; lane < 32; ++lane) {
+          const int r = lane / 2, c = fc::smem_softmax_col(lane, k, K);
+          load_banks |= 1u << ((r * ld + c) % 32);
+          const int word = (r * 2 * ld + c) / 2;  // the 4-byte word of the 2-byte P element
+          int& w = store_word[word % 32];
+          if (w != -1 && w != word) store_ok = false;
+          w = word;
+        }
+        CHECK_EQ(load_banks, 0xffffffffu);
+        CHECK(store_ok);
+      }
+    }
+  }
 }
 
 void test_fa2_backward_configs() {
@@ -367,6 +494,9 @@ void test_decode_num_splits() {
 }  // namespace
 
 int main() {
+  run_test("cuda plan: fa2 forward tile table and layouts", test_fa2_forward_tiles);
+  run_test("cuda plan: fa2 forward register layout", test_fa2_register_layout);
+  run_test("cuda plan: fa2 forward shared-memory softmax banks", test_fa2_smem_softmax_banks);
   run_test("cuda plan: fa2 backward configs, layouts, variants", test_fa2_backward_configs);
   run_test("cuda plan: fa2 backward workspace", test_fa2_backward_workspace);
   run_test("cuda plan: fa1 forward and backward tiles", test_fa1_plans);

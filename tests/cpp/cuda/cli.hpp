@@ -89,8 +89,11 @@ inline int open_target(const Cli& cli, Target& t) {
   cudaDeviceProp prop{};
   CUDA_TEST_CHECK(cudaGetDeviceProperties(&prop, 0));
   const char* limit = std::getenv("FLASHDL_CUDA_SMEM_LIMIT");
-  std::printf("device 0: %s (sm_%d%d)%s%s\n", prop.name, prop.major, prop.minor,
-              limit ? ", FLASHDL_CUDA_SMEM_LIMIT=" : "", limit ? limit : "");
+  const char* smem_softmax = std::getenv("FLASHDL_CUDA_FA2_SMEM_SOFTMAX");
+  std::printf("device 0: %s (sm_%d%d)%s%s%s%s\n", prop.name, prop.major, prop.minor,
+              limit ? ", FLASHDL_CUDA_SMEM_LIMIT=" : "", limit ? limit : "",
+              smem_softmax ? ", FLASHDL_CUDA_FA2_SMEM_SOFTMAX=" : "",
+              smem_softmax ? smem_softmax : "");
   return -1;
 }
 
