@@ -111,22 +111,20 @@ __device__ __forceinline__ bool twin_loads_hold(const T* codes_t) {
 // P as the A operand of P V, from the float accumulator fragment of the scores, for the layout
 // layout_holds checks: element i of the A fragment is element i % 8 of the accumulator. Pairs
 // convert with one instruction; float16's repeated elements 8 to 15 take the same pairs.
-__device__ __forceinline__ void to_a_operand(FragA<__half>& a, const FragAcc& s) {
+template <typename T>
+__device__ __forceinline__ void to_a_operand(FragA<T>& a, const FragAcc& s) {
 #pragma unroll
-  for (int j = 0; j < FragA<__half>::num_elements / 2; ++j) {
+  for (int j = 0; j < FragA<T>::num_elements / 2; ++j) {
     const int i = (2 * j) % FragAcc::num_elements;
-    const __half2 h = __floats2half2_rn(s.x[i], s.x[i + 1]);
-    a.x[2 * j] = __low2half(h);
-    a.x[2 * j + 1] = __high2half(h);
-  }
-}
-__device__ __forceinline__ void to_a_operand(FragA<__nv_bfloat16>& a, const FragAcc& s) {
-#pragma unroll
-  for (int j = 0; j < FragA<__nv_bfloat16>::num_elements / 2; ++j) {
-    const int i = (2 * j) % FragAcc::num_elements;
-    const __nv_bfloat162 h = __floats2bfloat162_rn(s.x[i], s.x[i + 1]);
-    a.x[2 * j] = __low2bfloat16(h);
-    a.x[2 * j + 1] = __high2bfloat16(h);
+    if constexpr (std::is_same<T, __half>::value) {
+      const __half2 h = __floats2half2_rn(s.x[i], s.x[i + 1]);
+      a.x[2 * j] = __low2half(h);
+      a.x[2 * j + 1] = __high2half(h);
+    } else {
+      const __nv_bfloat162 h = __floats2bfloat162_rn(s.x[i], s.x[i + 1]);
+      a.x[2 * j] = __low2bfloat16(h);
+      a.x[2 * j + 1] = __high2bfloat16(h);
+    }
   }
 }
 

@@ -21,6 +21,23 @@ struct KeepAllRows {
 // that only zero blocks of a block mask cover: never read). With vec, the copies are
 // cp.async: the caller commits and waits (__pipeline_commit / __pipeline_wait_prior) and then
 // synchronises the block; otherwise they are plain loads, visible after the same barrier.
+// One 16-byte chunk of row r of a tile: zeros where r >= rows or !keep(r), else the copy from
+// src (cp.async with vec).
+template <typename T, typename Keep>
+__device__ __forceinline__ void load_chunk(T* dst, const T* src, int r, int rows, bool vec,
+                                           const Keep& keep) {
+  if (r >= rows || !keep(r)) {
+    *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+    return;
+  }
+  if (vec) {
+    __pipeline_memcpy_async(dst, src, 16);
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) dst[e] = src[e];
+  }
+}
+
 template <int kHeadDim, int kThreads, typename T, typename Keep = KeepAllRows>
 __device__ __forceinline__ void load_tile(T* s, int ld_s, const T* g, int64_t g_stride,
                                           int tile_rows, int rows, bool vec, Keep keep = Keep()) {
@@ -30,18 +47,7 @@ __device__ __forceinline__ void load_tile(T* s, int ld_s, const T* g, int64_t g_
   for (int idx = threadIdx.x; idx < n; idx += kThreads) {
     const int r = idx / kChunks;
     const int c = (idx % kChunks) * 8;
-    T* dst = s + r * ld_s + c;
-    if (r >= rows || !keep(r)) {
-      *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
-      continue;
-    }
-    const T* src = g + r * g_stride + c;
-    if (vec) {
-      __pipeline_memcpy_async(dst, src, 16);
-    } else {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) dst[e] = src[e];
-    }
+    load_chunk(s + r * ld_s + c, g + r * g_stride + c, r, rows, vec, keep);
   }
 }
 
@@ -63,18 +69,7 @@ __device__ __forceinline__ void load_tile_rows(T* s, int ld_s, const T* g, int64
     const int cc = c0 / 8 + it * kRem;
     const int r = r0 + it * kQ + cc / kChunks, c = (cc % kChunks) * 8;
     if (kN % kThreads != 0 && r >= kTileRows) break;
-    T* dst = s + r * ld_s + c;
-    if (r >= rows || !keep(r)) {
-      *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
-      continue;
-    }
-    const T* src = g + r * g_stride + c;
-    if (vec) {
-      __pipeline_memcpy_async(dst, src, 16);
-    } else {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) dst[e] = src[e];
-    }
+    load_chunk(s + r * ld_s + c, g + r * g_stride + c, r, rows, vec, keep);
   }
 }
 
