@@ -70,7 +70,117 @@ inline void rows_axpy(T* O, int64_t n, const T* x, int64_t dp, const T* p, int64
   }
 }
 
+// One key tile of a decode task: keys [t0, t0 + cols) of sequence b (n: cols rounded up to a
+// vector), against the task's rows [0, rows), query rows r0.. of kv heads [hk_begin, hk_end).
+struct KvTile {
+  int64_t b, t0, cols, n, r0, rows, rows_per_kv, hk_begin, hk_end;
+  // The task's rows of kv head hk: [first(hk), last(hk)).
+  int64_t first(int64_t hk) const { return std::max(hk * rows_per_kv - r0, int64_t{0}); }
+  int64_t last(int64_t hk) const { return std::min((hk + 1) * rows_per_kv - r0, rows); }
+};
+
+// A task's products on rows converted to T (every dtype): each key and value row of a kv head
+// converted once, keys walked in order with their kv heads in turn (whole cache rows).
 template <typename T>
+struct KvRowsWidened {
+  Buffer<T> qbuf, kbuf;
+  T* Q;
+  T* row;
+  int64_t d, dp;
+
+  KvRowsWidened(int64_t rows, int64_t d_, int64_t dp_) : d(d_), dp(dp_) {
+    Q = qbuf.get(rows * dp);
+    row = kbuf.get(dp);
+  }
+  void query(const Params& p, int64_t r, const void* q) {
+    load_rows(q, p.dtype, p.q_row_stride, 1, d, Q + r * dp, dp, 1);
+  }
+  // S rows [0, t.rows) x keys [0, t.cols) (rows ld apart).
+  void scores(const Params& p, const KvTile& t, T* S, int64_t ld) {
+    for (int64_t j = 0; j < t.cols; ++j)
+      for (int64_t hk = t.hk_begin; hk < t.hk_end; ++hk) {
+        convert_row_in(element(p.k_ptr, p.dtype, detail::k_cache_offset(p, t.b, t.t0 + j, hk)),
+                       p.dtype, d, row);
+        std::fill(row + d, row + dp, T(0));
+        const int64_t r = t.first(hk);
+        rows_dot(Q + r * dp, t.last(hk) - r, row, dp, S + r * ld + j, ld);
+      }
+  }
+  // O += P V, P in S's place (zeros from t.cols to t.n).
+  void accumulate(const Params& p, const KvTile& t, T* P, int64_t ld, T* O) {
+    for (int64_t j = 0; j < t.cols; ++j)
+      for (int64_t hk = t.hk_begin; hk < t.hk_end; ++hk) {
+        convert_row_in(element(p.v_ptr, p.dtype, detail::v_cache_offset(p, t.b, t.t0 + j, hk)),
+                       p.dtype, d, row);
+        std::fill(row + d, row + dp, T(0));
+        const int64_t r = t.first(hk);
+        rows_axpy(O + r * dp, t.last(hk) - r, row, dp, P + r * ld + j, ld);
+      }
+  }
+  void finish_row(T*) const {}
+};
+
+#if FLASHDL_HAVE_BF16_DOT
+// A task's products on bfloat16 caches, read in place (kv_scores_bf16, kv_accumulate_bf16 in
+// bf16dot.inl): S from 16 keys of a kv head at a time; P rounded to bfloat16 pairs of keys; O in
+// kv_accumulate_bf16's interleaved column order until finish_row.
+struct KvRowsBf16 {
+  static_assert(kNR<float> % 32 == 0, "O rows must hold whole 32-column groups");
+  Buffer<uint32_t> qbuf, pbuf;
+  Buffer<uint16_t> zbuf;
+  Buffer<const uint16_t*> ptrs;
+  uint32_t* Q;  // rows of dw words
+  uint32_t* Pw;
+  const uint16_t* zero_row;  // stands for keys past the tile's end
+  const uint16_t** rows_of;
+  int64_t d, dp, dw;
+
+  KvRowsBf16(int64_t rows, int64_t d_, int64_t dp_) : d(d_), dp(dp_), dw(dp_ / 2) {
+    Q = qbuf.get(rows * dw);
+    Pw = pbuf.get(rows * (kv_tile_keys() / 2));
+    zero_row = zbuf.get(dp);  // value-initialised: zeros
+    rows_of = ptrs.get(kv_tile_keys());
+  }
+  void query(const Params&, int64_t r, const void* q) {
+    row_pairs(static_cast<const uint16_t*>(q), d, Q + r * dw, dw);
+  }
+  // rows_of[j] = the cache row of key t.t0 + j0 + j, kv head hk, for j < count.
+  const uint16_t* const* cache_rows(const Params& p, const KvTile& t, bool value, int64_t hk,
+                                    int64_t j0, int64_t count) {
+    for (int64_t j = 0; j < count; ++j) {
+      const int64_t key = t.t0 + j0 + j;
+      rows_of[j] = j0 + j >= t.cols ? zero_row
+                   : value ? static_cast<const uint16_t*>(p.v_ptr) +
+                                 detail::v_cache_offset(p, t.b, key, hk)
+                           : static_cast<const uint16_t*>(p.k_ptr) +
+                                 detail::k_cache_offset(p, t.b, key, hk);
+    }
+    return rows_of;
+  }
+  void scores(const Params& p, const KvTile& t, float* S, int64_t ld) {
+    for (int64_t j0 = 0; j0 < t.cols; j0 += 16)
+      for (int64_t hk = t.hk_begin; hk < t.hk_end; ++hk) {
+        const int64_t r = t.first(hk);
+        kv_scores_bf16(Q + r * dw, dw, t.last(hk) - r, cache_rows(p, t, false, hk, j0, 16), d,
+                       S + r * ld + j0, ld);
+      }
+  }
+  void accumulate(const Params& p, const KvTile& t, float* P, int64_t ld, float* O) {
+    const int64_t pairs = detail::ceil_div(t.cols, int64_t{2});
+    const int64_t n32 = detail::round_up(2 * pairs, int64_t{32}), ldw = kv_tile_keys() / 2;
+    for (int64_t r = 0; r < t.rows; ++r) std::fill(P + r * ld + t.n, P + r * ld + n32, 0.f);
+    round_pairs(P, ld, t.rows, n32, Pw, ldw);
+    for (int64_t hk = t.hk_begin; hk < t.hk_end; ++hk) {
+      const int64_t r = t.first(hk);
+      kv_accumulate_bf16(Pw + r * ldw, ldw, t.last(hk) - r,
+                         cache_rows(p, t, true, hk, 0, 2 * pairs), pairs, d, O + r * dp, dp);
+    }
+  }
+  void finish_row(float* o) const { kv_unpermute(o, dp); }
+};
+#endif
+
+template <typename T, typename Rows>
 void kvcache_forward_impl(const Params& p, int threads) {
   const int64_t group = p.h_h_k_ratio, sq = p.seqlen_q, d = p.headdim;
   const int64_t dp = detail::round_up(d, kNR<T>);
@@ -95,11 +205,10 @@ void kvcache_forward_impl(const Params& p, int threads) {
   }
 
   parallel_for(p.batch * S * row_chunks, threads, [&](int64_t begin, int64_t end, int) {
-    Buffer<T> qbuf, sbuf, obuf, kbuf;
-    T* Q = qbuf.get(Rc * dp);
+    Buffer<T> sbuf, obuf;
+    Rows products(Rc, d, dp);
     T* Sc = sbuf.get(Rc * Bt);
     T* O = obuf.get(Rc * dp);
-    T* row = kbuf.get(dp);
     std::vector<detail::OnlineSoftmax<T>> sm(static_cast<size_t>(Rc));
     std::vector<detail::ScoreMod<T>> mod(static_cast<size_t>(Rc));
     std::vector<int64_t> lo(static_cast<size_t>(Rc)), hi(static_cast<size_t>(Rc)),
@@ -114,16 +223,12 @@ void kvcache_forward_impl(const Params& p, int threads) {
       const int64_t chunk = detail::round_up(detail::ceil_div(keys, S), Bt);
       const int64_t k0 = std::min(keys, s * chunk), k1 = std::min(keys, k0 + chunk);
       const Mask mask{sq, keys, p.window_left, p.window_right};
-      // The task's rows of kv head hk: [first(hk), last(hk)) of [0, rows).
-      auto first = [&](int64_t hk) { return std::max(hk * rows_per_kv - r0, int64_t{0}); };
-      auto last = [&](int64_t hk) { return std::min((hk + 1) * rows_per_kv - r0, rows); };
 
       // Row r is query i of head h: Q converted, its visible keys and modifiers.
       int64_t any_lo = k1, any_hi = k0;
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t h = (r0 + r) / sq, i = (r0 + r) % sq;
-        load_rows(element(p.q_ptr, p.dtype, q_offset(p, b, i, h)), p.dtype, p.q_row_stride, 1, d,
-                  Q + r * dp, dp, 1);
+        products.query(p, r, element(p.q_ptr, p.dtype, q_offset(p, b, i, h)));
         lo[r] = std::max(mask.col_begin(i), k0);
         hi[r] = std::min(mask.col_end(i), k1);
         diag[r] = mask.diag(i);
@@ -137,14 +242,8 @@ void kvcache_forward_impl(const Params& p, int threads) {
       // Only the keys some row sees (a window's) are read.
       for (int64_t t0 = any_lo; t0 < any_hi; t0 += Bt) {
         const int64_t cols = std::min(Bt, any_hi - t0), n = detail::round_up(cols, int64_t{W});
-        for (int64_t j = 0; j < cols; ++j)  // S = Q K^T: key t0 + j, its kv heads in turn
-          for (int64_t hk = hk_begin; hk < hk_end; ++hk) {
-            convert_row_in(element(p.k_ptr, p.dtype, detail::k_cache_offset(p, b, t0 + j, hk)),
-                           p.dtype, d, row);
-            std::fill(row + d, row + dp, T(0));
-            const int64_t r = first(hk);
-            rows_dot(Q + r * dp, last(hk) - r, row, dp, Sc + r * Bt + j, Bt);
-          }
+        const KvTile tile{b, t0, cols, n, r0, rows, rows_per_kv, hk_begin, hk_end};
+        products.scores(p, tile, Sc, Bt);  // S = Q K^T
         for (int64_t r = 0; r < rows; ++r) {  // modifiers, mask, online softmax
           T* srow = Sc + r * Bt;
           std::fill(srow + cols, srow + n, T(0));
@@ -156,18 +255,12 @@ void kvcache_forward_impl(const Params& p, int threads) {
           sm[r].accumulate(alpha, row_exp2_sum(srow, n, sm[r].reference()));
           if (alpha != T(1)) row_scale(O + r * dp, dp, alpha);
         }
-        for (int64_t j = 0; j < cols; ++j)  // O += P V, likewise
-          for (int64_t hk = hk_begin; hk < hk_end; ++hk) {
-            convert_row_in(element(p.v_ptr, p.dtype, detail::v_cache_offset(p, b, t0 + j, hk)),
-                           p.dtype, d, row);
-            std::fill(row + d, row + dp, T(0));
-            const int64_t r = first(hk);
-            rows_axpy(O + r * dp, last(hk) - r, row, dp, Sc + r * Bt + j, Bt);
-          }
+        products.accumulate(p, tile, Sc, Bt, O);  // O += P V
       }
 
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t h = (r0 + r) / sq, i = (r0 + r) % sq;
+        products.finish_row(O + r * dp);
         if (!split) {
           convert_row_out(O + r * dp, sm[r].inv_l(), d,
                           element(p.o_ptr, p.dtype, o_offset(p, b, i, h)), p.dtype);
@@ -205,6 +298,9 @@ void kvcache_forward_impl(const Params& p, int threads) {
 }
 
 inline void kvcache_forward(const Params& p, int threads) {
-  if (p.dtype == DType::float64) return kvcache_forward_impl<double>(p, threads);
-  kvcache_forward_impl<float>(p, threads);
+  if (p.dtype == DType::float64) return kvcache_forward_impl<double, KvRowsWidened<double>>(p, threads);
+#if FLASHDL_HAVE_BF16_DOT
+  if (p.dtype == DType::bfloat16) return kvcache_forward_impl<float, KvRowsBf16>(p, threads);
+#endif
+  kvcache_forward_impl<float, KvRowsWidened<float>>(p, threads);
 }
