@@ -214,121 +214,67 @@ struct Bf16Products {
   }
 };
 
-// Decoding on bfloat16 caches (kvcache.inl): cache rows are read in place, never widened.
-// S: a query row's pairs against 16 key rows at once (vdpbf16ps along the head dim), the 16
-// vectors of lane sums reduced together (kv_reduce16). O += P V: two value rows interleaved by
-// 16-bit units (vpunpck[lh]wd) are pairs of keys for 16 columns, with P as pairs of keys rounded
-// to bfloat16 as the fa2 forward rounds it; O is kept in that interleaved column order through a
-// task (kv_unpermute restores it).
+// The KV-cache kernel's products on bfloat16 caches (KvRowsInPlace in kvcache.inl), read in
+// place: S along the head dim on pairs (Q's words against the cache row's own bytes); O += P V on
+// pairs of keys, two value rows interleaved by 16-bit units (vpunpck[lh]wd) against P rounded to
+// bfloat16 pairs, as the fa2 forward rounds it. The interleave leaves O's columns in a fixed order
+// within each 32 (finish_row restores it).
+struct KvBf16 {
+  using Elem = uint16_t;  // a cache value
+  using Word = uint32_t;  // Q's and P's unit: a pair
+  static constexpr int kElems = 32;       // cache values per vector
+  static constexpr int kKeysPerStep = 2;  // keys per multiply-add of O += P V
 
-// Vector v (32 values) of a bfloat16 row of d values; zeros past d (masked loads do not fault).
-inline __m512i kv_load(const uint16_t* row, int64_t v, int64_t d) {
-  const int64_t left = d - 32 * v;
-  if (left >= 32) return _mm512_loadu_si512(row + 32 * v);
-  return _mm512_maskz_loadu_epi16(static_cast<__mmask32>((uint32_t{1} << left) - 1), row + 32 * v);
-}
-
-// Lane k of the result is the sum of the 16 lanes of v[4 * (k % 4) + k / 4]: four levels of
-// shuffle-and-add (45 instructions for 16 sums, against 16 separate horizontal sums).
-inline __m512 kv_reduce16(const __m512* v) {
-  __m512 w[8], x[4];
-  for (int i = 0; i < 8; ++i)  // 128-bit lanes 0-1: v[2i] halved; 2-3: v[2i + 1]
-    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)  // lane q: v[4i + q], 4 partial sums
-    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
-  const __m512 y0 = _mm512_add_ps(_mm512_shuffle_ps(x[0], x[1], 0x44),
-                                  _mm512_shuffle_ps(x[0], x[1], 0xEE));
-  const __m512 y1 = _mm512_add_ps(_mm512_shuffle_ps(x[2], x[3], 0x44),
-                                  _mm512_shuffle_ps(x[2], x[3], 0xEE));
-  // element 4q + m: v[4m + q]
-  return _mm512_add_ps(_mm512_shuffle_ps(y0, y1, 0x88), _mm512_shuffle_ps(y0, y1, 0xDD));
-}
-
-// s[r * ld + j] = dot(Q row r, keys[j]) for rows [0, n) and j < 16: Q row r as words at
-// Q + r * ldq (zeros past d), each key a row of d bfloat16 values.
-inline void kv_scores_bf16(const uint32_t* Q, int64_t ldq, int64_t n, const uint16_t* const* keys,
-                           int64_t d, float* s, int64_t ld) {
-  const uint16_t* kp[16];  // accumulator i holds key 4 * (i % 4) + i / 4, as kv_reduce16 wants
-  for (int i = 0; i < 16; ++i) kp[i] = keys[4 * (i % 4) + i / 4];
-  const int64_t full = d / 32, nv = detail::ceil_div(d, int64_t{32});
-  for (int64_t r = 0; r < n; ++r) {
-    const uint32_t* q = Q + r * ldq;
-    __m512 acc[16];
-#pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-    for (int64_t v = 0; v < full; ++v) {
-      const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + 16 * v);
-#pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i)
-        acc[i] = _mm512_dpbf16_ps(acc[i], qv, (__m512bh)_mm512_loadu_si512(kp[i] + 32 * v));
-    }
-    if (full < nv) {
-      const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + 16 * full);
-#pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i)
-        acc[i] = _mm512_dpbf16_ps(acc[i], qv, (__m512bh)kv_load(kp[i], full, d));
-    }
-    _mm512_storeu_ps(s + r * ld, kv_reduce16(acc));
+  static int64_t words(int64_t dp) { return dp / 2; }
+  // Vector v of a row of d values; zeros past d (masked loads do not fault).
+  static __m512i load(const uint16_t* row, int64_t v, int64_t d) {
+    const int64_t left = d - kElems * v;
+    if (left >= kElems) return _mm512_loadu_si512(row + kElems * v);
+    if (left <= 0) return _mm512_setzero_si512();
+    return _mm512_maskz_loadu_epi16(static_cast<__mmask32>((uint32_t{1} << left) - 1),
+                                    row + kElems * v);
   }
-}
-
-// O rows [0, R) += P V over 32 * NV columns from vector v0, key pairs [0, pairs): P row r as
-// bfloat16 pairs of keys at P + r * ldp, value row j at vals[j].
-template <int R, int NV>
-inline void kv_accumulate_block(const uint32_t* P, int64_t ldp, const uint16_t* const* vals,
-                                int64_t pairs, int64_t v0, int64_t d, float* O, int64_t ldo) {
-  __m512 acc[R][2 * NV];
-  for (int r = 0; r < R; ++r)
-    for (int k = 0; k < 2 * NV; ++k) acc[r][k] = _mm512_loadu_ps(O + r * ldo + 32 * v0 + 16 * k);
-  for (int64_t jp = 0; jp < pairs; ++jp) {
-    __m512bh w[2 * NV];
-    for (int u = 0; u < NV; ++u) {
-      const __m512i a = kv_load(vals[2 * jp], v0 + u, d), b = kv_load(vals[2 * jp + 1], v0 + u, d);
-      w[2 * u] = (__m512bh)_mm512_unpacklo_epi16(a, b);
-      w[2 * u + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m512bh pr = (__m512bh)_mm512_set1_epi32(static_cast<int>(P[r * ldp + jp]));
-      for (int k = 0; k < 2 * NV; ++k) acc[r][k] = _mm512_dpbf16_ps(acc[r][k], pr, w[k]);
+  static __m512 dot(__m512 acc, __m512i a, __m512i b) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+  }
+  static void query(const void* q, int64_t d, uint32_t* dst, int64_t n) {
+    row_pairs(static_cast<const uint16_t*>(q), d, dst, n);
+  }
+  // A vectors of key pairs for O's columns [c0, c0 + 16 A) (c0 % 64 == 0) of value rows
+  // rows[0] and rows[1].
+  template <int A>
+  static void values(const uint16_t* const* rows, int64_t c0, int64_t d, __m512i* w) {
+    for (int u = 0; u < A / 2; ++u) {
+      const __m512i a = load(rows[0], c0 / kElems + u, d), b = load(rows[1], c0 / kElems + u, d);
+      w[2 * u] = _mm512_unpacklo_epi16(a, b);
+      w[2 * u + 1] = _mm512_unpackhi_epi16(a, b);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int k = 0; k < 2 * NV; ++k) _mm512_storeu_ps(O + r * ldo + 32 * v0 + 16 * k, acc[r][k]);
-}
-
-// O rows [0, n) (rows ldo apart, interleaved column order) += P V for key pairs [0, pairs):
-// P row r at P + r * ldp, value row j at vals[j] (2 * pairs of them).
-inline void kv_accumulate_bf16(const uint32_t* P, int64_t ldp, int64_t n,
-                               const uint16_t* const* vals, int64_t pairs, int64_t d, float* O,
-                               int64_t ldo) {
-  const int64_t nv = detail::ceil_div(d, int64_t{32});
-  for (int64_t v0 = 0; v0 < nv; v0 += 2) {
-    const bool two = v0 + 1 < nv;
-    int64_t r = 0;
-    for (; r + 4 <= n; r += 4)
-      two ? kv_accumulate_block<4, 2>(P + r * ldp, ldp, vals, pairs, v0, d, O + r * ldo, ldo)
-          : kv_accumulate_block<4, 1>(P + r * ldp, ldp, vals, pairs, v0, d, O + r * ldo, ldo);
-    for (; r + 2 <= n; r += 2)
-      two ? kv_accumulate_block<2, 2>(P + r * ldp, ldp, vals, pairs, v0, d, O + r * ldo, ldo)
-          : kv_accumulate_block<2, 1>(P + r * ldp, ldp, vals, pairs, v0, d, O + r * ldo, ldo);
-    for (; r < n; ++r)
-      two ? kv_accumulate_block<1, 2>(P + r * ldp, ldp, vals, pairs, v0, d, O + r * ldo, ldo)
-          : kv_accumulate_block<1, 1>(P + r * ldp, ldp, vals, pairs, v0, d, O + r * ldo, ldo);
+  // P (rows of ld floats, zeros from n) as bfloat16 pairs of keys over [0, 2 * steps): rows of
+  // *ldw words.
+  static const uint32_t* weights(float* P, int64_t ld, int64_t rows, int64_t n, int64_t steps,
+                                 Buffer<uint32_t>& buf, int64_t* ldw) {
+    const int64_t n32 = detail::round_up(2 * steps, int64_t{32});
+    for (int64_t r = 0; r < rows; ++r) std::fill(P + r * ld + n, P + r * ld + n32, 0.f);
+    *ldw = ld / 2;
+    uint32_t* w = buf.get(rows * *ldw);
+    round_pairs(P, ld, rows, n32, w, *ldw);
+    return w;
   }
-}
-
-// A row of O (dp % 32 == 0) from kv_accumulate_bf16's interleaved order back to column order:
-// in each 32 columns, float 4L + t holds column 8L + t and float 16 + 4L + t column 8L + 4 + t.
-inline void kv_unpermute(float* row, int64_t dp) {
-  alignas(64) static constexpr int32_t kFrom[32] = {0,  1,  2,  3,  16, 17, 18, 19, 4,  5,  6,
-                                                    7,  20, 21, 22, 23, 8,  9,  10, 11, 24, 25,
-                                                    26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
-  const __m512i lo_idx = _mm512_load_si512(kFrom), hi_idx = _mm512_load_si512(kFrom + 16);
-  for (int64_t c = 0; c < dp; c += 32) {
-    const __m512 lo = _mm512_loadu_ps(row + c), hi = _mm512_loadu_ps(row + c + 16);
-    _mm512_storeu_ps(row + c, _mm512_permutex2var_ps(lo, lo_idx, hi));
-    _mm512_storeu_ps(row + c + 16, _mm512_permutex2var_ps(lo, hi_idx, hi));
+  static __m512i weight(const uint32_t* P, int64_t step) {
+    return _mm512_set1_epi32(static_cast<int>(P[step]));
   }
-}
+  // A row of O (dp % 32 == 0) back to column order: in each 32 columns, float 4L + t holds column
+  // 8L + t and float 16 + 4L + t column 8L + 4 + t (L < 4, t < 4).
+  static void finish_row(float* row, int64_t dp) {
+    alignas(64) static constexpr int32_t kFrom[32] = {0,  1,  2,  3,  16, 17, 18, 19, 4,  5,  6,
+                                                      7,  20, 21, 22, 23, 8,  9,  10, 11, 24, 25,
+                                                      26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+    const __m512i lo_idx = _mm512_load_si512(kFrom), hi_idx = _mm512_load_si512(kFrom + 16);
+    for (int64_t c = 0; c < dp; c += 32) {
+      const __m512 lo = _mm512_loadu_ps(row + c), hi = _mm512_loadu_ps(row + c + 16);
+      _mm512_storeu_ps(row + c, _mm512_permutex2var_ps(lo, lo_idx, hi));
+      _mm512_storeu_ps(row + c + 16, _mm512_permutex2var_ps(lo, hi_idx, hi));
+    }
+  }
+};

@@ -120,39 +120,163 @@ struct KvRowsWidened {
   void finish_row(T*) const {}
 };
 
-#if FLASHDL_HAVE_BF16_DOT
-// A task's products on bfloat16 caches, read in place (kv_scores_bf16, kv_accumulate_bf16 in
-// bf16dot.inl): S from 16 keys of a kv head at a time; P rounded to bfloat16 pairs of keys; O in
-// kv_accumulate_bf16's interleaved column order until finish_row.
-struct KvRowsBf16 {
-  static_assert(kNR<float> % 32 == 0, "O rows must hold whole 32-column groups");
-  Buffer<uint32_t> qbuf, pbuf;
-  Buffer<uint16_t> zbuf;
-  Buffer<const uint16_t*> ptrs;
-  uint32_t* Q;  // rows of dw words
-  uint32_t* Pw;
-  const uint16_t* zero_row;  // stands for keys past the tile's end
-  const uint16_t** rows_of;
-  int64_t d, dp, dw;
+#if FLASHDL_VEC_BYTES == 64
+// Products on cache rows read in place, for float32 caches (KvF32 below) and, with AVX512_BF16,
+// bfloat16 ones (KvBf16, bf16dot.inl): nothing is converted or copied per key. S takes a query
+// row against 16 keys of a kv head at a time, and sums the 16 vectors of lane products together
+// (kv_reduce16: 45 instructions for 16 sums, against 16 separate horizontal sums); O += P V keeps
+// 64 columns of up to 4 rows in registers over a whole key tile.
 
-  KvRowsBf16(int64_t rows, int64_t d_, int64_t dp_) : d(d_), dp(dp_), dw(dp_ / 2) {
-    Q = qbuf.get(rows * dw);
-    Pw = pbuf.get(rows * (kv_tile_keys() / 2));
+// Lane k of the result is the sum of the 16 lanes of v[4 * (k % 4) + k / 4].
+inline __m512 kv_reduce16(const __m512* v) {
+  __m512 w[8], x[4];
+  for (int i = 0; i < 8; ++i)  // 128-bit lanes 0-1: v[2i] halved; 2-3: v[2i + 1]
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // lane q: v[4i + q], 4 partial sums
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+  const __m512 y0 = _mm512_add_ps(_mm512_shuffle_ps(x[0], x[1], 0x44),
+                                  _mm512_shuffle_ps(x[0], x[1], 0xEE));
+  const __m512 y1 = _mm512_add_ps(_mm512_shuffle_ps(x[2], x[3], 0x44),
+                                  _mm512_shuffle_ps(x[2], x[3], 0xEE));
+  // element 4q + m: v[4m + q]
+  return _mm512_add_ps(_mm512_shuffle_ps(y0, y1, 0x88), _mm512_shuffle_ps(y0, y1, 0xDD));
+}
+
+// float32 caches: the interface KvBf16 (bf16dot.inl) documents, on one key per step.
+struct KvF32 {
+  using Elem = float;
+  using Word = float;
+  static constexpr int kElems = 16;
+  static constexpr int kKeysPerStep = 1;
+
+  static int64_t words(int64_t dp) { return dp; }
+  static __m512i load(const float* row, int64_t v, int64_t d) {
+    const int64_t left = d - kElems * v;
+    if (left >= kElems) return _mm512_loadu_si512(row + kElems * v);
+    if (left <= 0) return _mm512_setzero_si512();
+    return _mm512_maskz_loadu_epi32(static_cast<__mmask16>((1u << left) - 1), row + kElems * v);
+  }
+  static __m512 dot(__m512 acc, __m512i a, __m512i b) {
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), acc);
+  }
+  static void query(const void* q, int64_t d, float* dst, int64_t n) {
+    std::memcpy(dst, q, static_cast<size_t>(d) * sizeof(float));
+    std::fill(dst + d, dst + n, 0.f);
+  }
+  template <int A>
+  static void values(const float* const* rows, int64_t c0, int64_t d, __m512i* w) {
+    for (int u = 0; u < A; ++u) w[u] = load(rows[0], c0 / kElems + u, d);
+  }
+  static const float* weights(float* P, int64_t ld, int64_t, int64_t, int64_t, Buffer<float>&,
+                              int64_t* ldw) {
+    *ldw = ld;
+    return P;
+  }
+  static __m512i weight(const float* P, int64_t step) {
+    return _mm512_castps_si512(_mm512_set1_ps(P[step]));
+  }
+  static void finish_row(float*, int64_t) {}
+};
+
+// s[r * ld + j] = dot(Q row r, keys[j]) for rows [0, n) and j < 16: Q row r at Q + r * ldq
+// (zeros past d), each key a cache row of d values.
+template <typename K>
+void kv_scores(const typename K::Word* Q, int64_t ldq, int64_t n,
+               const typename K::Elem* const* keys, int64_t d, float* s, int64_t ld) {
+  const typename K::Elem* kp[16];  // accumulator i: key 4 * (i % 4) + i / 4, as kv_reduce16 sums
+  for (int i = 0; i < 16; ++i) kp[i] = keys[4 * (i % 4) + i / 4];
+  const int64_t full = d / K::kElems, nv = detail::ceil_div(d, int64_t{K::kElems});
+  for (int64_t r = 0; r < n; ++r) {
+    const typename K::Word* q = Q + r * ldq;  // 16 words per vector
+    __m512 acc[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t v = 0; v < full; ++v) {
+      const __m512i qv = _mm512_loadu_si512(q + 16 * v);
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i)
+        acc[i] = K::dot(acc[i], qv, _mm512_loadu_si512(kp[i] + K::kElems * v));
+    }
+    if (full < nv) {
+      const __m512i qv = _mm512_loadu_si512(q + 16 * full);
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) acc[i] = K::dot(acc[i], qv, K::load(kp[i], full, d));
+    }
+    _mm512_storeu_ps(s + r * ld, kv_reduce16(acc));
+  }
+}
+
+// O rows [0, R) (ldo apart), columns [c0, c0 + 16 A) += P V over `steps` steps of keys: P row r
+// at P + r * ldp (one word per step), the value rows of step t at vals[K::kKeysPerStep * t].
+template <typename K, int R, int A>
+void kv_accumulate_block(const typename K::Word* P, int64_t ldp,
+                         const typename K::Elem* const* vals, int64_t steps, int64_t c0,
+                         int64_t d, float* O, int64_t ldo) {
+  __m512 acc[R][A];
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < A; ++k) acc[r][k] = _mm512_loadu_ps(O + r * ldo + c0 + 16 * k);
+  for (int64_t t = 0; t < steps; ++t) {
+    __m512i w[A];
+    K::template values<A>(vals + K::kKeysPerStep * t, c0, d, w);
+    for (int r = 0; r < R; ++r) {
+      const __m512i pr = K::weight(P + r * ldp, t);
+      for (int k = 0; k < A; ++k) acc[r][k] = K::dot(acc[r][k], pr, w[k]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < A; ++k) _mm512_storeu_ps(O + r * ldo + c0 + 16 * k, acc[r][k]);
+}
+
+// O rows [0, n) of dp columns (dp % 32 == 0) += P V, 64 columns of 4 rows at a time.
+template <typename K>
+void kv_accumulate(const typename K::Word* P, int64_t ldp, int64_t n,
+                   const typename K::Elem* const* vals, int64_t steps, int64_t d, float* O,
+                   int64_t ldo, int64_t dp) {
+  for (int64_t c0 = 0; c0 < dp; c0 += 64) {
+    const bool wide = c0 + 64 <= dp;
+    auto rows = [&](auto R, int64_t r0) {
+      constexpr int kR = decltype(R)::value;
+      auto* block = wide ? &kv_accumulate_block<K, kR, 4> : &kv_accumulate_block<K, kR, 2>;
+      block(P + r0 * ldp, ldp, vals, steps, c0, d, O + r0 * ldo, ldo);
+    };
+    int64_t r0 = 0;
+    for (; r0 + 4 <= n; r0 += 4) rows(std::integral_constant<int, 4>{}, r0);
+    for (; r0 + 2 <= n; r0 += 2) rows(std::integral_constant<int, 2>{}, r0);
+    for (; r0 < n; ++r0) rows(std::integral_constant<int, 1>{}, r0);
+  }
+}
+
+// A task's products on the cache rows in place (K: KvF32 or KvBf16).
+template <typename K>
+struct KvRowsInPlace {
+  using Elem = typename K::Elem;
+  using Word = typename K::Word;
+  static_assert(kNR<float> % 32 == 0, "O rows must hold whole 32-column groups");
+  Buffer<Word> qbuf, pbuf;
+  Buffer<Elem> zbuf;
+  Buffer<const Elem*> ptrs;
+  Word* Q;
+  const Elem* zero_row;  // stands for the keys past a tile's end
+  const Elem** rows_of;
+  int64_t d, dp, ldq;
+
+  KvRowsInPlace(int64_t rows, int64_t d_, int64_t dp_) : d(d_), dp(dp_), ldq(K::words(dp_)) {
+    Q = qbuf.get(rows * ldq);
     zero_row = zbuf.get(dp);  // value-initialised: zeros
     rows_of = ptrs.get(kv_tile_keys());
   }
-  void query(const Params&, int64_t r, const void* q) {
-    row_pairs(static_cast<const uint16_t*>(q), d, Q + r * dw, dw);
-  }
+  void query(const Params&, int64_t r, const void* q) { K::query(q, d, Q + r * ldq, ldq); }
   // rows_of[j] = the cache row of key t.t0 + j0 + j, kv head hk, for j < count.
-  const uint16_t* const* cache_rows(const Params& p, const KvTile& t, bool value, int64_t hk,
-                                    int64_t j0, int64_t count) {
+  const Elem* const* cache_rows(const Params& p, const KvTile& t, bool value, int64_t hk,
+                                int64_t j0, int64_t count) {
     for (int64_t j = 0; j < count; ++j) {
       const int64_t key = t.t0 + j0 + j;
       rows_of[j] = j0 + j >= t.cols ? zero_row
-                   : value ? static_cast<const uint16_t*>(p.v_ptr) +
+                   : value ? static_cast<const Elem*>(p.v_ptr) +
                                  detail::v_cache_offset(p, t.b, key, hk)
-                           : static_cast<const uint16_t*>(p.k_ptr) +
+                           : static_cast<const Elem*>(p.k_ptr) +
                                  detail::k_cache_offset(p, t.b, key, hk);
     }
     return rows_of;
@@ -161,22 +285,25 @@ struct KvRowsBf16 {
     for (int64_t j0 = 0; j0 < t.cols; j0 += 16)
       for (int64_t hk = t.hk_begin; hk < t.hk_end; ++hk) {
         const int64_t r = t.first(hk);
-        kv_scores_bf16(Q + r * dw, dw, t.last(hk) - r, cache_rows(p, t, false, hk, j0, 16), d,
-                       S + r * ld + j0, ld);
+        kv_scores<K>(Q + r * ldq, ldq, t.last(hk) - r, cache_rows(p, t, false, hk, j0, 16), d,
+                     S + r * ld + j0, ld);
       }
   }
   void accumulate(const Params& p, const KvTile& t, float* P, int64_t ld, float* O) {
-    const int64_t pairs = detail::ceil_div(t.cols, int64_t{2});
-    const int64_t n32 = detail::round_up(2 * pairs, int64_t{32}), ldw = kv_tile_keys() / 2;
-    for (int64_t r = 0; r < t.rows; ++r) std::fill(P + r * ld + t.n, P + r * ld + n32, 0.f);
-    round_pairs(P, ld, t.rows, n32, Pw, ldw);
-    for (int64_t hk = t.hk_begin; hk < t.hk_end; ++hk) {
-      const int64_t r = t.first(hk);
-      kv_accumulate_bf16(Pw + r * ldw, ldw, t.last(hk) - r,
-                         cache_rows(p, t, true, hk, 0, 2 * pairs), pairs, d, O + r * dp, dp);
-    }
+    const int64_t steps = detail::ceil_div(t.cols, int64_t{K::kKeysPerStep});
+    int64_t ldw = 0;
+    const Word* W = K::weights(P, ld, t.rows, t.n, steps, pbuf, &ldw);
+    constexpr int64_t kGroup = 16 / K::kKeysPerStep;  // steps of 16 keys: a group's rows of
+                                                       // every kv head are read together
+    for (int64_t g0 = 0; g0 < steps; g0 += kGroup)
+      for (int64_t hk = t.hk_begin; hk < t.hk_end; ++hk) {
+        const int64_t r = t.first(hk), count = std::min(kGroup, steps - g0);
+        kv_accumulate<K>(W + r * ldw + g0, ldw, t.last(hk) - r,
+                         cache_rows(p, t, true, hk, K::kKeysPerStep * g0, K::kKeysPerStep * count),
+                         count, d, O + r * dp, dp, dp);
+      }
   }
-  void finish_row(float* o) const { kv_unpermute(o, dp); }
+  void finish_row(float* o) const { K::finish_row(o, dp); }
 };
 #endif
 
@@ -300,7 +427,12 @@ void kvcache_forward_impl(const Params& p, int threads) {
 inline void kvcache_forward(const Params& p, int threads) {
   if (p.dtype == DType::float64) return kvcache_forward_impl<double, KvRowsWidened<double>>(p, threads);
 #if FLASHDL_HAVE_BF16_DOT
-  if (p.dtype == DType::bfloat16) return kvcache_forward_impl<float, KvRowsBf16>(p, threads);
+  if (p.dtype == DType::bfloat16)
+    return kvcache_forward_impl<float, KvRowsInPlace<KvBf16>>(p, threads);
+#endif
+#if FLASHDL_VEC_BYTES == 64
+  if (p.dtype == DType::float32)
+    return kvcache_forward_impl<float, KvRowsInPlace<KvF32>>(p, threads);
 #endif
   kvcache_forward_impl<float, KvRowsWidened<float>>(p, threads);
 }
