@@ -226,10 +226,11 @@ struct KvBf16 {
   static constexpr int kKeysPerStep = 2;  // keys per multiply-add of O += P V
 
   static int64_t words(int64_t dp) { return dp / 2; }
+  static __m512i load_full(const uint16_t* p) { return _mm512_loadu_si512(p); }
   // Vector v of a row of d values; zeros past d (masked loads do not fault).
   static __m512i load(const uint16_t* row, int64_t v, int64_t d) {
     const int64_t left = d - kElems * v;
-    if (left >= kElems) return _mm512_loadu_si512(row + kElems * v);
+    if (left >= kElems) return load_full(row + kElems * v);
     if (left <= 0) return _mm512_setzero_si512();
     return _mm512_maskz_loadu_epi16(static_cast<__mmask32>((uint32_t{1} << left) - 1),
                                     row + kElems * v);

@@ -152,9 +152,10 @@ struct KvF32 {
   static constexpr int kKeysPerStep = 1;
 
   static int64_t words(int64_t dp) { return dp; }
+  static __m512i load_full(const float* p) { return _mm512_loadu_si512(p); }
   static __m512i load(const float* row, int64_t v, int64_t d) {
     const int64_t left = d - kElems * v;
-    if (left >= kElems) return _mm512_loadu_si512(row + kElems * v);
+    if (left >= kElems) return load_full(row + kElems * v);
     if (left <= 0) return _mm512_setzero_si512();
     return _mm512_maskz_loadu_epi32(static_cast<__mmask16>((1u << left) - 1), row + kElems * v);
   }
@@ -162,7 +163,7 @@ struct KvF32 {
     return _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), acc);
   }
   static void query(const void* q, int64_t d, float* dst, int64_t n) {
-    std::memcpy(dst, q, static_cast<size_t>(d) * sizeof(float));
+    convert_row_in(q, DType::float32, d, dst);
     std::fill(dst + d, dst + n, 0.f);
   }
   template <int A>
@@ -178,6 +179,30 @@ struct KvF32 {
     return _mm512_castps_si512(_mm512_set1_ps(P[step]));
   }
   static void finish_row(float*, int64_t) {}
+};
+
+// float16 caches: as float32, each vector widened exactly as it is loaded (F16C).
+struct KvF16 : KvF32 {
+  using Elem = uint16_t;
+  static __m512i load_full(const uint16_t* p) {
+    return _mm512_castps_si512(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+  }
+  static __m512i load(const uint16_t* row, int64_t v, int64_t d) {
+    const int64_t left = d - kElems * v;
+    if (left >= kElems) return load_full(row + kElems * v);
+    if (left <= 0) return _mm512_setzero_si512();
+    const __m256i h =
+        _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << left) - 1), row + kElems * v);
+    return _mm512_castps_si512(_mm512_cvtph_ps(h));
+  }
+  static void query(const void* q, int64_t d, float* dst, int64_t n) {
+    convert_row_in(q, DType::float16, d, dst);
+    std::fill(dst + d, dst + n, 0.f);
+  }
+  template <int A>
+  static void values(const uint16_t* const* rows, int64_t c0, int64_t d, __m512i* w) {
+    for (int u = 0; u < A; ++u) w[u] = load(rows[0], c0 / kElems + u, d);
+  }
 };
 
 // s[r * ld + j] = dot(Q row r, keys[j]) for rows [0, n) and j < 16: Q row r at Q + r * ldq
@@ -197,7 +222,7 @@ void kv_scores(const typename K::Word* Q, int64_t ldq, int64_t n,
       const __m512i qv = _mm512_loadu_si512(q + 16 * v);
 #pragma GCC unroll 16
       for (int i = 0; i < 16; ++i)
-        acc[i] = K::dot(acc[i], qv, _mm512_loadu_si512(kp[i] + K::kElems * v));
+        acc[i] = K::dot(acc[i], qv, K::load_full(kp[i] + K::kElems * v));
     }
     if (full < nv) {
       const __m512i qv = _mm512_loadu_si512(q + 16 * full);
@@ -433,6 +458,8 @@ inline void kvcache_forward(const Params& p, int threads) {
 #if FLASHDL_VEC_BYTES == 64
   if (p.dtype == DType::float32)
     return kvcache_forward_impl<float, KvRowsInPlace<KvF32>>(p, threads);
+  if (p.dtype == DType::float16)
+    return kvcache_forward_impl<float, KvRowsInPlace<KvF16>>(p, threads);
 #endif
   kvcache_forward_impl<float, KvRowsWidened<float>>(p, threads);
 }
