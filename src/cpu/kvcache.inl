@@ -127,21 +127,25 @@ struct KvRowsWidened {
 // (kv_reduce16: 45 instructions for 16 sums, against 16 separate horizontal sums); O += P V keeps
 // 64 columns of up to 4 rows in registers over a whole key tile.
 
-// Lane k of the result is the sum of the 16 lanes of v[4 * (k % 4) + k / 4].
+// Lane k of the result is the sum of the 16 lanes of v[4 * (k % 4) + k / 4]. The shuffles are
+// the zero-masking forms with every lane kept (the same instructions): GCC 12 warns that the
+// plain forms' undefined pass-through vector "may be used uninitialized".
 inline __m512 kv_reduce16(const __m512* v) {
+  constexpr __mmask16 all = 0xFFFF;
   __m512 w[8], x[4];
   for (int i = 0; i < 8; ++i)  // 128-bit lanes 0-1: v[2i] halved; 2-3: v[2i + 1]
-    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    w[i] = _mm512_add_ps(_mm512_maskz_shuffle_f32x4(all, v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_maskz_shuffle_f32x4(all, v[2 * i], v[2 * i + 1], 0xEE));
   for (int i = 0; i < 4; ++i)  // lane q: v[4i + q], 4 partial sums
-    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
-  const __m512 y0 = _mm512_add_ps(_mm512_shuffle_ps(x[0], x[1], 0x44),
-                                  _mm512_shuffle_ps(x[0], x[1], 0xEE));
-  const __m512 y1 = _mm512_add_ps(_mm512_shuffle_ps(x[2], x[3], 0x44),
-                                  _mm512_shuffle_ps(x[2], x[3], 0xEE));
+    x[i] = _mm512_add_ps(_mm512_maskz_shuffle_f32x4(all, w[2 * i], w[2 * i + 1], 0x88),
+                         _mm512_maskz_shuffle_f32x4(all, w[2 * i], w[2 * i + 1], 0xDD));
+  const __m512 y0 = _mm512_add_ps(_mm512_maskz_shuffle_ps(all, x[0], x[1], 0x44),
+                                  _mm512_maskz_shuffle_ps(all, x[0], x[1], 0xEE));
+  const __m512 y1 = _mm512_add_ps(_mm512_maskz_shuffle_ps(all, x[2], x[3], 0x44),
+                                  _mm512_maskz_shuffle_ps(all, x[2], x[3], 0xEE));
   // element 4q + m: v[4m + q]
-  return _mm512_add_ps(_mm512_shuffle_ps(y0, y1, 0x88), _mm512_shuffle_ps(y0, y1, 0xDD));
+  return _mm512_add_ps(_mm512_maskz_shuffle_ps(all, y0, y1, 0x88),
+                       _mm512_maskz_shuffle_ps(all, y0, y1, 0xDD));
 }
 
 // float32 caches: the interface KvBf16 (bf16dot.inl) documents, on one key per step.
@@ -184,16 +188,18 @@ struct KvF32 {
 // float16 caches: as float32, each vector widened exactly as it is loaded (F16C).
 struct KvF16 : KvF32 {
   using Elem = uint16_t;
+  // The masked conversion: GCC 12 warns that the unmasked one's undefined pass-through vector
+  // "may be used uninitialized".
   static __m512i load_full(const uint16_t* p) {
-    return _mm512_castps_si512(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castps_si512(_mm512_maskz_cvtph_ps(static_cast<__mmask16>(0xFFFF), h));
   }
   static __m512i load(const uint16_t* row, int64_t v, int64_t d) {
     const int64_t left = d - kElems * v;
     if (left >= kElems) return load_full(row + kElems * v);
     if (left <= 0) return _mm512_setzero_si512();
-    const __m256i h =
-        _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << left) - 1), row + kElems * v);
-    return _mm512_castps_si512(_mm512_cvtph_ps(h));
+    const __mmask16 m = static_cast<__mmask16>((1u << left) - 1);
+    return _mm512_castps_si512(_mm512_maskz_cvtph_ps(m, _mm256_maskz_loadu_epi16(m, row + kElems * v)));
   }
   static void query(const void* q, int64_t d, float* dst, int64_t n) {
     convert_row_in(q, DType::float16, d, dst);
