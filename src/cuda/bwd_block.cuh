@@ -1,6 +1,7 @@
 // The steps of one (query block, key block) pair of the backward pass, shared by the fa1 and fa2
 // backward kernels (Algorithm 4, lines 11-20):
-//   S = Q K^T and dP = dO V^T on tensor cores (float, in shared memory);
+//   S = Q K^T and dP = dO V^T on tensor cores (float, in shared memory for fa1; in registers for
+//   fa2, probs_and_ds_in_registers);
 //   P = exp2(S * scale * log2(e) - lse2) (masked entries 0), with dropout multipliers Z
 //   (lines 14-18): P Z and dS = P * (dP Z - D), written as T over S and dP in place, ready for
 //   the dV (P Z), dK and dQ (dS) products.
@@ -47,6 +48,85 @@ __device__ __forceinline__ void scores_and_dp(const T* sQ, const T* sdO, const T
   }
 }
 
+// Lines 13-20 for one element: P Z and dS of score x and dP value y at query i, key j (diag:
+// mask.diag(i)), row statistics l2 (lse2) and d (D). kMasked applies the window and the block
+// mask; l2 = -inf (a row with no visible key, or a padding row) gives 0 without looking at
+// either. `modded`: modifies(mod), hoisted by the caller.
+template <bool kMasked>
+__device__ __forceinline__ void prob_and_ds(float x, float y, float l2, float d, int64_t i,
+                                            int64_t j, int64_t diag, const detail::Mask& mask,
+                                            const detail::BlockMask& bm,
+                                            const detail::Dropout& drop, const ScoreModF& mod,
+                                            bool modded, float& p, float& ds) {
+  p = 0.0f;
+  ds = 0.0f;
+  if (l2 != -INFINITY && (!kMasked || (mask.visible(i, j) && bm.visible(i, j)))) {
+    const float t = modded ? modified_score(mod, x, diag, j) : x * mod.qk_scale;
+    const float prob = exp2f(t - l2);
+    const float z = drop.on() ? drop.multiplier(i, j) : 1.0f;
+    p = prob * z;
+    ds = prob * (y * z - d);
+    // softcap: 1 - tanh^2 (a second tanhf: computing both from one cost the deterministic
+    // dQ pass up to 13 registers, over 128 at bfloat16 d = 64); 1 with ALiBi alone
+    if (modded) ds *= mod.grad(x);
+  }
+}
+
+// Lines 11-20 with S and dP kept in registers (the fa2 backward): each warp takes (query
+// fragment rf, key fragment nf) tiles in turn, computes both S = Q K^T and dP = dO V^T of its
+// tile on tensor cores, then P Z and dS element by element from the accumulators (map: the
+// accumulator's (row, col) of each element, learnt at kernel start), written as T at sP and sdS
+// (ld_p elements a row). No float S or dP in shared memory and no barrier between the products
+// and the softmax; the caller synchronises before P and dS are read. Operands through load_frag:
+// the kernel checks twin_loads_hold_backward at its start.
+template <typename T, int kD, bool kMasked>
+__device__ __forceinline__ void probs_and_ds_in_registers(
+    const T* sQ, const T* sdO, const T* sK, const T* sV, int ld_qkv, T* sP, T* sdS, int ld_p,
+    int m_tiles, int n_tiles, const FragMap& map, const float* sL2, const float* sD, int64_t i0,
+    int64_t j0, const detail::Mask& mask, const detail::BlockMask& bm,
+    const detail::Dropout& drop, const ScoreModF& mod, int nwarps) {
+  const bool modded = modifies(mod);
+  for (int t = threadIdx.x / 32; t < m_tiles * n_tiles; t += nwarps) {
+    const int rf = t / n_tiles, nf = t % n_tiles;
+    FragAcc s, dp;
+    wmma::fill_fragment(s, 0.0f);
+    wmma::fill_fragment(dp, 0.0f);
+#pragma unroll
+    for (int kf = 0; kf < kD / kFrag; ++kf) {
+      FragA<T> a;
+      FragBt<T> b;
+      load_frag(a, sQ + rf * kFrag * ld_qkv + kf * kFrag, ld_qkv);
+      load_frag(b, sK + nf * kFrag * ld_qkv + kf * kFrag, ld_qkv);
+      wmma::mma_sync(s, a, b, s);
+      load_frag(a, sdO + rf * kFrag * ld_qkv + kf * kFrag, ld_qkv);
+      load_frag(b, sV + nf * kFrag * ld_qkv + kf * kFrag, ld_qkv);
+      wmma::mma_sync(dp, a, b, dp);
+    }
+    float p[FragAcc::num_elements], ds[FragAcc::num_elements];
+#pragma unroll
+    for (int e = 0; e < FragAcc::num_elements; ++e) {
+      const int r = rf * kFrag + map.r[e], c = nf * kFrag + map.c[e];
+      prob_and_ds<kMasked>(s.x[e], dp.x[e], sL2[r], sD[r], i0 + r, j0 + c, mask.diag(i0 + r),
+                           mask, bm, drop, mod, modded, p[e], ds[e]);
+    }
+    if (map.pairs) {  // sm_80/sm_90: adjacent pairs, half the stores
+#pragma unroll
+      for (int e = 0; e < FragAcc::num_elements; e += 2) {
+        const int at = (rf * kFrag + map.r[e]) * ld_p + nf * kFrag + map.c[e];
+        store_pair(sP + at, p[e], p[e + 1]);
+        store_pair(sdS + at, ds[e], ds[e + 1]);
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < FragAcc::num_elements; ++e) {
+        const int at = (rf * kFrag + map.r[e]) * ld_p + nf * kFrag + map.c[e];
+        sP[at] = from_float<T>(p[e]);
+        sdS[at] = from_float<T>(ds[e]);
+      }
+    }
+  }
+}
+
 // Lines 13 and 20, a warp per row: P and dS of `rows` x `cols` (whole tiles), written as T over S
 // and dP with row stride 2 * ld_s (row r of the T matrix starts where row r of the float one
 // does). Row r is query i0 + r, column c key j0 + c; kMasked applies the window and the block mask
@@ -68,23 +148,13 @@ __device__ __forceinline__ void probs_and_ds(float* sS, float* sdP, int ld_s, in
     T* p_out = reinterpret_cast<T*>(s);
     T* ds_out = reinterpret_cast<T*>(dp);
     const float l2 = sL2[r], d = sD[r];
-    const bool empty = l2 == -INFINITY;
     const int64_t diag = mask.diag(i0 + r);
     for (int c0 = 0; c0 < cols; c0 += 32) {
       const int c = c0 + lane;
       float p = 0.0f, ds = 0.0f;
-      if (c < cols && !empty &&
-          (!kMasked || (mask.visible(i0 + r, j0 + c) && bm.visible(i0 + r, j0 + c)))) {
-        const float x = s[c];
-        const float t = modded ? modified_score(mod, x, diag, j0 + c) : x * mod.qk_scale;
-        const float prob = exp2f(t - l2);
-        const float z = drop.on() ? drop.multiplier(i0 + r, j0 + c) : 1.0f;
-        p = prob * z;
-        ds = prob * (dp[c] * z - d);
-        // softcap: 1 - tanh^2 (a second tanhf: computing both from one cost the deterministic
-        // dQ pass up to 13 registers, over 128 at bfloat16 d = 64); 1 with ALiBi alone
-        if (modded) ds *= mod.grad(x);
-      }
+      if (c < cols)
+        prob_and_ds<kMasked>(s[c], dp[c], l2, d, i0 + r, j0 + c, diag, mask, bm, drop, mod, modded,
+                             p, ds);
       // T values [c0, c0 + 32) overwrite floats [c0 / 2, c0 / 2 + 16): all read by now.
       __syncwarp();
       if (c < cols) {

@@ -3,9 +3,11 @@
 // 1. preprocess: D = rowsum(dO * O) and lse2 = lse * log2(e) for every query row (a warp per row).
 // 2. main kernel, grid (key block, kv head, batch), 8 warps: K_j and V_j are loaded once; for each
 //    query head of the group and each query block some key of the block can see, Q_i, dO_i, lse2
-//    and D stream through a double buffer (cp.async) and the CTA computes S = Q K^T and
-//    dP = dO V^T, then P and dS (bwd_block.cuh, with the dropout mask regenerated from its
-//    Philox counters, and the head's score modifiers: softcap, ALiBi), then dV_j += (P Z)^T dO_i
+//    and D stream through a double buffer (cp.async); each warp computes S = Q K^T and
+//    dP = dO V^T for its tiles and, from the accumulators in registers, P and dS
+//    (bwd_block.cuh, with the dropout mask regenerated from its Philox counters, and the head's
+//    score modifiers: softcap, ALiBi), stored as T for the products that need them transposed
+//    or as operands; then dV_j += (P Z)^T dO_i
 //    and dK_j += dS^T Q_i into registers (each warp a 16-key band and a slice of the head dim)
 //    and, unless deterministic, dQ_i += dS K_j into a float32 accumulator with atomics. dK_j
 //    (times the scale) and dV_j are written once at the end; with GQA they already sum over the
@@ -87,26 +89,43 @@ __global__ void __launch_bounds__(256)
 }
 
 // S, dP, then P and dS for the pair (query rows [i0, i0 + rows), keys [j0, j0 + Bc)); the whole
-// block's loads are complete and visible. bm_all: every block-mask block the pair touches is
-// set; mod: the head's score modifiers. Leaves P, dS as T in sS, sdP; ends with a barrier.
-template <typename Tr>
+// block's loads are complete and visible. kInRegs: S and dP stay in registers
+// (bwd::probs_and_ds_in_registers; map: the accumulator layout), else they go through shared
+// memory as floats (more shared-memory traffic and a second barrier, fewer registers).
+// bm_all: every block-mask block the pair touches is set; mod: the head's score modifiers.
+// Leaves P, dS as T over sS, sdP (kLdP elements a row); ends with a barrier.
+template <typename Tr, bool kInRegs>
 __device__ __forceinline__ void pair_probs(const typename Tr::T* sQ, const typename Tr::T* sdO,
                                            const typename Tr::T* sK, const typename Tr::T* sV,
-                                           float* sS, float* sdP, const float* sL2, const float* sD,
-                                           int64_t i0, int rows, int64_t j0,
-                                           const detail::Mask& mask, const detail::BlockMask& bm,
-                                           bool bm_all, const detail::Dropout& drop,
-                                           const ScoreModF& mod) {
+                                           float* sS, float* sdP, const FragMap& map,
+                                           const float* sL2, const float* sD, int64_t i0, int rows,
+                                           int64_t j0, const detail::Mask& mask,
+                                           const detail::BlockMask& bm, bool bm_all,
+                                           const detail::Dropout& drop, const ScoreModF& mod) {
   using T = typename Tr::T;
-  bwd::scores_and_dp<T, Tr::kHeadDim>(sQ, sdO, sK, sV, Tr::kLd, sS, sdP, Tr::kLdS, Tr::kFragsM,
-                                      Tr::kFragsN, Tr::kNWarps);
-  __syncthreads();
-  if (bm_all && mask.block_fully_visible(i0, i0 + rows, j0, j0 + Tr::kBlockN))
-    bwd::probs_and_ds<T, false>(sS, sdP, Tr::kLdS, Tr::kBlockM, Tr::kBlockN, sL2, sD, i0, j0,
-                                mask, bm, drop, mod, Tr::kNWarps);
-  else
-    bwd::probs_and_ds<T, true>(sS, sdP, Tr::kLdS, Tr::kBlockM, Tr::kBlockN, sL2, sD, i0, j0, mask,
-                               bm, drop, mod, Tr::kNWarps);
+  const bool all = bm_all && mask.block_fully_visible(i0, i0 + rows, j0, j0 + Tr::kBlockN);
+  if constexpr (kInRegs) {
+    T* sP = reinterpret_cast<T*>(sS);
+    T* sdS = reinterpret_cast<T*>(sdP);
+    if (all)
+      bwd::probs_and_ds_in_registers<T, Tr::kHeadDim, false>(
+          sQ, sdO, sK, sV, Tr::kLd, sP, sdS, Tr::kLdP, Tr::kFragsM, Tr::kFragsN, map, sL2, sD,
+          i0, j0, mask, bm, drop, mod, Tr::kNWarps);
+    else
+      bwd::probs_and_ds_in_registers<T, Tr::kHeadDim, true>(
+          sQ, sdO, sK, sV, Tr::kLd, sP, sdS, Tr::kLdP, Tr::kFragsM, Tr::kFragsN, map, sL2, sD,
+          i0, j0, mask, bm, drop, mod, Tr::kNWarps);
+  } else {
+    bwd::scores_and_dp<T, Tr::kHeadDim>(sQ, sdO, sK, sV, Tr::kLd, sS, sdP, Tr::kLdS,
+                                        Tr::kFragsM, Tr::kFragsN, Tr::kNWarps);
+    __syncthreads();
+    if (all)
+      bwd::probs_and_ds<T, false>(sS, sdP, Tr::kLdS, Tr::kBlockM, Tr::kBlockN, sL2, sD, i0, j0,
+                                  mask, bm, drop, mod, Tr::kNWarps);
+    else
+      bwd::probs_and_ds<T, true>(sS, sdP, Tr::kLdS, Tr::kBlockM, Tr::kBlockN, sL2, sD, i0, j0,
+                                 mask, bm, drop, mod, Tr::kNWarps);
+  }
   __syncthreads();
 }
 
@@ -119,8 +138,8 @@ __device__ __forceinline__ void dq_tile(const typename Tr::T* sdS, const typenam
   for (int kf = 0; kf < Tr::kFragsN; ++kf) {
     FragA<T> a;
     FragB<T> b;
-    wmma::load_matrix_sync(a, sdS + rf * kFrag * Tr::kLdP + kf * kFrag, Tr::kLdP);
-    wmma::load_matrix_sync(b, sK + kf * kFrag * Tr::kLd + df * kFrag, Tr::kLd);
+    load_frag(a, sdS + rf * kFrag * Tr::kLdP + kf * kFrag, Tr::kLdP);
+    load_frag(b, sK + kf * kFrag * Tr::kLd + df * kFrag, Tr::kLd);
     wmma::mma_sync(acc, a, b, acc);
   }
 }
@@ -213,8 +232,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   __syncthreads();  // the flags in S are read before the fragment map overwrites them
 
   fill_fragment_map(sS, sdP, Tr::kLdS, Tr::kThreads);
+  T* codes_t = reinterpret_cast<T*>(sS + kFrag * Tr::kLdS);  // below the map's tiles
+  fill_code_tile(codes_t, Tr::kThreads);
   __syncthreads();
   const FragMap map = accumulator_map(sS, sdP, Tr::kLdS);
+  // load_frag's bfloat16 loads (as float16) are those of wmma on every architecture they are
+  // compiled for (SASS, sm_80 and sm_90): a failure here is a compiler change, not a fallback.
+  if (!twin_loads_hold_backward<T>(codes_t)) __trap();
   __syncthreads();  // S and dP are overwritten below
 
   const int band = warp % Tr::kKeyBands, split = warp / Tr::kKeyBands;
@@ -225,25 +249,31 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     wmma::fill_fragment(acc_dv[f], 0.0f);
   }
 
+  // Two barriers per pair: this one (the pair's block visible to all; every warp done with the
+  // previous pair's stage, P and dS) and pair_probs' (P and dS visible).
   bool first = true;
   for (int stage = 0; it < total; first = false) {
     const int64_t next = next_pair(it + 1);
     if constexpr (Tr::kStages == 2) {
-      if (next < total) load_q(next, stage ^ 1);  // prefetch the next query block
+      __pipeline_wait_prior(0);  // this pair's block has landed: the only copy in flight
+      __syncthreads();
+      if (next < total) load_q(next, stage ^ 1);  // prefetch into the previous pair's stage
       __pipeline_commit();
-      __pipeline_wait_prior(1);  // block it has landed; the next may still be in flight
     } else {
-      if (!first) load_q(it, 0);
+      if (!first) {
+        __syncthreads();  // every warp done with the previous pair's block
+        load_q(it, 0);
+      }
       __pipeline_commit();
       __pipeline_wait_prior(0);
+      __syncthreads();
     }
-    __syncthreads();
 
     const int64_t h = kv_head * group + it / nm, i0 = (m_begin + it % nm) * kM;
     const int rows = int(seqlen_q - i0 < kM ? seqlen_q - i0 : kM);
     const T* sQ = q_stage(L.off_q, stage);
     const T* sdO = q_stage(L.off_do, stage);
-    pair_probs<Tr>(sQ, sdO, sK, sV, sS, sdP, stat_stage(L.off_l2, stage),
+    pair_probs<Tr, true>(sQ, sdO, sK, sV, sS, sdP, map, stat_stage(L.off_l2, stage),
                    stat_stage(L.off_d, stage), i0, rows, n0, mask,
                    detail::block_mask_of(p, batch, h), cover(it).all,
                    detail::dropout_of(p, batch, h), head_score_mods(mods, p, batch, h));
@@ -255,15 +285,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 #pragma unroll 1
     for (int kf = 0; kf < Tr::kFragsM; ++kf) {
       FragAt<T> a_p, a_ds;
-      wmma::load_matrix_sync(a_p, sP + kf * kFrag * Tr::kLdP + band * kFrag, Tr::kLdP);
-      wmma::load_matrix_sync(a_ds, sdS + kf * kFrag * Tr::kLdP + band * kFrag, Tr::kLdP);
+      load_frag(a_p, sP + kf * kFrag * Tr::kLdP + band * kFrag, Tr::kLdP);
+      load_frag(a_ds, sdS + kf * kFrag * Tr::kLdP + band * kFrag, Tr::kLdP);
 #pragma unroll
       for (int f = 0; f < Tr::kFragsDW; ++f) {
         const int col = (split * Tr::kFragsDW + f) * kFrag;
         FragB<T> b;
-        wmma::load_matrix_sync(b, sdO + kf * kFrag * kLd + col, kLd);
+        load_frag(b, sdO + kf * kFrag * kLd + col, kLd);
         wmma::mma_sync(acc_dv[f], a_p, b, acc_dv[f]);
-        wmma::load_matrix_sync(b, sQ + kf * kFrag * kLd + col, kLd);
+        load_frag(b, sQ + kf * kFrag * kLd + col, kLd);
         wmma::mma_sync(acc_dk[f], a_ds, b, acc_dk[f]);
       }
     }
@@ -283,7 +313,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         }
       }
     }
-    __syncthreads();  // this stage, S and dP are refilled by the next iteration
     it = next;
     if constexpr (Tr::kStages == 2) stage ^= 1;
   }
@@ -364,8 +393,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     bwd::load_stats(sL2, sD, ws_l2 + row0, ws_d + row0, m0, kM, seqlen_q, Tr::kThreads);
   }
   fill_fragment_map(sS, sdP, Tr::kLdS, Tr::kThreads);
+  T* codes_t = reinterpret_cast<T*>(sS + kFrag * Tr::kLdS);  // below the map's tiles
+  fill_code_tile(codes_t, Tr::kThreads);
   __syncthreads();
   const FragMap map = accumulator_map(sS, sdP, Tr::kLdS);
+  if (!twin_loads_hold_backward<T>(codes_t)) __trap();  // as in backward_kernel
   __syncthreads();
 
   FragAcc acc[Tr::kDqTilesPerWarp];
@@ -386,7 +418,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     __pipeline_commit();
     __pipeline_wait_prior(0);
     __syncthreads();
-    pair_probs<Tr>(sQ, sdO, sK, sV, sS, sdP, sL2, sD, m0, rows, n0, mask, bm, c.all, drop, mod);
+    // S and dP through shared memory here: in registers they cost this kernel up to twice the
+    // registers (ptxas, sm_90, float16: d 128 116 -> 203, d 256 125 -> 251), one CTA per SM
+    // where the shared memory allows two, and this pass does not overlap its K/V loads with
+    // compute: the second CTA does.
+    pair_probs<Tr, false>(sQ, sdO, sK, sV, sS, sdP, map, sL2, sD, m0, rows, n0, mask, bm, c.all,
+                          drop, mod);
     const T* sdS = reinterpret_cast<const T*>(sdP);
 #pragma unroll
     for (int u = 0; u < Tr::kDqTilesPerWarp; ++u) {

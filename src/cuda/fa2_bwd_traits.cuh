@@ -42,7 +42,7 @@ struct Fa2BwdTraits {
   static_assert(kLd % 8 == 0 && kLdS % 4 == 0 && kLdP % 8 == 0, "wmma ldm rules");
   static_assert(kMain.bytes <= 227 * 1024, "beyond any current GPU's shared memory");
   static_assert(kDqPass.bytes <= kMain.bytes, "the dQ pass fits wherever the main kernel does");
-  static_assert(kBlockM >= kFrag, "S and dP each hold one fragment-map tile");
+  static_assert(kBlockM >= 2 * kFrag, "S holds a fragment-map tile and, below it, a code tile");
 };
 
 template <typename T, int kHeadDim>

@@ -108,6 +108,17 @@ __device__ __forceinline__ bool twin_loads_hold(const T* codes_t) {
   }
 }
 
+// twin_loads_hold and the column-major A operand the backward loads (P^T, dS^T).
+template <typename T>
+__device__ __forceinline__ bool twin_loads_hold_backward(const T* codes_t) {
+  if constexpr (!kTwinLoads || !std::is_same<T, __nv_bfloat16>::value) {
+    return true;
+  } else {
+    return twin_loads_hold<T>(codes_t) &&
+           __all_sync(kFullMask, twin_load_matches<wmma::matrix_a, wmma::col_major>(codes_t));
+  }
+}
+
 // P as the A operand of P V, from the float accumulator fragment of the scores, for the layout
 // layout_holds checks: element i of the A fragment is element i % 8 of the accumulator. Pairs
 // convert with one instruction; float16's repeated elements 8 to 15 take the same pairs.
@@ -169,6 +180,12 @@ __device__ __forceinline__ void fill_layout_tiles(float* codes_f, T* codes_t, in
   }
 }
 
+// The T tile alone (twin_loads_hold's input).
+template <typename T>
+__device__ __forceinline__ void fill_code_tile(T* codes_t, int threads) {
+  for (int e = threadIdx.x; e < kFrag * kFrag; e += threads) codes_t[e] = from_float<T>(float(e));
+}
+
 // Whether this architecture's wmma fragments follow acc_row / acc_col (accumulator) and put the
 // same (row, col) at element i % 8 of matrix_a; the same answer in every lane (warp vote).
 template <typename T>
@@ -194,6 +211,9 @@ __device__ __forceinline__ bool layout_holds(const float* codes_f, const T* code
 struct FragMap {
   unsigned char r[FragAcc::num_elements];
   unsigned char c[FragAcc::num_elements];
+  // Every even element e and e + 1 are (r, c) and (r, c + 1), c even, in every lane of the warp:
+  // a pair goes to memory as one 32-bit store (store_pair).
+  bool pairs;
 };
 
 // Learnt by every warp from two 16 x 16 float tiles at `rows` and `cols` (ld floats apart, 32-byte
@@ -208,7 +228,21 @@ __device__ __forceinline__ FragMap accumulator_map(const float* rows, const floa
     m.r[i] = static_cast<unsigned char>(fr.x[i]);
     m.c[i] = static_cast<unsigned char>(fc.x[i]);
   }
+  bool pairs = true;
+#pragma unroll
+  for (int i = 0; i < FragAcc::num_elements; i += 2)
+    pairs = pairs && m.r[i] == m.r[i + 1] && m.c[i] % 2 == 0 && m.c[i + 1] == m.c[i] + 1;
+  m.pairs = __all_sync(kFullMask, pairs);
   return m;
+}
+
+// T values a, b at p and p + 1 in one 32-bit store (p 4-byte aligned).
+template <typename T>
+__device__ __forceinline__ void store_pair(T* p, float a, float b) {
+  if constexpr (std::is_same<T, __half>::value)
+    *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b);
+  else
+    *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
 }
 
 // The CTA's half of accumulator_map: tile `rows` gets entry (r, c) = r, tile `cols` gets c. The

@@ -211,6 +211,37 @@ void test_fa2_backward_configs() {
   CHECK(!fc::fa2_bwd_config_valid(64, fc::Fa2BwdConfig{64, 48, 2}));  // 3 bands of 8 warps
 }
 
+// The fa2 backward writes P and dS from the accumulators (bwd::probs_and_ds_in_registers): on the
+// sm_80/sm_90 layout elements 2k and 2k + 1 of a lane are (r, c) and (r, c + 1) with c even
+// (FragMap::pairs, checked on the device too), so each pair is one 32-bit store; and for every
+// layout's row stride (2 ld_s elements of T: ld_s words) one store instruction's 32 words fall in
+// 32 different banks.
+void test_fa2_backward_pair_stores() {
+  for (int lane = 0; lane < 32; ++lane)
+    for (int i = 0; i < 8; i += 2) {
+      CHECK_EQ(fc::acc_row(lane, i + 1), fc::acc_row(lane, i));
+      CHECK_EQ(fc::acc_col(lane, i) % 2, 0);
+      CHECK_EQ(fc::acc_col(lane, i + 1), fc::acc_col(lane, i) + 1);
+    }
+  for (int d : kHeadDims)
+    for (const fc::Fa2BwdConfig c : {fc::fa2_bwd_config(d), fc::fa2_bwd_fallback(d)})
+      for (int st : {1, 2}) {
+        const int ld_s = fc::fa2_bwd_layout(d, c, st).ld_s;
+        context() = "d=" + std::to_string(d) + " ld_s=" + std::to_string(ld_s);
+        for (int rf = 0; rf < c.block_m / 16; ++rf)
+          for (int nf = 0; nf < c.block_n / 16; ++nf)
+            for (int i = 0; i < 8; i += 2) {
+              unsigned banks = 0;
+              for (int lane = 0; lane < 32; ++lane) {
+                const int r = rf * 16 + fc::acc_row(lane, i), col = nf * 16 + fc::acc_col(lane, i);
+                const int word = r * ld_s + col / 2;  // (r * 2 ld_s + col) elements of 2 bytes
+                banks |= 1u << (word % 32);
+              }
+              CHECK_EQ(banks, 0xffffffffu);
+            }
+      }
+}
+
 void test_fa2_backward_workspace() {
   const fc::Fa2BwdWorkspace w = fc::fa2_bwd_workspace(2, 3, 5, 64, false);
   CHECK_EQ(w.stats, int64_t(30));
@@ -498,6 +529,7 @@ int main() {
   run_test("cuda plan: fa2 forward register layout", test_fa2_register_layout);
   run_test("cuda plan: fa2 forward shared-memory softmax banks", test_fa2_smem_softmax_banks);
   run_test("cuda plan: fa2 backward configs, layouts, variants", test_fa2_backward_configs);
+  run_test("cuda plan: fa2 backward paired P/dS stores", test_fa2_backward_pair_stores);
   run_test("cuda plan: fa2 backward workspace", test_fa2_backward_workspace);
   run_test("cuda plan: fa1 forward and backward tiles", test_fa1_plans);
   run_test("cuda plan: block ranges vs brute force", test_block_ranges);
