@@ -29,11 +29,13 @@ every call, so the cache does not change between rounds.
   flashdl / SDPA speed >= 2.
 - num_splits: at batch 1, num_splits=1 (one task: a task is a (sequence, key split) and reads
   every kv head of its keys, so one thread works) against the automatic choice (0: splits of at
-  least 256 keys, two tasks per thread), contiguous cache.
+  least 512 keys, two tasks per thread), contiguous cache.
 Per configuration the variants are timed in interleaved rounds: each round gives every variant a
 turn -- a 50 ms pause (torch's OpenMP threads keep spinning for a while after SDPA returns and,
-on a small machine, would slow whatever runs next by ~2x), one untimed call, then a ~20 ms burst
-of back-to-back calls (up to 50) whose mean is the round's sample; medians over rounds. Caches of
+on a small machine, would slow whatever runs next by ~2x), ~30 ms of untimed calls (at least one:
+right after an idle pause the machine runs slow for a while; a float32 step over 4k keys took
+3.2-4.2 ms in a 20 ms burst straight after the pause, 2.25 ms in steady state), then a ~20 ms
+burst of back-to-back calls (up to 50) whose mean is the round's sample; medians over rounds. Caches of
 a few MiB (batch 1, 1k) stay in the last-level cache across a burst, so their "KV GB/s" can exceed
 the DRAM copy bandwidth.
 """
@@ -120,11 +122,12 @@ def to_torch(torch, x):
     return torch.from_numpy(x)
 
 
-def interleaved(fns, rounds, burst_s=0.02, pause_s=0.05):
+def interleaved(fns, rounds, burst_s=0.02, pause_s=0.05, warm_s=0.03):
     """Seconds per call of each fn: median over `rounds` rounds, each running every fn in turn.
     A turn is a pause (the previous fn's runtime -- torch's OpenMP threads spin after a parallel
-    region and would otherwise steal the cores from the next fn), one untimed call, then a burst
-    of back-to-back calls lasting about burst_s, whose mean is the sample."""
+    region and would otherwise steal the cores from the next fn), untimed calls for about warm_s
+    (at least one: the machine is back at speed), then a burst of back-to-back calls lasting
+    about burst_s, whose mean is the sample."""
     count = {}
     for name, fn in fns.items():  # warm-up, and the burst length
         fn()
@@ -135,7 +138,10 @@ def interleaved(fns, rounds, burst_s=0.02, pause_s=0.05):
     for _ in range(rounds):
         for name, fn in fns.items():
             time.sleep(pause_s)
+            t = time.perf_counter()
             fn()
+            while time.perf_counter() - t < warm_s:
+                fn()
             t = time.perf_counter()
             for _ in range(count[name]):
                 fn()
@@ -274,8 +280,8 @@ def main():
            f"threads, SDPA with {gqa_mode}"),
         f"- command: `python benchmarks/bench_decode.py --rounds {args.rounds}"
         + (" --quick" if args.quick else "") + "`; per configuration, medians of "
-        f"{args.rounds} interleaved rounds (per round and variant: 50 ms pause, one untimed call, "
-        "the mean of a ~20 ms burst of calls)",
+        f"{args.rounds} interleaved rounds (per round and variant: 50 ms pause, ~30 ms of untimed "
+        "calls, the mean of a ~20 ms burst of calls)",
         f"- one decode step: seqlen_q 1, {H} heads, {HK} kv heads, headdim {D}, causal, one key "
         f"appended (cache_seqlens = L - 1); paged: pages of {PAGE} rows in random order; "
         "heads-major: a (batch, 8, L, 128) cache passed as a transposed view",
