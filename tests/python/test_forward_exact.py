@@ -176,11 +176,13 @@ def test_thread_count_does_not_change_the_result(schedule):
 
 
 # "auto" runs a few query rows per kv head over many keys with the KV-cache kernel (decoding
-# through attention(); src/cpu/backend.cpp): seqlen_q x group <= 2 from 256 keys, <= 8 from 8192.
+# through attention(); src/cpu/backend.cpp): seqlen_q x group <= 2 from 256 keys, <= 16 from
+# 8192, <= 32 from 65536.
 DECODE_SHAPES = [
     (1, 1, 256, 2, 2, 64),     # the smallest routed
     (2, 1, 1000, 8, 4, 32),    # GQA: 2 rows per kv head
-    (1, 8, 8192, 2, 2, 16),    # 8 rows over 8192 keys
+    (1, 16, 8192, 2, 2, 16),   # 16 rows over 8192 keys
+    (1, 4, 65536, 8, 1, 16),   # MQA: 32 rows per kv head over 65536 keys
     (1, 3, 300, 2, 2, 16),     # 3 rows: fa2 (not routed)
 ]
 
