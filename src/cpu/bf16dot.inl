@@ -243,10 +243,13 @@ struct KvBf16 {
   }
   // A vectors of key pairs for O's columns [c0, c0 + 16 A) (c0 % 64 == 0) of value rows
   // rows[0] and rows[1].
-  template <int A>
+  // kWhole: every column is in the rows (no masked loads).
+  template <int A, bool kWhole>
   static void values(const uint16_t* const* rows, int64_t c0, int64_t d, __m512i* w) {
     for (int u = 0; u < A / 2; ++u) {
-      const __m512i a = load(rows[0], c0 / kElems + u, d), b = load(rows[1], c0 / kElems + u, d);
+      const int64_t v = c0 / kElems + u;
+      const __m512i a = kWhole ? load_full(rows[0] + kElems * v) : load(rows[0], v, d);
+      const __m512i b = kWhole ? load_full(rows[1] + kElems * v) : load(rows[1], v, d);
       w[2 * u] = _mm512_unpacklo_epi16(a, b);
       w[2 * u + 1] = _mm512_unpackhi_epi16(a, b);
     }

@@ -170,10 +170,6 @@ struct KvF32 {
     convert_row_in(q, DType::float32, d, dst);
     std::fill(dst + d, dst + n, 0.f);
   }
-  template <int A>
-  static void values(const float* const* rows, int64_t c0, int64_t d, __m512i* w) {
-    for (int u = 0; u < A; ++u) w[u] = load(rows[0], c0 / kElems + u, d);
-  }
   static const float* weights(float* P, int64_t ld, int64_t, int64_t, int64_t, Buffer<float>&,
                               int64_t* ldw) {
     *ldw = ld;
@@ -204,10 +200,6 @@ struct KvF16 : KvF32 {
   static void query(const void* q, int64_t d, float* dst, int64_t n) {
     convert_row_in(q, DType::float16, d, dst);
     std::fill(dst + d, dst + n, 0.f);
-  }
-  template <int A>
-  static void values(const uint16_t* const* rows, int64_t c0, int64_t d, __m512i* w) {
-    for (int u = 0; u < A; ++u) w[u] = load(rows[0], c0 / kElems + u, d);
   }
 };
 
@@ -286,7 +278,8 @@ void kv_scores(const typename K::Word* Q, int64_t ldq, int64_t n,
 }
 
 // O rows [0, R) (ldo apart), columns [c0, c0 + 16 A) += P V over `steps` steps of keys: P row r
-// at P + r * ldp (one word per step), the value rows of step t at vals[K::kKeysPerStep * t].
+// at P + r * ldp (one word per step), the value rows of step t at vals[K::kKeysPerStep * t]
+// (one row a step loaded here; KvBf16's pairs by its values()).
 template <typename K, int R, int A>
 void kv_accumulate_block(const typename K::Word* P, int64_t ldp,
                          const typename K::Elem* const* vals, int64_t steps, int64_t c0,
@@ -294,14 +287,30 @@ void kv_accumulate_block(const typename K::Word* P, int64_t ldp,
   __m512 acc[R][A];
   for (int r = 0; r < R; ++r)
     for (int k = 0; k < A; ++k) acc[r][k] = _mm512_loadu_ps(O + r * ldo + c0 + 16 * k);
-  for (int64_t t = 0; t < steps; ++t) {
-    __m512i w[A];
-    K::template values<A>(vals + K::kKeysPerStep * t, c0, d, w);
-    for (int r = 0; r < R; ++r) {
-      const __m512i pr = K::weight(P + r * ldp, t);
-      for (int k = 0; k < A; ++k) acc[r][k] = K::dot(acc[r][k], pr, w[k]);
+  // Two loops: with the row's end inside the loop (a branch per load), the accumulators went
+  // through the stack at every step.
+  auto steps_loop = [&](auto whole) {
+    constexpr bool kWhole = decltype(whole)::value;
+    for (int64_t t = 0; t < steps; ++t) {
+      __m512i w[A];
+      if constexpr (K::kKeysPerStep == 1) {
+        const typename K::Elem* row = vals[t];
+        for (int u = 0; u < A; ++u)
+          w[u] = kWhole ? K::load_full(row + c0 + K::kElems * u)
+                        : K::load(row, c0 / K::kElems + u, d);
+      } else {
+        K::template values<A, kWhole>(vals + K::kKeysPerStep * t, c0, d, w);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512i pr = K::weight(P + r * ldp, t);
+        for (int k = 0; k < A; ++k) acc[r][k] = K::dot(acc[r][k], pr, w[k]);
+      }
     }
-  }
+  };
+  if (c0 + 16 * A <= d)  // every column of the block is in the rows
+    steps_loop(std::true_type{});
+  else
+    steps_loop(std::false_type{});
   for (int r = 0; r < R; ++r)
     for (int k = 0; k < A; ++k) _mm512_storeu_ps(O + r * ldo + c0 + 16 * k, acc[r][k]);
 }
