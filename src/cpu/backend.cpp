@@ -127,11 +127,14 @@ void run_batch(const std::vector<Params>& problems, void (*run)(const Params&)) 
 // over the threads, where fa2 packs every key tile for a query tile of a few rows and has fewer
 // tasks than threads. Rows: seqlen_q x the GQA group, per kv head. The bounds are where the
 // KV-cache kernel was faster at every head layout and dtype measured (8/8 heads at headdim 64,
-// 32/8 at 128, float32 and bfloat16, 1,024 to 65,536 keys: 1.04-7.8x;
-// benchmarks/results/cpu_tuning.md, sections 9 and 12).
+// 32/8 at 128, float32 and bfloat16, 1,024 to 65,536 keys: 1.11-9.4x;
+// benchmarks/results/cpu_tuning.md, sections 9, 12 and 13).
 bool decode_shaped(const Params& p) {
   const int64_t rows = p.seqlen_q * p.h_h_k_ratio;
-  const int64_t max_rows = p.seqlen_k >= 65536 ? 32 : p.seqlen_k >= 8192 ? 16 : 2;
+  const int64_t max_rows = p.seqlen_k >= 65536  ? 64
+                           : p.seqlen_k >= 8192 ? 32
+                           : p.seqlen_k >= 1024 ? 4
+                                                : 2;
   return p.auto_schedule && p.p_dropout == 0.0f && p.block_mask_ptr == nullptr &&
          rows <= max_rows && p.seqlen_k >= 256 &&
          p.seqlen_k <= std::numeric_limits<int32_t>::max();

@@ -176,13 +176,14 @@ def test_thread_count_does_not_change_the_result(schedule):
 
 
 # "auto" runs a few query rows per kv head over many keys with the KV-cache kernel (decoding
-# through attention(); src/cpu/backend.cpp): seqlen_q x group <= 2 from 256 keys, <= 16 from
-# 8192, <= 32 from 65536.
+# through attention(); src/cpu/backend.cpp): seqlen_q x group <= 2 from 256 keys, <= 4 from 1024,
+# <= 32 from 8192, <= 64 from 65536.
 DECODE_SHAPES = [
     (1, 1, 256, 2, 2, 64),     # the smallest routed
     (2, 1, 1000, 8, 4, 32),    # GQA: 2 rows per kv head
-    (1, 16, 8192, 2, 2, 16),   # 16 rows over 8192 keys
-    (1, 4, 65536, 8, 1, 16),   # MQA: 32 rows per kv head over 65536 keys
+    (1, 4, 1024, 2, 2, 32),    # 4 rows over 1024 keys
+    (1, 32, 8192, 2, 2, 16),   # 32 rows over 8192 keys
+    (1, 8, 65536, 8, 1, 16),   # MQA: 64 rows per kv head over 65536 keys
     (1, 3, 300, 2, 2, 16),     # 3 rows: fa2 (not routed)
 ]
 
