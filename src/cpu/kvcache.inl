@@ -1,12 +1,14 @@
 // Attention over a KV cache (contiguous or paged) on the CPU, built for decoding: a few query rows
 // against many keys. A task is one (batch, key split, chunk of rows); its rows are the query rows
-// of every head (grouped by kv head), and it walks its keys a tile at a time reading each key's
-// row of all kv heads in one pass (contiguous in the usual (batch, seqlen, nheads_kv, headdim)
-// layout), each K and V head row converted once and used by all query rows of its GQA group: S
-// by dot products against the row, O += P V by one multiply-add per row -- no transposed
-// packing, whose scalar scatter would cost more than the arithmetic here. Key splits (split-KV,
-// "flash-decoding") give normalised partial (O, lse), merged exactly (detail::merge_weights)
-// once every split is done.
+// of every head (grouped by kv head), and it walks its keys a tile at a time, reading the rows of
+// a few keys for all kv heads together (contiguous in the usual (batch, seqlen, nheads_kv,
+// headdim) layout); each key's and value's head row serves all query rows of its GQA group: S by
+// dot products against the row, O += P V by multiply-adds into the rows -- no transposed packing,
+// whose scatter would cost more than the arithmetic here. The products are a policy of the task
+// loop: KvRowsInPlace reads the cache rows in place (AVX-512: float32, float16, and bfloat16 with
+// AVX512_BF16), KvRowsWidened converts each row first (every other dtype and instruction set).
+// Key splits (split-KV, "flash-decoding") give normalised partial (O, lse), merged exactly
+// (detail::merge_weights) once every split is done.
 //
 // A task per (batch, kv head) read each key's head row alone: one 256-512 byte row per memory
 // page with the heads interleaved, 3-4x slower than walking whole rows (measured,
@@ -204,8 +206,9 @@ struct KvF16 : KvF32 {
 };
 
 // Lane k < 8 of the result is the sum of the 16 lanes of v[k] (three levels as kv_reduce16's,
-// a swap of neighbours and one permutation: 24 instructions for 8 sums).
-inline __m256 kv_reduce8(const __m512* v) {
+// a swap of neighbours and one permutation: 24 instructions for 8 sums); lanes 8-15 are not
+// meaningful (kv_store8 writes the 8).
+inline __m512 kv_reduce8(const __m512* v) {
   constexpr __mmask16 all = 0xFFFF;
   __m512 w[4], x[2];
   for (int i = 0; i < 4; ++i)  // 128-bit lanes 0-1: v[2i] halved; 2-3: v[2i + 1]
@@ -221,8 +224,10 @@ inline __m256 kv_reduce8(const __m512* v) {
   const __m512 z = _mm512_add_ps(y, _mm512_maskz_shuffle_ps(all, y, y, 0xB1));
   alignas(64) static constexpr int32_t kFrom[16] = {0, 4, 8, 12, 2, 6, 10, 14,
                                                     0, 0, 0, 0, 0, 0, 0, 0};
-  return _mm512_castps512_ps256(_mm512_permutexvar_ps(_mm512_load_si512(kFrom), z));
+  return _mm512_maskz_permutexvar_ps(all, _mm512_load_si512(kFrom), z);
 }
+
+inline void kv_store8(float* dst, __m512 x) { _mm512_mask_storeu_ps(dst, 0x00FF, x); }
 
 // s[r * ld + j] = dot(Q row r, keys[j]) for rows [0, n) and j < 16: Q row r at Q + r * ldq
 // (zeros past d), each key a cache row of d values. Rows in pairs take 8 keys at a time, each
@@ -251,8 +256,8 @@ void kv_scores(const typename K::Word* Q, int64_t ldq, int64_t n,
           a1[i] = K::dot(a1[i], x1, kv);
         }
       }
-      _mm256_storeu_ps(s + r * ld + 8 * half, kv_reduce8(a0));
-      _mm256_storeu_ps(s + (r + 1) * ld + 8 * half, kv_reduce8(a1));
+      kv_store8(s + r * ld + 8 * half, kv_reduce8(a0));
+      kv_store8(s + (r + 1) * ld + 8 * half, kv_reduce8(a1));
     }
   }
   if (r < n) {
