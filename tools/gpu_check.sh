@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The first command to run on a machine with a GPU: environment, build for sm_90, the CUDA C++
 # tests (in full, then the small-tile fallback kernels and the fa2 forward's shared-memory softmax),
-# the CUDA pytest files, compute-sanitizer, and the quick CUDA benchmark.
+# the CUDA pytest files, compute-sanitizer, the quick CUDA benchmark, and the forward's HBM bytes
+# under Nsight Compute (bench_io, where ncu is on PATH).
 #
 #   bash tools/gpu_check.sh OUTDIR [STEP ...]     (from any directory)
 #   bash tools/gpu_check.sh --list                (the step names, in order)
@@ -27,7 +28,7 @@ STEPS=(env build cpp_forward cpp_backward cpp_block_sparse cpp_kvcache cpp_forwa
        cpp_backward_fallback cpp_forward_smem_softmax pytest_cuda memcheck_forward
        memcheck_backward memcheck_block_sparse memcheck_kvcache racecheck_forward
        racecheck_backward racecheck_block_sparse racecheck_kvcache synccheck_forward
-       synccheck_backward synccheck_block_sparse synccheck_kvcache bench)
+       synccheck_backward synccheck_block_sparse synccheck_kvcache bench bench_io)
 
 usage() {
   echo "usage: bash tools/gpu_check.sh OUTDIR [STEP ...] | --list | --detect" >&2
@@ -332,6 +333,14 @@ step_synccheck_kvcache() { sanitize synccheck test_cuda_kvcache; }
 step_bench() {
   PYTHONUNBUFFERED=1 "$PYTHON" benchmarks/bench_cuda.py --quick --out "$OUTDIR/bench_cuda_quick.md"
 }
+# HBM bytes of the forward under Nsight Compute (the paper's IO claim); needs ncu on PATH.
+step_bench_io() {
+  if ! command -v "${NCU:-ncu}" >/dev/null 2>&1; then
+    echo "ncu (Nsight Compute) not on PATH: bench_io not run"
+    return 0
+  fi
+  PYTHONUNBUFFERED=1 "$PYTHON" benchmarks/bench_cuda_io.py --ncu "${NCU:-ncu}" --out "$OUTDIR/bench_cuda_io.md"
+}
 
 export PYTHON OUTDIR BUILD_DIR CUDA_TESTS SMEM_LIMIT COMPUTE_SANITIZER
 export -f cpp_test sanitize
@@ -355,6 +364,7 @@ for tool in memcheck racecheck synccheck; do
   done
 done
 run_step bench               120   bench.log                  step_bench
+run_step bench_io            300   bench_io.log               step_bench_io
 
 total=$(($(date +%s) - START))
 n_pass=$(grep -c '^[a-z_]* *PASS ' "$SUMMARY")

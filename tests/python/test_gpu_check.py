@@ -39,7 +39,8 @@ def steps():
 
 def test_steps_are_listed():
     names = steps()
-    assert names[:2] == ["env", "build"] and "pytest_cuda" in names and names[-1] == "bench"
+    assert names[:2] == ["env", "build"] and "pytest_cuda" in names
+    assert names[-2:] == ["bench", "bench_io"]
     for tool in ("memcheck", "racecheck", "synccheck"):
         assert f"{tool}_forward" in names and f"{tool}_backward" in names
 
@@ -78,6 +79,24 @@ def test_usage_errors(tmp_path):
 @needs_no_gpu
 def test_bench_cuda_without_a_gpu_says_so():
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_cuda.py"), "--quick"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    assert "no CUDA device" in res.stderr, res.stderr
+
+
+def test_bench_cuda_io_check():
+    """bench_cuda_io.py --check: its ncu CSV parser on a sample and the model columns, anywhere."""
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_cuda_io.py"), "--check"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().endswith("check: ok")
+    assert "| 4096 | 128 | 4 x 16 |" in res.stdout
+
+
+@needs_no_gpu
+def test_bench_cuda_io_without_a_gpu_says_so():
+    pytest.importorskip("torch")
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_cuda_io.py")],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode != 0
     assert "no CUDA device" in res.stderr, res.stderr
