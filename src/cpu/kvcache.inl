@@ -123,11 +123,12 @@ struct KvRowsWidened {
 };
 
 #if FLASHDL_VEC_BYTES == 64
-// Products on cache rows read in place, for float32 caches (KvF32 below) and, with AVX512_BF16,
-// bfloat16 ones (KvBf16, bf16dot.inl): nothing is converted or copied per key. S takes a query
-// row against 16 keys of a kv head at a time, and sums the 16 vectors of lane products together
-// (kv_reduce16: 45 instructions for 16 sums, against 16 separate horizontal sums); O += P V keeps
-// 64 columns of up to 4 rows in registers over a whole key tile.
+// Products on cache rows read in place, for float32 and float16 caches (KvF32, KvF16 below) and,
+// with AVX512_BF16, bfloat16 ones (KvBf16, bf16dot.inl): nothing is converted into a buffer or
+// copied per key. S takes query rows in pairs against 8 keys of a kv head at a time (a row left
+// over: 16 keys), and sums the vectors of lane products together (kv_reduce8, kv_reduce16: about
+// 3 instructions a sum, against 8 for separate horizontal sums); O += P V keeps 64 columns of up
+// to 4 rows in registers over 16 keys of each kv head.
 
 // Lane k of the result is the sum of the 16 lanes of v[4 * (k % 4) + k / 4]. The shuffles are
 // the zero-masking forms with every lane kept (the same instructions): GCC 12 warns that the
@@ -150,7 +151,8 @@ inline __m512 kv_reduce16(const __m512* v) {
                        _mm512_maskz_shuffle_ps(all, y0, y1, 0xDD));
 }
 
-// float32 caches: the interface KvBf16 (bf16dot.inl) documents, on one key per step.
+// float32 caches: the interface KvBf16 (bf16dot.inl) documents, on one key per step (whose value
+// row kv_accumulate_block loads itself: no values()).
 struct KvF32 {
   using Elem = float;
   using Word = float;
@@ -197,7 +199,8 @@ struct KvF16 : KvF32 {
     if (left >= kElems) return load_full(row + kElems * v);
     if (left <= 0) return _mm512_setzero_si512();
     const __mmask16 m = static_cast<__mmask16>((1u << left) - 1);
-    return _mm512_castps_si512(_mm512_maskz_cvtph_ps(m, _mm256_maskz_loadu_epi16(m, row + kElems * v)));
+    const __m256i h = _mm256_maskz_loadu_epi16(m, row + kElems * v);
+    return _mm512_castps_si512(_mm512_maskz_cvtph_ps(m, h));
   }
   static void query(const void* q, int64_t d, float* dst, int64_t n) {
     convert_row_in(q, DType::float16, d, dst);
@@ -516,7 +519,8 @@ void kvcache_forward_impl(const Params& p, int threads) {
 }
 
 inline void kvcache_forward(const Params& p, int threads) {
-  if (p.dtype == DType::float64) return kvcache_forward_impl<double, KvRowsWidened<double>>(p, threads);
+  if (p.dtype == DType::float64)
+    return kvcache_forward_impl<double, KvRowsWidened<double>>(p, threads);
 #if FLASHDL_HAVE_BF16_DOT
   if (p.dtype == DType::bfloat16)
     return kvcache_forward_impl<float, KvRowsInPlace<KvBf16>>(p, threads);
