@@ -21,6 +21,16 @@ inline void check_cuda(cudaError_t err, const char* what) {
 
 #define FLASHDL_CUDA_CHECK(expr) ::flashdl::cuda::check_cuda((expr), #expr)
 
+// A kernel launch, written FLASHDL_LAUNCH(grid, block, smem_bytes, stream, kernel)(args...): under
+// nvcc kernel<<<grid, block, smem_bytes, stream>>>(args...); built with FLASHDL_CUDA=EMULATE, the
+// host emulator's launch (tests/cuda_emulator), which runs the same kernel source on the CPU.
+#ifdef FLASHDL_CUDA_EMULATOR
+#define FLASHDL_LAUNCH(grid, block, smem, stream, ...) \
+  FLASHDL_EMU_LAUNCH(grid, block, smem, stream, __VA_ARGS__)
+#else
+#define FLASHDL_LAUNCH(grid, block, smem, stream, ...) __VA_ARGS__<<<grid, block, smem, stream>>>
+#endif
+
 // After every launch: a bad configuration (grid, block, shared memory) surfaces here at once.
 #define FLASHDL_CUDA_CHECK_LAUNCH(name) ::flashdl::cuda::check_cuda(cudaGetLastError(), name)
 

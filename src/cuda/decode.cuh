@@ -240,7 +240,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
 #else
   using T = typename Tr::T;
   constexpr int kBlockN = Tr::kBlockN, kLd = Tr::kLdQKV;
-  extern __shared__ __align__(128) unsigned char smem[];
+  FLASHDL_DYNAMIC_SMEM(smem);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   T* sQ = reinterpret_cast<T*>(smem + Tr::kOffQ);
   T* sK = reinterpret_cast<T*>(smem + Tr::kOffK);
@@ -344,7 +344,7 @@ void launch(const Params& p, const DecodeArgs& a, const LaunchContext& ctx) {
                                           static_cast<int>(Tr::kSmemBytes)));
   const dim3 grid(static_cast<unsigned>(a.splits * a.row_chunks),
                   static_cast<unsigned>(p.nheads_kv), static_cast<unsigned>(p.batch));
-  kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, ctx.stream>>>(p, a);
+  FLASHDL_LAUNCH(grid, Tr::kThreads, Tr::kSmemBytes, ctx.stream, kernel)(p, a);
   FLASHDL_CUDA_CHECK_LAUNCH("decode kernel launch");
 }
 

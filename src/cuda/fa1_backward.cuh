@@ -141,7 +141,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   __trap();  // the launcher refuses devices below sm_80 (bfloat16 wmma, cp.async)
 #else
-  extern __shared__ __align__(128) unsigned char smem[];
+  FLASHDL_DYNAMIC_SMEM(smem);
   T* sK = reinterpret_cast<T*>(smem + L.off_k);
   T* sV = reinterpret_cast<T*>(smem + L.off_v);
   float* sdK = reinterpret_cast<float*>(smem + L.off_dk);
@@ -282,7 +282,7 @@ void launch_fa1_backward(const Params& p, const LaunchContext& ctx) {
                                           static_cast<int>(L.bytes)));
   const std::size_t floats = static_cast<std::size_t>(p.batch * p.nheads * p.seqlen_q) * kHeadDim;
   StreamWorkspace ws((floats > 0 ? floats : 1) * sizeof(float), ctx.stream);  // dQ
-  kernel<<<static_cast<unsigned>(ctas), fa1bwd::kThreads, L.bytes, ctx.stream>>>(
+  FLASHDL_LAUNCH(static_cast<unsigned>(ctas), fa1bwd::kThreads, L.bytes, ctx.stream, kernel)(
       p, call_score_mods(p), L, ws.get<float>(), ctx.vec_load, ctx.vec_store);
   FLASHDL_CUDA_CHECK_LAUNCH("fa1 backward kernel launch");
   ws.release();

@@ -203,7 +203,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   __trap();  // the launcher refuses devices below sm_80 (bfloat16 wmma, cp.async)
 #else
-  extern __shared__ __align__(128) unsigned char smem[];
+  FLASHDL_DYNAMIC_SMEM(smem);
   T* sK = reinterpret_cast<T*>(smem + L.off_k);
   T* sV = reinterpret_cast<T*>(smem + L.off_v);
   T* sQ = reinterpret_cast<T*>(smem + L.off_q);
@@ -305,7 +305,7 @@ void launch_fa1_forward(const Params& p, const LaunchContext& ctx) {
                                           static_cast<int>(L.bytes)));
   const std::size_t rows = static_cast<std::size_t>(ctas * p.seqlen_q);
   StreamWorkspace ws(rows * (kHeadDim + 2) * sizeof(float), ctx.stream);  // O, m, l
-  kernel<<<static_cast<unsigned>(ctas), fa1::kThreads, L.bytes, ctx.stream>>>(
+  FLASHDL_LAUNCH(static_cast<unsigned>(ctas), fa1::kThreads, L.bytes, ctx.stream, kernel)(
       p, call_score_mods(p), L, ws.get<float>(), ctx.vec_load, ctx.vec_store);
   FLASHDL_CUDA_CHECK_LAUNCH("fa1 forward kernel launch");
   ws.release();

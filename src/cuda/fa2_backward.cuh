@@ -156,7 +156,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   using T = typename Tr::T;
   constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kD = Tr::kHeadDim, kLd = Tr::kLd;
   constexpr Fa2BwdLayout L = Tr::kMain;
-  extern __shared__ __align__(128) unsigned char smem[];
+  FLASHDL_DYNAMIC_SMEM(smem);
   T* sK = reinterpret_cast<T*>(smem + L.off_k);
   T* sV = reinterpret_cast<T*>(smem + L.off_v);
   float* sS = reinterpret_cast<float*>(smem + L.off_s);
@@ -350,7 +350,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   using T = typename Tr::T;
   constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kD = Tr::kHeadDim, kLd = Tr::kLd;
   constexpr Fa2BwdLayout L = Tr::kDqPass;
-  extern __shared__ __align__(128) unsigned char smem[];
+  FLASHDL_DYNAMIC_SMEM(smem);
   T* sK = reinterpret_cast<T*>(smem + L.off_k);
   T* sV = reinterpret_cast<T*>(smem + L.off_v);
   T* sQ = reinterpret_cast<T*>(smem + L.off_q);
@@ -482,29 +482,28 @@ void launch_fa2_bwd(const Params& p, const LaunchContext& ctx) {
   const auto y = static_cast<unsigned>(p.nheads), z = static_cast<unsigned>(p.batch);
   const ScoreModF mods = call_score_mods(p);
   if (p.seqlen_q > 0) {
-    fa2bwd::preprocess_kernel<typename Tr::T>
-        <<<dim3(static_cast<unsigned>(pre_blocks), y, z), fa2bwd::kPreRows * 32, 0, ctx.stream>>>(
-            p, l2, d);
+    FLASHDL_LAUNCH(dim3(static_cast<unsigned>(pre_blocks), y, z), fa2bwd::kPreRows * 32, 0,
+                   ctx.stream, fa2bwd::preprocess_kernel<typename Tr::T>)(p, l2, d);
     FLASHDL_CUDA_CHECK_LAUNCH("fa2 backward preprocess kernel launch");
   }
   if (p.seqlen_k > 0) {
     const auto kernel = fa2bwd::backward_kernel<Tr>;
     FLASHDL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(Tr::kMain.bytes)));
-    kernel<<<dim3(static_cast<unsigned>(n_blocks), static_cast<unsigned>(p.nheads_kv), z),
-             Tr::kThreads, Tr::kMain.bytes, ctx.stream>>>(p, mods, l2, d, dq, ctx.vec_load);
+    FLASHDL_LAUNCH(dim3(static_cast<unsigned>(n_blocks), static_cast<unsigned>(p.nheads_kv), z),
+                   Tr::kThreads, Tr::kMain.bytes, ctx.stream, kernel)(p, mods, l2, d, dq, ctx.vec_load);
     FLASHDL_CUDA_CHECK_LAUNCH("fa2 backward kernel launch");
   }
   if (p.seqlen_q > 0 && p.deterministic) {
     const auto kernel = fa2bwd::dq_kernel<Tr>;
     FLASHDL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(Tr::kDqPass.bytes)));
-    kernel<<<dim3(static_cast<unsigned>(m_blocks), y, z), Tr::kThreads, Tr::kDqPass.bytes,
-             ctx.stream>>>(p, mods, l2, d, ctx.vec_load);
+    FLASHDL_LAUNCH(dim3(static_cast<unsigned>(m_blocks), y, z), Tr::kThreads, Tr::kDqPass.bytes,
+                   ctx.stream, kernel)(p, mods, l2, d, ctx.vec_load);
     FLASHDL_CUDA_CHECK_LAUNCH("fa2 backward dQ kernel launch");
   } else if (p.seqlen_q > 0) {
-    fa2bwd::convert_dq_kernel<typename Tr::T>
-        <<<dim3(static_cast<unsigned>(cvt_blocks), y, z), 256, 0, ctx.stream>>>(p, dq, ctx.vec_store);
+    FLASHDL_LAUNCH(dim3(static_cast<unsigned>(cvt_blocks), y, z), 256, 0, ctx.stream,
+                   fa2bwd::convert_dq_kernel<typename Tr::T>)(p, dq, ctx.vec_store);
     FLASHDL_CUDA_CHECK_LAUNCH("fa2 backward dQ conversion launch");
   }
   ws.release();

@@ -262,7 +262,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
   using T = typename Tr::T;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kD = Tr::kHeadDim, kLd = Tr::kLdQKV;
   constexpr int R = Tr::kRowFrags, kFragsN = Tr::kFragsN, kFragsD = Tr::kFragsD;
-  extern __shared__ __align__(128) unsigned char smem[];
+  FLASHDL_DYNAMIC_SMEM(smem);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int w0 = warp * Tr::kWarpRows;  // this warp's first row in the Q block
   T* sQ = reinterpret_cast<T*>(smem + Tr::kOffQ);
@@ -527,8 +527,8 @@ void launch_fa2(const Params& p, const LaunchContext& ctx) {
                                           static_cast<int>(Tr::kSmemBytes)));
   const dim3 grid(static_cast<unsigned>(m_blocks), static_cast<unsigned>(p.nheads),
                   static_cast<unsigned>(p.batch));
-  kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, ctx.stream>>>(p, call_score_mods(p), ctx.vec_load,
-                                                              ctx.vec_store, ctx.fa2_smem_softmax);
+  FLASHDL_LAUNCH(grid, Tr::kThreads, Tr::kSmemBytes, ctx.stream, kernel)(
+      p, call_score_mods(p), ctx.vec_load, ctx.vec_store, ctx.fa2_smem_softmax);
   FLASHDL_CUDA_CHECK_LAUNCH("fa2 forward kernel launch");
 }
 

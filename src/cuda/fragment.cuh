@@ -14,6 +14,14 @@ namespace flashdl::cuda {
 
 namespace wmma = nvcuda::wmma;
 
+// A kernel's dynamic shared memory (the launch's byte count), 128-byte aligned; the host
+// emulator hands out its own per block.
+#ifdef FLASHDL_CUDA_EMULATOR
+#define FLASHDL_DYNAMIC_SMEM(name) unsigned char* const name = ::flashdl_emu::dynamic_smem()
+#else
+#define FLASHDL_DYNAMIC_SMEM(name) extern __shared__ __align__(128) unsigned char name[]
+#endif
+
 constexpr int kFrag = 16;           // wmma tile: m = n = k = 16
 constexpr unsigned kFullMask = 0xffffffffu;
 
@@ -61,8 +69,10 @@ __device__ __forceinline__ float warp_sum(float x) {
 // load_frag loads a bfloat16 tile as float16 (the same 16-bit patterns) and copies the bits into
 // the bfloat16 fragment, which then holds what wmma's own load would put there: so on sm_80 to
 // sm_90 (kTwinLoads; by the SASS, both loads give the m16n8k16 operand layout), checked at
-// kernel start by twin_loads_hold. Other architectures take wmma's own load.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && __CUDA_ARCH__ < 1000
+// kernel start by twin_loads_hold. Other architectures take wmma's own load. The host emulator
+// models the m16n8k16 layout, so it runs this path too.
+#if (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && __CUDA_ARCH__ < 1000) || \
+    defined(FLASHDL_CUDA_EMULATOR)
 constexpr bool kTwinLoads = true;
 #else
 constexpr bool kTwinLoads = false;

@@ -80,7 +80,7 @@ void launch_append(const Params& p, const KvAppend& a, cudaStream_t stream) {
                    aligned16(a.k_ptr, a.k_batch_stride, a.k_row_stride, a.k_head_stride) &&
                    aligned16(a.v_ptr, a.v_batch_stride, a.v_row_stride, a.v_head_stride);
   const int64_t blocks = std::min<int64_t>(detail::ceil_div(rows, kAppendThreads / 32), 1 << 20);
-  kvcache::append_kernel<<<static_cast<unsigned>(blocks), kAppendThreads, 0, stream>>>(p, a, vec);
+  FLASHDL_LAUNCH(static_cast<unsigned>(blocks), kAppendThreads, 0, stream, kvcache::append_kernel)(p, a, vec);
   FLASHDL_CUDA_CHECK_LAUNCH("kv cache append kernel launch");
 }
 

@@ -135,7 +135,7 @@ void launch_merge(const MergeArgs& a, cudaStream_t stream) {
   if (rows == 0) return;
   const int64_t blocks = detail::ceil_div(rows, kMergeThreads / 32);
   const auto grid = static_cast<unsigned>(blocks < (int64_t{1} << 20) ? blocks : int64_t{1} << 20);
-  merge_kernel<In, Out, Acc><<<grid, kMergeThreads, 0, stream>>>(a);
+  FLASHDL_LAUNCH(grid, kMergeThreads, 0, stream, merge_kernel<In, Out, Acc>)(a);
   FLASHDL_CUDA_CHECK_LAUNCH("merge kernel launch");
 }
 

@@ -276,6 +276,14 @@ inline double max_abs_diff(const std::vector<double>& a, const std::vector<doubl
   return m;
 }
 
+// max |x| (NaN counts as infinite).
+inline double max_abs(const std::vector<double>& x) {
+  double m = 0.0;
+  for (double e : x)
+    if (!(std::fabs(e) <= m)) m = std::isnan(e) ? INFINITY : std::fabs(e);
+  return m;
+}
+
 inline bool any_nan(const std::vector<double>& x) {
   for (double e : x)
     if (std::isnan(e)) return true;

@@ -339,8 +339,12 @@ int run_nan(const Target& t, const Cli& cli) {
           }
           const Result r = forward_backward(t, c, s, DType::float16, dirty, m, var);
           const bool fwd_same = same_bits(r.out, clean.out) && same_bits(r.lse, clean.lse);
-          const bool bwd_same =
-              same_bits(r.dq, clean.dq) && same_bits(r.dk, clean.dk) && same_bits(r.dv, clean.dv);
+          // dQ by float atomics (fa2 without deterministic) sums in a different order every
+          // run: the same within a float16 rounding of the largest entry, and no NaN.
+          const bool dq_same = var.deterministic || var.schedule != Schedule::fa2
+                                   ? same_bits(r.dq, clean.dq)
+                                   : max_abs_diff(r.dq, clean.dq) <= 2e-3 * max_abs(clean.dq);
+          const bool bwd_same = dq_same && same_bits(r.dk, clean.dk) && same_bits(r.dv, clean.dv);
           const bool clean_nan = any_nan(clean.out) || any_nan(clean.dq) || any_nan(clean.dk) ||
                                  any_nan(clean.dv);
           const bool ok = fwd_same && bwd_same && !clean_nan;

@@ -1,0 +1,3 @@
+// flashdl CUDA host emulator: cp.async primitives (flashdl_emu/pipeline.hpp).
+#pragma once
+#include "flashdl_emu/pipeline.hpp"

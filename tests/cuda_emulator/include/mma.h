@@ -1,0 +1,3 @@
+// flashdl CUDA host emulator: nvcuda::wmma (flashdl_emu/wmma.hpp).
+#pragma once
+#include "flashdl_emu/wmma.hpp"
