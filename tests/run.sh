@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The project's test command (README: "Run the tests"): installs flashdl with its C++ tests built in
-# the same CMake tree, runs the C++ suite with ctest, then the Python suite with pytest, then
-# builds the sdist and a manylinux CPU wheel and smoke-tests that wheel in a fresh venv.
+# the same CMake tree, runs the C++ suite with ctest, then the CUDA C++ tests on the CUDA host
+# emulator (a second CMake tree), then the Python suite with pytest, then builds the sdist and a
+# manylinux CPU wheel and smoke-tests that wheel in a fresh venv.
 # FLASHDL_CUDA=AUTO|ON|OFF chooses the CUDA backend; by default it is ON wherever nvcc is on PATH,
 # so a machine with the CUDA toolkit (CI's included) always compiles the kernels, GPU or not.
 set -euo pipefail
@@ -29,6 +30,17 @@ echo "tests/run.sh: installing torch, jax and transformers (and flashdl) into th
   -Ccmake.define.FLASHDL_CUDA="$FLASHDL_CUDA"
 
 ctest --test-dir "$BUILD_DIR" --output-on-failure -j 2
+
+# The CUDA kernels on the CPU: the CUDA backend's sources compiled against flashdl's CUDA host
+# emulator (FLASHDL_CUDA=EMULATE, tests/cuda_emulator) and the CUDA C++ tests' quick cases run on
+# it (ctest label "emulator"; "emulator_full" runs the complete suites).
+EMU_BUILD_DIR=${EMU_BUILD_DIR:-build/emulated}
+cmake -S . -B "$EMU_BUILD_DIR" -DFLASHDL_CUDA=EMULATE -DFLASHDL_BUILD_PYTHON=OFF \
+  -DFLASHDL_BUILD_TESTS=ON >/dev/null
+cmake --build "$EMU_BUILD_DIR" -j 2 --target test_cuda_forward test_cuda_backward \
+  test_cuda_block_sparse test_cuda_kvcache
+ctest --test-dir "$EMU_BUILD_DIR" -L '^emulator$' --output-on-failure -j 2
+
 "$PYTHON" -m pytest tests/python -q
 
 # The distributions: sdist, a CPU wheel built from it and repaired to a manylinux tag, installed

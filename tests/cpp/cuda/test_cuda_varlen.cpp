@@ -1,0 +1,289 @@
+// The CUDA varlen path (forward_varlen, backward_varlen: one launch for the packed batch) against
+// the CPU float64 reference run on each sequence alone: out, lse, dq, dk, dv by flash-attn's rule
+// (cuda_harness.hpp, backward_oracle.hpp), for both dtypes, fa1, fa2 and deterministic fa2, plain,
+// causal and windowed, GQA, with cu_seqlens on the host and on the device. The batch mixes an empty
+// query sequence, one row, a sequence with fewer keys than queries and one with more. Then the fa2
+// forward of every sequence must equal, bit for bit, the same sequence run alone as a dense batch
+// of one (the same tiles from each sequence's first row). Outputs are poisoned with NaN first:
+// rows of no sequence must stay untouched. Exit code 77 (skipped) when there is no CUDA device.
+// Command line (cli.hpp): --quick (for compute-sanitizer), --filter SUBSTR, --no-race, --cpu.
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backward_oracle.hpp"
+#include "cli.hpp"
+#include "cuda_harness.hpp"
+#include "flashdl/api.hpp"
+
+using namespace cuda_test;
+using flashdl::DType;
+using flashdl::Schedule;
+
+namespace {
+
+const std::vector<int32_t> kLensQ = {17, 0, 100, 1, 130};
+const std::vector<int32_t> kLensK = {40, 9, 100, 300, 70};
+constexpr int64_t kHeads = 4, kHeadsKv = 2;
+
+struct Variant {
+  const char* name;
+  Schedule schedule;
+  bool deterministic;
+};
+const Variant kVariants[] = {{"fa1", Schedule::fa1, false},
+                             {"fa2", Schedule::fa2, false},
+                             {"fa2(det)", Schedule::fa2, true}};
+
+struct Mask {
+  const char* name;
+  bool causal;
+  int64_t left, right;
+};
+const Mask kMasks[] = {{"full", false, -1, -1}, {"causal", true, -1, -1}, {"window(24,3)", false, 24, 3}};
+
+std::vector<int32_t> offsets(const std::vector<int32_t>& lens) {
+  std::vector<int32_t> cu(1, 0);
+  for (int32_t n : lens) cu.push_back(cu.back() + n);
+  return cu;
+}
+
+Shape shape_of(int64_t sq, int64_t sk, int64_t d, const Mask& m) {
+  return Shape{1, sq, sk, kHeads, kHeadsKv, d, m.left, m.causal ? 0 : m.right};
+}
+
+flashdl::Options options_of(const Mask& m) {
+  flashdl::Options o;
+  o.causal = m.causal;
+  o.window_left = m.left;
+  o.window_right = m.right;
+  return o;
+}
+
+// One sequence: its inputs and the oracle of it run alone.
+struct Sequence {
+  int64_t sq, sk;
+  BwdInputs in;
+  BwdOracle ref;
+  std::vector<double> lowp_out;
+  Grads lowp;
+};
+
+// Rows [row0, row0 + rows) of a packed (total, heads, d) array as a logical (1, rows, heads, d).
+std::vector<double> rows_of(const std::vector<double>& packed, int64_t row0, int64_t rows,
+                            int64_t heads, int64_t d) {
+  return std::vector<double>(packed.begin() + row0 * heads * d,
+                             packed.begin() + (row0 + rows) * heads * d);
+}
+
+template <typename U>
+void append(std::vector<U>& dst, const std::vector<U>& src) {
+  dst.insert(dst.end(), src.begin(), src.end());
+}
+
+std::vector<uint16_t> bits_of(const std::vector<float>& x, DType dt) {
+  std::vector<uint16_t> b(x.size());
+  for (size_t i = 0; i < x.size(); ++i) b[i] = to_bits(x[i], dt);
+  return b;
+}
+
+std::vector<double> values_of(const std::vector<uint16_t>& b, DType dt) {
+  std::vector<double> x(b.size());
+  for (size_t i = 0; i < b.size(); ++i) x[i] = from_bits(b[i], dt);
+  return x;
+}
+
+flashdl::TensorView packed_view(const Buffer& buf, DType dt, int64_t rows, int64_t heads, int64_t d) {
+  return flashdl::TensorView{buf.ptr, dt, buf.device(), 3, {rows, heads, d}, {heads * d, d, 1}};
+}
+
+int run_case_set(const Target& t, const Cli& cli, DType dt, int64_t d, const Mask& mask,
+                 std::mt19937& rng) {
+  const std::vector<int32_t> cu_q = offsets(kLensQ), cu_k = offsets(kLensK);
+  const int64_t total_q = cu_q.back(), total_k = cu_k.back(), batch = int64_t(kLensQ.size());
+  int64_t max_q = 0, max_k = 0;
+  for (size_t b = 0; b < kLensQ.size(); ++b) {
+    max_q = std::max<int64_t>(max_q, kLensQ[b]);
+    max_k = std::max<int64_t>(max_k, kLensK[b]);
+  }
+  // The sequences, each with its oracle; the packed inputs and saved tensors.
+  std::vector<Sequence> seqs;
+  std::vector<float> q, k, v, dout, out_saved, lse_saved(size_t(kHeads * total_q), 0.0f);
+  for (int64_t b = 0; b < batch; ++b) {
+    Sequence s{kLensQ[size_t(b)], kLensK[size_t(b)], {}, {}, {}, {}};
+    const Shape sh = shape_of(s.sq, s.sk, d, mask);
+    s.in = BwdInputs{random_values(s.sq * kHeads * d, rng), random_values(s.sk * kHeadsKv * d, rng),
+                     random_values(s.sk * kHeadsKv * d, rng), random_values(s.sq * kHeads * d, rng)};
+    s.ref = reference_backward(sh, options_of(mask), s.in, true);
+    naive_lowp(sh, s.in.q, s.in.k, s.in.v, dt, s.lowp_out);
+    std::vector<float> out_f(s.ref.out.size());
+    for (size_t i = 0; i < out_f.size(); ++i) out_f[i] = round_to(float(s.ref.out[i]), dt);
+    s.lowp = naive_lowp_backward(sh, s.in, out_f, dt);
+    append(q, s.in.q);
+    append(k, s.in.k);
+    append(v, s.in.v);
+    append(dout, s.in.dout);
+    append(out_saved, out_f);
+    for (int64_t h = 0; h < kHeads; ++h)  // lse (1, h, sq) -> packed (h, total_q)
+      for (int64_t i = 0; i < s.sq; ++i)
+        lse_saved[size_t(h * total_q + cu_q[size_t(b)] + i)] = s.ref.lse[size_t(h * s.sq + i)];
+    seqs.push_back(std::move(s));
+  }
+
+  const bool host = t.host;
+  Buffer bq(q.size() * 2, host), bk(k.size() * 2, host), bv(v.size() * 2, host),
+      bdo(dout.size() * 2, host), bos(out_saved.size() * 2, host), bls(lse_saved.size() * 4, host);
+  bq.upload(bits_of(q, dt));
+  bk.upload(bits_of(k, dt));
+  bv.upload(bits_of(v, dt));
+  bdo.upload(bits_of(dout, dt));
+  bos.upload(bits_of(out_saved, dt));
+  bls.upload(lse_saved);
+  Buffer dev_cu_q(cu_q.size() * 4, host), dev_cu_k(cu_k.size() * 4, host);
+  dev_cu_q.upload(cu_q);
+  dev_cu_k.upload(cu_k);
+  const auto cu_len = int64_t(cu_q.size());
+  const auto host_cu_q = flashdl::make_view(const_cast<int32_t*>(cu_q.data()), DType::int32, {cu_len});
+  const auto host_cu_k = flashdl::make_view(const_cast<int32_t*>(cu_k.data()), DType::int32, {cu_len});
+
+  int failures = 0;
+  for (const Variant& var : kVariants)
+    for (const bool cu_on_device : {false, true}) {
+      char label_buf[200];
+      std::snprintf(label_buf, sizeof label_buf, "varlen %s %s d=%lld %s h=%lld/%lld cu_seqlens=%s",
+                    var.name, dt == DType::float16 ? "float16" : "bfloat16", (long long)d,
+                    mask.name, (long long)kHeads, (long long)kHeadsKv,
+                    cu_on_device ? "device" : "host");
+      const std::string label = label_buf;
+      if (!cli.selected(label)) continue;
+      if (host && cu_on_device) continue;  // the CPU backend takes host cu_seqlens only
+      failures += run_case(label, [&] {
+        flashdl::Options o = options_of(mask);
+        o.schedule = var.schedule;
+        o.deterministic = var.deterministic;
+        o.stream = t.stream;
+        const auto cq = cu_on_device ? flashdl::TensorView{dev_cu_q.ptr, DType::int32, dev_cu_q.device(), 1, {cu_len}, {1}}
+                                     : host_cu_q;
+        const auto ck = cu_on_device ? flashdl::TensorView{dev_cu_k.ptr, DType::int32, dev_cu_k.device(), 1, {cu_len}, {1}}
+                                     : host_cu_k;
+        // One spare row after the packed rows: it belongs to no sequence and must stay NaN.
+        Buffer out((size_t(total_q + 1) * kHeads * d) * 2, host), lse(size_t(kHeads * (total_q + 1)) * 4, host);
+        Buffer dq((size_t(total_q + 1) * kHeads * d) * 2, host), dk((size_t(total_k + 1) * kHeadsKv * d) * 2, host),
+            dv((size_t(total_k + 1) * kHeadsKv * d) * 2, host);
+        for (Buffer* b : {&out, &lse, &dq, &dk, &dv}) b->poison();
+        const auto lse_view = flashdl::TensorView{lse.ptr, DType::float32, lse.device(), 2,
+                                                  {kHeads, total_q}, {total_q + 1, 1}};
+        flashdl::forward_varlen(packed_view(bq, dt, total_q, kHeads, d), packed_view(bk, dt, total_k, kHeadsKv, d),
+                                packed_view(bv, dt, total_k, kHeadsKv, d), cq, ck, max_q, max_k,
+                                packed_view(out, dt, total_q, kHeads, d), lse_view, o);
+        flashdl::backward_varlen(
+            packed_view(bdo, dt, total_q, kHeads, d), packed_view(bq, dt, total_q, kHeads, d),
+            packed_view(bk, dt, total_k, kHeadsKv, d), packed_view(bv, dt, total_k, kHeadsKv, d),
+            packed_view(bos, dt, total_q, kHeads, d),
+            flashdl::TensorView{bls.ptr, DType::float32, bls.device(), 2, {kHeads, total_q}, {total_q, 1}},
+            cq, ck, max_q, max_k, packed_view(dq, dt, total_q, kHeads, d),
+            packed_view(dk, dt, total_k, kHeadsKv, d), packed_view(dv, dt, total_k, kHeadsKv, d), o);
+        t.sync();
+        const std::vector<uint16_t> out_b = out.download<uint16_t>(), dq_b = dq.download<uint16_t>(),
+                                    dk_b = dk.download<uint16_t>(), dv_b = dv.download<uint16_t>();
+        const std::vector<float> lse_h = lse.download<float>();
+        const std::vector<double> out_all = values_of(out_b, dt), dq_all = values_of(dq_b, dt),
+                                  dk_all = values_of(dk_b, dt), dv_all = values_of(dv_b, dt);
+        bool ok = true;
+        std::string why;
+        double worst = 0.0;
+        const double eps = dt == DType::float16 ? 1e-3 : 8e-3;
+        for (int64_t b = 0; b < batch; ++b) {
+          const Sequence& s = seqs[size_t(b)];
+          const int64_t q0 = cu_q[size_t(b)], k0 = cu_k[size_t(b)];
+          const std::vector<double> o_b = rows_of(out_all, q0, s.sq, kHeads, d);
+          const double err = max_abs_diff(o_b, s.ref.out);
+          const double tol = 2.0 * max_abs_diff(s.lowp_out, s.ref.out) + eps;
+          worst = std::max(worst, err);
+          if (!(err <= tol)) ok = false, why += " [out of sequence " + std::to_string(b) + "]";
+          for (int64_t h = 0; h < kHeads; ++h)
+            for (int64_t i = 0; i < s.sq; ++i) {
+              const float want = s.ref.lse[size_t(h * s.sq + i)];
+              const float got = lse_h[size_t(h * (total_q + 1) + q0 + i)];
+              const bool good = std::isinf(want) ? got == want
+                                                 : std::fabs(double(got) - want) <= 1e-3 + 1e-4 * std::fabs(want);
+              if (!good) ok = false, why += " [lse of sequence " + std::to_string(b) + "]";
+            }
+          const GradError eq = grad_error(rows_of(dq_all, q0, s.sq, kHeads, d), s.ref.dq, s.lowp.dq, dt);
+          const GradError ek = grad_error(rows_of(dk_all, k0, s.sk, kHeadsKv, d), s.ref.dk, s.lowp.dk, dt);
+          const GradError ev = grad_error(rows_of(dv_all, k0, s.sk, kHeadsKv, d), s.ref.dv, s.lowp.dv, dt);
+          if (!eq.ok() || !ek.ok() || !ev.ok()) ok = false, why += " [gradients of sequence " + std::to_string(b) + "]";
+        }
+        // The spare rows: no sequence's, never written.
+        auto spare_untouched = [](const std::vector<uint16_t>& x, int64_t from) {
+          for (size_t i = size_t(from); i < x.size(); ++i)
+            if (x[i] != 0xffff) return false;
+          return true;
+        };
+        if (!spare_untouched(out_b, total_q * kHeads * d) || !spare_untouched(dq_b, total_q * kHeads * d) ||
+            !spare_untouched(dk_b, total_k * kHeadsKv * d) || !spare_untouched(dv_b, total_k * kHeadsKv * d))
+          ok = false, why += " [wrote past the packed rows]";
+        for (int64_t h = 0; h < kHeads; ++h)
+          if (float_to_bits(lse_h[size_t(h * (total_q + 1) + total_q)]) != 0xffffffffu)
+            ok = false, why += " [wrote past lse's rows]";
+
+        // fa2 forward: each sequence bitwise equal to itself run alone.
+        if (var.schedule == Schedule::fa2 && !host) {
+          for (int64_t b = 0; b < batch; ++b) {
+            const Sequence& s = seqs[size_t(b)];
+            if (s.sq == 0) continue;
+            const int64_t q0 = cu_q[size_t(b)], k0 = cu_k[size_t(b)];
+            Buffer aq(size_t(s.sq * kHeads * d) * 2, host), ak(size_t(s.sk * kHeadsKv * d) * 2, host),
+                av(size_t(s.sk * kHeadsKv * d) * 2, host), ao(size_t(s.sq * kHeads * d) * 2, host),
+                al(size_t(kHeads * s.sq) * 4, host);
+            aq.upload(bits_of(s.in.q, dt));
+            ak.upload(bits_of(s.in.k, dt));
+            av.upload(bits_of(s.in.v, dt));
+            flashdl::forward(
+                flashdl::TensorView{aq.ptr, dt, aq.device(), 4, {1, s.sq, kHeads, d}, {s.sq * kHeads * d, kHeads * d, d, 1}},
+                flashdl::TensorView{ak.ptr, dt, ak.device(), 4, {1, s.sk, kHeadsKv, d}, {s.sk * kHeadsKv * d, kHeadsKv * d, d, 1}},
+                flashdl::TensorView{av.ptr, dt, av.device(), 4, {1, s.sk, kHeadsKv, d}, {s.sk * kHeadsKv * d, kHeadsKv * d, d, 1}},
+                flashdl::TensorView{ao.ptr, dt, ao.device(), 4, {1, s.sq, kHeads, d}, {s.sq * kHeads * d, kHeads * d, d, 1}},
+                flashdl::TensorView{al.ptr, DType::float32, al.device(), 3, {1, kHeads, s.sq}, {kHeads * s.sq, s.sq, 1}}, o);
+            t.sync();
+            const std::vector<uint16_t> alone = ao.download<uint16_t>();
+            if (std::memcmp(alone.data(), out_b.data() + q0 * kHeads * d, alone.size() * 2) != 0)
+              ok = false, why += " [fa2 out of sequence " + std::to_string(b) + " differs from it alone]";
+            (void)k0;
+          }
+        }
+        std::printf("%s %s | out err %.2e%s\n", ok ? "ok  " : "FAIL", label.c_str(), worst, why.c_str());
+        return ok;
+      });
+    }
+  return failures;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Cli cli;
+  if (const int rc = parse_cli(argc, argv, cli); rc >= 0) return rc;
+  Target t;
+  if (const int rc = open_target(cli, t); rc >= 0) return rc;
+  int failures = 0;
+  std::mt19937 rng(2024);
+  try {
+    for (const DType dt : {DType::float16, DType::bfloat16})
+      for (const int64_t d : {64, 128})
+        for (const Mask& m : kMasks) {
+          if (cli.quick && (d != 64 || (dt == DType::bfloat16 && !m.causal))) continue;
+          failures += run_case_set(t, cli, dt, d, m, rng);
+        }
+  } catch (const std::exception& e) {
+    std::printf("FAIL unexpected exception: %s\n", e.what());
+    ++failures;
+  }
+  failures += close_target(t);
+  std::printf("%d case(s) run, %d failure(s)\n", cases_run(), failures);
+  return failures == 0 ? 0 : 1;
+}
