@@ -19,6 +19,13 @@ if(_flashdl_cuda STREQUAL "EMULATE")
   set(FLASHDL_WITH_CUDA ON)
   set(FLASHDL_CUDA_EMULATOR ON)
   message(STATUS "flashdl: CUDA backend ON, compiled for the host emulator (no GPU code)")
+  # With AddressSanitizer every access outside a device allocation or a block's shared memory is
+  # reported exactly (the emulator's memcheck).
+  option(FLASHDL_EMU_ASAN "Build the emulated tree with AddressSanitizer" OFF)
+  if(FLASHDL_EMU_ASAN)
+    add_compile_options(-fsanitize=address -fno-omit-frame-pointer)
+    add_link_options(-fsanitize=address)
+  endif()
 elseif(NOT _flashdl_cuda STREQUAL "OFF")
   check_language(CUDA)
   if(CMAKE_CUDA_COMPILER)

@@ -24,11 +24,11 @@
 # nothing is built, and the exit status is 0. The exit status is 1 iff some step FAILED.
 set -uo pipefail
 
-STEPS=(env build cpp_forward cpp_backward cpp_block_sparse cpp_kvcache cpp_forward_fallback
+STEPS=(env build cpp_forward cpp_backward cpp_block_sparse cpp_kvcache cpp_varlen cpp_forward_fallback
        cpp_backward_fallback cpp_forward_smem_softmax pytest_cuda memcheck_forward
        memcheck_backward memcheck_block_sparse memcheck_kvcache racecheck_forward
        racecheck_backward racecheck_block_sparse racecheck_kvcache synccheck_forward
-       synccheck_backward synccheck_block_sparse synccheck_kvcache bench bench_io)
+       synccheck_backward synccheck_block_sparse synccheck_kvcache memcheck_varlen bench bench_io)
 
 usage() {
   echo "usage: bash tools/gpu_check.sh OUTDIR [STEP ...] | --list | --detect" >&2
@@ -284,6 +284,7 @@ step_cpp_forward() { cpp_test test_cuda_forward; }
 step_cpp_backward() { cpp_test test_cuda_backward; }
 step_cpp_block_sparse() { cpp_test test_cuda_block_sparse; }
 step_cpp_kvcache() { cpp_test test_cuda_kvcache; }
+step_cpp_varlen() { cpp_test test_cuda_varlen; }
 step_cpp_forward_fallback() { FLASHDL_CUDA_SMEM_LIMIT=$SMEM_LIMIT cpp_test test_cuda_forward --quick; }
 step_cpp_backward_fallback() { FLASHDL_CUDA_SMEM_LIMIT=$SMEM_LIMIT cpp_test test_cuda_backward --quick; }
 # The fa2 forward's shared-memory softmax (its fallback from the register softmax) on every call.
@@ -329,6 +330,7 @@ step_synccheck_block_sparse() { sanitize synccheck test_cuda_block_sparse; }
 step_memcheck_kvcache() { sanitize memcheck test_cuda_kvcache; }
 step_racecheck_kvcache() { sanitize racecheck test_cuda_kvcache; }
 step_synccheck_kvcache() { sanitize synccheck test_cuda_kvcache; }
+step_memcheck_varlen() { sanitize memcheck test_cuda_varlen; }
 
 step_bench() {
   PYTHONUNBUFFERED=1 "$PYTHON" benchmarks/bench_cuda.py --quick --out "$OUTDIR/bench_cuda_quick.md"
@@ -354,6 +356,7 @@ run_step cpp_forward         240   cpp_forward.log            step_cpp_forward
 run_step cpp_backward        240   cpp_backward.log           step_cpp_backward
 run_step cpp_block_sparse    120   cpp_block_sparse.log       step_cpp_block_sparse
 run_step cpp_kvcache         120   cpp_kvcache.log            step_cpp_kvcache
+run_step cpp_varlen           90   cpp_varlen.log             step_cpp_varlen
 run_step cpp_forward_fallback  90  cpp_forward_fallback.log   step_cpp_forward_fallback
 run_step cpp_backward_fallback 90  cpp_backward_fallback.log  step_cpp_backward_fallback
 run_step cpp_forward_smem_softmax 90 cpp_forward_smem_softmax.log step_cpp_forward_smem_softmax
@@ -363,6 +366,7 @@ for tool in memcheck racecheck synccheck; do
     run_step "${tool}_$t"    120   "${tool}_$t.log"           "step_${tool}_$t"
   done
 done
+run_step memcheck_varlen      90   memcheck_varlen.log        step_memcheck_varlen
 run_step bench               120   bench.log                  step_bench
 run_step bench_io            300   bench_io.log               step_bench_io
 

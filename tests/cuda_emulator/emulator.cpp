@@ -4,16 +4,28 @@
 //
 // Environment:
 //   FLASHDL_EMU_SEED     the order in which a block's threads resume after every synchronisation
-//                        point, and the order of the blocks, are shuffled from this seed (default
-//                        1); 0 runs threads and blocks in index order.
+//                        point, and the order of the blocks, are shuffled from this seed and the
+//                        launch's number in the process (default 1); 0 runs threads and blocks in
+//                        index order.
 //   FLASHDL_EMU_THREADS  host threads that run blocks (default: the hardware's).
 //   FLASHDL_EMU_ARCH     sm_90 (default: 132 SMs, 227 KiB of opt-in shared memory per block) or
 //                        sm_80 (108 SMs, 163 KiB).
+//
+// Built with -fsanitize=address (FLASHDL_EMU_ASAN=ON), device allocations and shared memory come
+// from the sanitizer's heap, so any access outside them, before or after, reading or writing, is
+// reported exactly (instead of faulting past a guard page), and fiber switches are announced to it.
 #undef _FORTIFY_SOURCE  // _longjmp between fiber stacks is what the fortified longjmp refuses
 #include <setjmp.h>
 #include <sys/mman.h>
 #include <ucontext.h>
 #include <unistd.h>
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/common_interface_defs.h>
+#define FLASHDL_EMU_ASAN 1
+#else
+#define FLASHDL_EMU_ASAN 0
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -77,14 +89,28 @@ std::map<std::uintptr_t, Region> allocations;  // by user pointer
 
 std::size_t round_up(std::size_t n, std::size_t m) { return (n + m - 1) / m * m; }
 
-// `bytes` usable bytes aligned to `align`, ending at most align - 1 bytes before a PROT_NONE page.
+// `bytes` usable bytes aligned to `align`, ending at most align - 1 bytes before a PROT_NONE page
+// (under AddressSanitizer: a heap block, whose bounds it checks exactly).
 void* map_guarded(std::size_t bytes, std::size_t align, Region* region) {
+#if FLASHDL_EMU_ASAN
+  void* p = nullptr;
+  if (posix_memalign(&p, align, std::max<std::size_t>(bytes, 1)) != 0) return nullptr;
+  *region = Region{p, 0, bytes};
+  return p;
+#endif
   const std::size_t body = round_up(std::max<std::size_t>(bytes, 1), kPage);
   void* map = mmap(nullptr, body + kPage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (map == MAP_FAILED) return nullptr;
   mprotect(static_cast<char*>(map) + body, kPage, PROT_NONE);
   *region = Region{map, body + kPage, bytes};
   return static_cast<char*>(map) + body - round_up(std::max<std::size_t>(bytes, 1), align);
+}
+
+void unmap_guarded(const Region& r) {
+  if (FLASHDL_EMU_ASAN)
+    std::free(r.map);
+  else
+    munmap(r.map, r.map_bytes);
 }
 
 bool is_device_range(const void* p, std::size_t bytes) {
@@ -108,6 +134,7 @@ struct Copy {
 enum class State { runnable, barrier, warp, done };
 
 struct Fiber {
+  void* asan_fake_stack = nullptr;
   ucontext_t uc;
   jmp_buf jb;
   unsigned char* stack = nullptr;
@@ -139,6 +166,9 @@ struct Scheduler {
   std::size_t stack_count = 0;
   jmp_buf jb;
   ucontext_t uc;
+  const void* stack_bottom = nullptr;  // the host thread's own stack (AddressSanitizer's view)
+  std::size_t stack_size = 0;
+  void* asan_fake_stack = nullptr;
   Fiber* current = nullptr;
   const LaunchState* launch = nullptr;
   uint3 block{0, 0, 0};
@@ -194,11 +224,32 @@ void run_copies(std::vector<Copy>& copies) {
   copies.clear();
 }
 
+// AddressSanitizer must know which stack runs: before a jump to another stack, and on arrival.
+// A null save slot says that the stack left is done with (a fiber that exits).
+inline void switching_to(void** save, const void* bottom, std::size_t size) {
+#if FLASHDL_EMU_ASAN
+  __sanitizer_start_switch_fiber(save, bottom, size);
+#else
+  (void)save, (void)bottom, (void)size;
+#endif
+}
+inline void arrived(void* save, const void** old_bottom = nullptr, std::size_t* old_size = nullptr) {
+#if FLASHDL_EMU_ASAN
+  __sanitizer_finish_switch_fiber(save, old_bottom, old_size);
+#else
+  (void)save, (void)old_bottom, (void)old_size;
+#endif
+}
+
 // Back to the scheduler; returns when the scheduler resumes this fiber.
 void yield() {
   Scheduler& s = *sched;
   Fiber* f = s.current;
-  if (!_setjmp(f->jb)) _longjmp(s.jb, 1);
+  if (!_setjmp(f->jb)) {
+    switching_to(&f->asan_fake_stack, s.stack_bottom, s.stack_size);
+    _longjmp(s.jb, 1);
+  }
+  arrived(f->asan_fake_stack);
 }
 
 void release_barrier_if_complete(Scheduler& s) {
@@ -211,6 +262,7 @@ void release_barrier_if_complete(Scheduler& s) {
 void fiber_entry() {
   Scheduler& s = *sched;
   Fiber* f = s.current;
+  arrived(nullptr, &s.stack_bottom, &s.stack_size);
   s.launch->body(s.launch->ctx);
   // A thread's outstanding cp.async copies still land.
   for (auto& g : f->groups) run_copies(g);
@@ -219,6 +271,7 @@ void fiber_entry() {
   f->state = State::done;
   --s.live;
   release_barrier_if_complete(s);
+  switching_to(nullptr, s.stack_bottom, s.stack_size);
   _longjmp(s.jb, 1);
 }
 
@@ -240,12 +293,14 @@ std::string deadlock_report(const Scheduler& s) {
 __attribute__((noinline)) void resume(Scheduler& s, Fiber& f) {
   s.current = &f;
   if (!_setjmp(s.jb)) {
+    switching_to(&s.asan_fake_stack, f.stack, kStackBytes);
     if (!f.started) {
       f.started = true;
       setcontext(&f.uc);
     }
     _longjmp(f.jb, 1);
   }
+  arrived(s.asan_fake_stack);
   s.current = nullptr;
 }
 
@@ -383,7 +438,9 @@ void launch(const LaunchConfig& cfg, void (*body)(void*), void* ctx) {
   }
   const LaunchState state{cfg, body, ctx};
   const std::uint64_t blocks = std::uint64_t(cfg.grid.x) * cfg.grid.y * cfg.grid.z;
-  const std::uint64_t seed = env_u64("FLASHDL_EMU_SEED", 1);
+  static std::atomic<std::uint64_t> launches{0};
+  const std::uint64_t base_seed = env_u64("FLASHDL_EMU_SEED", 1);
+  const std::uint64_t seed = base_seed ? base_seed * 0x2545f4914f6cdd1dull + ++launches : 0;
   std::vector<std::uint64_t> order(blocks);
   for (std::uint64_t i = 0; i < blocks; ++i) order[i] = i;
   if (seed) {
@@ -406,7 +463,7 @@ void launch(const LaunchConfig& cfg, void (*body)(void*), void* ctx) {
       std::mt19937_64 rng(seed * 0x9e3779b97f4a7c15ull + b);
       run_block(s, block, seed ? &rng : nullptr);
     }
-    munmap(region.map, region.map_bytes);
+    unmap_guarded(region);
     s.smem = nullptr;
     s.launch = nullptr;
   };
@@ -514,7 +571,7 @@ cudaError_t cudaFree(void* ptr) {
   std::lock_guard<std::mutex> lock(flashdl_emu::alloc_mutex);
   auto it = flashdl_emu::allocations.find(reinterpret_cast<std::uintptr_t>(ptr));
   if (it == flashdl_emu::allocations.end()) return record(cudaErrorInvalidDevicePointer);
-  munmap(it->second.map, it->second.map_bytes);
+  flashdl_emu::unmap_guarded(it->second);
   flashdl_emu::allocations.erase(it);
   return cudaSuccess;
 }

@@ -1,0 +1,260 @@
+// The CUDA host emulator's own model, checked with small kernels: the wmma register layout and
+// products against a plain matrix product, shuffles and votes, block barriers, cp.async landing
+// only at its wait, launch-configuration errors, float16/bfloat16 rounding, and that a deadlock, a
+// divergent warp collective and __trap abort the process with a message (in a child process).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_pipeline.h>
+#include <cuda_runtime.h>
+#include <mma.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <vector>
+
+namespace wmma = nvcuda::wmma;
+
+namespace {
+
+int failures = 0;
+
+void expect(bool ok, const char* what) {
+  std::printf("%s %s\n", ok ? "ok  " : "FAIL", what);
+  failures += !ok;
+}
+
+// ---- wmma ------------------------------------------------------------------------------------------
+using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major>;
+using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major>;
+using FragAcc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+
+void mma_kernel(const __half* a, const __half* bt, const float* c, float* d) {
+  FragA fa;
+  FragB fb;
+  FragAcc acc;
+  wmma::load_matrix_sync(fa, a, 16);
+  wmma::load_matrix_sync(fb, bt, 16);  // B column-major = B^T row-major
+  wmma::load_matrix_sync(acc, c, 16, wmma::mem_row_major);
+  wmma::mma_sync(acc, fa, fb, acc);
+  wmma::store_matrix_sync(d, acc, 16, wmma::mem_row_major);
+}
+
+// Every accumulator element's (row, col) as the PTX ISA's m16n8k16 layout gives it.
+void layout_kernel(const float* codes, int* bad) {
+  FragAcc f;
+  wmma::load_matrix_sync(f, codes, 16, wmma::mem_row_major);
+  const int l = static_cast<int>(threadIdx.x % 32), g = l / 4, t = l % 4;
+  for (int i = 0; i < f.num_elements; ++i) {
+    const int row = g + 8 * ((i / 2) % 2), col = 8 * (i / 4) + 2 * t + i % 2;
+    if (f.x[i] != float(16 * row + col)) atomicAdd(bad, 1);
+  }
+}
+
+void check_wmma() {
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<int> dist(-64, 64);
+  __half *a, *bt;
+  float *c, *d, *codes;
+  int* bad;
+  cudaMalloc(reinterpret_cast<void**>(&a), 256 * sizeof(__half));
+  cudaMalloc(reinterpret_cast<void**>(&bt), 256 * sizeof(__half));
+  cudaMalloc(reinterpret_cast<void**>(&c), 256 * sizeof(float));
+  cudaMalloc(reinterpret_cast<void**>(&d), 256 * sizeof(float));
+  cudaMalloc(reinterpret_cast<void**>(&codes), 256 * sizeof(float));
+  cudaMalloc(reinterpret_cast<void**>(&bad), sizeof(int));
+  std::vector<float> A(256), B(256), C(256);
+  for (int i = 0; i < 256; ++i) {
+    A[i] = float(dist(rng)) / 16, B[i] = float(dist(rng)) / 16, C[i] = float(dist(rng));
+    a[i] = __float2half_rn(A[i]);
+    c[i] = C[i];
+    codes[i] = float(i);
+  }
+  for (int k = 0; k < 16; ++k)
+    for (int n = 0; n < 16; ++n) bt[n * 16 + k] = __float2half_rn(B[k * 16 + n]);
+  *bad = 0;
+  FLASHDL_EMU_LAUNCH(1, 32, 0, nullptr, mma_kernel)(a, bt, c, d);
+  bool same = cudaGetLastError() == cudaSuccess;
+  for (int m = 0; m < 16; ++m)
+    for (int n = 0; n < 16; ++n) {
+      double want = C[m * 16 + n];
+      for (int k = 0; k < 16; ++k) want += double(A[m * 16 + k]) * B[k * 16 + n];
+      same = same && d[m * 16 + n] == float(want);  // exact: small multiples of 1/256
+    }
+  expect(same, "wmma: D = A B + C (A row-major, B column-major) equals the plain product");
+  FLASHDL_EMU_LAUNCH(1, 64, 0, nullptr, layout_kernel)(codes, bad);
+  expect(*bad == 0, "wmma: accumulator element i of lane l is the m16n8k16 layout's (row, col)");
+  for (void* p : {static_cast<void*>(a), static_cast<void*>(bt), static_cast<void*>(c),
+                  static_cast<void*>(d), static_cast<void*>(codes), static_cast<void*>(bad)})
+    cudaFree(p);
+}
+
+// ---- warps, barriers, cp.async ------------------------------------------------------------------------
+void warp_kernel(int* out) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  int sum = lane;
+  for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  const int from7 = __shfl_sync(0xffffffffu, lane * 10, 7);
+  const unsigned odd = __ballot_sync(0xffffffffu, lane % 2);
+  const int all_small = __all_sync(0xffffffffu, lane < 32), any_big = __any_sync(0xffffffffu, lane > 30);
+  out[threadIdx.x] = (sum == 496) + 2 * (from7 == 70) + 4 * (odd == 0xaaaaaaaau) + 8 * all_small +
+                     16 * any_big;
+}
+
+void block_sum_kernel(const int* in, int* out) {
+  unsigned char* smem = ::flashdl_emu::dynamic_smem();
+  int* part = reinterpret_cast<int*>(smem);
+  part[threadIdx.x] = in[threadIdx.x];
+  __syncthreads();
+  for (unsigned n = blockDim.x / 2; n > 0; n /= 2) {
+    if (threadIdx.x < n) part[threadIdx.x] += part[threadIdx.x + n];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) out[blockIdx.x] = part[0];
+}
+
+void cp_async_kernel(const float* src, float* before, float* after) {
+  unsigned char* smem = ::flashdl_emu::dynamic_smem();
+  float* tile = reinterpret_cast<float*>(smem);
+  __pipeline_memcpy_async(tile + 4 * threadIdx.x, src + 4 * threadIdx.x, 16);
+  __pipeline_commit();
+  before[threadIdx.x] = tile[4 * threadIdx.x];  // not landed yet: the 0xff fill (NaN)
+  __pipeline_wait_prior(0);
+  after[threadIdx.x] = tile[4 * threadIdx.x];
+}
+
+void check_threads() {
+  int* out;
+  cudaMalloc(reinterpret_cast<void**>(&out), 64 * sizeof(int));
+  FLASHDL_EMU_LAUNCH(1, 64, 0, nullptr, warp_kernel)(out);
+  bool ok = true;
+  for (int i = 0; i < 64; ++i) ok = ok && out[i] == 31;
+  expect(ok, "warps: xor-shuffle sum, broadcast shuffle, ballot, all, any");
+  cudaFree(out);
+
+  int *in, *sums;
+  cudaMalloc(reinterpret_cast<void**>(&in), 256 * sizeof(int));
+  cudaMalloc(reinterpret_cast<void**>(&sums), 3 * sizeof(int));
+  for (int i = 0; i < 256; ++i) in[i] = i;
+  FLASHDL_EMU_LAUNCH(3, 256, 256 * sizeof(int), nullptr, block_sum_kernel)(in, sums);
+  expect(sums[0] == 32640 && sums[1] == 32640 && sums[2] == 32640,
+         "__syncthreads: a shared-memory tree sum over 256 threads, 3 blocks");
+  cudaFree(in);
+  cudaFree(sums);
+
+  float *src, *before, *after;
+  cudaMalloc(reinterpret_cast<void**>(&src), 128 * sizeof(float));
+  cudaMalloc(reinterpret_cast<void**>(&before), 32 * sizeof(float));
+  cudaMalloc(reinterpret_cast<void**>(&after), 32 * sizeof(float));
+  for (int i = 0; i < 128; ++i) src[i] = float(i);
+  FLASHDL_EMU_LAUNCH(1, 32, 128 * sizeof(float), nullptr, cp_async_kernel)(src, before, after);
+  bool landed = true, early = true;
+  for (int i = 0; i < 32; ++i) {
+    landed = landed && after[i] == float(4 * i);
+    early = early && std::isnan(before[i]);
+  }
+  expect(early && landed, "cp.async: old contents before __pipeline_wait_prior, the copy after");
+  cudaFree(src);
+  cudaFree(before);
+  cudaFree(after);
+}
+
+// ---- launches -----------------------------------------------------------------------------------------
+void empty_kernel() {}
+
+void check_launches() {
+  cudaGetLastError();
+  FLASHDL_EMU_LAUNCH(1, 1025, 0, nullptr, empty_kernel)();
+  expect(cudaGetLastError() == cudaErrorInvalidConfiguration, "launch: 1025 threads refused");
+  FLASHDL_EMU_LAUNCH(dim3(1, 65536), 32, 0, nullptr, empty_kernel)();
+  expect(cudaGetLastError() == cudaErrorInvalidConfiguration, "launch: grid.y 65536 refused");
+  FLASHDL_EMU_LAUNCH(1, 32, 64 * 1024, nullptr, empty_kernel)();
+  expect(cudaGetLastError() == cudaErrorInvalidValue,
+         "launch: 64 KiB of shared memory refused without cudaFuncSetAttribute");
+  cudaFuncSetAttribute(empty_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 64 * 1024);
+  FLASHDL_EMU_LAUNCH(1, 32, 64 * 1024, nullptr, empty_kernel)();
+  expect(cudaGetLastError() == cudaSuccess, "launch: 64 KiB accepted after cudaFuncSetAttribute");
+}
+
+// ---- conversions -------------------------------------------------------------------------------------
+void check_conversions() {
+  // float16: every value exactly halfway between two neighbours rounds to the even one; overflow
+  // to inf; subnormals.
+  bool ok = true;
+  for (unsigned h = 0; h < 0x7c00u; ++h) {  // finite non-negative halves
+    const float x = __half2float(__ushort_as_half(static_cast<unsigned short>(h)));
+    ok = ok && __half_as_ushort(__float2half_rn(x)) == h;
+    if (h + 1 < 0x7c00u) {
+      const float y = __half2float(__ushort_as_half(static_cast<unsigned short>(h + 1)));
+      const unsigned mid = __half_as_ushort(__float2half_rn(0.5f * (x + y)));
+      ok = ok && mid == (h % 2 == 0 ? h : h + 1);
+    }
+  }
+  ok = ok && __half_as_ushort(__float2half_rn(65520.0f)) == 0x7c00u &&
+       __half_as_ushort(__float2half_rn(65519.0f)) == 0x7bffu &&
+       __half2float(__ushort_as_half(1)) == std::ldexp(1.0f, -24);
+  expect(ok, "float16: round trip of every finite value, ties to even, overflow, subnormals");
+  bool bok = true;
+  for (unsigned b = 0; b < 0x7f80u; b += 7) {
+    const float x = __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(b)));
+    const float y = __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(b + 1)));
+    bok = bok && __bfloat16_as_ushort(__float2bfloat16_rn(x)) == b &&
+          __bfloat16_as_ushort(__float2bfloat16_rn(x + 0.5f * (y - x))) == (b % 2 == 0 ? b : b + 1);
+  }
+  expect(bok, "bfloat16: round trip and ties to even");
+}
+
+// ---- what aborts --------------------------------------------------------------------------------------
+void divergent_barrier_kernel() {
+  if (threadIdx.x < 32) __syncthreads();  // warp 1 exits; warp 0 waits at a barrier... (allowed)
+  if (threadIdx.x < 16) __syncwarp();     // lanes 16-31 exited: the collective cannot complete
+}
+void divergent_collective_kernel() {
+  if (threadIdx.x % 2) {
+    __syncwarp();
+  } else {
+    (void)__shfl_xor_sync(0xffffffffu, 1, 1);
+  }
+}
+void trap_kernel() {
+  if (threadIdx.x == 5) __trap();
+}
+
+bool aborts(const std::function<void()>& body) {
+  std::fflush(stdout);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    std::freopen("/dev/null", "w", stderr);
+    body();
+    std::_Exit(0);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT;
+}
+
+void check_aborts() {
+  expect(aborts([] { FLASHDL_EMU_LAUNCH(1, 64, 0, nullptr, divergent_barrier_kernel)(); }),
+         "abort: a warp collective that lanes which exited never reach (deadlock)");
+  expect(aborts([] { FLASHDL_EMU_LAUNCH(1, 32, 0, nullptr, divergent_collective_kernel)(); }),
+         "abort: lanes of a warp at different collectives");
+  expect(aborts([] { FLASHDL_EMU_LAUNCH(1, 32, 0, nullptr, trap_kernel)(); }), "abort: __trap()");
+  expect(!aborts([] { FLASHDL_EMU_LAUNCH(1, 32, 0, nullptr, empty_kernel)(); }),
+         "no abort: an empty kernel");
+}
+
+}  // namespace
+
+int main() {
+  check_wmma();
+  check_threads();
+  check_launches();
+  check_conversions();
+  check_aborts();
+  std::printf("%d failure(s)\n", failures);
+  return failures == 0 ? 0 : 1;
+}
