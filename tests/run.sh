@@ -37,8 +37,8 @@ ctest --test-dir "$BUILD_DIR" --output-on-failure -j 2
 EMU_BUILD_DIR=${EMU_BUILD_DIR:-build/emulated}
 cmake -S . -B "$EMU_BUILD_DIR" -DFLASHDL_CUDA=EMULATE -DFLASHDL_BUILD_PYTHON=OFF \
   -DFLASHDL_BUILD_TESTS=ON >/dev/null
-cmake --build "$EMU_BUILD_DIR" -j 2 --target test_cuda_forward test_cuda_backward \
-  test_cuda_block_sparse test_cuda_kvcache
+cmake --build "$EMU_BUILD_DIR" -j 2 --target test_emulator test_cuda_forward test_cuda_backward \
+  test_cuda_block_sparse test_cuda_kvcache test_cuda_varlen
 ctest --test-dir "$EMU_BUILD_DIR" -L '^emulator$' --output-on-failure -j 2
 
 "$PYTHON" -m pytest tests/python -q

@@ -223,6 +223,22 @@ void divergent_collective_kernel() {
 void trap_kernel() {
   if (threadIdx.x == 5) __trap();
 }
+void read_kernel(const float* p, std::size_t i, float* sink) { *sink = p[i]; }
+
+// Whether body, run in a child process, ends it by a signal or a non-zero exit (a sanitizer's
+// report), rather than returning.
+bool dies(const std::function<void()>& body) {
+  std::fflush(stdout);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    std::freopen("/dev/null", "w", stderr);
+    body();
+    std::_Exit(0);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return WIFSIGNALED(status) || (WIFEXITED(status) && WEXITSTATUS(status) != 0);
+}
 
 bool aborts(const std::function<void()>& body) {
   std::fflush(stdout);
@@ -245,6 +261,22 @@ void check_aborts() {
   expect(aborts([] { FLASHDL_EMU_LAUNCH(1, 32, 0, nullptr, trap_kernel)(); }), "abort: __trap()");
   expect(!aborts([] { FLASHDL_EMU_LAUNCH(1, 32, 0, nullptr, empty_kernel)(); }),
          "no abort: an empty kernel");
+  // Past the end of an allocation: exactly (AddressSanitizer), else beyond the guard page.
+#if defined(__SANITIZE_ADDRESS__)
+  const std::size_t past = 1000;  // one float past 1000
+  const char* how = "abort: a kernel reading one float past a cudaMalloc allocation (AddressSanitizer)";
+#else
+  const std::size_t past = 1000 + 256;  // 1 KiB past the end: within the guard page
+  const char* how = "abort: a kernel reading past a cudaMalloc allocation's guard page";
+#endif
+  float *p, *sink;
+  cudaMalloc(reinterpret_cast<void**>(&p), 1000 * sizeof(float));
+  cudaMalloc(reinterpret_cast<void**>(&sink), sizeof(float));
+  expect(!dies([&] { FLASHDL_EMU_LAUNCH(1, 1, 0, nullptr, read_kernel)(p, std::size_t(999), sink); }),
+         "no abort: a kernel reading the last float of an allocation");
+  expect(dies([&] { FLASHDL_EMU_LAUNCH(1, 1, 0, nullptr, read_kernel)(p, past, sink); }), how);
+  cudaFree(p);
+  cudaFree(sink);
 }
 
 }  // namespace

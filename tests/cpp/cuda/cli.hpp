@@ -136,4 +136,24 @@ int run_case(const std::string& label, F&& check) {
   return ok ? 0 : 1;
 }
 
+// The main() of every CUDA test: parses the command line, opens the target, runs body(t, cli)
+// (its failure count; an exception counts as one failure), closes the target and prints the tally.
+template <typename F>
+int test_main(int argc, char** argv, F&& body) {
+  Cli cli;
+  if (const int rc = parse_cli(argc, argv, cli); rc >= 0) return rc;
+  Target t;
+  if (const int rc = open_target(cli, t); rc >= 0) return rc;
+  int failures = 0;
+  try {
+    failures += body(static_cast<const Target&>(t), static_cast<const Cli&>(cli));
+  } catch (const std::exception& e) {
+    std::printf("FAIL unexpected exception: %s\n", e.what());
+    ++failures;
+  }
+  failures += close_target(t);
+  std::printf("%d case(s) run, %d failure(s)\n", cases_run(), failures);
+  return failures == 0 ? 0 : 1;
+}
+
 }  // namespace cuda_test

@@ -358,22 +358,13 @@ int run_score_mods(const Target& t, const Cli& cli) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  Cli cli;
-  if (const int rc = parse_cli(argc, argv, cli); rc >= 0) return rc;
-  Target t;
-  if (const int rc = open_target(cli, t); rc >= 0) return rc;
-  int failures = 0;
-  try {
+  return test_main(argc, argv, [&](const Target& t, const Cli& cli) {
+    int failures = 0;
     failures += run_accuracy(t, cli);
     if (cli.repeats()) failures += run_race(t, cli);
     failures += dropout::run_mask_tests(t, cli);
     failures += dropout::run_forward_accuracy(t, cli);
     failures += run_score_mods(t, cli);
-  } catch (const std::exception& e) {
-    std::printf("FAIL unexpected exception: %s\n", e.what());
-    ++failures;
-  }
-  failures += close_target(t);
-  std::printf("%d case(s) run, %d failure(s)\n", cases_run(), failures);
-  return failures == 0 ? 0 : 1;
+    return failures;
+  });
 }

@@ -266,24 +266,15 @@ int run_case_set(const Target& t, const Cli& cli, DType dt, int64_t d, const Mas
 }  // namespace
 
 int main(int argc, char** argv) {
-  Cli cli;
-  if (const int rc = parse_cli(argc, argv, cli); rc >= 0) return rc;
-  Target t;
-  if (const int rc = open_target(cli, t); rc >= 0) return rc;
-  int failures = 0;
   std::mt19937 rng(2024);
-  try {
+  return test_main(argc, argv, [&](const Target& t, const Cli& cli) {
+    int failures = 0;
     for (const DType dt : {DType::float16, DType::bfloat16})
       for (const int64_t d : {64, 128})
         for (const Mask& m : kMasks) {
           if (cli.quick && (d != 64 || (dt == DType::bfloat16 && !m.causal))) continue;
           failures += run_case_set(t, cli, dt, d, m, rng);
         }
-  } catch (const std::exception& e) {
-    std::printf("FAIL unexpected exception: %s\n", e.what());
-    ++failures;
-  }
-  failures += close_target(t);
-  std::printf("%d case(s) run, %d failure(s)\n", cases_run(), failures);
-  return failures == 0 ? 0 : 1;
+    return failures;
+  });
 }
