@@ -33,13 +33,17 @@ ctest --test-dir "$BUILD_DIR" --output-on-failure -j 2
 
 # The CUDA kernels on the CPU: the CUDA backend's sources compiled against flashdl's CUDA host
 # emulator (FLASHDL_CUDA=EMULATE, tests/cuda_emulator) and the CUDA C++ tests' quick cases run on
-# it (ctest label "emulator"; "emulator_full" runs the complete suites).
+# it (ctest label "emulator"; "emulator_full" runs the complete suites), then once more built with
+# AddressSanitizer (every access outside a device allocation or shared memory is an error).
 EMU_BUILD_DIR=${EMU_BUILD_DIR:-build/emulated}
-cmake -S . -B "$EMU_BUILD_DIR" -DFLASHDL_CUDA=EMULATE -DFLASHDL_BUILD_PYTHON=OFF \
-  -DFLASHDL_BUILD_TESTS=ON >/dev/null
-cmake --build "$EMU_BUILD_DIR" -j 2 --target test_emulator test_cuda_forward test_cuda_backward \
-  test_cuda_block_sparse test_cuda_kvcache test_cuda_varlen
-ctest --test-dir "$EMU_BUILD_DIR" -L '^emulator$' --output-on-failure -j 2
+for asan in OFF ON; do
+  dir=$EMU_BUILD_DIR$([ $asan = ON ] && echo -asan || true)
+  cmake -S . -B "$dir" -DFLASHDL_CUDA=EMULATE -DFLASHDL_EMU_ASAN=$asan -DFLASHDL_BUILD_PYTHON=OFF \
+    -DFLASHDL_BUILD_TESTS=ON >/dev/null
+  cmake --build "$dir" -j 2 --target test_emulator test_cuda_forward test_cuda_backward \
+    test_cuda_block_sparse test_cuda_kvcache test_cuda_varlen
+  ctest --test-dir "$dir" -L '^emulator$' --output-on-failure -j 2
+done
 
 "$PYTHON" -m pytest tests/python -q
 
