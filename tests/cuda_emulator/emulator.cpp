@@ -209,6 +209,9 @@ Scheduler& scheduler() {
     const uint3 t = s->current->tid;
     std::fprintf(stderr, "flashdl CUDA emulator: %s (block (%u, %u, %u), thread (%u, %u, %u))\n",
                  what.c_str(), s->block.x, s->block.y, s->block.z, t.x, t.y, t.z);
+  } else if (s && s->launch) {  // the scheduler itself: a deadlock
+    std::fprintf(stderr, "flashdl CUDA emulator: %s (block (%u, %u, %u))\n", what.c_str(),
+                 s->block.x, s->block.y, s->block.z);
   } else {
     std::fprintf(stderr, "flashdl CUDA emulator: %s\n", what.c_str());
   }
