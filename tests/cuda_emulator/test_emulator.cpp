@@ -225,9 +225,8 @@ void trap_kernel() {
 }
 void read_kernel(const float* p, std::size_t i, float* sink) { *sink = p[i]; }
 
-// Whether body, run in a child process, ends it by a signal or a non-zero exit (a sanitizer's
-// report), rather than returning.
-bool dies(const std::function<void()>& body) {
+// How body, run in a child process (stderr silenced), ended it: waitpid's status.
+int child_status(const std::function<void()>& body) {
   std::fflush(stdout);
   const pid_t pid = fork();
   if (pid == 0) {
@@ -237,19 +236,17 @@ bool dies(const std::function<void()>& body) {
   }
   int status = 0;
   waitpid(pid, &status, 0);
+  return status;
+}
+
+// Whether body ends the process by a signal or a non-zero exit (a sanitizer's report).
+bool dies(const std::function<void()>& body) {
+  const int status = child_status(body);
   return WIFSIGNALED(status) || (WIFEXITED(status) && WEXITSTATUS(status) != 0);
 }
 
 bool aborts(const std::function<void()>& body) {
-  std::fflush(stdout);
-  const pid_t pid = fork();
-  if (pid == 0) {
-    std::freopen("/dev/null", "w", stderr);
-    body();
-    std::_Exit(0);
-  }
-  int status = 0;
-  waitpid(pid, &status, 0);
+  const int status = child_status(body);
   return WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT;
 }
 
