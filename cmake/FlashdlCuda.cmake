@@ -1,6 +1,7 @@
 # CUDA detection. FLASHDL_CUDA = AUTO builds the CUDA backend when nvcc is found; ON requires it;
 # OFF skips it; EMULATE compiles the CUDA backend's sources with the C++ compiler against flashdl's
-# CUDA host emulator (tests/cuda_emulator), so that the CUDA C++ tests run its kernels on the CPU. Architectures default to 80;90 (never "native": it fails on a machine with no GPU);
+# CUDA host emulator (tests/cuda_emulator), so that the CUDA C++ tests run its kernels on the CPU.
+# Architectures default to 80;90 (never "native": it fails on a machine with no GPU);
 # CMAKE_CUDA_ARCHITECTURES or the CUDAARCHS environment variable override them.
 include(CheckLanguage)
 
