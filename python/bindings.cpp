@@ -153,13 +153,15 @@ void forward(const InArray& q, const InArray& k, const InArray& v, const OutArra
              uint64_t offset, uintptr_t stream, int64_t sram_bytes, int num_threads,
              const std::optional<InArray>& block_mask, int64_t block_size_q,
              int64_t block_size_k,
-             const std::optional<InArray>& alibi_slopes, double softcap) {
+             const std::optional<InArray>& alibi_slopes, double softcap,
+             bool validate_only) {
   const Override ov = parse_override(dtype);
   flashdl::Options o =
       make_options(softmax_scale, causal, window_left, window_right, schedule, dropout_p, seed,
                    offset, stream, sram_bytes, num_threads, false);
   set_block_mask(o, block_mask, block_size_q, block_size_k);
   set_score_mods(o, alibi_slopes, softcap);
+  o.validate_only = validate_only;
   const auto tq = to_view("q", q, ov, true), tk = to_view("k", k, ov, true),
              tv = to_view("v", v, ov, true), to = to_view("out", out, ov, true),
              tl = to_view("lse", lse, Override::none, false);
@@ -204,14 +206,15 @@ void forward_varlen(const InArray& q, const InArray& k, const InArray& v,
                     const std::string& schedule, double dropout_p, uint64_t seed, uint64_t offset,
                     uintptr_t stream, int64_t sram_bytes, int num_threads,
                     const std::optional<InArray>& block_mask, int64_t block_size_q,
-                    int64_t block_size_k,
-             const std::optional<InArray>& alibi_slopes, double softcap) {
+                    int64_t block_size_k, const std::optional<InArray>& alibi_slopes,
+                    double softcap, bool validate_only) {
   const Override ov = parse_override(dtype);
   flashdl::Options o =
       make_options(softmax_scale, causal, window_left, window_right, schedule, dropout_p, seed,
                    offset, stream, sram_bytes, num_threads, false);
   set_block_mask(o, block_mask, block_size_q, block_size_k);
   set_score_mods(o, alibi_slopes, softcap);
+  o.validate_only = validate_only;
   const auto tq = to_view("q", q, ov, true), tk = to_view("k", k, ov, true),
              tv = to_view("v", v, ov, true), tcq = cu_view("cu_seqlens_q", cu_seqlens_q),
              tck = cu_view("cu_seqlens_k", cu_seqlens_k), to = to_view("out", out, ov, true),
@@ -346,8 +349,8 @@ NB_MODULE(_ext, m) {
         "window_right"_a = -1, "schedule"_a = "auto", "dropout_p"_a = 0.0, "seed"_a = 0,
         "offset"_a = 0, "stream"_a = 0, "sram_bytes"_a = 0, "num_threads"_a = 0,
         "block_mask"_a.noconvert() = nb::none(), "block_size_q"_a = 128, "block_size_k"_a = 128,
-        "alibi_slopes"_a.noconvert() = nb::none(), "softcap"_a = 0.0,
-        "Attention forward: writes out (like q) and lse (float32, (batch, nheads, seqlen_q)).");
+        "alibi_slopes"_a.noconvert() = nb::none(), "softcap"_a = 0.0, "validate_only"_a = false,
+        "Attention forward (validate_only: check the arguments, compute nothing): writes out (like q) and lse (float32, (batch, nheads, seqlen_q)).");
 
   m.def("backward", &backward, "dout"_a.noconvert(), "q"_a.noconvert(), "k"_a.noconvert(),
         "v"_a.noconvert(), "out"_a.noconvert(), "lse"_a.noconvert(), "dq"_a.noconvert(),
@@ -368,7 +371,9 @@ NB_MODULE(_ext, m) {
         "dropout_p"_a = 0.0, "seed"_a = 0, "offset"_a = 0, "stream"_a = 0, "sram_bytes"_a = 0,
         "num_threads"_a = 0, "block_mask"_a.noconvert() = nb::none(), "block_size_q"_a = 128,
         "block_size_k"_a = 128, "alibi_slopes"_a.noconvert() = nb::none(), "softcap"_a = 0.0,
-        "Variable-length forward: q (total_q, nheads, headdim), k, v (total_k, nheads_kv, "
+        "validate_only"_a = false,
+        "Variable-length forward (validate_only: check the arguments but not the values of "
+        "cu_seqlens, compute nothing): q (total_q, nheads, headdim), k, v (total_k, nheads_kv, "
         "headdim), cu_seqlens int32 (batch + 1,) on the CPU; writes out (like q) and lse "
         "(float32, (nheads, total_q)).");
 

@@ -48,10 +48,11 @@ TensorView slice(const TensorView& t, int dim, int64_t start, int64_t len) {
 // the total length and max_seqlen. CPU q: the offsets must be on the CPU. CUDA q: on the CPU
 // (read and checked here; the backend copies them to the device) or on the device of q (read by
 // the kernels only: no host round trip, and so no check of the values here; the kernels clamp
-// them into range, see detail::sequence_of). Returns the offsets read, or an empty vector.
+// them into range, see detail::sequence_of). read_values false (Options::validate_only) skips
+// reading them. Returns the offsets read, or an empty vector.
 std::vector<int64_t> read_cu_seqlens(const char* name, const TensorView& cu, Device q_device,
                                      const char* total_name, int64_t total, const char* max_name,
-                                     int64_t max_seqlen) {
+                                     int64_t max_seqlen, bool read_values) {
   check_rank(name, cu, 1, "(batch + 1,)");
   check_dtype(name, cu, DType::int32, "cumulative sequence lengths are int32");
   if (cu.device.type != DeviceType::cpu && cu.device != q_device)
@@ -69,7 +70,7 @@ std::vector<int64_t> read_cu_seqlens(const char* name, const TensorView& cu, Dev
   if (max_seqlen < 0)
     fail(ErrorKind::value, std::string(max_name) + ": expected >= 0, got " +
                                std::to_string(max_seqlen));
-  if (cu.device.type != DeviceType::cpu) return {};
+  if (cu.device.type != DeviceType::cpu || !read_values) return {};
   const auto* c = static_cast<const int32_t*>(cu.data);
   std::vector<int64_t> off(static_cast<size_t>(cu.shape[0]));
   for (int64_t i = 0; i < cu.shape[0]; ++i) off[i] = c[i * cu.strides[0]];
@@ -107,7 +108,7 @@ struct VarlenBatch {
 VarlenBatch check_varlen_layout(const TensorView& q, const TensorView& k, const TensorView& v,
                                 const TensorView& out, const TensorView& lse,
                                 const TensorView& cu_seqlens_q, const TensorView& cu_seqlens_k,
-                                int64_t max_seqlen_q, int64_t max_seqlen_k) {
+                                int64_t max_seqlen_q, int64_t max_seqlen_k, bool read_values) {
   check_rank("q", q, 3, "(total_q, nheads, headdim)");
   check_rank("k", k, 3, "(total_k, nheads_kv, headdim)");
   check_rank("v", v, 3, "(total_k, nheads_kv, headdim)");
@@ -121,9 +122,9 @@ VarlenBatch check_varlen_layout(const TensorView& q, const TensorView& k, const 
   check_shape("lse", lse, {q.shape[1], q.shape[0]}, "(nheads, total_q)");
   VarlenBatch vb;
   vb.cu_q = read_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device, "total_q", q.shape[0],
-                            "max_seqlen_q", max_seqlen_q);
+                            "max_seqlen_q", max_seqlen_q, read_values);
   vb.cu_k = read_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device, "total_k", k.shape[0],
-                            "max_seqlen_k", max_seqlen_k);
+                            "max_seqlen_k", max_seqlen_k, read_values);
   if (cu_seqlens_k.device != cu_seqlens_q.device)
     fail(ErrorKind::value, std::string("cu_seqlens_k: expected an array on the device of "
                                        "cu_seqlens_q, ") + device_name(cu_seqlens_q.device.type) +
@@ -175,7 +176,8 @@ void forward_varlen(const TensorView& q, const TensorView& k, const TensorView& 
                     int64_t max_seqlen_q, int64_t max_seqlen_k, const TensorView& out,
                     const TensorView& lse, const Options& options) {
   const VarlenBatch vb = check_varlen_layout(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                             max_seqlen_q, max_seqlen_k);
+                                             max_seqlen_q, max_seqlen_k,
+                                             !options.validate_only);
   const TensorView q4 = as_batch1(q), k4 = as_batch1(k), v4 = as_batch1(v), o4 = as_batch1(out),
                    l3 = lse_as_batch1(lse);
   const Shapes whole = check_attention_args(q4, k4, v4, o4, l3, options);
@@ -183,6 +185,7 @@ void forward_varlen(const TensorView& q, const TensorView& k, const TensorView& 
                    {{"out", &out}, {"lse", &lse}});
   check_score_mods(options, mask_extents(vb, whole, max_seqlen_q, max_seqlen_k), q.device,
                    {{"out", &out}, {"lse", &lse}});
+  if (options.validate_only) return;
   if (whole.nheads == 0 || vb.batch() == 0) return;
   if (q.device.type != DeviceType::cpu) {
     if (max_seqlen_q == 0) return;  // nothing to write
@@ -213,7 +216,8 @@ void backward_varlen(const TensorView& dout, const TensorView& q, const TensorVi
                      int64_t max_seqlen_q, int64_t max_seqlen_k, const TensorView& dq,
                      const TensorView& dk, const TensorView& dv, const Options& options) {
   const VarlenBatch vb = check_varlen_layout(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                             max_seqlen_q, max_seqlen_k);
+                                             max_seqlen_q, max_seqlen_k,
+                                             !options.validate_only);
   check_rank("dout", dout, 3, "(total_q, nheads, headdim)");
   check_rank("dq", dq, 3, "(total_q, nheads, headdim)");
   check_rank("dk", dk, 3, "(total_k, nheads_kv, headdim)");
@@ -230,6 +234,7 @@ void backward_varlen(const TensorView& dout, const TensorView& q, const TensorVi
                    {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}});
   check_score_mods(options, mask_extents(vb, whole, max_seqlen_q, max_seqlen_k), q.device,
                    {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}});
+  if (options.validate_only) return;
   if (whole.nheads == 0 || vb.batch() == 0) return;
   if (q.device.type != DeviceType::cpu) {
     Params p = make_backward_params(do4, q4, k4, v4, o4, l3, dq4, dk4, dv4, options,

@@ -47,6 +47,12 @@ struct Options {
 
   // forward_kvcache: key splits per (batch, kv head), merged exactly; 0 chooses.
   int64_t num_splits = 0;
+
+  // Check the arguments and return without computing or writing anything (forward, backward and
+  // their varlen forms). The values in host cu_seqlens are not read then: the check covers
+  // shapes, dtypes, devices, strides, overlaps and options, for callers (flashdl.jax at trace
+  // time) that know the shapes of arrays whose contents do not exist yet.
+  bool validate_only = false;
 };
 
 // One flat POD per call, filled and validated by api.cpp alone. Strides are in elements.

@@ -131,49 +131,101 @@ def _options(causal, softmax_scale, schedule, window_size, frame):
                 window_left=left, window_right=right, schedule=schedule, stream=frame.stream)
 
 
-def _layout(layout):
-    """True for layout='bhsd' ((batch, nheads, seqlen, headdim) arrays), False for 'bshd'."""
-    if layout not in ("bshd", "bhsd"):
-        raise ValueError("layout: expected 'bshd' (batch, seqlen, nheads, headdim) or 'bhsd' "
-                         f"(batch, nheads, seqlen, headdim), got {layout!r}")
-    return layout == "bhsd"
+_LAYOUTS = {"bshd": "(batch, seqlen, nheads, headdim)", "bhsd": "(batch, nheads, seqlen, headdim)"}
+_VARLEN_LAYOUTS = {"thd": "(total, nheads, headdim)", "htd": "(nheads, total, headdim)"}
 
 
-def _as_bshd(name, x):
-    """A (batch, nheads, seqlen, headdim) array as the (batch, seqlen, nheads, headdim) view the
-    core reads (a view in NumPy, PyTorch and CuPy; JAX, which has no views, transposes)."""
-    if len(getattr(x, "shape", ())) != 4 or not hasattr(x, "swapaxes"):
-        raise ValueError(f"{name}: with layout='bhsd' expected a rank-4 array (batch, nheads, "
-                         f"seqlen, headdim), got shape {tuple(getattr(x, 'shape', ()))}")
-    return x.swapaxes(1, 2)
+def _layout(layout, varlen=False):
+    """True for the heads-first layout ('bhsd', or 'htd' for packed arrays), False for flashdl's
+    own order ('bshd', 'thd')."""
+    names = _VARLEN_LAYOUTS if varlen else _LAYOUTS
+    if not isinstance(layout, str) or layout not in names:
+        (own, own_axes), (other, other_axes) = names.items()
+        raise ValueError(f"layout: expected {own!r} {own_axes} or {other!r} {other_axes}, "
+                         f"got {layout!r}")
+    return layout != next(iter(names))
 
 
-class _BhsdErrors:
-    """Adds to a ValueError from the core that its shapes are in flashdl's own order."""
+def _as_bshd(name, x, rank=4):
+    """A heads-first array ((batch, nheads, seqlen, headdim), or (nheads, total, headdim) packed)
+    as the (batch, seqlen, nheads, headdim) ((total, nheads, headdim)) view the core reads: a
+    view in NumPy, PyTorch and CuPy; JAX, which has no views, transposes."""
+    shape = tuple(getattr(x, "shape", ()))
+    if len(shape) != rank or not hasattr(x, "swapaxes"):
+        layout, axes = (("bhsd", _LAYOUTS["bhsd"]) if rank == 4
+                        else ("htd", _VARLEN_LAYOUTS["htd"]))
+        raise ValueError(f"{name}: with layout={layout!r} expected a rank-{rank} array {axes}, "
+                         f"got shape {shape}")
+    return x.swapaxes(rank - 3, rank - 2)
 
-    def __init__(self, on):
-        self.on = on
+
+def _fits(q, k, v, heads_first, same_batch=True):
+    """Whether shapes q, k, v (dense rank 4, or packed rank 3) are one call's arrays when read
+    with the heads axis before the sequence axis (heads_first) or after it; same_batch False for
+    a paged cache, whose first axis counts pages."""
+    rank = len(q)
+    if rank not in (3, 4) or len(k) != rank or len(v) != rank or k != v:
+        return False
+    h = rank - 3 if heads_first else rank - 2  # the heads axis
+    if rank == 4 and same_batch and q[0] != k[0]:
+        return False
+    return q[-1] == k[-1] and k[h] > 0 and q[h] % k[h] == 0
+
+
+class _LayoutErrors:
+    """Rewords a ValueError from the core for the caller's layout: with a heads-first layout it
+    says that the shapes quoted are in flashdl's order, and when q, k, v do not fit the layout
+    they were passed with but fit the other one (a transposition explains them), it says so and
+    names layout=. The outermost manager words the message (flashdl.torch wraps flashdl's own
+    call on transposed views)."""
+
+    def __init__(self, arrays, heads_first, varlen=False, same_batch=True, names="q, k, v"):
+        self.shapes = [tuple(getattr(x, "shape", ())) for x in arrays]
+        self.names = names
+        self.heads_first, self.varlen, self.same_batch = heads_first, varlen, same_batch
 
     def __enter__(self):
         return self
 
+    def _hint(self):
+        names = _VARLEN_LAYOUTS if self.varlen else _LAYOUTS
+        (own, own_axes), (other, other_axes) = names.items()
+        if self.heads_first:
+            (own, own_axes), (other, other_axes) = (other, other_axes), (own, own_axes)
+        if _fits(*self.shapes, self.heads_first, self.same_batch) or \
+                not _fits(*self.shapes, not self.heads_first, self.same_batch):
+            return ""
+        q, k, v = self.shapes
+        return (f"; {self.names} of shapes {q}, {k}, {v} do not fit layout={own!r} {own_axes} but "
+                f"fit {other_axes}: pass layout={other!r} if that is their order")
+
     def __exit__(self, kind, err, tb):
-        if self.on and kind is ValueError:
-            raise ValueError(f"{err} (layout='bhsd': shapes above are in flashdl's "
-                             "(batch, seqlen, nheads, headdim) order)") from None
-        return False
+        if kind is None or not issubclass(kind, ValueError):
+            return False
+        base = getattr(err, "_flashdl_base", str(err))
+        msg = base
+        if self.heads_first:
+            layout, own = (("htd", "(total, nheads, headdim)") if self.varlen
+                           else ("bhsd", "(batch, seqlen, nheads, headdim)"))
+            msg += f" (layout={layout!r}: shapes above are in flashdl's {own} order)"
+        msg += self._hint()
+        new = ValueError(msg)
+        new._flashdl_base = base  # type: ignore[attr-defined]
+        raise new from None
 
 
-def _output_like(frame, x, bhsd):
-    """An output shaped like x (batch, seqlen, nheads, headdim) and the view the core writes: with
-    layout='bhsd' the output is a contiguous (batch, nheads, seqlen, headdim) array and the core
-    writes it through a transposed view."""
+def _output_like(frame, x, heads_first):
+    """An output shaped like x ((batch, seqlen, nheads, headdim), or (total, nheads, headdim)
+    packed) and the view the core writes: with a heads-first layout the output is a contiguous
+    heads-first array and the core writes it through a transposed view."""
     shape = tuple(x.shape)
-    if not bhsd or len(shape) != 4:
+    if not heads_first or len(shape) not in (3, 4):
         out = frame.empty(shape, x.dtype)
         return out, out
-    out = frame.empty((shape[0], shape[2], shape[1], shape[3]), x.dtype)
-    return out, out.swapaxes(1, 2)
+    ax = len(shape) - 3  # the seqlen (total) axis; heads follow it
+    swapped = shape[:ax] + (shape[ax + 1], shape[ax]) + shape[ax + 2:]
+    out = frame.empty(swapped, x.dtype)
+    return out, out.swapaxes(ax, ax + 1)
 
 
 def _lse_shape(q):
@@ -237,59 +289,117 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
               block_size: BlockSize = 128,
               alibi_slopes: Optional[ArrayLike] = None, softcap: float = 0.0,
               layout: str = "bshd") -> Any:
-    """Exact attention softmax(q k^T * scale) v, computed without materialising the N x N matrix.
+    """Exact attention ``softmax(q k^T * softmax_scale) v``, without materialising the N x N matrix.
 
-    q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim), with
-    nheads a multiple of nheads_kv (GQA/MQA). The last dimension must be contiguous; any other
-    strides work (a (batch, nheads, seqlen, headdim) array transposed to this layout is fine).
-    causal is bottom-right aligned: key j is visible to query i iff j <= i + seqlen_k - seqlen_q.
-    softmax_scale defaults to 1/sqrt(headdim). schedule: 'auto' (fa2; on the CPU, a few query
-    rows over many keys run on the KV-cache kernel, as README.md says), 'fa1', 'fa2' or
-    'reference' (naive float64, the test oracle). window_size=(left, right) limits the visible keys: key j
-    is visible to query i iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q +
-    right, -1 for unbounded on that side. causal=True is the window (-1, 0): no bound on the
-    left, and no key past the bottom-right diagonal j = i + seqlen_k - seqlen_q; causal with a
-    window (left, right) keeps that left bound and sets right to 0.
+    Any DLPack array goes in (NumPy, PyTorch, JAX, CuPy); the output comes back in the caller's
+    framework, on the caller's device. Runs the CPU backend for CPU arrays and the CUDA backend for
+    CUDA arrays. The result carries no autograd history: train with :func:`flashdl.torch.attention`
+    or :func:`flashdl.jax.attention`.
 
-    Dropout: dropout_p in [0, 1) drops each attention probability independently and scales the
-    kept ones by 1 / (1 - dropout_p). The mask is a counter-based (Philox) function of
-    (seed, offset, batch, head, row, col) only: the same on the CPU and the GPU, for every
-    schedule, and in attention_backward given the same (dropout_p, seed, offset);
-    flashdl.dropout_mask returns it. seed: an int in [0, 2**64), or None to draw a fresh one
-    (from the OS, not NumPy's global state); offset: an int in [0, 2**32) that selects another
-    stream under the same seed (e.g. one per layer or step). lse is of the undropped scores.
+    Parameters
+    ----------
+    q : array (batch, seqlen_q, nheads, headdim)
+        Queries. float16, bfloat16 or float32 (float64 on the CPU; float16 or bfloat16 on CUDA).
+        The last dimension must be contiguous; any other strides work, so a
+        (batch, nheads, seqlen, headdim) array transposed to this layout needs no copy.
+    k, v : array (batch, seqlen_k, nheads_kv, headdim)
+        Keys and values, the dtype and device of q. ``nheads`` must be a multiple of ``nheads_kv``
+        (GQA / MQA): query head ``h`` reads kv head ``h // (nheads // nheads_kv)``.
+    causal : bool, default False
+        Bottom-right aligned causal mask: key ``j`` is visible to query ``i`` iff
+        ``j <= i + seqlen_k - seqlen_q``. The same as the window ``(-1, 0)``.
+    softmax_scale : float, optional
+        Scale of the scores; None (default) is ``1 / sqrt(headdim)``.
+    schedule : {"auto", "fa2", "fa1", "reference"}, default "auto"
+        ``"fa2"`` (FlashAttention-2's order), ``"fa1"`` (the paper's Algorithm 1 as written),
+        ``"reference"`` (naive float64 that materialises the matrix: the test oracle, CPU only).
+        ``"auto"`` is fa2, except that on the CPU a forward with at most 2 query rows per kv head
+        (seqlen_q x the GQA group; 4 from 1,024 keys, 32 from 8,192, 64 from 65,536) over at least
+        256 keys, without dropout or a block mask, runs on the KV-cache kernel.
+    return_lse : bool, default False
+        Also return the log-sum-exp of each row.
+    window_size : (int, int), default (-1, -1)
+        ``(left, right)``: key ``j`` is visible to query ``i`` iff
+        ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right``; -1 is unbounded
+        on that side. With ``causal=True``, right is 0 and left is kept.
+    dropout_p : float, default 0.0
+        In ``[0, 1)``: each attention probability is dropped independently and the kept ones are
+        scaled by ``1 / (1 - dropout_p)``. The mask is a counter-based (Philox) function of
+        ``(seed, offset, batch, head, row, col)`` only: the same on the CPU and the GPU, for every
+        schedule, and in :func:`attention_backward` given the same ``(dropout_p, seed, offset)``;
+        :func:`dropout_mask` returns it. lse is of the undropped scores.
+    seed : int, optional
+        Dropout seed in ``[0, 2**64)``; None draws a fresh one from the OS (never NumPy's global
+        state) when ``dropout_p > 0``.
+    offset : int, default 0
+        In ``[0, 2**32)``: selects another stream under the same seed (e.g. one per layer or step).
+    return_seed : bool, default False
+        Also return the seed used (the drawn one when ``seed`` is None; 0 when ``dropout_p`` is 0 and
+        no seed was given), which the backward needs.
+    block_mask : bool array, optional
+        Block-sparse attention: ``(nblocks_q, nblocks_k)``, or
+        ``(batch or 1, nheads or 1, nblocks_q, nblocks_k)`` for a mask per batch and head, with
+        ``nblocks_q = ceil(seqlen_q / block_q)`` and ``nblocks_k = ceil(seqlen_k / block_k)``. Key
+        ``j`` is visible to query ``i`` only where ``block_mask[..., i // block_q, j // block_k]`` is
+        true (and causal and the window allow it); zero blocks are never loaded or computed. A NumPy
+        array or a CPU array of the framework of q for CPU arrays; on the device of q for CUDA ones.
+    block_size : int or (int, int), default 128
+        ``block_q`` query rows by ``block_k`` keys per block of ``block_mask`` (an int for both).
+    alibi_slopes : float32 array (nheads,) or (batch, nheads), optional
+        ALiBi (BLOOM, MPT): adds ``-slope[h] * |i + seqlen_k - seqlen_q - j|`` to the score of query
+        ``i`` at key ``j``, bottom-right aligned like causal. On the device of q; no gradient.
+    softcap : float, default 0.0
+        When > 0, each scaled score ``s`` becomes ``softcap * tanh(s / softcap)`` (Gemma 2, Grok);
+        0 is off. Modifiers apply in flash-attn's order: scale, cap, bias, mask.
+    layout : {"bshd", "bhsd"}, default "bshd"
+        ``"bshd"``: q, k, v and out are (batch, seqlen, nheads, headdim). ``"bhsd"``: they are
+        (batch, nheads, seqlen, headdim) (PyTorch's SDPA layout), read through transposed views
+        (JAX arrays, which have no views, are transposed). lse has the same shape either way.
 
-    Block-sparse attention: block_mask, a bool array (nblocks_q, nblocks_k), or
-    (batch or 1, nheads or 1, nblocks_q, nblocks_k) for a mask per batch and head, over blocks of
-    block_size = block_q query rows by block_k keys (an int for both; default 128), with
-    nblocks_q = ceil(seqlen_q / block_q) and nblocks_k = ceil(seqlen_k / block_k): key j is
-    visible to query i only where block_mask[..., i // block_q, j // block_k] is True (and causal
-    and the window allow it). Zero blocks are never loaded or computed. For CPU arrays a NumPy
-    array or a CPU array of the framework of q; for CUDA arrays an array on the device of q.
+    Returns
+    -------
+    out : array (batch, seqlen_q, nheads, headdim)
+        Like q: its dtype, framework and device (and its layout).
+    lse : float32 array (batch, nheads, seqlen_q)
+        With ``return_lse=True``: the natural log of the sum of exp of the scaled, masked (and
+        modified) scores; ``-inf``, with ``out`` 0, for a query that sees no key.
+    seed : int
+        With ``return_seed=True``: ``(out, seed)``, or ``(out, lse, seed)`` with both flags.
 
-    Score modifiers (flash-attn's conventions and order: scale, cap, bias, mask):
-    softcap > 0 replaces each scaled score s by softcap * tanh(s / softcap) (Gemma 2, Grok),
-    with the tanh's derivative in the backward; 0 is off. alibi_slopes: float32 (nheads,) or
-    (batch, nheads) (NumPy or the framework of q, on the device of q) adds
-    -slope[h] * |i + seqlen_k - seqlen_q - j| to the score of query i at key j (ALiBi: BLOOM,
-    MPT), bottom-right aligned like causal; the slopes get no gradient. lse is of the modified
-    scores.
+    Raises
+    ------
+    ValueError
+        A bad shape, dtype combination, device or option value (the message names the argument,
+        what was expected and what was given); a torch tensor that requires grad while grad mode is
+        on.
+    TypeError
+        An argument of the wrong type (e.g. ``window_size`` not a pair of ints).
 
-    layout='bhsd' takes q, k, v as (batch, nheads, seqlen, headdim) arrays (PyTorch's SDPA
-    layout), read through transposed views (JAX arrays, which have no views, are transposed), and
-    returns out in that layout; lse is (batch, nheads, seqlen_q) either way. The default 'bshd' is
-    (batch, seqlen, nheads, headdim).
+    See Also
+    --------
+    attention_backward : the gradients.
+    flashdl.torch.attention : the same with autograd and torch.compile support.
+    flashdl.jax.attention : the same under jax.jit, jax.grad and jax.vmap.
 
-    Returns out (like q, in the caller's framework and device); (out, lse) with
-    return_lse=True, lse float32 (batch, nheads, seqlen_q), the natural-log sum of exp of the
-    scaled scores (-inf, with out 0, for a query that sees no key); return_seed=True appends
-    the seed used (an int: the drawn one when seed is None, 0 when dropout_p is 0 and no seed
-    was given), which the backward needs: (out, seed) or (out, lse, seed).
+    Examples
+    --------
+    >>> import numpy as np, flashdl
+    >>> q, k, v = (np.random.randn(2, 16, 4, 8).astype(np.float32) for _ in range(3))
+    >>> out, lse = flashdl.attention(q, k, v, causal=True, return_lse=True)
+    >>> out.shape, lse.shape
+    ((2, 16, 4, 8), (2, 4, 16))
+
+    GQA (2 kv heads for 4 query heads), a window of 4 keys to the left, and PyTorch's layout:
+
+    >>> kv = np.random.randn(2, 2, 16, 8).astype(np.float32)          # (batch, nheads_kv, seqlen, d)
+    >>> flashdl.attention(q.swapaxes(1, 2), kv, kv, window_size=(4, 0), layout="bhsd").shape
+    (2, 4, 16, 8)
     """
     bhsd = _layout(layout)
     frame = Frame({"q": q, "k": k, "v": v}, _FLOATS_FWD)
     frame.refuse_autograd({"q": q, "k": k, "v": v}, "flashdl.attention",
                           "flashdl.torch.attention")
+    errors = _LayoutErrors((q, k, v), bhsd)
     if bhsd:
         q, k, v = (_as_bshd(n, x) for n, x in (("q", q), ("k", k), ("v", v)))
     opts = _options(causal, softmax_scale, schedule, window_size, frame)
@@ -298,7 +408,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
     dropout_p, seed, offset = _dropout(dropout_p, seed, offset)
     out, out_view = _output_like(frame, q, bhsd)
     lse = frame.empty(_lse_shape(q), frame.float32())
-    with _BhsdErrors(bhsd):
+    with errors:
         _ext.forward(frame.export(q), frame.export(k), frame.export(v), frame.dest(out_view),
                      frame.dest(lse), dropout_p=dropout_p, seed=seed, offset=offset, **opts)
     out, lse = frame.finish(out), frame.finish(lse)
@@ -330,19 +440,67 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
                        alibi_slopes: Optional[ArrayLike] = None, softcap: float = 0.0,
                        layout: str = "bshd"
                        ) -> Tuple[ArrayLike, ArrayLike, ArrayLike]:
-    """Gradients (dq, dk, dv) of attention(q, k, v) for the upstream gradient dout.
+    """Gradients ``(dq, dk, dv)`` of :func:`attention` for the upstream gradient ``dout``.
 
-    out and lse are what attention(..., return_lse=True) returned for the same arguments and
-    options; with dropout, pass the same dropout_p, offset and the seed the forward used
-    (attention(..., return_seed=True) returns it when it drew one), so that the backward
-    regenerates the same mask; with a block mask or score modifiers, the same block_mask and
-    block_size, alibi_slopes and softcap. dq, dk, dv
-    come back shaped and typed like q, k, v; with GQA,
-    dk and dv sum over the query heads of each group. layout='bhsd': dout, q, k, v, out and the
-    gradients are (batch, nheads, seqlen, headdim), as in attention(..., layout='bhsd').
+    Recomputes the attention matrix block by block from ``lse`` (nothing of size N x N is stored).
+    Pass the arguments and options of the forward call: with dropout the same ``dropout_p``,
+    ``offset`` and the seed the forward used (``attention(..., return_seed=True)`` returns it when it
+    drew one), so that the same mask is regenerated; with a block mask or score modifiers the same
+    ``block_mask``, ``block_size``, ``alibi_slopes`` and ``softcap``.
+
+    Parameters
+    ----------
+    dout : array (batch, seqlen_q, nheads, headdim)
+        Gradient of the loss with respect to ``out``; the dtype of q.
+    q, k, v : array
+        The forward's inputs, as in :func:`attention`.
+    out : array (batch, seqlen_q, nheads, headdim)
+        The forward's output.
+    lse : float32 array (batch, nheads, seqlen_q)
+        The forward's log-sum-exp (``attention(..., return_lse=True)``).
+    causal, softmax_scale, schedule, window_size : optional
+        As in :func:`attention`; must match the forward.
+    deterministic : bool, default False
+        Bitwise reproducible dq on CUDA (fa2 otherwise sums dq with float atomics). dk and dv are
+        always reproducible, and so is every gradient on the CPU for a given thread count.
+    dropout_p : float, default 0.0
+        The forward's dropout probability.
+    seed : int, default 0
+        The seed the forward used (None is refused: it would draw a different mask).
+    offset : int, default 0
+        The forward's offset.
+    block_mask, block_size, alibi_slopes, softcap : optional
+        As in :func:`attention`; must match the forward.
+    layout : {"bshd", "bhsd"}, default "bshd"
+        With ``"bhsd"``, dout, q, k, v, out and the gradients are (batch, nheads, seqlen, headdim).
+
+    Returns
+    -------
+    dq, dk, dv : array
+        Shaped, typed and laid out like q, k and v. With GQA, dk and dv sum over the query heads of
+        each group. A query that saw no key contributes zero gradients.
+
+    Raises
+    ------
+    ValueError
+        Shapes or options that do not fit (the message names the argument).
+    TypeError
+        An argument of the wrong type, or ``seed=None``.
+
+    Examples
+    --------
+    >>> import numpy as np, flashdl
+    >>> q, k, v = (np.random.randn(1, 16, 2, 8).astype(np.float32) for _ in range(3))
+    >>> out, lse, seed = flashdl.attention(q, k, v, dropout_p=0.1, return_lse=True,
+    ...                                    return_seed=True)
+    >>> dq, dk, dv = flashdl.attention_backward(np.ones_like(out), q, k, v, out, lse,
+    ...                                         dropout_p=0.1, seed=seed)
+    >>> dq.shape == q.shape and dk.shape == k.shape
+    True
     """
     bhsd = _layout(layout)
     frame = Frame({"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}, _FLOATS_BWD)
+    errors = _LayoutErrors((q, k, v), bhsd)
     if bhsd:
         dout, q, k, v, out = (_as_bshd(n, x) for n, x in (
             ("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out)))
@@ -350,7 +508,7 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
                              offset, block_mask, block_size, alibi_slopes, softcap)
     (dq, dq_view), (dk, dk_view), (dv, dv_view) = (_output_like(frame, x, bhsd)
                                                    for x in (q, k, v))
-    with _BhsdErrors(bhsd):
+    with errors:
         _ext.backward(frame.export(dout), frame.export(q), frame.export(k), frame.export(v),
                       frame.export(out), frame.export(lse), frame.dest(dq_view),
                       frame.dest(dk_view), frame.dest(dv_view), deterministic=bool(deterministic),
@@ -360,11 +518,45 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
 
 def dropout_mask(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, dropout_p: float,
                  seed: int, offset: int = 0) -> npt.NDArray[np.bool_]:
-    """The keep-mask attention(..., dropout_p, seed, offset) applies: a NumPy bool array
-    (batch, nheads, seqlen_q, seqlen_k), True where the probability of query row i and key
-    column j of head h in batch b is kept (and scaled by 1 / (1 - dropout_p)). Computed by the
-    C++ core's own generator, so it is exactly the mask of every backend and schedule. Masked
-    (invisible) keys are not marked here: the mask covers every (i, j).
+    """The keep-mask that ``attention(..., dropout_p, seed, offset)`` applies.
+
+    Computed by the C++ core's own generator (Philox4x32-10 keyed by the seed, counter
+    ``(col, row, batch * nheads + head, offset)``), so it is exactly the mask of every backend,
+    schedule, tile size and thread count, forward and backward. Masked (invisible) keys are not
+    marked here: the mask covers every ``(i, j)``.
+
+    Parameters
+    ----------
+    batch, nheads, seqlen_q, seqlen_k : int
+        The shape of the attention call (ints >= 0).
+    dropout_p : float
+        The dropout probability, in ``[0, 1)``.
+    seed : int
+        The seed, in ``[0, 2**64)``.
+    offset : int, default 0
+        The offset, in ``[0, 2**32)``.
+
+    Returns
+    -------
+    numpy.ndarray of bool (batch, nheads, seqlen_q, seqlen_k)
+        True where the probability of query row ``i`` and key column ``j`` of head ``h`` in batch
+        ``b`` is kept (and scaled by ``1 / (1 - dropout_p)``).
+
+    Raises
+    ------
+    ValueError
+        A negative size, ``dropout_p`` outside ``[0, 1)``, ``seed`` or ``offset`` out of range.
+    TypeError
+        A non-integer size, seed or offset (``seed=None`` included).
+
+    Examples
+    --------
+    >>> import flashdl
+    >>> keep = flashdl.dropout_mask(1, 2, 4, 8, dropout_p=0.5, seed=42)
+    >>> keep.shape, keep.dtype
+    ((1, 2, 4, 8), dtype('bool'))
+    >>> bool((keep == flashdl.dropout_mask(1, 2, 4, 8, 0.5, 42)).all())     # a pure function
+    True
     """
     shape = tuple(_count(n, x) for n, x in (("batch", batch), ("nheads", nheads),
                                             ("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)))
@@ -388,13 +580,52 @@ def _count(name, x):
 
 # ---- variable-length batches (flash-attn's varlen layout) ----------------------------------------
 
+def _conversion(name, x):
+    """The one-line conversion of an index array to int32 in the caller's framework."""
+    framework = type(x).__module__.split(".")[0]
+    if framework == "torch":
+        return f"{name}.to(torch.int32)"
+    if framework in ("jax", "jaxlib"):
+        return f"{name}.astype(jnp.int32)"
+    return f"{name}.astype(np.int32)"
+
+
+def _int32_index(name, x):
+    """An index array (cu_seqlens, cache_seqlens, block_table) in int32, the dtype the core reads:
+    int32 arrays pass as they are; other integer arrays in host memory (NumPy's default int64
+    first of all, and CPU arrays of other frameworks) are converted to an int32 NumPy array when
+    every value fits; an integer array on a GPU, or values that do not fit, are refused with the
+    conversion to write. Arrays of other dtypes pass on, for the core to refuse by name."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or str(dtype).split(".")[-1] == "int32":
+        return x
+    if not isinstance(x, np.ndarray):
+        try:
+            host = np.from_dlpack(x)
+        except Exception:  # a GPU array, or one NumPy cannot read: the core names it
+            if str(dtype).split(".")[-1] in ("int64", "int16", "int8", "uint8", "uint16",
+                                              "uint32", "uint64"):
+                raise TypeError(f"{name}: expected an int32 array, got {str(dtype)} in device "
+                                f"memory; convert it with {_conversion(name, x)}") from None
+            return x
+    else:
+        host = x
+    if host.dtype.kind not in "iu":
+        return x
+    if host.size and (host.min() < -2**31 or host.max() >= 2**31):
+        bad = host.max() if host.max() >= 2**31 else host.min()
+        raise ValueError(f"{name}: expected int32 values, got {bad} in an {host.dtype} array")
+    return host.astype(np.int32)
+
+
 def _cu_seqlens(name, x):
     """cu_seqlens as the extension takes it: any CPU array that crosses DLPack (NumPy, torch,
-    JAX); the core checks dtype int32, rank, device and the offsets themselves."""
+    JAX), integer arrays narrowed to int32 (_int32_index); the core checks dtype, rank, device
+    and the offsets themselves."""
     if isinstance(x, np.ndarray) or hasattr(x, "__dlpack__"):
         if getattr(x, "requires_grad", False):
             x = x.detach()
-        return x
+        return _int32_index(name, x)
     raise TypeError(f"{name}: expected an int32 array (NumPy or the framework of q) of shape "
                     f"(batch + 1,), got {type(x).__name__}")
 
@@ -420,7 +651,8 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                      window_size: Tuple[int, int] = ..., dropout_p: float = ...,
                      seed: Optional[int] = ..., offset: int = ...,
                      block_mask: Optional[ArrayLike] = ..., block_size: BlockSize = ...,
-                     alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...
+                     alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...,
+                     layout: str = ...
                      ) -> ArrayLike: ...
 @overload
 def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
@@ -430,7 +662,8 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                      window_size: Tuple[int, int] = ..., dropout_p: float = ...,
                      seed: Optional[int] = ..., offset: int = ...,
                      block_mask: Optional[ArrayLike] = ..., block_size: BlockSize = ...,
-                     alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...
+                     alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...,
+                     layout: str = ...
                      ) -> Tuple[ArrayLike, ArrayLike]: ...
 @overload
 def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
@@ -440,7 +673,8 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                      window_size: Tuple[int, int] = ..., dropout_p: float = ...,
                      seed: Optional[int] = ..., offset: int = ...,
                      block_mask: Optional[ArrayLike] = ..., block_size: BlockSize = ...,
-                     alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...
+                     alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...,
+                     layout: str = ...
                      ) -> Any: ...
 
 
@@ -451,33 +685,83 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                      window_size: Tuple[int, int] = (-1, -1), dropout_p: float = 0.0,
                      seed: Optional[int] = None, offset: int = 0,
                      block_mask: Optional[ArrayLike] = None, block_size: BlockSize = 128,
-                     alibi_slopes: Optional[ArrayLike] = None, softcap: float = 0.0) -> Any:
-    """attention over a batch of sequences of different lengths, packed with no padding
-    (flash-attn's flash_attn_varlen_func layout).
+                     alibi_slopes: Optional[ArrayLike] = None, softcap: float = 0.0,
+                     layout: str = "thd") -> Any:
+    """Attention over a batch of sequences of different lengths, packed with no padding.
 
-    q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim). cu_seqlens_q and
-    cu_seqlens_k: int32 arrays (batch + 1,) on the CPU (NumPy, or CPU tensors of the framework
-    of q; checked before anything runs) or, for CUDA q, on the device of q (read by the kernels
-    with no host round trip, and so not checked: offsets that break the rules below give
-    unspecified results, though never an access outside the arrays), the cumulative sequence
-    lengths: sequence b is q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]
-    attending to k, v[cu_seqlens_k[b]:cu_seqlens_k[b+1]]. They start at 0, never decrease and
-    end at total_q (total_k); no sequence may be longer than max_seqlen_q (max_seqlen_k).
-    Each sequence is attention(...) of its own rows: causal masks and windows are aligned
-    bottom-right within each sequence; a sequence with no keys gets out 0 and lse -inf.
+    flash-attn's ``flash_attn_varlen_func`` layout: sequence ``b`` is
+    ``q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]`` attending to ``k, v[cu_seqlens_k[b]:cu_seqlens_k[b+1]]``.
+    Each sequence is :func:`attention` of its own rows: causal masks and windows are aligned
+    bottom-right within each sequence, and a sequence with no keys gets out 0 and lse -inf. No
+    padding is computed; on CUDA the whole batch is one launch.
 
-    Dropout: sequence b gets the mask dense batch b would get, keyed by (seed, offset, b, head,
-    row, col) with row and col counted within the sequence. block_mask: (nblocks_q, nblocks_k)
-    for every sequence, or (batch or 1, nheads or 1, nblocks_q, nblocks_k) with one plane per
-    sequence, nblocks = ceil(max_seqlen / block_size); blocks are counted from each sequence's
-    start. On CUDA the whole batch is one launch. alibi_slopes: (nheads,) or (batch, nheads),
-    row b for sequence b, with i and j counted within the sequence; softcap as in attention.
+    Parameters
+    ----------
+    q : array (total_q, nheads, headdim)
+        The queries of every sequence, one after the other (dtypes as in :func:`attention`).
+    k, v : array (total_k, nheads_kv, headdim)
+        The keys and values, packed the same way.
+    cu_seqlens_q, cu_seqlens_k : int32 array (batch + 1,)
+        Cumulative sequence lengths: they start at 0, never decrease and end at ``total_q``
+        (``total_k``). On the CPU (NumPy, or CPU tensors of the framework of q), where they are
+        checked before anything runs; or, for CUDA q, on the device of q, read by the kernels with
+        no host round trip and so not checked (offsets that break these rules give unspecified
+        results, though never an access outside the arrays).
+    max_seqlen_q, max_seqlen_k : int
+        Bounds on the sequence lengths (no sequence may be longer).
+    causal, softmax_scale, schedule, return_lse, window_size, dropout_p, seed, offset, softcap : optional
+        As in :func:`attention`, per sequence. With dropout, sequence ``b`` gets the mask dense batch
+        ``b`` would get, with row and column counted within the sequence.
+    block_mask : bool array, optional
+        ``(nblocks_q, nblocks_k)`` for every sequence, or
+        ``(batch or 1, nheads or 1, nblocks_q, nblocks_k)`` with one plane per sequence, with
+        ``nblocks = ceil(max_seqlen / block_size)``; blocks are counted from each sequence's start.
+    block_size : int or (int, int), default 128
+        As in :func:`attention`.
+    alibi_slopes : float32 array (nheads,) or (batch, nheads), optional
+        Row ``b`` for sequence ``b``, with ``i`` and ``j`` counted within the sequence.
+    layout : {"thd", "htd"}, default "thd"
+        ``"thd"``: q, k, v and out are (total, nheads, headdim) (flash-attn's). ``"htd"``: they are
+        (nheads, total, headdim), read through transposed views (JAX arrays are transposed).
 
-    Returns out (like q); (out, lse) with return_lse=True, lse float32 (nheads, total_q).
+    Returns
+    -------
+    out : array (total_q, nheads, headdim)
+        Like q (and in its layout).
+    lse : float32 array (nheads, total_q)
+        With ``return_lse=True``.
+
+    Raises
+    ------
+    ValueError
+        Bad shapes, offsets (host arrays), lengths above ``max_seqlen``, or options; the message
+        names the argument.
+    TypeError
+        An argument of the wrong type (e.g. ``cu_seqlens`` not an array).
+
+    See Also
+    --------
+    attention_varlen_backward, flashdl.torch.attention_varlen, flashdl.jax.attention_varlen
+
+    Examples
+    --------
+    >>> import numpy as np, flashdl
+    >>> cu = np.array([0, 3, 3, 10], dtype=np.int32)            # lengths 3, 0 and 7
+    >>> q, k, v = (np.random.randn(10, 2, 8).astype(np.float32) for _ in range(3))
+    >>> out, lse = flashdl.attention_varlen(q, k, v, cu, cu, 7, 7, causal=True, return_lse=True)
+    >>> out.shape, lse.shape
+    ((10, 2, 8), (2, 10))
+    >>> one = flashdl.attention(q[None, 3:], k[None, 3:], v[None, 3:], causal=True)
+    >>> bool(np.allclose(out[3:], one[0], atol=1e-6))            # sequence 2 on its own
+    True
     """
+    heads_first = _layout(layout, varlen=True)
     frame = Frame({"q": q, "k": k, "v": v}, _FLOATS_FWD)
     frame.refuse_autograd({"q": q, "k": k, "v": v}, "flashdl.attention_varlen",
                           "flashdl.torch.attention_varlen")
+    errors = _LayoutErrors((q, k, v), heads_first, varlen=True)
+    if heads_first:
+        q, k, v = (_as_bshd(n, x, rank=3) for n, x in (("q", q), ("k", k), ("v", v)))
     opts = _options(causal, softmax_scale, schedule, window_size, frame)
     dropout_p, seed, offset = _dropout(dropout_p, seed, offset)
     cu_q, cu_k = _cu_seqlens("cu_seqlens_q", cu_seqlens_q), _cu_seqlens("cu_seqlens_k",
@@ -486,11 +770,12 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                                                                            max_seqlen_k)
     opts.update(_block_sparse(block_mask, block_size))
     opts.update(_score_mods(alibi_slopes, softcap))
-    out = frame.empty(q.shape, q.dtype)
+    out, out_view = _output_like(frame, q, heads_first)
     lse = frame.empty(_varlen_lse_shape(q), frame.float32())
-    _ext.forward_varlen(frame.export(q), frame.export(k), frame.export(v), cu_q, cu_k, max_q,
-                        max_k, frame.dest(out), frame.dest(lse), dropout_p=dropout_p, seed=seed,
-                        offset=offset, **opts)
+    with errors:
+        _ext.forward_varlen(frame.export(q), frame.export(k), frame.export(v), cu_q, cu_k, max_q,
+                            max_k, frame.dest(out_view), frame.dest(lse), dropout_p=dropout_p,
+                            seed=seed, offset=offset, **opts)
     out, lse = frame.finish(out), frame.finish(lse)
     return (out, lse) if return_lse else out
 
@@ -503,24 +788,70 @@ def attention_varlen_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: Ar
                               deterministic: bool = False, dropout_p: float = 0.0, seed: int = 0,
                               offset: int = 0, block_mask: Optional[ArrayLike] = None,
                               block_size: BlockSize = 128,
-                              alibi_slopes: Optional[ArrayLike] = None, softcap: float = 0.0
-                              ) -> Tuple[ArrayLike, ArrayLike, ArrayLike]:
-    """Gradients (dq, dk, dv) of attention_varlen for the upstream gradient dout
-    (total_q, nheads, headdim); out and lse (nheads, total_q) as attention_varlen(...,
-    return_lse=True) returned them for the same arguments and options. A sequence with no
-    query rows gets zero dk, dv."""
+                              alibi_slopes: Optional[ArrayLike] = None, softcap: float = 0.0,
+                              layout: str = "thd") -> Tuple[ArrayLike, ArrayLike, ArrayLike]:
+    """Gradients ``(dq, dk, dv)`` of :func:`attention_varlen` for the upstream gradient ``dout``.
+
+    Pass ``out`` and ``lse`` as ``attention_varlen(..., return_lse=True)`` returned them, with the
+    same arguments and options (for dropout, the seed the forward used).
+
+    Parameters
+    ----------
+    dout : array (total_q, nheads, headdim)
+        Gradient of the loss with respect to ``out``.
+    q, k, v, out : array
+        As in and from :func:`attention_varlen`.
+    lse : float32 array (nheads, total_q)
+        The forward's log-sum-exp.
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+        As in the forward.
+    causal, softmax_scale, schedule, window_size, dropout_p, seed, offset, block_mask, block_size, alibi_slopes, softcap : optional
+        As in the forward.
+    deterministic : bool, default False
+        As in :func:`attention_backward`.
+    layout : {"thd", "htd"}, default "thd"
+        With ``"htd"``, dout, q, k, v, out and the gradients are (nheads, total, headdim).
+
+    Returns
+    -------
+    dq, dk, dv : array
+        Shaped like q, k and v. A sequence with no query rows gets zero dk, dv.
+
+    Raises
+    ------
+    ValueError
+        Shapes, offsets or options that do not fit (the message names the argument).
+    TypeError
+        An argument of the wrong type.
+
+    Examples
+    --------
+    >>> import numpy as np, flashdl
+    >>> cu = np.array([0, 4, 9], dtype=np.int32)
+    >>> q, k, v = (np.random.randn(9, 2, 8).astype(np.float32) for _ in range(3))
+    >>> out, lse = flashdl.attention_varlen(q, k, v, cu, cu, 5, 5, return_lse=True)
+    >>> dq, dk, dv = flashdl.attention_varlen_backward(np.ones_like(out), q, k, v, out, lse,
+    ...                                                cu, cu, 5, 5)
+    >>> dq.shape, dk.shape
+    ((9, 2, 8), (9, 2, 8))
+    """
+    heads_first = _layout(layout, varlen=True)
     frame = Frame({"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}, _FLOATS_BWD)
+    errors = _LayoutErrors((q, k, v), heads_first, varlen=True)
+    if heads_first:
+        dout, q, k, v, out = (_as_bshd(n, x, rank=3) for n, x in (
+            ("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out)))
     opts = _backward_options(causal, softmax_scale, schedule, window_size, frame, dropout_p, seed,
                              offset, block_mask, block_size, alibi_slopes, softcap)
     cu_q, cu_k = _cu_seqlens("cu_seqlens_q", cu_seqlens_q), _cu_seqlens("cu_seqlens_k",
                                                                          cu_seqlens_k)
     max_q, max_k = _max_seqlen("max_seqlen_q", max_seqlen_q), _max_seqlen("max_seqlen_k",
                                                                            max_seqlen_k)
-    dq = frame.empty(q.shape, q.dtype)
-    dk = frame.empty(k.shape, k.dtype)
-    dv = frame.empty(v.shape, v.dtype)
-    _ext.backward_varlen(frame.export(dout), frame.export(q), frame.export(k), frame.export(v),
-                         frame.export(out), frame.export(lse), cu_q, cu_k, max_q, max_k,
-                         frame.dest(dq), frame.dest(dk), frame.dest(dv),
-                         deterministic=bool(deterministic), **opts)
+    (dq, dq_view), (dk, dk_view), (dv, dv_view) = (_output_like(frame, x, heads_first)
+                                                   for x in (q, k, v))
+    with errors:
+        _ext.backward_varlen(frame.export(dout), frame.export(q), frame.export(k),
+                             frame.export(v), frame.export(out), frame.export(lse), cu_q, cu_k,
+                             max_q, max_k, frame.dest(dq_view), frame.dest(dk_view),
+                             frame.dest(dv_view), deterministic=bool(deterministic), **opts)
     return frame.finish(dq), frame.finish(dk), frame.finish(dv)

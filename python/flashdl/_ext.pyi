@@ -31,8 +31,10 @@ def forward(
     block_size_k: int = 128,
     alibi_slopes: Optional[_Array] = None,
     softcap: float = 0.0,
+    validate_only: bool = False,
 ) -> None:
-    """Attention forward: writes out (like q) and lse (float32, (batch, nheads, seqlen_q))."""
+    """Attention forward (validate_only: check the arguments, compute nothing): writes out (like
+    q) and lse (float32, (batch, nheads, seqlen_q))."""
 
 def backward(
     dout: _Array,
@@ -94,8 +96,10 @@ def forward_varlen(
     block_size_k: int = 128,
     alibi_slopes: Optional[_Array] = None,
     softcap: float = 0.0,
+    validate_only: bool = False,
 ) -> None:
-    """Variable-length forward: writes out (like q) and lse (float32, (nheads, total_q))."""
+    """Variable-length forward (validate_only: check the arguments but not the values of
+    cu_seqlens, compute nothing): writes out (like q) and lse (float32, (nheads, total_q))."""
 
 def backward_varlen(
     dout: _Array,

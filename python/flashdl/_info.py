@@ -22,8 +22,27 @@ class Info(TypedDict):
 
 
 def info() -> Info:
-    """Version, backends compiled in, CUDA architectures and devices, CPU ISA, threads and the fa1
-    on-chip budget M (bytes) of the CPU backend."""
+    """What this build and this machine offer.
+
+    Returns
+    -------
+    dict
+        ``version`` (str); ``backends`` (``["cpu"]`` or ``["cpu", "cuda"]``: compiled in);
+        ``cuda_architectures`` (list of str, e.g. ``["80", "90"]``); ``cuda_device_count`` (int);
+        ``cuda_status`` (str: why there is no device, if there is none -- "no NVIDIA GPU found", "no
+        NVIDIA driver found, or one older than this build's CUDA runtime", or that the build has no
+        CUDA backend -- with CUDA's own message in parentheses); ``cpu_isa`` (the CPU kernels in use:
+        ``"avx512bf16"``, ``"avx512"``, ``"avx2"`` or ``"generic"``, the widest the CPU runs or the
+        copy ``FLASHDL_CPU_ISA`` names); ``num_threads`` (CPU threads, int); ``fa1_sram_bytes``
+        (int: the on-chip budget M of the CPU backend's fa1 schedule, in bytes).
+
+    Examples
+    --------
+    >>> import flashdl
+    >>> i = flashdl.info()
+    >>> "cpu" in i["backends"], i["cpu_isa"] in ("avx512bf16", "avx512", "avx2", "generic")
+    (True, True)
+    """
     b = _ext.build_info()
     archs = [a for a in b["cuda_architectures"].replace(",", ";").split(";") if a]
     return {
@@ -39,7 +58,33 @@ def info() -> Info:
 
 
 def set_num_threads(n: int) -> None:
-    """CPU threads for later calls; 0 restores the default (FLASHDL_NUM_THREADS or the cores)."""
+    """Sets the CPU backend's thread count for later calls.
+
+    Parameters
+    ----------
+    n : int
+        Threads, >= 1; 0 restores the default (the environment variable ``FLASHDL_NUM_THREADS``, or
+        the number of cores).
+
+    Raises
+    ------
+    ValueError
+        ``n < 0``.
+    TypeError
+        ``n`` not an int.
+
+    Notes
+    -----
+    On the CPU, every result is bitwise reproducible for a given thread count.
+
+    Examples
+    --------
+    >>> import flashdl
+    >>> flashdl.set_num_threads(1)
+    >>> flashdl.info()["num_threads"]
+    1
+    >>> flashdl.set_num_threads(0)                 # back to the default
+    """
     try:
         n = operator.index(n)
     except TypeError:

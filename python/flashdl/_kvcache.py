@@ -16,23 +16,28 @@ from typing import Any, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _ext
-from ._api import ArrayLike, _lse_shape, _options, _score_mods
+from ._api import (ArrayLike, _as_bshd, _int32_index, _layout, _LayoutErrors, _lse_shape,
+                   _options, _output_like, _score_mods)
 from ._frameworks import Frame
 
 def _index_array(name, x, required):
-    """cache_seqlens and block_table: int32 CPU arrays (NumPy, or the framework of q); the core
-    checks dtype, rank, shape, device and every value."""
+    """cache_seqlens and block_table: int32 CPU arrays (NumPy, or the framework of q; integer
+    arrays and lists of ints are narrowed to int32 when their values fit); the core checks dtype,
+    rank, shape, device and every value."""
     if x is None:
         if required:
             raise TypeError(f"{name}: expected an int32 array, got None")
         return None
     if isinstance(x, (list, tuple)):
         try:
-            return np.asarray(x, dtype=np.int32)
-        except (OverflowError, ValueError, TypeError) as err:
-            raise ValueError(f"{name}: expected int32 values, got {x!r} ({err})") from None
+            values = np.asarray(x)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"{name}: expected a list of ints, got {x!r} ({err})") from None
+        if values.size and values.dtype.kind not in "iu":
+            raise TypeError(f"{name}: expected a list of ints, got {x!r}")
+        return _int32_index(name, values.astype(np.int64))
     if isinstance(x, np.ndarray) or hasattr(x, "__dlpack__"):
-        return x
+        return _int32_index(name, x)
     raise TypeError(f"{name}: expected an int32 array (NumPy or the framework of q), "
                     f"got {type(x).__name__}")
 
@@ -58,31 +63,78 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
                            softmax_scale: Optional[float] = None,
                            window_size: Tuple[int, int] = (-1, -1), num_splits: int = 0,
                            return_lse: bool = False, alibi_slopes: Optional[ArrayLike] = None,
-                           softcap: float = 0.0) -> Any:
-    """Attention of a few new queries over a KV cache (decoding), with an optional append.
+                           softcap: float = 0.0, layout: str = "bshd") -> Any:
+    """Attention of a few new queries over a KV cache (decoding), with an optional in-place append.
 
-    q: (batch, seqlen_q, nheads, headdim). k_cache, v_cache: (batch, seqlen_cache, nheads_kv,
-    headdim), or paged: (num_pages, page_size, nheads_kv, headdim) with block_table, int32
-    (batch, max_pages_per_sequence), naming each sequence's pages in order (vLLM's layout; only
-    the pages a sequence uses are read, and must be valid). cache_seqlens: int32 (batch,), the
-    tokens already in each sequence's cache. cache_seqlens and block_table are CPU arrays (NumPy,
-    a list, or CPU tensors of the framework of q).
+    flash-attn's ``flash_attn_with_kvcache``, with vLLM's paged layout. Sequence ``b`` attends to
+    the first ``cache_seqlens[b] + seqlen_new`` keys of its cache; ``causal`` and ``window_size``
+    are bottom-right aligned per sequence (query ``i`` sees key ``j <= i + L_b - seqlen_q``, with
+    ``L_b`` that number of keys). No dropout and no gradient (inference).
 
-    k, v (batch, seqlen_new, nheads_kv, headdim), when given, are written into the caches at
-    positions cache_seqlens[b] onward -- the one call where flashdl writes a caller's array.
-    Everything is checked first (room in the cache, page indices, shapes), so a call that fails
-    writes nothing. cache_seqlens itself is not changed: add seqlen_new to it for the next step.
-    Sequence b then attends to its first cache_seqlens[b] + seqlen_new keys; causal and
-    window_size are bottom-right aligned per sequence (query i sees key j <= i + L_b - seqlen_q).
+    Parameters
+    ----------
+    q : array (batch, seqlen_q, nheads, headdim)
+        The new queries.
+    k_cache, v_cache : array
+        Contiguous: (batch, seqlen_cache, nheads_kv, headdim). Paged (with ``block_table``):
+        (num_pages, page_size, nheads_kv, headdim), any page size. The dtype and device of q.
+    cache_seqlens : int32 array (batch,)
+        Tokens already in each sequence's cache. A host array (NumPy, a list, or a CPU tensor of the
+        framework of q), also for CUDA q (then copied to the device on the current stream). Not
+        changed by the call: add ``seqlen_new`` to it for the next step.
+    k, v : array (batch, seqlen_new, nheads_kv, headdim), optional
+        New keys and values, written into the caches at positions ``cache_seqlens[b]`` onward --
+        the one call where flashdl writes a caller's array. Everything is checked first (room in the
+        cache, page indices, shapes), so a call that fails writes nothing. Both or neither.
+    block_table : int32 array (batch, max_pages_per_sequence), optional
+        Paged caches: each sequence's pages, in order (vLLM's layout; only the pages a sequence uses
+        are read, and they must be valid). A host array, as ``cache_seqlens``.
+    causal, softmax_scale, window_size, alibi_slopes, softcap : optional
+        As in :func:`attention`.
+    num_splits : int, default 0
+        Key splits per (batch, kv head), computed in parallel and merged exactly (split-KV,
+        "flash-decoding"); 0 chooses from the shape and the thread count.
+    return_lse : bool, default False
+        Also return the log-sum-exp.
+    layout : {"bshd", "bhsd"}, default "bshd"
+        ``"bhsd"``: q, k, v and out are (batch, nheads, seqlen, headdim), and the caches
+        (batch, nheads_kv, seqlen_cache, headdim) (Hugging Face's cache layout), or paged
+        (num_pages, nheads_kv, page_size, headdim); read, and the caches written, through transposed
+        views, with no copy.
 
-    num_splits: key splits per (batch, kv head), computed in parallel and merged exactly
-    (split-KV, "flash-decoding"); 0 chooses from the shape and the thread count. softmax_scale,
-    alibi_slopes and softcap as in flashdl.attention. No dropout, no gradient (inference).
+    Returns
+    -------
+    out : array (batch, seqlen_q, nheads, headdim)
+        Like q.
+    lse : float32 array (batch, nheads, seqlen_q)
+        With ``return_lse=True``.
 
-    Returns out (like q), or (out, lse) with return_lse=True, lse float32 (batch, nheads,
-    seqlen_q). CUDA arrays (float16, bfloat16; PyTorch or CuPy): the append and the attention
-    run on the device of q on the current stream (written, not yet run on a GPU);
-    cache_seqlens and block_table stay host arrays, copied to the device on that stream.
+    Raises
+    ------
+    ValueError
+        Shapes that do not fit, no room in the cache for ``k``, ``v``, a page index out of range, a
+        read-only cache to append to, only one of ``k`` and ``v``, a q that requires grad.
+    TypeError
+        An argument of the wrong type (e.g. a non-integer ``num_splits``).
+
+    Notes
+    -----
+    The CPU kernel reads each K/V row once per kv head for all query heads of its GQA group, in
+    place. CUDA arrays (float16, bfloat16; PyTorch or CuPy): the append and the attention run on the
+    device of q on the current stream (written, not yet run on a GPU).
+
+    Examples
+    --------
+    >>> import numpy as np, flashdl
+    >>> k_cache = np.zeros((2, 16, 1, 8), np.float32)            # (batch, seqlen_cache, hkv, d)
+    >>> v_cache = np.zeros((2, 16, 1, 8), np.float32)
+    >>> lens = np.array([3, 5], np.int32)                        # tokens already cached
+    >>> q = np.random.randn(2, 1, 4, 8).astype(np.float32)       # one new token, 4 query heads
+    >>> k_new, v_new = (np.random.randn(2, 1, 1, 8).astype(np.float32) for _ in range(2))
+    >>> out = flashdl.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
+    ...                                      k=k_new, v=v_new, causal=True)
+    >>> out.shape, bool((k_cache[1, 5] == k_new[1, 0]).all())   # appended at position 5
+    ((2, 1, 4, 8), True)
     """
     if (k is None) != (v is None):
         raise ValueError(f"{'v' if k is not None else 'k'}: expected both k and v (the new keys "
@@ -103,36 +155,113 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
     if not 0 <= num_splits < 2**63:
         raise ValueError(f"num_splits: expected an int >= 0 (0: chosen from the shape), "
                          f"got {num_splits}")
+    bhsd = _layout(layout)
     opts = _options(causal, softmax_scale, "auto", window_size, frame)
     del opts["schedule"]
     opts.update(_score_mods(alibi_slopes, softcap))
     seqlens = _index_array("cache_seqlens", cache_seqlens, True)
     table = _index_array("block_table", block_table, False)
-    out = frame.empty(q.shape, q.dtype)
+    errors = _LayoutErrors((q, k_cache, v_cache), bhsd, same_batch=block_table is None,
+                           names="q, k_cache, v_cache")
+    if bhsd:
+        q, k_cache, v_cache = (_as_bshd(n, x) for n, x in (
+            ("q", q), ("k_cache", k_cache), ("v_cache", v_cache)))
+        if k is not None:
+            k, v = _as_bshd("k", k), _as_bshd("v", v)
+    out, out_view = _output_like(frame, q, bhsd)
     lse = frame.empty(_lse_shape(q), frame.float32())
-    _ext.forward_kvcache(frame.export(q), frame.export(k_cache), frame.export(v_cache), seqlens,
-                         None if k is None else frame.export(k),
-                         None if v is None else frame.export(v), table, frame.dest(out),
-                         frame.dest(lse), num_splits=operator.index(num_splits), **opts)
+    with errors:
+        _ext.forward_kvcache(frame.export(q), frame.export(k_cache), frame.export(v_cache),
+                             seqlens, None if k is None else frame.export(k),
+                             None if v is None else frame.export(v), table,
+                             frame.dest(out_view), frame.dest(lse),
+                             num_splits=operator.index(num_splits), **opts)
     out, lse = frame.finish(out), frame.finish(lse)
     return (out, lse) if return_lse else out
 
 
 def merge_states(out_a: ArrayLike, lse_a: ArrayLike, out_b: ArrayLike, lse_b: ArrayLike
                  ) -> Tuple[ArrayLike, ArrayLike]:
-    """(out, lse) of attention over the union of two disjoint key sets, from the results over
-    each: out_a, out_b (batch, seqlen, nheads, headdim) and lse_a, lse_b float32 (batch, nheads,
-    seqlen), as flashdl.attention(..., return_lse=True) returns them. Exact (the softmax
-    decomposition): lse = log(exp(lse_a) + exp(lse_b)), out = exp(lse_a - lse) out_a +
-    exp(lse_b - lse) out_b; a row with lse -inf (it saw no key) weighs nothing. CUDA arrays are
-    merged on their device, on the current stream (written, not yet run on a GPU)."""
+    """``(out, lse)`` of attention over the union of two disjoint key sets, from the results over each.
+
+    Exact (the softmax decomposition): ``lse = log(exp(lse_a) + exp(lse_b))`` and
+    ``out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b``; a row with lse -inf (it saw no
+    key) weighs nothing. The merge that split-KV decoding and ring attention use.
+
+    Parameters
+    ----------
+    out_a, out_b : array (batch, seqlen, nheads, headdim)
+        Outputs over each key set, as ``flashdl.attention(..., return_lse=True)`` returns them.
+    lse_a, lse_b : float32 array (batch, nheads, seqlen)
+        Their log-sum-exps.
+
+    Returns
+    -------
+    out : array (batch, seqlen, nheads, headdim)
+        The dtype of ``out_a``.
+    lse : float32 array (batch, nheads, seqlen)
+
+    Raises
+    ------
+    ValueError
+        Shapes, dtypes or devices that do not match.
+    TypeError
+        Arguments that are not arrays.
+
+    Notes
+    -----
+    CUDA arrays are merged on their device, on the current stream (written, not yet run on a GPU).
+
+    Examples
+    --------
+    >>> import numpy as np, flashdl
+    >>> q = np.random.randn(1, 2, 1, 8).astype(np.float32)
+    >>> k, v = (np.random.randn(1, 10, 1, 8).astype(np.float32) for _ in range(2))
+    >>> a = flashdl.attention(q, k[:, :6], v[:, :6], return_lse=True)
+    >>> b = flashdl.attention(q, k[:, 6:], v[:, 6:], return_lse=True)
+    >>> out, lse = flashdl.merge_states(*a, *b)
+    >>> bool(np.allclose(out, flashdl.attention(q, k, v), atol=1e-6))
+    True
+    """
     return merge_states_list([out_a, out_b], [lse_a, lse_b])
 
 
 def merge_states_list(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike]
                       ) -> Tuple[ArrayLike, ArrayLike]:
-    """merge_states over any number of partial results (outs[i], lses[i]), merged in order; the
-    same merge the split-KV kernels apply."""
+    """:func:`merge_states` over any number of partial results, merged in order.
+
+    The same merge the split-KV kernels apply.
+
+    Parameters
+    ----------
+    outs : sequence of arrays (batch, seqlen, nheads, headdim)
+        Outputs over disjoint key sets.
+    lses : sequence of float32 arrays (batch, nheads, seqlen)
+        Their log-sum-exps, one per output.
+
+    Returns
+    -------
+    out : array (batch, seqlen, nheads, headdim)
+    lse : float32 array (batch, nheads, seqlen)
+
+    Raises
+    ------
+    ValueError
+        No partial result, or shapes, dtypes or devices that do not match.
+    TypeError
+        ``outs`` or ``lses`` not a list (or tuple) of arrays.
+
+    Examples
+    --------
+    >>> import numpy as np, flashdl
+    >>> q = np.random.randn(1, 2, 1, 8).astype(np.float32)
+    >>> k, v = (np.random.randn(1, 12, 1, 8).astype(np.float32) for _ in range(2))
+    >>> parts = [flashdl.attention(q, k[:, i:i + 4], v[:, i:i + 4], return_lse=True)
+    ...          for i in (0, 4, 8)]
+    >>> out, lse = flashdl.merge_states_list([o for o, _ in parts], [l for _, l in parts])
+    >>> bool(np.allclose(out, flashdl.attention(q, k, v), atol=1e-6))
+    True
+    """
     if isinstance(outs, (str, bytes)) or not isinstance(outs, Sequence) or \
             not isinstance(lses, Sequence):
         raise TypeError("outs, lses: expected lists of arrays, got "

@@ -43,9 +43,41 @@ def _check_layout(layout: str) -> None:
 
 def shard(x: torch.Tensor, rank: int, world_size: int, layout: str = "zigzag",
           dim: int = 1) -> torch.Tensor:
-    """Rank's shard of the full tensor x along dim (the sequence), for ring_attention: x split
-    into W (contiguous) or 2W (zigzag) equal chunks; rank r takes chunk r, or chunks r and
-    2W - 1 - r concatenated. The sequence length must divide evenly."""
+    """This rank's shard of a full tensor, for :func:`ring_attention`.
+
+    ``x`` is split along ``dim`` (the sequence) into W (``"contiguous"``) or 2W (``"zigzag"``)
+    equal chunks; rank r takes chunk r, or chunks r and 2W - 1 - r concatenated.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        The full tensor, e.g. (batch, seqlen, nheads, headdim).
+    rank : int
+        This rank.
+    world_size : int
+        W, the number of ranks.
+    layout : {"zigzag", "contiguous"}, default "zigzag"
+        As in :func:`ring_attention`.
+    dim : int, default 1
+        The sequence axis.
+
+    Returns
+    -------
+    torch.Tensor
+        The shard, with ``x.shape[dim] / W`` rows along ``dim``.
+
+    Raises
+    ------
+    ValueError
+        A bad ``layout``, or a sequence length that does not divide evenly.
+
+    Examples
+    --------
+    >>> import torch, flashdl.torch as ft
+    >>> x = torch.arange(8).view(1, 8, 1, 1)
+    >>> ft.ring_shard(x, 0, 2).flatten().tolist(), ft.ring_shard(x, 1, 2).flatten().tolist()
+    ([0, 1, 6, 7], [2, 3, 4, 5])
+    """
     _check_layout(layout)
     parts = world_size if layout == "contiguous" else 2 * world_size
     if x.shape[dim] % parts:
@@ -57,8 +89,37 @@ def shard(x: torch.Tensor, rank: int, world_size: int, layout: str = "zigzag",
 
 def unshard(local: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
             layout: str = "zigzag", dim: int = 1) -> torch.Tensor:
-    """The full tensor from every rank's shard (all_gather over group), in sequence order: the
-    inverse of shard."""
+    """The full tensor from every rank's shard, in sequence order: the inverse of :func:`ring_shard`.
+
+    An ``all_gather`` over ``group``, so every rank of the group must call it.
+
+    Parameters
+    ----------
+    local : torch.Tensor
+        This rank's shard (e.g. the output of :func:`ring_attention`).
+    group : torch.distributed.ProcessGroup, optional
+        The group (None: the default group).
+    layout : {"zigzag", "contiguous"}, default "zigzag"
+        The layout the shards were made with.
+    dim : int, default 1
+        The sequence axis.
+
+    Returns
+    -------
+    torch.Tensor
+        The full tensor, W times as long along ``dim``.
+
+    Raises
+    ------
+    ValueError
+        A bad ``layout``.
+
+    Examples
+    --------
+    Needs an initialised process group (see :func:`ring_attention`)::
+
+        full_out = flashdl.torch.ring_unshard(out.detach())
+    """
     _check_layout(layout)
     world = dist.get_world_size(group)
     gathered = [torch.empty_like(local) for _ in range(world)]
@@ -245,17 +306,64 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                    window_size: Tuple[int, int] = (-1, -1), layout: str = "zigzag",
                    return_lse: bool = False
                    ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-    """Exact attention over a sequence sharded across the ranks of a torch.distributed group
-    (ring attention), differentiable with respect to q, k and v.
+    """Exact attention over a sequence sharded across the ranks of a torch.distributed group.
 
-    q (batch, s_local, nheads, headdim), k and v (batch, s_local, nheads_kv, headdim): this rank's
-    shard (ring_shard makes it from the full tensor); every rank must pass shards of the same
-    length. Returns this rank's rows of attention over the whole sequence (and with
-    return_lse=True the float32 lse (batch, nheads, s_local), without gradient). causal is over
-    global positions; layout 'zigzag' (the default) balances causal work, 'contiguous' gives
-    rank r the r-th slice. window_size other than (-1, -1) is not supported yet
-    (NotImplementedError). Works with any backend torch.distributed offers for the tensors'
-    device (gloo for CPU tensors; NCCL for CUDA ones, not yet run).
+    Ring attention (context parallelism), differentiable with respect to q, k and v. K and V travel
+    around the ring (``batch_isend_irecv``, the next block in flight while the current one is
+    computed), partial results merge by their lse; the backward sends K, V and float32 gradient
+    accumulators around while dQ stays local. Causal pairs of chunks are skipped or computed without
+    a mask where they can be.
+
+    Parameters
+    ----------
+    q : torch.Tensor (batch, s_local, nheads, headdim)
+        This rank's shard of the queries (:func:`ring_shard` makes it from the full tensor).
+    k, v : torch.Tensor (batch, s_local, nheads_kv, headdim)
+        This rank's shards of the keys and values. Every rank must pass shards of the same length.
+    group : torch.distributed.ProcessGroup, optional
+        The group (None: the default group).
+    causal : bool, default False
+        Causal over global positions.
+    softmax_scale : float, optional
+        None is ``1 / sqrt(headdim)``.
+    window_size : (int, int), default (-1, -1)
+        Only ``(-1, -1)`` is supported so far.
+    layout : {"zigzag", "contiguous"}, default "zigzag"
+        How the sequence is sharded: ``"zigzag"`` (rank r holds chunks r and 2W - 1 - r of 2W)
+        balances causal work; ``"contiguous"`` gives rank r the r-th slice.
+    return_lse : bool, default False
+        Also return the float32 lse (batch, nheads, s_local), without gradient.
+
+    Returns
+    -------
+    out : torch.Tensor (batch, s_local, nheads, headdim)
+        This rank's rows of attention over the whole sequence.
+    lse : torch.Tensor, float32 (batch, nheads, s_local)
+        With ``return_lse=True``.
+
+    Raises
+    ------
+    NotImplementedError
+        ``window_size`` other than ``(-1, -1)``.
+    RuntimeError
+        torch.distributed is not initialised.
+    ValueError
+        A bad ``layout``, or shards of different lengths across ranks (raised on every rank).
+
+    Notes
+    -----
+    Works with any backend torch.distributed offers for the tensors' device: gloo for CPU tensors
+    (tested with 2-4 processes), NCCL for CUDA ones (not yet run). It needs several processes, so
+    the example is not run here; launch with ``torchrun --nproc-per-node 2 script.py``::
+
+        import torch, torch.distributed as dist, flashdl.torch as ft
+        dist.init_process_group("gloo")
+        r, W = dist.get_rank(), dist.get_world_size()
+        torch.manual_seed(0)
+        q_full, k_full, v_full = (torch.randn(1, 1024, 8, 64) for _ in range(3))
+        q, k, v = (ft.ring_shard(x, r, W).requires_grad_() for x in (q_full, k_full, v_full))
+        out = ft.ring_attention(q, k, v, causal=True)        # this rank's rows
+        out.sum().backward()
     """
     _check_layout(layout)
     if tuple(window_size) != (-1, -1):

@@ -7,7 +7,7 @@ Same layouts as flash-attn: q (batch, seqlen, nheads, headdim), qkv (batch, seql
 headdim), kv (batch, seqlen, 2, nheads_k, headdim); varlen (total, nheads, headdim) with int32
 cu_seqlens; unpad_input and pad_input are flash_attn.bert_padding's, to go between padded batches
 and that layout. flash-attn's own test module runs against this one: tools/flash_attn_upstream.py,
-docs/flash_attn_tests.md. Differences from flash-attn (also in README.md, "Coming from
+docs/flash_attn_tests.md. Differences from flash-attn (also in docs/migrating.md, "From
 flash-attn"):
 
 - block_table (paged KV) in flash_attn_varlen_func raises NotImplementedError naming the
@@ -64,7 +64,20 @@ _OutOrProbs = Union[torch.Tensor, _WithProbs]
 
 
 class ArgumentError(ValueError, RuntimeError):
-    """An invalid argument: flashdl's ValueError, and a RuntimeError as flash-attn raises."""
+    """An invalid argument: flashdl's ``ValueError``, and the ``RuntimeError`` flash-attn raises.
+
+    Handlers written for either catch it.
+
+    Examples
+    --------
+    >>> import torch, flashdl.flash_attn as flash_attn
+    >>> try:
+    ...     flash_attn.flash_attn_func(torch.randn(1, 4, 3, 8), torch.randn(1, 4, 2, 8),
+    ...                                torch.randn(1, 4, 2, 8))
+    ... except RuntimeError as err:
+    ...     print(type(err).__name__, isinstance(err, ValueError))
+    ArgumentError True
+    """
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -293,10 +306,58 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
                     alibi_slopes: Optional[torch.Tensor] = None, deterministic: bool = False,
                     return_attn_probs: bool = False
                     ) -> _OutOrProbs:
-    """flash_attn.flash_attn_func: q (batch, seqlen_q, nheads, headdim); k, v (batch, seqlen_k,
-    nheads_k, headdim), nheads a multiple of nheads_k (MQA/GQA). Causal and windows are
-    bottom-right aligned. Returns out (batch, seqlen_q, nheads, headdim), or with
-    return_attn_probs=True (out, softmax_lse float32 (batch, nheads, seqlen_q), S_dmask)."""
+    """flash-attn's ``flash_attn_func``, over :func:`flashdl.torch.attention` (autograd into q, k, v).
+
+    Same argument names, defaults, layouts and return values as flash-attn 2.x; CPU and CUDA
+    tensors. Causal and windows are bottom-right aligned.
+
+    Parameters
+    ----------
+    q : torch.Tensor (batch, seqlen_q, nheads, headdim)
+    k, v : torch.Tensor (batch, seqlen_k, nheads_k, headdim)
+        ``nheads`` a multiple of ``nheads_k`` (MQA / GQA).
+    dropout_p : float, default 0.0
+        The seed is drawn from the generator of q's device (``torch.manual_seed`` repeats it; the
+        mask is flashdl's, not flash-attn's).
+    softmax_scale : float, optional
+        None is ``1 / sqrt(headdim)``.
+    causal : bool, default False
+    window_size : (int, int), default (-1, -1)
+        Any negative side is unbounded, as in flash-attn's kernel.
+    softcap : float, default 0.0
+    alibi_slopes : float32 tensor (nheads,) or (batch, nheads), optional
+    deterministic : bool, default False
+        Bitwise reproducible dq in the backward on CUDA.
+    return_attn_probs : bool, default False
+        Also return ``softmax_lse`` and ``S_dmask`` (testing only; see :doc:`/migrating`).
+
+    Returns
+    -------
+    out : torch.Tensor (batch, seqlen_q, nheads, headdim)
+    softmax_lse : torch.Tensor, float32 (batch, nheads, seqlen_q)
+        With ``return_attn_probs=True``: ``(out, softmax_lse, S_dmask)``. ``-inf`` for a
+        query that sees no key (flash-attn gives ``+inf``).
+    S_dmask : torch.Tensor
+        With ``return_attn_probs=True``: (batch, nheads, seqlen_q, seqlen_k) in flash-attn's
+        scaling with dropout, an empty tensor without.
+
+    Raises
+    ------
+    ArgumentError
+        An invalid argument value (both a ``ValueError`` and the ``RuntimeError`` flash-attn
+        raises); the message names the argument.
+    TypeError
+        An argument of the wrong type.
+
+    Examples
+    --------
+    >>> import torch, flashdl.flash_attn as flash_attn
+    >>> q, k, v = (torch.randn(2, 16, 4, 8, requires_grad=True) for _ in range(3))
+    >>> out = flash_attn.flash_attn_func(q, k, v, causal=True)
+    >>> out.sum().backward()
+    >>> out.shape
+    torch.Size([2, 16, 4, 8])
+    """
     return _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                   deterministic, return_attn_probs)
 
@@ -331,8 +392,36 @@ def flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = 0.0,
                               alibi_slopes: Optional[torch.Tensor] = None,
                               deterministic: bool = False, return_attn_probs: bool = False
                               ) -> _OutOrProbs:
-    """flash_attn.flash_attn_qkvpacked_func: qkv (batch, seqlen, 3, nheads, headdim); the
-    gradient flows back into qkv. Returns as flash_attn_func."""
+    """flash-attn's ``flash_attn_qkvpacked_func``: q, k and v packed in one tensor.
+
+    Parameters
+    ----------
+    qkv : torch.Tensor (batch, seqlen, 3, nheads, headdim)
+        The gradient flows back into qkv.
+    dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs : optional
+        As in :func:`flash_attn_func`.
+
+    Returns
+    -------
+    out : torch.Tensor (batch, seqlen, nheads, headdim)
+        Or ``(out, softmax_lse, S_dmask)`` with ``return_attn_probs=True``, as
+        :func:`flash_attn_func`.
+
+    Raises
+    ------
+    ArgumentError
+        An invalid argument value (both a ``ValueError`` and the ``RuntimeError`` flash-attn
+        raises); the message names the argument.
+    TypeError
+        An argument of the wrong type.
+
+    Examples
+    --------
+    >>> import torch, flashdl.flash_attn as flash_attn
+    >>> qkv = torch.randn(2, 16, 3, 4, 8)
+    >>> flash_attn.flash_attn_qkvpacked_func(qkv, causal=True).shape
+    torch.Size([2, 16, 4, 8])
+    """
     return _dense(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal,
                   window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
 
@@ -367,8 +456,36 @@ def flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float
                              alibi_slopes: Optional[torch.Tensor] = None,
                              deterministic: bool = False, return_attn_probs: bool = False
                              ) -> _OutOrProbs:
-    """flash_attn.flash_attn_kvpacked_func: q (batch, seqlen_q, nheads, headdim); kv (batch,
-    seqlen_k, 2, nheads_k, headdim). Returns as flash_attn_func."""
+    """flash-attn's ``flash_attn_kvpacked_func``: k and v packed in one tensor.
+
+    Parameters
+    ----------
+    q : torch.Tensor (batch, seqlen_q, nheads, headdim)
+    kv : torch.Tensor (batch, seqlen_k, 2, nheads_k, headdim)
+        The gradient flows back into kv.
+    dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs : optional
+        As in :func:`flash_attn_func`.
+
+    Returns
+    -------
+    out : torch.Tensor (batch, seqlen_q, nheads, headdim)
+        Or ``(out, softmax_lse, S_dmask)`` with ``return_attn_probs=True``.
+
+    Raises
+    ------
+    ArgumentError
+        An invalid argument value (both a ``ValueError`` and the ``RuntimeError`` flash-attn
+        raises); the message names the argument.
+    TypeError
+        An argument of the wrong type.
+
+    Examples
+    --------
+    >>> import torch, flashdl.flash_attn as flash_attn
+    >>> q, kv = torch.randn(1, 8, 4, 16), torch.randn(1, 12, 2, 2, 16)
+    >>> flash_attn.flash_attn_kvpacked_func(q, kv, causal=True).shape
+    torch.Size([1, 8, 4, 16])
+    """
     return _dense(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size,
                   softcap, alibi_slopes, deterministic, return_attn_probs)
 
@@ -414,10 +531,43 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            deterministic: bool = False, return_attn_probs: bool = False,
                            block_table: Optional[torch.Tensor] = None
                            ) -> _OutOrProbs:
-    """flash_attn.flash_attn_varlen_func: q (total_q, nheads, headdim); k, v (total_k, nheads_k,
-    headdim); cu_seqlens_q, cu_seqlens_k int32 (batch + 1,) (CPU, or on q's CUDA device).
-    Returns out (total_q, nheads, headdim), or with return_attn_probs=True (out, softmax_lse
-    float32 (nheads, total_q), S_dmask (batch, nheads, max_seqlen_q, max_seqlen_k))."""
+    """flash-attn's ``flash_attn_varlen_func``, over :func:`flashdl.torch.attention_varlen`.
+
+    Parameters
+    ----------
+    q : torch.Tensor (total_q, nheads, headdim)
+    k, v : torch.Tensor (total_k, nheads_k, headdim)
+    cu_seqlens_q, cu_seqlens_k : int32 tensor (batch + 1,)
+        Cumulative sequence lengths, on the CPU or on q's CUDA device.
+    max_seqlen_q, max_seqlen_k : int
+    dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs : optional
+        As in :func:`flash_attn_func`, per sequence.
+    block_table : torch.Tensor, optional
+        Not implemented (``NotImplementedError`` unless None).
+
+    Returns
+    -------
+    out : torch.Tensor (total_q, nheads, headdim)
+        Or with ``return_attn_probs=True`` ``(out, softmax_lse, S_dmask)``: softmax_lse float32
+        (nheads, total_q), S_dmask (batch, nheads, max_seqlen_q, max_seqlen_k).
+
+    Raises
+    ------
+    NotImplementedError
+        A ``block_table``.
+    ArgumentError
+        An invalid argument value (a ``ValueError`` and a ``RuntimeError``).
+    TypeError
+        An argument of the wrong type.
+
+    Examples
+    --------
+    >>> import torch, flashdl.flash_attn as flash_attn
+    >>> cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+    >>> q, k, v = (torch.randn(10, 2, 8) for _ in range(3))
+    >>> flash_attn.flash_attn_varlen_func(q, k, v, cu, cu, 7, 7, causal=True).shape
+    torch.Size([10, 2, 8])
+    """
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                    softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                    return_attn_probs, block_table)
@@ -459,8 +609,37 @@ def flash_attn_varlen_qkvpacked_func(qkv: torch.Tensor, cu_seqlens: torch.Tensor
                                      alibi_slopes: Optional[torch.Tensor] = None,
                                      deterministic: bool = False, return_attn_probs: bool = False
                                      ) -> _OutOrProbs:
-    """flash_attn.flash_attn_varlen_qkvpacked_func: qkv (total, 3, nheads, headdim), one
-    cu_seqlens and max_seqlen for queries and keys. Returns as flash_attn_varlen_func."""
+    """flash-attn's ``flash_attn_varlen_qkvpacked_func``: packed sequences, q, k and v in one tensor.
+
+    Parameters
+    ----------
+    qkv : torch.Tensor (total, 3, nheads, headdim)
+    cu_seqlens : int32 tensor (batch + 1,)
+        For queries and keys alike.
+    max_seqlen : int
+    dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs : optional
+        As in :func:`flash_attn_func`.
+
+    Returns
+    -------
+    out : torch.Tensor (total, nheads, headdim)
+        Or ``(out, softmax_lse, S_dmask)`` as :func:`flash_attn_varlen_func`.
+
+    Raises
+    ------
+    ArgumentError
+        An invalid argument value (both a ``ValueError`` and the ``RuntimeError`` flash-attn
+        raises); the message names the argument.
+    TypeError
+        An argument of the wrong type.
+
+    Examples
+    --------
+    >>> import torch, flashdl.flash_attn as flash_attn
+    >>> cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    >>> flash_attn.flash_attn_varlen_qkvpacked_func(torch.randn(9, 3, 2, 8), cu, 5).shape
+    torch.Size([9, 2, 8])
+    """
     return _varlen(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen,
                    max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap,
                    alibi_slopes, deterministic, return_attn_probs)
@@ -504,8 +683,38 @@ def flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, cu_seqlen
                                     alibi_slopes: Optional[torch.Tensor] = None,
                                     deterministic: bool = False, return_attn_probs: bool = False
                                     ) -> _OutOrProbs:
-    """flash_attn.flash_attn_varlen_kvpacked_func: q (total_q, nheads, headdim); kv (total_k, 2,
-    nheads_k, headdim). Returns as flash_attn_varlen_func."""
+    """flash-attn's ``flash_attn_varlen_kvpacked_func``: packed sequences, k and v in one tensor.
+
+    Parameters
+    ----------
+    q : torch.Tensor (total_q, nheads, headdim)
+    kv : torch.Tensor (total_k, 2, nheads_k, headdim)
+    cu_seqlens_q, cu_seqlens_k : int32 tensor (batch + 1,)
+    max_seqlen_q, max_seqlen_k : int
+    dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs : optional
+        As in :func:`flash_attn_func`.
+
+    Returns
+    -------
+    out : torch.Tensor (total_q, nheads, headdim)
+        Or ``(out, softmax_lse, S_dmask)`` as :func:`flash_attn_varlen_func`.
+
+    Raises
+    ------
+    ArgumentError
+        An invalid argument value (both a ``ValueError`` and the ``RuntimeError`` flash-attn
+        raises); the message names the argument.
+    TypeError
+        An argument of the wrong type.
+
+    Examples
+    --------
+    >>> import torch, flashdl.flash_attn as flash_attn
+    >>> cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    >>> q, kv = torch.randn(9, 2, 8), torch.randn(9, 2, 1, 8)
+    >>> flash_attn.flash_attn_varlen_kvpacked_func(q, kv, cu, cu, 5, 5).shape
+    torch.Size([9, 2, 8])
+    """
     return _varlen(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                    max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
                    alibi_slopes, deterministic, return_attn_probs)
@@ -526,13 +735,55 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             alibi_slopes: Optional[torch.Tensor] = None, num_splits: int = 0,
                             return_softmax_lse: bool = False
                             ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-    """flash_attn.flash_attn_with_kvcache over flashdl.attention_with_kvcache: q (batch,
-    seqlen_q, nheads, headdim); k_cache, v_cache (batch_cache, seqlen_cache, nheads_k, headdim),
-    or paged (num_blocks, page_block_size, nheads_k, headdim) with block_table int32 (batch,
-    max_num_blocks_per_seq). k, v (batch, seqlen_new, nheads_k, headdim), when given, are
-    written into the caches in place at cache_seqlens. cache_seqlens: an int (every sequence),
-    an int32 CPU tensor (batch,), or None (the caches are full). Returns out, or
-    (out, softmax_lse) with return_softmax_lse=True. No autograd, as in flash-attn."""
+    """flash-attn's ``flash_attn_with_kvcache``, over :func:`flashdl.attention_with_kvcache`.
+
+    No autograd, as in flash-attn. ``cache_seqlens`` and ``block_table`` on a GPU are copied to
+    the host first (one synchronisation).
+
+    Parameters
+    ----------
+    q : torch.Tensor (batch, seqlen_q, nheads, headdim)
+    k_cache, v_cache : torch.Tensor
+        (batch_cache, seqlen_cache, nheads_k, headdim), or paged (num_blocks, page_block_size,
+        nheads_k, headdim) with ``block_table`` (any page size).
+    k, v : torch.Tensor (batch, seqlen_new, nheads_k, headdim), optional
+        Written into the caches in place at ``cache_seqlens``.
+    rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad : None
+        Not implemented (``NotImplementedError`` unless None); ``rotary_interleaved`` is
+        ignored.
+    cache_seqlens : int or int32 tensor (batch,), optional
+        Tokens already in each cache: an int (every sequence), a tensor, or None (the caches are
+        full).
+    block_table : int32 tensor (batch, max_num_blocks_per_seq), optional
+    softmax_scale, causal, window_size, softcap, alibi_slopes : optional
+        As in :func:`flash_attn_func`.
+    num_splits : int, default 0
+        Split-KV parts; 0 chooses.
+    return_softmax_lse : bool, default False
+
+    Returns
+    -------
+    out : torch.Tensor (batch, seqlen_q, nheads, headdim)
+        Or ``(out, softmax_lse)`` with ``return_softmax_lse=True``.
+
+    Raises
+    ------
+    NotImplementedError
+        Rotary embeddings, ``cache_batch_idx`` or ``cache_leftpad``.
+    ArgumentError
+        An invalid argument value (a ``ValueError`` and a ``RuntimeError``).
+    TypeError
+        An argument of the wrong type.
+
+    Examples
+    --------
+    >>> import torch, flashdl.flash_attn as flash_attn
+    >>> k_cache, v_cache = torch.zeros(2, 8, 1, 16), torch.zeros(2, 8, 1, 16)
+    >>> q, k, v = torch.randn(2, 1, 2, 16), torch.randn(2, 1, 1, 16), torch.randn(2, 1, 1, 16)
+    >>> out = flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=3)
+    >>> out.shape, torch.equal(k_cache[:, 3], k[:, 0])
+    (torch.Size([2, 1, 2, 16]), True)
+    """
     for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
                     ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
         if x is not None:
@@ -560,14 +811,38 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor,
                 unused_mask: Optional[torch.Tensor] = None
                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor]:
-    """flash_attn.bert_padding.unpad_input: from a padded batch to the varlen layout.
+    """``flash_attn.bert_padding.unpad_input``: from a padded batch to the varlen layout.
 
-    hidden_states (batch, seqlen, ...); attention_mask (batch, seqlen), bool or 0/1, true for the
-    tokens to keep; unused_mask (batch, seqlen), optional, tokens that are kept (allocated) but not
-    counted as used. Returns (hidden_states (total, ...) in batch-major token order, indices
-    (total,) int64 into the flattened (batch * seqlen) tokens, cu_seqlens int32 (batch + 1,),
-    max_seqlen (int), seqused int32 (batch,): the tokens of attention_mask alone). The gradient
-    flows back into hidden_states."""
+    Parameters
+    ----------
+    hidden_states : torch.Tensor (batch, seqlen, ...)
+    attention_mask : torch.Tensor (batch, seqlen)
+        bool or 0/1, true for the tokens to keep.
+    unused_mask : torch.Tensor (batch, seqlen), optional
+        Tokens that are kept (allocated) but not counted as used.
+
+    Returns
+    -------
+    hidden_states : torch.Tensor (total, ...)
+        The kept tokens in batch-major order; the gradient flows back into the input.
+    indices : int64 tensor (total,)
+        Their indices into the flattened (batch * seqlen) tokens.
+    cu_seqlens : int32 tensor (batch + 1,)
+    max_seqlen : int
+    seqused : int32 tensor (batch,)
+        The tokens of ``attention_mask`` alone.
+
+    Examples
+    --------
+    >>> import torch, flashdl.flash_attn as flash_attn
+    >>> x = torch.randn(2, 4, 8)
+    >>> mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    >>> packed, idx, cu, max_len, used = flash_attn.unpad_input(x, mask)
+    >>> packed.shape, cu.tolist(), max_len
+    (torch.Size([5, 8]), [0, 3, 5], 3)
+    >>> flash_attn.pad_input(packed, idx, 2, 4).shape
+    torch.Size([2, 4, 8])
+    """
     all_masks = attention_mask + unused_mask if unused_mask is not None else attention_mask
     seqlens = all_masks.sum(dim=-1, dtype=torch.int32)
     used = attention_mask.sum(dim=-1, dtype=torch.int32)
@@ -580,9 +855,30 @@ def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor,
 
 def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int
               ) -> torch.Tensor:
-    """flash_attn.bert_padding.pad_input: the inverse of unpad_input. hidden_states (total, ...)
-    goes to rows `indices` of a zero (batch * seqlen, ...) tensor, returned as (batch, seqlen,
-    ...). The gradient flows back into hidden_states."""
+    """``flash_attn.bert_padding.pad_input``: the inverse of :func:`unpad_input`.
+
+    Parameters
+    ----------
+    hidden_states : torch.Tensor (total, ...)
+        Packed tokens; the gradient flows back into it.
+    indices : int64 tensor (total,)
+        Their rows in the flattened (batch * seqlen) batch, as :func:`unpad_input` returned them.
+    batch, seqlen : int
+        The padded shape.
+
+    Returns
+    -------
+    torch.Tensor (batch, seqlen, ...)
+        Zeros where no token was placed.
+
+    Examples
+    --------
+    >>> import torch, flashdl.flash_attn as flash_attn
+    >>> packed = torch.ones(3, 2)
+    >>> flash_attn.pad_input(packed, torch.tensor([0, 1, 4]), 2, 3)[:, :, 0]
+    tensor([[1., 1., 0.],
+            [0., 1., 0.]])
+    """
     out = hidden_states.new_zeros((batch * seqlen, *hidden_states.shape[1:]))
     out = out.index_put((indices,), hidden_states)
     return out.reshape(batch, seqlen, *hidden_states.shape[1:])

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _ext
-from ._api import _scalars, _score_mods
+from ._api import _layout, _LayoutErrors, _scalars, _score_mods
 
 __all__ = ["attention", "attention_varlen"]
 
@@ -77,22 +77,31 @@ def _config(causal, softmax_scale, window_size, schedule, softcap, deterministic
                    bool(deterministic))
 
 
+def _stand_in(shape, dtype, writable=False):
+    """A NumPy array of the given shape and dtype backed by one row of zeros: every axis but the
+    last has stride 0, so it costs the memory of its last axis whatever its shape. The core's
+    checks (validate_only) read shapes, dtypes and strides, never the elements."""
+    row = np.zeros(max(shape[-1], 1) if shape else 1, dtype)
+    strides = (0,) * (len(shape) - 1) + (row.itemsize,) if shape else ()
+    return np.lib.stride_tricks.as_strided(row, shape, strides, writeable=writable)
+
+
 def _probe(x, name):
-    """A zero-length NumPy stand-in for the traced array x: x's shape with the leading axis 0 and
-    x's dtype (bfloat16 as uint16, which the extension reads back with dtype='bfloat16')."""
+    """A stand-in (_stand_in) for the traced array x: x's shape and dtype (bfloat16 as uint16,
+    which the extension reads back with dtype='bfloat16'), and whether it is bfloat16."""
     shape = tuple(x.shape)
     if len(shape) == 0:
         raise ValueError(f"{name}: expected an array, got a scalar")
     dtype = jnp.dtype(x.dtype)
     as_np = np.uint16 if dtype == jnp.bfloat16 else dtype
-    return np.empty((0,) + shape[1:], as_np), dtype == jnp.bfloat16
+    return _stand_in(shape, as_np), dtype == jnp.bfloat16
 
 
-def _check(entry, arrays, cfg, extra=(), same_first=True):
-    """Runs the core's own argument checks at trace time on zero-length stand-ins of `arrays` (a
-    dict name -> traced array), so a bad call raises the core's ValueError or TypeError naming
-    the argument before anything is compiled. Only the axes past the first are probed, so with
-    same_first the first axes (the batch) of q, k and v are compared here."""
+def _check(entry, arrays, cfg, extra=()):
+    """Runs the core's own argument checks at trace time on stand-ins of `arrays` (a dict name ->
+    traced array) with their shapes and dtypes (_probe), so a bad call raises the core's
+    ValueError or TypeError naming the argument, with the caller's shapes, before anything is
+    compiled. The core only checks (validate_only): nothing is computed or written."""
     q_dtype = jnp.dtype(arrays["q"].dtype)
     for name, x in arrays.items():  # as the core words it; bfloat16 reaches it as uint16 below
         if name != "q" and jnp.dtype(x.dtype) != q_dtype:
@@ -101,14 +110,10 @@ def _check(entry, arrays, cfg, extra=(), same_first=True):
     probes, bf16 = {}, False
     for name, x in arrays.items():
         probes[name], bf16 = _probe(x, name)
-    first = {n: tuple(x.shape)[0] for n, x in arrays.items() if n in ("q", "k", "v")}
-    if same_first and len(set(first.values())) > 1:
-        raise ValueError("k, v: expected the batch (first axis) of q, got "
-                         + ", ".join(f"{n} {s}" for n, s in first.items()))
     opts = dict(dtype="bfloat16" if bf16 else None, causal=cfg.causal,
                 softmax_scale=None if math.isnan(cfg.softmax_scale) else cfg.softmax_scale,
                 window_left=cfg.window_left, window_right=cfg.window_right,
-                schedule=cfg.schedule, softcap=cfg.softcap)
+                schedule=cfg.schedule, softcap=cfg.softcap, validate_only=True)
     entry(probes, opts, *extra)
 
 
@@ -161,32 +166,90 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 def _check_dense(probes, opts):
     q, k, v = probes["q"], probes["k"], probes["v"]
-    out = np.empty_like(q)
-    lse = np.empty((0,) + ((q.shape[2], q.shape[1]) if q.ndim == 4 else (0, 0)), np.float32)
+    out = _stand_in(q.shape, q.dtype, writable=True)
+    lse = _stand_in((q.shape[0], q.shape[2], q.shape[1]) if q.ndim == 4 else (0, 0, 0),
+                    np.float32, writable=True)
     _ext.forward(q, k, v, out, lse, **opts)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
               softmax_scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1),
               schedule: str = "auto", softcap: float = 0.0, deterministic: bool = False,
-              return_lse: bool = False) -> Any:
-    """flashdl.attention for JAX programs: traceable (jit, grad, vjp, vmap), differentiable with
-    respect to q, k and v.
+              return_lse: bool = False, layout: str = "bshd") -> Any:
+    """:func:`flashdl.attention` for JAX programs: traceable and differentiable with respect to q, k, v.
 
-    q (batch, seqlen_q, nheads, headdim); k, v (batch, seqlen_k, nheads_kv, headdim), nheads a
-    multiple of nheads_kv; float32, float64, float16 or bfloat16 on the CPU (float16, bfloat16 on
-    CUDA). causal (bottom-right aligned), softmax_scale (None: 1/sqrt(headdim)), window_size,
-    schedule ('auto', 'fa1', 'fa2', 'reference') and softcap as in flashdl.attention; they are
-    static (Python values, not traced). deterministic is passed to the backward (bitwise
-    reproducible dq on CUDA; the CPU is always reproducible). return_lse=True returns (out, lse),
-    lse float32 (batch, nheads, seqlen_q), under jax.lax.stop_gradient (no gradient flows
-    through lse, as in flash-attn). jax.vmap over any leading axes folds them into the batch.
-    Not here yet: dropout, block masks, ALiBi slopes (use flashdl.attention eagerly).
+    Works under ``jax.jit``, ``jax.grad`` / ``jax.vjp`` (a ``jax.custom_vjp`` whose backward is
+    flashdl's) and ``jax.vmap`` (any leading mapped axes fold into the batch: one kernel launch).
+    Each call lowers to an XLA FFI custom call whose handler is flashdl's C++: no callback, no host
+    round trip. Arguments are checked at trace time by the core's own checks.
+
+    Parameters
+    ----------
+    q : jax.Array (batch, seqlen_q, nheads, headdim)
+        float32, float64, float16 or bfloat16 on the CPU (float16, bfloat16 on CUDA).
+    k, v : jax.Array (batch, seqlen_k, nheads_kv, headdim)
+        ``nheads`` a multiple of ``nheads_kv``.
+    causal, softmax_scale, window_size, schedule, softcap : optional
+        As in :func:`flashdl.attention`. Static: Python values, not traced.
+    deterministic : bool, default False
+        Passed to the backward (bitwise reproducible dq on CUDA; the CPU is always reproducible).
+    return_lse : bool, default False
+        Also return lse, float32 (batch, nheads, seqlen_q), under ``jax.lax.stop_gradient`` (no
+        gradient flows through lse, as in flash-attn).
+    layout : {"bshd", "bhsd"}, default "bshd"
+        ``"bhsd"`` takes (batch, nheads, seqlen, headdim) arrays and returns out in that layout
+        (transposed in the program: JAX has no views). Errors quote the caller's shapes.
+
+    Returns
+    -------
+    out : jax.Array (batch, seqlen_q, nheads, headdim)
+    lse : jax.Array, float32 (batch, nheads, seqlen_q)
+        With ``return_lse=True``.
+
+    Raises
+    ------
+    ValueError
+        Bad shapes, dtypes or options, at trace time (the message names the argument).
+    TypeError
+        An argument of the wrong type.
+
+    Notes
+    -----
+    Not here yet: dropout, block masks, ALiBi slopes (use :func:`flashdl.attention` eagerly). The
+    CUDA handlers are compiled but have not run on a GPU.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp, flashdl.jax
+    >>> q = k = v = jnp.ones((2, 16, 4, 8), jnp.float32)
+    >>> loss = lambda q, k, v: flashdl.jax.attention(q, k, v, causal=True).sum()
+    >>> dq, dk, dv = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    >>> dq.shape
+    (2, 16, 4, 8)
+    >>> jax.vmap(flashdl.jax.attention)(q[None], k[None], v[None]).shape     # folded into the batch
+    (1, 2, 16, 4, 8)
     """
+    bhsd = _layout(layout)
     cfg = _config(causal, softmax_scale, window_size, schedule, softcap, deterministic)
-    _check(_check_dense, {"q": q, "k": k, "v": v}, cfg)
+    with _LayoutErrors((q, k, v), bhsd):
+        if bhsd:
+            q, k, v = (_heads_second(n, x, 4) for n, x in (("q", q), ("k", k), ("v", v)))
+        _check(_check_dense, {"q": q, "k": k, "v": v}, cfg)
     out, lse = _attention(q, k, v, _resolved(cfg, q))
+    if bhsd:
+        out = jnp.swapaxes(out, 1, 2)
     return (out, jax.lax.stop_gradient(lse)) if return_lse else out
+
+
+def _heads_second(name, x, rank):
+    """A heads-first array ((batch, nheads, seqlen, headdim), or (nheads, total, headdim)) in
+    flashdl's order, transposed by XLA."""
+    if jnp.ndim(x) != rank:
+        layout, axes = (("bhsd", "(batch, nheads, seqlen, headdim)") if rank == 4
+                        else ("htd", "(nheads, total, headdim)"))
+        raise ValueError(f"{name}: with layout={layout!r} expected a rank-{rank} array {axes}, "
+                         f"got shape {jnp.shape(x)}")
+    return jnp.swapaxes(x, rank - 3, rank - 2)
 
 
 # ---- variable-length batches (flash-attn's packed layout) ---------------------------------------
@@ -232,9 +295,10 @@ _attention_varlen.defvjp(_attention_varlen_fwd, _attention_varlen_bwd)
 
 def _check_varlen(probes, opts, lens, nseq):
     q, k, v = probes["q"], probes["k"], probes["v"]
-    cu = np.zeros(nseq + 1, np.int32)  # every sequence empty: shapes and options are checked
-    out = np.empty_like(q)
-    lse = np.empty(((q.shape[1] if q.ndim == 3 else 0), 0), np.float32)
+    cu = np.zeros(nseq + 1, np.int32)  # validate_only: its values are not read
+    out = _stand_in(q.shape, q.dtype, writable=True)
+    lse = _stand_in((q.shape[1], q.shape[0]) if q.ndim == 3 else (0, 0), np.float32,
+                    writable=True)
     _ext.forward_varlen(q, k, v, cu, cu, lens.max_seqlen_q, lens.max_seqlen_k, out, lse, **opts)
 
 
@@ -243,30 +307,89 @@ def attention_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax
                      causal: bool = False, softmax_scale: Optional[float] = None,
                      window_size: Tuple[int, int] = (-1, -1), schedule: str = "auto",
                      softcap: float = 0.0, deterministic: bool = False,
-                     return_lse: bool = False) -> Any:
-    """flashdl.attention_varlen for JAX programs (flash-attn's packed layout): traceable,
-    differentiable with respect to q, k and v.
+                     return_lse: bool = False, layout: str = "thd") -> Any:
+    """:func:`flashdl.attention_varlen` for JAX programs (flash-attn's packed layout).
 
-    q (total_q, nheads, headdim); k, v (total_k, nheads_kv, headdim); cu_seqlens_q,
-    cu_seqlens_k int32 (batch + 1,) arrays (traced values are fine: on the CPU the handler checks
-    them when it runs, and a bad one raises there); max_seqlen_q, max_seqlen_k static ints
-    bounding every sequence. Options as in attention. return_lse=True returns (out, lse), lse
-    float32 (nheads, total_q), without gradient. jax.vmap runs the batch of calls one by one.
+    Traceable and differentiable with respect to q, k and v, like :func:`attention`. ``jax.vmap``
+    runs a batch of calls one by one.
+
+    Parameters
+    ----------
+    q : jax.Array (total_q, nheads, headdim)
+    k, v : jax.Array (total_k, nheads_kv, headdim)
+    cu_seqlens_q, cu_seqlens_k : int32 jax.Array (batch + 1,)
+        Cumulative sequence lengths (traced values are fine: on the CPU the handler checks them when
+        it runs, and a bad one raises there). Integer arrays of another dtype (int64 under
+        ``jax_enable_x64``) are converted to int32; known values must fit.
+    max_seqlen_q, max_seqlen_k : int
+        Static ints bounding every sequence.
+    causal, softmax_scale, window_size, schedule, softcap, deterministic : optional
+        As in :func:`attention`, per sequence.
+    return_lse : bool, default False
+        Also return lse, float32 (nheads, total_q), without gradient.
+    layout : {"thd", "htd"}, default "thd"
+        ``"htd"`` takes (nheads, total, headdim) arrays and returns out in that layout (transposed in
+        the program).
+
+    Returns
+    -------
+    out : jax.Array (total_q, nheads, headdim)
+    lse : jax.Array, float32 (nheads, total_q)
+        With ``return_lse=True``.
+
+    Raises
+    ------
+    ValueError
+        Bad shapes or options at trace time; bad offsets when the call runs (XLA's
+        ``INVALID_ARGUMENT`` with the core's message).
+    TypeError
+        An argument of the wrong type.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp, numpy as np, flashdl.jax
+    >>> cu = jnp.array([0, 3, 10], jnp.int32)
+    >>> q = k = v = jnp.asarray(np.random.randn(10, 2, 8), jnp.float32)
+    >>> f = jax.jit(lambda q, k, v, cu: flashdl.jax.attention_varlen(q, k, v, cu, cu, 7, 7,
+    ...                                                              causal=True))
+    >>> f(q, k, v, cu).shape
+    (10, 2, 8)
     """
+    heads_first = _layout(layout, varlen=True)
     cfg = _config(causal, softmax_scale, window_size, schedule, softcap, deterministic)
     lens = _Varlen(_static_int("max_seqlen_q", max_seqlen_q),
                    _static_int("max_seqlen_k", max_seqlen_k))
-    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if jnp.ndim(cu) != 1 or jnp.result_type(cu) != jnp.int32:
-            raise TypeError(f"{name}: expected an int32 array (batch + 1,), got "
-                            f"{jnp.result_type(cu)} of shape {jnp.shape(cu)}")
+    cu_seqlens_q, cu_seqlens_k = (_offsets(n, cu) for n, cu in (
+        ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)))
     nseq = jnp.shape(cu_seqlens_q)[0] - 1
     if jnp.shape(cu_seqlens_k)[0] - 1 != nseq or nseq < 0:
         raise ValueError("cu_seqlens_k: expected the shape of cu_seqlens_q "
                          f"{jnp.shape(cu_seqlens_q)}, got {jnp.shape(cu_seqlens_k)}")
-    _check(_check_varlen, {"q": q, "k": k, "v": v}, cfg, (lens, nseq), same_first=False)
+    with _LayoutErrors((q, k, v), heads_first, varlen=True):
+        if heads_first:
+            q, k, v = (_heads_second(n, x, 3) for n, x in (("q", q), ("k", k), ("v", v)))
+        _check(_check_varlen, {"q": q, "k": k, "v": v}, cfg, (lens, nseq))
     out, lse = _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, _resolved(cfg, q), lens)
+    if heads_first:
+        out = jnp.swapaxes(out, 0, 1)
     return (out, jax.lax.stop_gradient(lse)) if return_lse else out
+
+
+def _offsets(name, cu):
+    """cu_seqlens as the int32 (batch + 1,) array the handlers read: other integer dtypes are
+    converted (values known at trace time must fit int32)."""
+    dtype = jnp.result_type(cu)
+    if jnp.ndim(cu) != 1 or not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"{name}: expected an int32 array (batch + 1,), got "
+                        f"{dtype} of shape {jnp.shape(cu)}")
+    if dtype == jnp.int32:
+        return cu
+    if not isinstance(cu, jax.core.Tracer):
+        values = np.asarray(cu)
+        if values.size and (values.min() < -2**31 or values.max() >= 2**31):
+            raise ValueError(f"{name}: expected int32 values, got "
+                             f"{values.max() if values.max() >= 2**31 else values.min()}")
+    return jnp.asarray(cu).astype(jnp.int32)
 
 
 def _static_int(name, x) -> int:

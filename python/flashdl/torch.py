@@ -17,8 +17,9 @@ import numpy as np
 import torch
 
 from . import _sdpa
-from ._api import (_FLOATS_FWD, ArrayLike, BlockSize, _block_sparse, _cu_seqlens, _dropout,
-                   _lse_shape, _max_seqlen, _scalars, _score_mods, _varlen_lse_shape)
+from ._api import (_FLOATS_FWD, ArrayLike, BlockSize, _as_bshd, _block_sparse, _cu_seqlens,
+                   _dropout, _int32_index, _layout, _LayoutErrors, _lse_shape, _max_seqlen,
+                   _scalars, _score_mods, _varlen_lse_shape)
 from ._api import attention as _attention
 from ._api import attention_backward as _attention_backward
 from ._api import attention_varlen as _attention_varlen
@@ -290,6 +291,28 @@ def _op_options(q, causal, softmax_scale, schedule, window_size, dropout_p, seed
             mods["softcap"], bool(deterministic))
 
 
+def _call(op, arrays, heads_first, varlen, *args):
+    """op(*args), its ValueErrors reworded for the caller's layout and shapes (_LayoutErrors);
+    under torch.compile the op is called as it is (its fake implementation checks nothing)."""
+    if torch.compiler.is_compiling():
+        return op(*args)
+    with _LayoutErrors(arrays, heads_first, varlen=varlen):
+        return op(*args)
+
+
+def _cu_tensor(name, x):
+    """cu_seqlens for the varlen ops: a tensor, integer dtypes narrowed to int32 where their
+    values fit (a GPU tensor of another integer dtype is refused, naming the conversion)."""
+    x = _as_tensor(name, x)
+    if isinstance(x, torch.Tensor) and x.dtype not in (torch.int32, torch.bool) and \
+            not x.is_floating_point() and not x.is_complex():
+        if torch.compiler.is_compiling():
+            x = x.to(torch.int32)
+        else:
+            x = _as_tensor(name, _int32_index(name, x.detach()))
+    return _cu_seqlens(name, x)
+
+
 @overload
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
               softmax_scale: Optional[float] = ..., schedule: str = ...,
@@ -297,7 +320,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               seed: Optional[int] = ..., offset: int = ..., block_mask: Optional[ArrayLike] = ...,
               block_size: BlockSize = ..., deterministic: bool = ...,
               alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...,
-              return_lse: Literal[False] = ...) -> torch.Tensor: ...
+              return_lse: Literal[False] = ..., layout: str = ...) -> torch.Tensor: ...
 @overload
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
               softmax_scale: Optional[float] = ..., schedule: str = ...,
@@ -305,15 +328,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               seed: Optional[int] = ..., offset: int = ..., block_mask: Optional[ArrayLike] = ...,
               block_size: BlockSize = ..., deterministic: bool = ...,
               alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...,
-              return_lse: Literal[True]) -> Tuple[torch.Tensor, torch.Tensor]: ...
+              return_lse: Literal[True], layout: str = ...
+              ) -> Tuple[torch.Tensor, torch.Tensor]: ...
 @overload
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
               softmax_scale: Optional[float] = ..., schedule: str = ...,
               window_size: Tuple[int, int] = ..., dropout_p: float = ...,
               seed: Optional[int] = ..., offset: int = ..., block_mask: Optional[ArrayLike] = ...,
               block_size: BlockSize = ..., deterministic: bool = ...,
-              alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ..., return_lse: bool = ...
-              ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]: ...
+              alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ..., return_lse: bool = ...,
+              layout: str = ...) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]: ...
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -322,46 +346,96 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               seed: Optional[int] = None, offset: int = 0, block_mask: Optional[ArrayLike] = None,
               block_size: BlockSize = 128, deterministic: bool = False,
               alibi_slopes: Optional[ArrayLike] = None, softcap: float = 0.0,
-              return_lse: bool = False
+              return_lse: bool = False, layout: str = "bshd"
               ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-    """flashdl.attention for torch tensors, differentiable with respect to q, k and v.
+    """:func:`flashdl.attention` for torch tensors, differentiable with respect to q, k and v.
 
-    q (batch, seqlen_q, nheads, headdim); k, v (batch, seqlen_k, nheads_kv, headdim); CPU or
-    CUDA tensors (on CUDA: float16 or bfloat16, the work on the current stream).
+    The call is the custom op ``flashdl::attention_forward`` (its backward
+    ``flashdl::attention_backward``), so ``torch.compile`` (``fullgraph=True`` included, also with
+    dropout) and ``torch.export`` keep it as one op in their graphs.
 
-    deterministic: passed to the backward (flashdl.attention_backward). On CUDA, fa2 accumulates
-    dq with float atomics by default, so dq may differ in the last bits from run to run;
-    deterministic=True makes dq bitwise reproducible at some cost in speed. dk and dv are always
-    reproducible, and so is every gradient on the CPU (for a given thread count).
+    Parameters
+    ----------
+    q : torch.Tensor (batch, seqlen_q, nheads, headdim)
+        CPU or CUDA (on CUDA: float16 or bfloat16, the work on the current stream).
+    k, v : torch.Tensor (batch, seqlen_k, nheads_kv, headdim)
+        ``nheads`` a multiple of ``nheads_kv`` (GQA / MQA).
+    causal, softmax_scale, schedule, window_size : optional
+        As in :func:`flashdl.attention` (causal is bottom-right aligned).
+    dropout_p : float, default 0.0
+        In ``[0, 1)``, as in :func:`flashdl.attention`. Pass 0 at evaluation.
+    seed : int, optional
+        None (default) draws one from the generator of q's device (torch's CPU generator for CPU
+        tensors, torch.cuda's for CUDA ones, as torch's dropout; so ``torch.manual_seed`` makes it
+        repeatable). The backward reuses that seed and offset: the mask is regenerated, never
+        stored. On CUDA the drawn seed is read back to the host: one synchronisation per call with
+        dropout. Under ``torch.compile`` the seed is a ``torch.randint`` in the graph; inductor
+        replaces that by its own generator unless ``torch._inductor.config.fallback_random`` is set,
+        so its masks differ from eager ones (still repeatable under ``torch.manual_seed``).
+    offset : int, default 0
+        As in :func:`flashdl.attention`.
+    block_mask, block_size : optional
+        Block-sparse attention as in :func:`flashdl.attention` (a bool CPU tensor or NumPy array);
+        the backward skips the same zero blocks. NumPy arrays are passed as tensors (no copy).
+    deterministic : bool, default False
+        Passed to the backward: on CUDA, fa2 accumulates dq with float atomics by default, so dq may
+        differ in the last bits from run to run; True makes dq bitwise reproducible at some cost in
+        speed. dk and dv are always reproducible, and so is every gradient on the CPU (for a given
+        thread count).
+    alibi_slopes : float32 tensor (nheads,) or (batch, nheads), optional
+        As in :func:`flashdl.attention`, on the device of q; no gradient.
+    softcap : float, default 0.0
+        As in :func:`flashdl.attention`.
+    return_lse : bool, default False
+        Also return lse, float32 (batch, nheads, seqlen_q), without gradient (marked
+        non-differentiable).
+    layout : {"bshd", "bhsd"}, default "bshd"
+        ``"bhsd"`` takes (batch, nheads, seqlen, headdim) tensors (SDPA's layout) through transposed
+        views, no copy, and returns out as a (batch, nheads, seqlen_q, headdim) view.
 
-    dropout_p in [0, 1) drops attention probabilities (kept ones scaled by 1 / (1 - dropout_p)),
-    as flashdl.attention does; seed None draws one from the generator of q's device (torch's
-    CPU generator for CPU tensors, torch.cuda's for CUDA ones, as torch's dropout; so
-    torch.manual_seed makes it repeatable), and the backward reuses that seed and offset: the
-    mask is regenerated, never stored. On CUDA the drawn seed is read back to the host (the core
-    takes it there): one synchronisation per call with dropout. Pass dropout_p=0 at evaluation.
+    Returns
+    -------
+    out : torch.Tensor (batch, seqlen_q, nheads, headdim)
+        Like q (in its layout), with autograd history.
+    lse : torch.Tensor, float32 (batch, nheads, seqlen_q)
+        With ``return_lse=True``.
 
-    block_mask, block_size: block-sparse attention as in flashdl.attention (a bool CPU tensor or
-    NumPy array); the backward skips the same zero blocks.
+    Raises
+    ------
+    ValueError
+        Bad shapes, dtypes, devices or option values (the message names the argument).
+    TypeError
+        An argument of the wrong type (e.g. q not a tensor).
 
-    alibi_slopes (float32 (nheads,) or (batch, nheads), on the device of q; no gradient) and
-    softcap (> 0: scores capped by softcap * tanh(score / softcap)) as in flashdl.attention.
+    Notes
+    -----
+    Double backward is not supported.
 
-    return_lse=True returns (out, lse), lse float32 (batch, nheads, seqlen_q) as in
-    flashdl.attention; lse carries no gradient (it is marked non-differentiable).
+    Examples
+    --------
+    >>> import torch, flashdl.torch
+    >>> q, k, v = (torch.randn(2, 16, 4, 8, requires_grad=True) for _ in range(3))
+    >>> out = flashdl.torch.attention(q, k, v, causal=True, dropout_p=0.1)
+    >>> out.sum().backward()
+    >>> q.grad.shape
+    torch.Size([2, 16, 4, 8])
 
-    torch.compile and torch.export: the call is the custom op flashdl::attention_forward (its
-    backward flashdl::attention_backward), so graphs do not break here, fullgraph=True included,
-    also with dropout and seed None (the seed is drawn by a torch.randint in the graph; inductor
-    replaces that by its own generator unless torch._inductor.config.fallback_random is set, so
-    its masks differ from eager ones, still repeatable under torch.manual_seed). NumPy
-    block_mask and alibi_slopes are passed as tensors (torch.from_numpy, no copy). Double
-    backward is not supported (nor was it before).
+    In PyTorch's (batch, nheads, seqlen, headdim) layout:
+
+    >>> x = torch.randn(2, 4, 16, 8)
+    >>> flashdl.torch.attention(x, x, x, layout="bhsd").shape
+    torch.Size([2, 4, 16, 8])
     """
+    bhsd = _layout(layout)
     _tensors({"q": q, "k": k, "v": v}, "flashdl.torch.attention")
-    out, lse = _attention_forward(q, k, v, *_op_options(
+    arrays = (q, k, v)
+    if bhsd:
+        q, k, v = (_as_bshd(n, x) for n, x in (("q", q), ("k", k), ("v", v)))
+    out, lse = _call(_attention_forward, arrays, bhsd, False, q, k, v, *_op_options(
         q, causal, softmax_scale, schedule, window_size, dropout_p, seed, offset, block_mask,
         block_size, deterministic, alibi_slopes, softcap))
+    if bhsd:
+        out = out.transpose(1, 2)
     return (out, lse) if return_lse else out
 
 
@@ -374,8 +448,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      seed: Optional[int] = ..., offset: int = ...,
                      block_mask: Optional[ArrayLike] = ..., block_size: BlockSize = ...,
                      deterministic: bool = ..., alibi_slopes: Optional[ArrayLike] = ...,
-                     softcap: float = ..., return_lse: Literal[False] = ...
-                     ) -> torch.Tensor: ...
+                     softcap: float = ..., return_lse: Literal[False] = ...,
+                     layout: str = ...) -> torch.Tensor: ...
 @overload
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      cu_seqlens_q: ArrayLike, cu_seqlens_k: ArrayLike, max_seqlen_q: int,
@@ -385,8 +459,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      seed: Optional[int] = ..., offset: int = ...,
                      block_mask: Optional[ArrayLike] = ..., block_size: BlockSize = ...,
                      deterministic: bool = ..., alibi_slopes: Optional[ArrayLike] = ...,
-                     softcap: float = ..., return_lse: Literal[True]
-                     ) -> Tuple[torch.Tensor, torch.Tensor]: ...
+                     softcap: float = ..., return_lse: Literal[True],
+                     layout: str = ...) -> Tuple[torch.Tensor, torch.Tensor]: ...
 @overload
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      cu_seqlens_q: ArrayLike, cu_seqlens_k: ArrayLike, max_seqlen_q: int,
@@ -396,8 +470,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      seed: Optional[int] = ..., offset: int = ...,
                      block_mask: Optional[ArrayLike] = ..., block_size: BlockSize = ...,
                      deterministic: bool = ..., alibi_slopes: Optional[ArrayLike] = ...,
-                     softcap: float = ..., return_lse: bool = ...
-                     ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]: ...
+                     softcap: float = ..., return_lse: bool = ...,
+                     layout: str = ...) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]: ...
 
 
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -408,28 +482,73 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      seed: Optional[int] = None, offset: int = 0,
                      block_mask: Optional[ArrayLike] = None, block_size: BlockSize = 128,
                      deterministic: bool = False, alibi_slopes: Optional[ArrayLike] = None,
-                     softcap: float = 0.0, return_lse: bool = False
+                     softcap: float = 0.0, return_lse: bool = False, layout: str = "thd"
                      ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-    """flashdl.attention_varlen for torch tensors, differentiable with respect to q, k and v.
+    """:func:`flashdl.attention_varlen` for torch tensors, differentiable with respect to q, k and v.
 
-    q (total_q, nheads, headdim); k, v (total_k, nheads_kv, headdim); cu_seqlens_q,
-    cu_seqlens_k int32 (batch + 1,) CPU tensors (or NumPy arrays), or for CUDA q tensors on
-    its device (see flashdl.attention_varlen). With
-    dropout, sequence b gets the mask dense batch b would get (flashdl.dropout_mask); with a
-    block_mask, its plane b (or the shared one), blocks counted from the sequence's start.
-    deterministic, dropout seeds and return_lse (lse (nheads, total_q), no gradient) as in
-    attention. torch.compile and torch.export see the custom op flashdl::attention_varlen_forward
-    (backward flashdl::attention_varlen_backward); NumPy cu_seqlens, block_mask and alibi_slopes
-    are passed as tensors.
+    ``torch.compile`` and ``torch.export`` see the custom op ``flashdl::attention_varlen_forward``
+    (backward ``flashdl::attention_varlen_backward``).
+
+    Parameters
+    ----------
+    q : torch.Tensor (total_q, nheads, headdim)
+        The queries of every sequence, packed.
+    k, v : torch.Tensor (total_k, nheads_kv, headdim)
+        The keys and values, packed.
+    cu_seqlens_q, cu_seqlens_k : int32 tensor (batch + 1,)
+        Cumulative sequence lengths, as in :func:`flashdl.attention_varlen`: CPU tensors (or NumPy
+        arrays), or for CUDA q tensors on its device. Integer tensors of another type (int64, as
+        ``torch.tensor`` makes them) are narrowed to int32 where every value fits.
+    max_seqlen_q, max_seqlen_k : int
+        Bounds on the sequence lengths.
+    causal, softmax_scale, schedule, window_size, dropout_p, seed, offset, block_mask, block_size, deterministic, alibi_slopes, softcap : optional
+        As in :func:`attention` and :func:`flashdl.attention_varlen`. With dropout, sequence ``b``
+        gets the mask dense batch ``b`` would get; with a block mask, its plane ``b`` (or the shared
+        one), blocks counted from the sequence's start.
+    return_lse : bool, default False
+        Also return lse, float32 (nheads, total_q), without gradient.
+    layout : {"thd", "htd"}, default "thd"
+        ``"htd"`` takes (nheads, total, headdim) tensors through transposed views and returns out in
+        that layout.
+
+    Returns
+    -------
+    out : torch.Tensor (total_q, nheads, headdim)
+    lse : torch.Tensor, float32 (nheads, total_q)
+        With ``return_lse=True``.
+
+    Raises
+    ------
+    ValueError
+        Bad shapes, offsets or options (the message names the argument).
+    TypeError
+        An argument of the wrong type.
+
+    Examples
+    --------
+    >>> import torch, flashdl.torch
+    >>> cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    >>> q, k, v = (torch.randn(12, 2, 8, requires_grad=True) for _ in range(3))
+    >>> out = flashdl.torch.attention_varlen(q, k, v, cu, cu, 7, 7, causal=True)
+    >>> out.sum().backward()
+    >>> out.shape, k.grad.shape
+    (torch.Size([12, 2, 8]), torch.Size([12, 2, 8]))
     """
+    heads_first = _layout(layout, varlen=True)
     _tensors({"q": q, "k": k, "v": v}, "flashdl.torch.attention_varlen")
+    arrays = (q, k, v)
+    if heads_first:
+        q, k, v = (_as_bshd(n, x, rank=3) for n, x in (("q", q), ("k", k), ("v", v)))
     options = _op_options(q, causal, softmax_scale, schedule, window_size, dropout_p, seed, offset,
                           block_mask, block_size, deterministic, alibi_slopes, softcap)
-    cu_q, cu_k = (_cu_seqlens(n, _as_tensor(n, x)) for n, x in (("cu_seqlens_q", cu_seqlens_q),
-                                                                  ("cu_seqlens_k", cu_seqlens_k)))
+    cu_q, cu_k = (_cu_tensor(n, x) for n, x in (("cu_seqlens_q", cu_seqlens_q),
+                                                  ("cu_seqlens_k", cu_seqlens_k)))
     max_q, max_k = (_int64(n, _max_seqlen(n, x), "an int that fits int64") for n, x in (
         ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)))
-    out, lse = _attention_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *options)
+    out, lse = _call(_attention_varlen_forward, arrays, heads_first, True, q, k, v, cu_q, cu_k,
+                     max_q, max_k, *options)
+    if heads_first:
+        out = out.transpose(0, 1)
     return (out, lse) if return_lse else out
 
 
@@ -437,24 +556,56 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
                                  attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
                                  is_causal: bool = False, *, scale: Optional[float] = None,
                                  enable_gqa: bool = False) -> torch.Tensor:
-    """torch.nn.functional.scaled_dot_product_attention computed by flashdl (autograd included).
+    """``torch.nn.functional.scaled_dot_product_attention`` computed by flashdl, autograd included.
 
-    PyTorch's signature and layout: query (batch, heads, seq_q, dim), key and value
-    (batch, heads_kv, seq_k, dim) (or rank 3, (batch, seq, dim)); returns (batch, heads, seq_q,
-    dim) as a view of flashdl's (batch, seq_q, heads, dim) output. The inputs reach flashdl as
-    transposed views, not copies (a strided last dimension is copied, as flashdl needs stride 1
-    there).
+    PyTorch's signature, layout and semantics, over :func:`attention` with transposed views (no
+    copies; a strided last dimension is copied, as flashdl needs stride 1 there), so it is a custom
+    op for ``torch.compile`` and ``torch.export``. Errors name PyTorch's arguments.
 
-    is_causal is PyTorch's TOP-LEFT alignment (key j visible to query i iff j <= i), unlike
-    flashdl.torch.attention's bottom-right causal; the two agree when seq_q == seq_k.
-    enable_gqa=True allows heads_kv dividing heads (query head h reads kv head
-    h // (heads // heads_kv)); with False the heads must be equal, or heads_kv 1 (torch
-    broadcasts it). scale None is 1/sqrt(dim). attn_mask: None or an all-True bool mask
-    (float masks and other bool masks raise NotImplementedError). dropout_p > 0 uses flashdl's
-    Philox dropout with a seed drawn from the generator of query's device (torch.manual_seed
-    repeats it): the same distribution as torch's dropout, but not the same mask as torch's RNG
-    stream would give. Value's head dim must equal query's. Through flashdl.torch.attention, a
-    custom op for torch.compile and torch.export.
+    Parameters
+    ----------
+    query : torch.Tensor (batch, heads, seq_q, dim)
+        Or rank 3, (batch, seq_q, dim).
+    key, value : torch.Tensor (batch, heads_kv, seq_k, dim)
+        Or rank 3. value's head dim must equal query's.
+    attn_mask : torch.Tensor, optional
+        None, or an all-True bool mask. Float masks and other bool masks raise
+        ``NotImplementedError`` (use ``window_size`` or ``block_mask`` of :func:`attention`).
+    dropout_p : float, default 0.0
+        flashdl's Philox dropout with a seed drawn from the generator of query's device
+        (``torch.manual_seed`` repeats it): the same distribution as torch's dropout, not the same
+        mask as torch's RNG stream would give.
+    is_causal : bool, default False
+        PyTorch's TOP-LEFT alignment: key ``j`` visible to query ``i`` iff ``j <= i`` (unlike
+        :func:`attention`'s bottom-right ``causal``; the two agree when ``seq_q == seq_k``).
+    scale : float, optional
+        None is ``1 / sqrt(dim)``.
+    enable_gqa : bool, default False
+        True allows ``heads_kv`` dividing ``heads`` (query head ``h`` reads kv head
+        ``h // (heads // heads_kv)``); with False the heads must be equal, or ``heads_kv`` 1 (torch
+        broadcasts it).
+
+    Returns
+    -------
+    torch.Tensor (batch, heads, seq_q, dim)
+        A view of flashdl's (batch, seq_q, heads, dim) output (rank 3 for rank-3 inputs).
+
+    Raises
+    ------
+    NotImplementedError
+        An ``attn_mask`` that is not all True.
+    ValueError
+        Shapes that do not fit (e.g. different head counts without ``enable_gqa``).
+    TypeError
+        An argument of the wrong type (e.g. ``is_causal`` not a bool).
+
+    Examples
+    --------
+    >>> import torch, torch.nn.functional as F, flashdl.torch
+    >>> q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    >>> out = flashdl.torch.scaled_dot_product_attention(q, k, v, is_causal=True)
+    >>> torch.allclose(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), atol=1e-5)
+    True
     """
     _sdpa.check_layout(query, key, value, enable_gqa)
     rank3 = query.dim() == 3
@@ -485,15 +636,56 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            softmax_scale: Optional[float] = None,
                            window_size: Tuple[int, int] = (-1, -1), num_splits: int = 0,
                            return_lse: bool = False, alibi_slopes: Optional[ArrayLike] = None,
-                           softcap: float = 0.0
+                           softcap: float = 0.0, layout: str = "bshd"
                            ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-    """flashdl.attention_with_kvcache for torch tensors (decoding; no autograd): runs under
-    torch.no_grad(), appends k, v into k_cache, v_cache in place when given. cache_seqlens and
-    block_table: int32 CPU tensors (or NumPy arrays), also for CUDA q (copied to the device on
-    the current stream; the CUDA path is written, not yet run on a GPU)."""
+    """:func:`flashdl.attention_with_kvcache` for torch tensors (decoding; no autograd).
+
+    Runs under ``torch.no_grad()`` and appends ``k``, ``v`` into ``k_cache``, ``v_cache`` in place
+    when given.
+
+    Parameters
+    ----------
+    q : torch.Tensor (batch, seqlen_q, nheads, headdim)
+    k_cache, v_cache : torch.Tensor
+        (batch, seqlen_cache, nheads_kv, headdim), or paged (num_pages, page_size, nheads_kv,
+        headdim) with ``block_table``.
+    cache_seqlens : int32 tensor (batch,)
+        A CPU tensor (or NumPy array), also for CUDA q (copied to the device on the current stream;
+        the CUDA path is written, not yet run on a GPU).
+    k, v, block_table, causal, softmax_scale, window_size, num_splits, return_lse, alibi_slopes, softcap : optional
+        As in :func:`flashdl.attention_with_kvcache` (``block_table`` a CPU int32 tensor or NumPy
+        array).
+    layout : {"bshd", "bhsd"}, default "bshd"
+        ``"bhsd"``: q, k, v and out (batch, nheads, seqlen, headdim), the caches (batch, nheads_kv,
+        seqlen_cache, headdim) as Hugging Face keeps them, read and written through transposed views.
+
+    Returns
+    -------
+    out : torch.Tensor (batch, seqlen_q, nheads, headdim)
+    lse : torch.Tensor, float32 (batch, nheads, seqlen_q)
+        With ``return_lse=True``.
+
+    Raises
+    ------
+    ValueError
+        As :func:`flashdl.attention_with_kvcache`.
+    TypeError
+        An argument of the wrong type.
+
+    Examples
+    --------
+    >>> import torch, flashdl.torch
+    >>> k_cache, v_cache = torch.zeros(1, 8, 2, 16), torch.zeros(1, 8, 2, 16)
+    >>> lens = torch.tensor([2], dtype=torch.int32)
+    >>> q, k, v = torch.randn(1, 1, 4, 16), torch.randn(1, 1, 2, 16), torch.randn(1, 1, 2, 16)
+    >>> out = flashdl.torch.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, k=k, v=v)
+    >>> out.shape, torch.equal(k_cache[0, 2], k[0, 0])
+    (torch.Size([1, 1, 4, 16]), True)
+    """
     with torch.no_grad():
         return _attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, k=k,
                                        v=v, block_table=block_table, causal=causal,
                                        softmax_scale=softmax_scale, window_size=window_size,
                                        num_splits=num_splits, return_lse=return_lse,
-                                       alibi_slopes=alibi_slopes, softcap=softcap)
+                                       alibi_slopes=alibi_slopes, softcap=softcap,
+                                       layout=layout)

@@ -89,14 +89,38 @@ def _transformers():
 
 
 def register(name: str = DEFAULT_NAME) -> str:
-    """Registers flashdl as the attention implementation `name` of transformers and returns it:
-    use it as from_pretrained(..., attn_implementation=name), from_config(..., attn_implementation=
-    name) or model.set_attn_implementation(name). Registering again under the same name is a
-    no-op; a name another implementation holds is refused.
+    """Registers flashdl as the attention implementation ``name`` of transformers and returns it.
 
-    The name may not contain "flash" (transformers reserves those names for flash-attn and its
-    kernel hub), "sdpa" or "flex_attention" (transformers runs those implementations' checks on
-    such names), nor look like a hub kernel ("org/repo") or be "eager" or "paged|...".
+    Use the name as ``from_pretrained(..., attn_implementation=name)``,
+    ``from_config(..., attn_implementation=name)`` or ``model.set_attn_implementation(name)``.
+    Registering again under the same name is a no-op.
+
+    Parameters
+    ----------
+    name : str, default "fdl"
+        May not contain "flash" (transformers reserves those names for flash-attn and its kernel
+        hub), "sdpa" or "flex_attention" (transformers runs those implementations' checks on such
+        names), nor look like a hub kernel ("org/repo"), nor be "eager" or "paged|...".
+
+    Returns
+    -------
+    str
+        ``name``.
+
+    Raises
+    ------
+    ValueError
+        A reserved name, or one another implementation holds.
+    TypeError
+        ``name`` not a str.
+    ImportError
+        transformers older than 5 (no ``AttentionMaskInterface``).
+
+    Examples
+    --------
+    >>> import flashdl.transformers
+    >>> flashdl.transformers.register()
+    'fdl'
     """
     if not isinstance(name, str):
         raise TypeError(f"name: expected a str, got {type(name).__name__}")
@@ -126,14 +150,52 @@ def attention_mask_interface(batch_size: int, q_length: int, kv_length: int,
                              attention_mask: Optional[torch.Tensor] = None,
                              local_size: Optional[int] = None, use_vmap: bool = False,
                              device: Any = "cpu", **kwargs: Any) -> Optional[torch.Tensor]:
-    """transformers' mask interface (masking_utils.create_causal_mask and the others call it).
+    """transformers' mask interface for flashdl (``masking_utils.create_causal_mask`` and the others
+    call it).
 
-    When the pattern of mask_function is plain causal (with the sliding window local_size, if
-    any) or plain bidirectional, returns what transformers' flash-attention integration returns:
-    None without padding, else the 2-D bool padding mask of the keys, (batch, n), where n is the
-    number of key slots up to the last query (a StaticCache's unused tail is left out).
-    Otherwise (packed sequences, chunks, block-wise or custom overlays) returns the 4-D bool mask
-    "sdpa" would get; attention_forward decomposes it into varlen sequences or refuses it.
+    Parameters
+    ----------
+    batch_size, q_length, kv_length : int
+    q_offset, kv_offset : int, default 0
+        Positions of the first query and key.
+    mask_function : callable, optional
+        transformers' mask pattern (default: causal).
+    attention_mask : torch.Tensor (batch, seqlen), optional
+        The 2-D padding mask.
+    local_size : int, optional
+        A sliding window.
+    use_vmap : bool, default False
+    device : torch.device or str, default "cpu"
+    **kwargs
+        Ignored.
+
+    Returns
+    -------
+    torch.Tensor or None
+        When the pattern of ``mask_function`` is plain causal (with the sliding window
+        ``local_size``, if any) or plain bidirectional, what transformers' flash-attention
+        integration returns: None without padding, else the 2-D bool padding mask of the keys,
+        (batch, n), where n is the number of key slots up to the last query (a StaticCache's unused
+        tail is left out). Otherwise (packed sequences, chunks, block-wise or custom overlays) the
+        4-D bool mask "sdpa" would get; :func:`attention_forward` decomposes it into varlen sequences
+        or refuses it.
+
+    Raises
+    ------
+    NotImplementedError
+        Causal queries that do not end the keys.
+    ValueError
+        An ``attention_mask`` that is not 2-D or is shorter than the keys.
+
+    Examples
+    --------
+    >>> import torch, flashdl.transformers
+    >>> print(flashdl.transformers.attention_mask_interface(2, 4, 4))       # causal, no padding
+    None
+    >>> pad = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])                    # left padding
+    >>> flashdl.transformers.attention_mask_interface(2, 4, 4, attention_mask=pad)
+    tensor([[False,  True,  True,  True],
+            [ True,  True,  True,  True]])
     """
     transformers = _transformers()
     masking = transformers.masking_utils
@@ -215,11 +277,56 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       sliding_window: Optional[int] = None, softcap: Optional[float] = None,
                       is_causal: Optional[bool] = None, **kwargs: Any
                       ) -> Tuple[torch.Tensor, None]:
-    """transformers' attention-function signature: query (batch, heads, seq_q, dim), key and
-    value (batch, heads_kv, seq_k, dim); returns (out (batch, seq_q, heads, dim_v), None).
+    """flashdl's attention with transformers' attention-function signature.
 
-    attention_mask: None, a 2-D padding mask (batch, n) of the first n <= seq_k keys (the
-    queries are the last seq_q of them when causal), or a 4-D mask (see the module docstring).
+    transformers calls it for every attention layer of a model whose implementation is the name
+    :func:`register` returned; causal and bidirectional layers, GQA, sliding windows, softcap,
+    dropout, padding (unpadded into the varlen path) and packed sequences are handled, anything else
+    raises ``NotImplementedError`` naming it.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The attention layer (its ``is_causal`` attribute is read).
+    query : torch.Tensor (batch, heads, seq_q, dim)
+    key, value : torch.Tensor (batch, heads_kv, seq_k, dim)
+    attention_mask : torch.Tensor, optional
+        None, a 2-D padding mask (batch, n) of the first ``n <= seq_k`` keys (the queries are the
+        last ``seq_q`` of them when causal), or a 4-D mask that is exactly causal or bidirectional
+        sequences (as :func:`attention_mask_interface` returns it).
+    dropout : float, default 0.0
+    scaling : float, optional
+        The softmax scale (None: ``1 / sqrt(dim)``).
+    sliding_window : int, optional
+    softcap : float, optional
+    is_causal : bool, optional
+        Overrides ``module.is_causal``.
+    **kwargs
+        Other keyword arguments transformers passes; attention sinks, additive position biases and
+        paged caches raise ``NotImplementedError``.
+
+    Returns
+    -------
+    out : torch.Tensor (batch, seq_q, heads, dim_v)
+    weights : None
+        No attention weights (``output_attentions=True`` warns).
+
+    Raises
+    ------
+    NotImplementedError
+        A mask or feature flashdl cannot compute exactly.
+    ValueError
+        A mask of the wrong shape.
+
+    Examples
+    --------
+    >>> import torch, flashdl.transformers
+    >>> layer = torch.nn.Module()
+    >>> layer.is_causal = True
+    >>> q, kv = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8)      # GQA: 4 heads, 2 kv heads
+    >>> out, weights = flashdl.transformers.attention_forward(layer, q, kv, kv, None)
+    >>> out.shape, weights
+    (torch.Size([1, 6, 4, 8]), None)
     """
     for name, what in _REFUSED.items():
         if kwargs.get(name) is not None:

@@ -179,7 +179,8 @@ def test_zero_length_inputs():
 @pytest.mark.parametrize("call,match,kind", [
     (lambda q, k, v: fj.attention(q[0], k[0], v[0]), r"\bq\b.*rank 4", ValueError),
     (lambda q, k, v: fj.attention(q, k[..., :4], v), r"\bk\b.*headdim", ValueError),
-    (lambda q, k, v: fj.attention(q, k[:1], v[:1]), r"\bk, v\b.*batch", ValueError),
+    (lambda q, k, v: fj.attention(q, k[:1], v[:1]), r"k: batch 1 does not match the batch of q, 2",
+     ValueError),
     (lambda q, k, v: fj.attention(q, k.astype(jnp.float16), v), r"\bk\b.*dtype", TypeError),
     (lambda q, k, v: fj.attention(q.astype(jnp.int32), k.astype(jnp.int32), v.astype(jnp.int32)),
      r"\bq\b.*dtype.*int32", TypeError),
@@ -288,3 +289,20 @@ def test_abi_header_matches_jaxlib():
                           f"-I{jax.ffi.include_dir()}", f"-I{ROOT / 'python'}"],
                          input=source, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("call,match", [
+    # The caller's shapes, never the zero-length stand-ins of earlier trace-time checks.
+    (lambda q, k, v: fj.attention(q, k, v[:, :3]),
+     r"v: expected shape \(3, 10, 4, 32\) \(the shape of k\), got \(3, 3, 4, 32\)"),
+    (lambda q, k, v: fj.attention(q, k[:, :, :3], v[:, :, :3]),
+     r"nheads_kv 3 must divide nheads of q, 4"),
+    (lambda q, k, v: fj.attention_varlen(q[0], k[0], v[0, :7], jnp.array([0, 4, 10], jnp.int32),
+                                         jnp.array([0, 4, 10], jnp.int32), 6, 6),
+     r"v: expected shape \(10, 4, 32\) \(the shape of k\), got \(7, 4, 32\)"),
+])
+def test_errors_quote_the_callers_shapes(call, match):
+    q, k, v = arrays([(3, 10, 4, 32)] * 3, "float32")
+    with pytest.raises(ValueError, match=match):
+        jax.jit(call)(q, k, v)
+

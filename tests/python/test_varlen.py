@@ -200,7 +200,8 @@ def call_bwd(a, **opts):
 
 
 BAD = [
-    ("cu_seqlens_q", lambda a: a["cu_seqlens_q"].astype(np.int64), TypeError, "int32"),
+    ("cu_seqlens_q", lambda a: a["cu_seqlens_q"].astype(np.int64) + 2**32, ValueError,
+     "cu_seqlens_q: expected int32 values"),
     ("cu_seqlens_k", lambda a: a["cu_seqlens_k"].astype(np.float32), TypeError, "int32"),
     ("cu_seqlens_q", lambda a: a["cu_seqlens_q"] + 1, ValueError, r"\[0\] == 0"),
     ("cu_seqlens_q", lambda a: np.array([0, 5, 3, 8], np.int32), ValueError, "non-decreasing"),
