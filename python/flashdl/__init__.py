@@ -36,5 +36,5 @@ if not TYPE_CHECKING:
         if name in ("torch", "jax", "transformers"):
             import importlib
 
-            return importlib.import_module(".torch", __name__)
+            return importlib.import_module(f".{name}", __name__)
         raise AttributeError(f"module 'flashdl' has no attribute {name!r}")

@@ -192,7 +192,7 @@ class _LayoutErrors:
         (own, own_axes), (other, other_axes) = names.items()
         if self.heads_first:
             (own, own_axes), (other, other_axes) = (other, other_axes), (own, own_axes)
-        if _fits(*self.shapes, self.heads_first, self.same_batch) or \
+        if len(self.shapes) != 3 or _fits(*self.shapes, self.heads_first, self.same_batch) or \
                 not _fits(*self.shapes, not self.heads_first, self.same_batch):
             return ""
         q, k, v = self.shapes

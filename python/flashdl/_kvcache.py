@@ -180,8 +180,8 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
     return (out, lse) if return_lse else out
 
 
-def merge_states(out_a: ArrayLike, lse_a: ArrayLike, out_b: ArrayLike, lse_b: ArrayLike
-                 ) -> Tuple[ArrayLike, ArrayLike]:
+def merge_states(out_a: ArrayLike, lse_a: ArrayLike, out_b: ArrayLike, lse_b: ArrayLike, *,
+                 layout: str = "bshd") -> Tuple[ArrayLike, ArrayLike]:
     """``(out, lse)`` of attention over the union of two disjoint key sets, from the results over each.
 
     Exact (the softmax decomposition): ``lse = log(exp(lse_a) + exp(lse_b))`` and
@@ -194,6 +194,9 @@ def merge_states(out_a: ArrayLike, lse_a: ArrayLike, out_b: ArrayLike, lse_b: Ar
         Outputs over each key set, as ``flashdl.attention(..., return_lse=True)`` returns them.
     lse_a, lse_b : float32 array (batch, nheads, seqlen)
         Their log-sum-exps.
+    layout : {"bshd", "bhsd"}, default "bshd"
+        "bhsd": the outputs are (batch, nheads, seqlen, headdim), read through transposed
+        views, and ``out`` is returned in that layout; lse is (batch, nheads, seqlen) either way.
 
     Returns
     -------
@@ -223,11 +226,11 @@ def merge_states(out_a: ArrayLike, lse_a: ArrayLike, out_b: ArrayLike, lse_b: Ar
     >>> bool(np.allclose(out, flashdl.attention(q, k, v), atol=1e-6))
     True
     """
-    return merge_states_list([out_a, out_b], [lse_a, lse_b])
+    return merge_states_list([out_a, out_b], [lse_a, lse_b], layout=layout)
 
 
-def merge_states_list(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike]
-                      ) -> Tuple[ArrayLike, ArrayLike]:
+def merge_states_list(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike], *,
+                      layout: str = "bshd") -> Tuple[ArrayLike, ArrayLike]:
     """:func:`merge_states` over any number of partial results, merged in order.
 
     The same merge the split-KV kernels apply.
@@ -238,6 +241,8 @@ def merge_states_list(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike]
         Outputs over disjoint key sets.
     lses : sequence of float32 arrays (batch, nheads, seqlen)
         Their log-sum-exps, one per output.
+    layout : {"bshd", "bhsd"}, default "bshd"
+        As in :func:`merge_states`.
 
     Returns
     -------
@@ -270,11 +275,15 @@ def merge_states_list(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike]
         raise ValueError("outs: expected at least one partial result, got none")
     arrays = {f"outs[{i}]": o for i, o in enumerate(outs)}
     arrays.update({f"lses[{i}]": x for i, x in enumerate(lses)})
+    bhsd = _layout(layout)
     frame = Frame(arrays, tuple(f"outs[{i}]" for i in range(len(outs))))
-    first = outs[0]
-    out = frame.empty(first.shape, first.dtype)
+    if bhsd:
+        outs = [_as_bshd(f"outs[{i}]", o) for i, o in enumerate(outs)]
+    out, out_view = _output_like(frame, outs[0], bhsd)
     lse = frame.empty(tuple(lses[0].shape), frame.float32()) if len(lses) else \
         frame.empty((0, 0, 0), frame.float32())
-    _ext.merge_states([frame.export(o) for o in outs], [frame.export(x) for x in lses],
-                      frame.dest(out), frame.dest(lse), dtype=frame.dtype, stream=frame.stream)
+    with _LayoutErrors((), bhsd):
+        _ext.merge_states([frame.export(o) for o in outs], [frame.export(x) for x in lses],
+                          frame.dest(out_view), frame.dest(lse), dtype=frame.dtype,
+                          stream=frame.stream)
     return frame.finish(out), frame.finish(lse)

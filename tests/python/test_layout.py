@@ -180,3 +180,14 @@ def test_layout_in_torch_and_jax_front_ends():
     assert np.array_equal(np.asarray(got),
                           flashdl.attention_varlen(qp, kp, vp, cu, cu, 12, 12).swapaxes(0, 1))
 
+
+
+def test_bhsd_merge_states_equals_bshd():
+    q, k, v = bhsd_inputs()
+    parts = [flashdl.attention(q, k[:, :, i:i + 20], v[:, :, i:i + 20], return_lse=True,
+                               layout="bhsd") for i in (0, 20)]
+    out, lse = flashdl.merge_states(*parts[0], *parts[1], layout="bhsd")
+    own = [(o.swapaxes(1, 2), l) for o, l in parts]
+    ref, ref_lse = flashdl.merge_states_list([o for o, _ in own], [l for _, l in own])
+    assert out.shape == q.shape and np.array_equal(out, ref.swapaxes(1, 2))
+    assert np.array_equal(lse, ref_lse)
