@@ -22,6 +22,15 @@ def test_import_does_not_import_frameworks():
     assert r.stdout.strip() == "[]"
 
 
+def test_framework_modules_load_by_attribute():
+    # flashdl.<framework> without an explicit import loads that very module.
+    r = run_python("import flashdl; print(flashdl.jax.__name__, flashdl.torch.__name__)")
+    if r.returncode != 0 and "No module named" in r.stderr:
+        pytest.skip("torch or jax is not installed")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["flashdl.jax", "flashdl.torch"]
+
+
 def test_info():
     info = flashdl.info()
     assert info["version"] == flashdl.__version__
@@ -32,6 +41,8 @@ def test_info():
     assert isinstance(info["cuda_architectures"], list)
     if "cuda" not in info["backends"]:
         assert info["cuda_device_count"] == 0
+        # The build says why it has no CUDA backend (FLASHDL_CUDA and what it found).
+        assert info["cuda_status"].startswith("flashdl was built without the CUDA backend (FLASHDL_CUDA=")
 
 
 def test_set_num_threads():
