@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ._api import attention as _attention
 from ._api import attention_backward as _attention_backward
 from ._dist_check import Agreement, global_rank, group_rank, require_initialized
-from ._ring_plan import LAYOUTS, Block, chunks_of, check_layout, global_window, last_step
+from ._ring_plan import Block, chunks_of, check_layout, global_window, last_step
 from ._ring_plan import pair_block
 
 # Bytes this process sent in its last ring_attention forward and backward (for benchmarks).

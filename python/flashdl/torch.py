@@ -24,18 +24,23 @@ from ._api import attention as _attention
 from ._api import attention_backward as _attention_backward
 from ._api import attention_varlen as _attention_varlen
 from ._api import attention_varlen_backward as _attention_varlen_backward
+from ._context_parallel import (context_parallel_attention, context_parallel_groups,
+                                context_parallel_shard, context_parallel_unshard)
 from ._frameworks import Frame
 from ._kvcache import attention_with_kvcache as _attention_with_kvcache
 from ._ring import ring_attention
 from ._ring import shard as ring_shard
 from ._ring import unshard as ring_unshard
+from ._ulysses import ulysses_attention
 
 if not hasattr(torch.library, "custom_op"):
     raise ImportError("flashdl.torch needs PyTorch >= 2.4 (torch.library.custom_op), found "
                       f"{torch.__version__}")
 
-__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "ring_attention",
-           "ring_shard", "ring_unshard", "scaled_dot_product_attention"]
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "context_parallel_attention",
+           "context_parallel_groups", "context_parallel_shard", "context_parallel_unshard",
+           "ring_attention", "ring_shard", "ring_unshard", "scaled_dot_product_attention",
+           "ulysses_attention"]
 
 
 def _last_dim_contiguous(dout):
