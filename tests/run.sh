@@ -48,7 +48,8 @@ step() {
 quietly() {
   local log=$LOGS/$1.log pattern=$2
   shift 2
-  if ! "$@" > >(tee "$log" | grep --line-buffered -E "$pattern" | cut -c1-120) 2>&1; then
+  if ! "$@" > >(tee "$log" | awk -v p="$pattern" \
+                 '$0 ~ p { sub(/^ +/, ""); print substr($0, 1, 120); fflush() }') 2>&1; then
     sleep 1
     echo "---- failed: $*  (last 80 lines of $log)"
     tail -n 80 "$log"
