@@ -78,7 +78,7 @@ step "3/7 C++ suite (ctest, CPU kernels once per compiled instruction set)"
 ctest --test-dir "$BUILD_DIR" --output-on-failure -j 2
 
 step "4/7 documentation: sphinx-build -W, doctests, every public name in the reference"
-bash tools/check_docs.sh
+PYTHON="$PYTHON" bash tools/check_docs.sh
 
 step "5/7 Python suite (pytest)"
 "$PYTHON" -m pytest tests/python -q -n 2
