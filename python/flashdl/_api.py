@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Tuple, Union, overload
 
 import numpy as np
 
-from . import _ext
+from . import _checks, _ext
 from ._frameworks import Frame
 
 if TYPE_CHECKING:
@@ -35,29 +35,23 @@ _FLOATS_BWD = ("dout", "q", "k", "v", "out")
 def _window(window_size):
     try:
         left, right = window_size
-        return operator.index(left), operator.index(right)
     except (TypeError, ValueError):
         raise TypeError("window_size: expected a pair (left, right) of ints, -1 for unbounded, "
                         f"got {window_size!r}") from None
+    what = "a pair (left, right) of ints that fit int64, -1 for unbounded"
+    return (_checks.integer("window_size", left, what),
+            _checks.integer("window_size", right, what))
 
 
 def _unsigned(name, x, bits):
-    """x as an int in [0, 2**bits): TypeError for a non-integer, ValueError out of range."""
-    try:
-        x = operator.index(x)
-    except TypeError:
-        raise TypeError(f"{name}: expected an int in [0, 2**{bits}), "
-                        f"got {type(x).__name__}") from None
-    if not 0 <= x < 2**bits:
-        raise ValueError(f"{name}: expected an int in [0, 2**{bits}), got {x}")
-    return x
+    """x as an int in [0, 2**bits): TypeError for a non-integer (a bool too), ValueError out of
+    range."""
+    return _checks.integer(name, x, f"an int in [0, 2**{bits})", 0, 2**bits)
 
 
 def _dropout_p(dropout_p):
     """A float; the core checks the range [0, 1) and names dropout_p."""
-    if not isinstance(dropout_p, numbers.Real):
-        raise TypeError(f"dropout_p: expected a float in [0, 1), got {type(dropout_p).__name__}")
-    return float(dropout_p)
+    return _checks.real("dropout_p", dropout_p, "a float in [0, 1)")
 
 
 def draw_seed() -> int:
@@ -78,18 +72,21 @@ def _block_sparse(block_mask, block_size):
     """The extension's block-sparse keywords. block_mask: None (dense) or any CPU array that crosses
     DLPack (NumPy, or the framework of q); the core checks dtype bool, rank, shape and device.
     block_size: an int or a pair (block_q, block_k) of ints >= 1."""
+    what = "an int or a pair (block_q, block_k) of ints"
     try:
         pair = (block_size, block_size) if isinstance(block_size, numbers.Integral) else block_size
-        bq, bk = (operator.index(x) for x in pair)
+        bq, bk = pair
     except (TypeError, ValueError):
-        raise TypeError("block_size: expected an int or a pair (block_q, block_k) of ints, "
-                        f"got {block_size!r}") from None
+        raise TypeError(f"block_size: expected {what}, got {block_size!r}") from None
+    bq, bk = (_checks.integer("block_size", x, what) for x in (bq, bk))
     if not (1 <= bq < 2**63 and 1 <= bk < 2**63):
         raise ValueError(f"block_size: expected block sizes in [1, 2**63), got ({bq}, {bk})")
     if block_mask is not None and not (isinstance(block_mask, np.ndarray)
                                        or hasattr(block_mask, "__dlpack__")):
         raise TypeError("block_mask: expected None or a bool array (NumPy or the framework of q) "
                         f"of shape (nblocks_q, nblocks_k), got {type(block_mask).__name__}")
+    if block_mask is not None:
+        _checks.readable("block_mask", block_mask)
     return dict(block_mask=block_mask, block_size_q=bq, block_size_k=bk)
 
 
@@ -97,13 +94,13 @@ def _score_mods(alibi_slopes, softcap):
     """The extension's score-modifier keywords. alibi_slopes: None or a float32 array that crosses
     DLPack (NumPy, or the framework of q, on the device of q); the core checks dtype, shape and
     device. softcap: a float >= 0 (0: off); the core checks the range."""
-    if not isinstance(softcap, numbers.Real):
-        raise TypeError(f"softcap: expected a float >= 0 (0: off), got {type(softcap).__name__}")
+    softcap = _checks.real("softcap", softcap, "a float >= 0 (0: off)")
     if alibi_slopes is not None:
         if not (isinstance(alibi_slopes, np.ndarray) or hasattr(alibi_slopes, "__dlpack__")):
             raise TypeError("alibi_slopes: expected None or a float32 array (NumPy or the "
                             "framework of q) of shape (nheads,) or (batch, nheads), "
                             f"got {type(alibi_slopes).__name__}")
+        _checks.readable("alibi_slopes", alibi_slopes)
         if getattr(alibi_slopes, "requires_grad", False):
             alibi_slopes = alibi_slopes.detach()  # the slopes are not differentiated
     return dict(alibi_slopes=alibi_slopes, softcap=float(softcap))
@@ -116,12 +113,12 @@ def _scalars(causal, softmax_scale, schedule, window_size):
         raise TypeError(f"schedule: expected a str ('auto', 'fa1', 'fa2' or 'reference'), "
                         f"got {type(schedule).__name__}")
     if softmax_scale is not None:
-        try:
-            softmax_scale = float(softmax_scale)
-        except (TypeError, ValueError):
-            raise TypeError("softmax_scale: expected a float or None, "
-                            f"got {type(softmax_scale).__name__}") from None
-    return bool(causal), softmax_scale, schedule, _window(window_size)
+        # NaN stands for None below the Python layers (flashdl.jax's attributes): refused here
+        # alike on every entry point; the core bounds the value.
+        softmax_scale = _checks.finite(
+            "softmax_scale", _checks.real("softmax_scale", softmax_scale, "a float or None"),
+            "a finite number or None")
+    return _checks.flag("causal", causal), softmax_scale, schedule, _window(window_size)
 
 
 def _options(causal, softmax_scale, schedule, window_size, frame):
@@ -395,6 +392,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
     >>> flashdl.attention(q.swapaxes(1, 2), kv, kv, window_size=(4, 0), layout="bhsd").shape
     (2, 4, 16, 8)
     """
+    return_lse = _checks.flag("return_lse", return_lse)
+    return_seed = _checks.flag("return_seed", return_seed)
     bhsd = _layout(layout)
     frame = Frame({"q": q, "k": k, "v": v}, _FLOATS_FWD)
     frame.refuse_autograd({"q": q, "k": k, "v": v}, "flashdl.attention",
@@ -511,7 +510,7 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
     with errors:
         _ext.backward(frame.export(dout), frame.export(q), frame.export(k), frame.export(v),
                       frame.export(out), frame.export(lse), frame.dest(dq_view),
-                      frame.dest(dk_view), frame.dest(dv_view), deterministic=bool(deterministic),
+                      frame.dest(dk_view), frame.dest(dv_view), deterministic=_checks.flag("deterministic", deterministic),
                       **opts)
     return frame.finish(dq), frame.finish(dk), frame.finish(dv)
 
@@ -563,19 +562,18 @@ def dropout_mask(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, dropout_
     if seed is None:
         raise TypeError("seed: expected an int in [0, 2**64), got None")
     dropout_p, seed, offset = _dropout(dropout_p, seed, offset)
-    mask = np.empty(shape, dtype=bool)
+    try:
+        mask = np.empty(shape, dtype=bool)
+    except (MemoryError, ValueError):
+        names = ("batch", "nheads", "seqlen_q", "seqlen_k")
+        largest = names[max(range(4), key=lambda i: shape[i])]
+        raise ValueError(f"{largest}: a mask of shape {shape} cannot be allocated") from None
     _ext.dropout_mask(mask, dropout_p=dropout_p, seed=seed, offset=offset)
     return mask
 
 
 def _count(name, x):
-    try:
-        x = operator.index(x)
-    except TypeError:
-        raise TypeError(f"{name}: expected an int >= 0, got {type(x).__name__}") from None
-    if x < 0:
-        raise ValueError(f"{name}: expected an int >= 0, got {x}")
-    return x
+    return _checks.integer(name, x, "an int >= 0", 0, 2**63)
 
 
 # ---- variable-length batches (flash-attn's varlen layout) ----------------------------------------
@@ -596,6 +594,7 @@ def _int32_index(name, x):
     first of all, and CPU arrays of other frameworks) are converted to an int32 NumPy array when
     every value fits; an integer array on a GPU, or values that do not fit, are refused with the
     conversion to write. Arrays of other dtypes pass on, for the core to refuse by name."""
+    _checks.readable(name, x)
     dtype = getattr(x, "dtype", None)
     if dtype is None or str(dtype).split(".")[-1] == "int32":
         return x
@@ -631,10 +630,7 @@ def _cu_seqlens(name, x):
 
 
 def _max_seqlen(name, x):
-    try:
-        return operator.index(x)
-    except TypeError:
-        raise TypeError(f"{name}: expected an int, got {type(x).__name__}") from None
+    return _checks.integer(name, x, "an int that fits int64")
 
 
 def _varlen_lse_shape(q):
@@ -755,6 +751,7 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
     >>> bool(np.allclose(out[3:], one[0], atol=1e-6))            # sequence 2 on its own
     True
     """
+    return_lse = _checks.flag("return_lse", return_lse)
     heads_first = _layout(layout, varlen=True)
     frame = Frame({"q": q, "k": k, "v": v}, _FLOATS_FWD)
     frame.refuse_autograd({"q": q, "k": k, "v": v}, "flashdl.attention_varlen",
@@ -853,5 +850,5 @@ def attention_varlen_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: Ar
         _ext.backward_varlen(frame.export(dout), frame.export(q), frame.export(k),
                              frame.export(v), frame.export(out), frame.export(lse), cu_q, cu_k,
                              max_q, max_k, frame.dest(dq_view), frame.dest(dk_view),
-                             frame.dest(dv_view), deterministic=bool(deterministic), **opts)
+                             frame.dest(dv_view), deterministic=_checks.flag("deterministic", deterministic), **opts)
     return frame.finish(dq), frame.finish(dk), frame.finish(dv)

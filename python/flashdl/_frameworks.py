@@ -11,6 +11,8 @@ import sys
 
 import numpy as np
 
+from . import _checks
+
 _KNOWN = ("NumPy", "PyTorch", "JAX", "CuPy")
 
 
@@ -67,6 +69,8 @@ class Frame:
     def __init__(self, arrays: dict, floats: tuple):
         names = list(arrays)
         first = names[0]
+        for name, x in arrays.items():
+            _checks.readable(name, x)
         self.kind = _kind(first, arrays[first])
         self.like = arrays[first]
         for name in names[1:]:

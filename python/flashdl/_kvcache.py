@@ -8,14 +8,14 @@ before it writes the new keys and values into the cache.
 
 from __future__ import annotations
 
-import numbers
 import operator
+import re
 import sys
 from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import _ext
+from . import _checks, _ext
 from ._api import (ArrayLike, _as_bshd, _int32_index, _layout, _LayoutErrors, _lse_shape,
                    _options, _output_like, _score_mods)
 from ._frameworks import Frame
@@ -139,6 +139,7 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
     if (k is None) != (v is None):
         raise ValueError(f"{'v' if k is not None else 'k'}: expected both k and v (the new keys "
                          "and values) or neither")
+    return_lse = _checks.flag("return_lse", return_lse)
     arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
     if k is not None:
         arrays.update(k=k, v=v)
@@ -150,11 +151,8 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
     if k is not None:
         for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
             _writable(name, x, frame.kind)
-    if not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool):
-        raise TypeError(f"num_splits: expected an int >= 0, got {type(num_splits).__name__}")
-    if not 0 <= num_splits < 2**63:
-        raise ValueError(f"num_splits: expected an int >= 0 (0: chosen from the shape), "
-                         f"got {num_splits}")
+    num_splits = _checks.integer("num_splits", num_splits,
+                                 "an int >= 0 (0: chosen from the shape)", 0, 2**63)
     bhsd = _layout(layout)
     opts = _options(causal, softmax_scale, "auto", window_size, frame)
     del opts["schedule"]
@@ -226,7 +224,15 @@ def merge_states(out_a: ArrayLike, lse_a: ArrayLike, out_b: ArrayLike, lse_b: Ar
     >>> bool(np.allclose(out, flashdl.attention(q, k, v), atol=1e-6))
     True
     """
-    return merge_states_list([out_a, out_b], [lse_a, lse_b], layout=layout)
+    try:
+        return merge_states_list([out_a, out_b], [lse_a, lse_b], layout=layout)
+    except (ValueError, TypeError) as err:
+        # merge_states_list names its arguments outs[i], lses[i]: these are out_a, lse_a, ...
+        msg = re.sub(r"\b(outs|lses)\[([01])\]",
+                     lambda m: ("out_" if m[1] == "outs" else "lse_") + "ab"[int(m[2])], str(err))
+        if msg == str(err):
+            raise
+        raise type(err)(msg) from None
 
 
 def merge_states_list(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike], *,

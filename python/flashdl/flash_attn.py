@@ -48,8 +48,10 @@ import numbers
 import functools
 from typing import Any, Callable, Literal, Optional, Tuple, TypeVar, Union, overload
 
+import numpy as np
 import torch
 
+from . import _checks
 from . import torch as _fdt
 from ._api import dropout_mask as _dropout_mask
 
@@ -103,16 +105,24 @@ def _maybe_contiguous(x):
 
 def _score_mods(softcap, alibi_slopes, block_table=None):
     """flashdl's softcap and alibi_slopes keywords for flash-attn's arguments."""
-    try:
-        softcap = float(softcap)
-    except (TypeError, ValueError):
-        raise TypeError(f"softcap: expected a float, got {type(softcap).__name__}") from None
+    softcap = _checks.finite("softcap", _checks.real("softcap", softcap, "a float"),
+                             "a finite float (<= 0: off)")
     if block_table is not None:
         raise NotImplementedError("block_table: paged keys and values in flash_attn_varlen_func "
                                   "are not implemented in flashdl yet (use block_table=None; "
                                   "flash_attn_with_kvcache takes block_table)")
     # flash-attn's kernel treats softcap <= 0 as off; flashdl takes 0 for that.
     return dict(softcap=softcap if softcap > 0 else 0.0, alibi_slopes=alibi_slopes)
+
+
+def _packed(name, x, axis, n, layout):
+    """Refuses a packed tensor whose packing axis is not n long (it would otherwise be sliced)."""
+    shape = tuple(getattr(x, "shape", ()))
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor {layout}, got {type(x).__name__}")
+    if len(shape) != len(layout.split(",")) or shape[axis] != n:
+        raise ValueError(f"{name}: expected shape {layout} with {n} on axis {axis}, "
+                         f"got {shape}")
 
 
 def _window(window_size):
@@ -422,6 +432,7 @@ def flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = 0.0,
     >>> flash_attn.flash_attn_qkvpacked_func(qkv, causal=True).shape
     torch.Size([2, 16, 4, 8])
     """
+    _packed("qkv", qkv, 2, 3, "(batch, seqlen, 3, nheads, headdim)")
     return _dense(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal,
                   window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
 
@@ -486,6 +497,7 @@ def flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float
     >>> flash_attn.flash_attn_kvpacked_func(q, kv, causal=True).shape
     torch.Size([1, 8, 4, 16])
     """
+    _packed("kv", kv, 2, 2, "(batch, seqlen_k, 2, nheads_kv, headdim)")
     return _dense(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size,
                   softcap, alibi_slopes, deterministic, return_attn_probs)
 
@@ -640,6 +652,7 @@ def flash_attn_varlen_qkvpacked_func(qkv: torch.Tensor, cu_seqlens: torch.Tensor
     >>> flash_attn.flash_attn_varlen_qkvpacked_func(torch.randn(9, 3, 2, 8), cu, 5).shape
     torch.Size([9, 2, 8])
     """
+    _packed("qkv", qkv, 1, 3, "(total, 3, nheads, headdim)")
     return _varlen(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen,
                    max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap,
                    alibi_slopes, deterministic, return_attn_probs)
@@ -715,6 +728,7 @@ def flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, cu_seqlen
     >>> flash_attn.flash_attn_varlen_kvpacked_func(q, kv, cu, cu, 5, 5).shape
     torch.Size([9, 2, 8])
     """
+    _packed("kv", kv, 1, 2, "(total_k, 2, nheads_kv, headdim)")
     return _varlen(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                    max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
                    alibi_slopes, deterministic, return_attn_probs)
@@ -792,8 +806,10 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if cache_seqlens is None:
         cache_seqlens = torch.full((batch,), k_cache.shape[1] - (0 if k is None else k.shape[1]),
                                    dtype=torch.int32)
-    elif isinstance(cache_seqlens, numbers.Integral):
-        cache_seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32)
+    elif isinstance(cache_seqlens, (numbers.Integral, bool, np.bool_)):
+        cache_seqlens = torch.full((batch,), _checks.integer(
+            "cache_seqlens", cache_seqlens, "an int32 tensor (batch,) or an int in [0, 2**31)",
+            0, 2**31), dtype=torch.int32)
     # flash-attn takes these on the GPU; flashdl checks them on the host.
     if isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.device.type != "cpu":
         cache_seqlens = cache_seqlens.cpu()

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _ext
+from . import _checks, _ext
 from ._api import _layout, _LayoutErrors, _scalars, _score_mods
 
 __all__ = ["attention", "attention_varlen"]
@@ -74,7 +74,7 @@ def _config(causal, softmax_scale, window_size, schedule, softcap, deterministic
                                                       window_size)
     cap = _score_mods(None, softcap)["softcap"]
     return _Config(causal, math.nan if scale is None else scale, left, right, schedule, cap,
-                   bool(deterministic))
+                   _checks.flag("deterministic", deterministic))
 
 
 def _stand_in(shape, dtype, writable=False):
@@ -229,6 +229,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
     >>> jax.vmap(flashdl.jax.attention)(q[None], k[None], v[None]).shape     # folded into the batch
     (1, 2, 16, 4, 8)
     """
+    return_lse = _checks.flag("return_lse", return_lse)
     bhsd = _layout(layout)
     cfg = _config(causal, softmax_scale, window_size, schedule, softcap, deterministic)
     with _LayoutErrors((q, k, v), bhsd):
@@ -355,6 +356,7 @@ def attention_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax
     >>> f(q, k, v, cu).shape
     (10, 2, 8)
     """
+    return_lse = _checks.flag("return_lse", return_lse)
     heads_first = _layout(layout, varlen=True)
     cfg = _config(causal, softmax_scale, window_size, schedule, softcap, deterministic)
     lens = _Varlen(_static_int("max_seqlen_q", max_seqlen_q),
@@ -393,7 +395,5 @@ def _offsets(name, cu):
 
 
 def _static_int(name, x) -> int:
-    try:
-        return int(np.asarray(x).item()) if not isinstance(x, int) else x
-    except (TypeError, jax.errors.ConcretizationTypeError):
-        raise TypeError(f"{name}: expected a static int (not a traced value)") from None
+    """A static int (a traced value, a float or a bool is a TypeError naming the argument)."""
+    return _checks.integer(name, x, "a static int that fits int64")

@@ -16,7 +16,7 @@ from typing import List, Literal, Optional, Tuple, Union, overload
 import numpy as np
 import torch
 
-from . import _sdpa
+from . import _checks, _sdpa
 from ._api import (_FLOATS_FWD, ArrayLike, BlockSize, _as_bshd, _block_sparse, _cu_seqlens,
                    _dropout, _int32_index, _layout, _LayoutErrors, _lse_shape, _max_seqlen,
                    _scalars, _score_mods, _varlen_lse_shape)
@@ -287,13 +287,12 @@ def _op_options(q, causal, softmax_scale, schedule, window_size, dropout_p, seed
     dropout_p, seed, offset = _seed_tensor(dropout_p, seed, offset, q.device)
     causal, softmax_scale, schedule, window = _scalars(causal, softmax_scale, schedule,
                                                        window_size)
-    window = [_int64("window_size", x, "window sizes that fit int64 (-1 for unbounded)")
-              for x in window]
+    window = list(window)
     sparse = _block_sparse(_as_tensor("block_mask", block_mask), block_size)
     mods = _score_mods(_as_tensor("alibi_slopes", alibi_slopes), softcap)
     return (causal, softmax_scale, schedule, window, dropout_p, seed, offset, sparse["block_mask"],
             [sparse["block_size_q"], sparse["block_size_k"]], mods["alibi_slopes"],
-            mods["softcap"], bool(deterministic))
+            mods["softcap"], _checks.flag("deterministic", deterministic))
 
 
 def _call(op, arrays, heads_first, varlen, *args):
@@ -432,6 +431,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     torch.Size([2, 4, 16, 8])
     """
     bhsd = _layout(layout)
+    return_lse = _checks.flag("return_lse", return_lse)
     _tensors({"q": q, "k": k, "v": v}, "flashdl.torch.attention")
     arrays = (q, k, v)
     if bhsd:
@@ -540,6 +540,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     (torch.Size([12, 2, 8]), torch.Size([12, 2, 8]))
     """
     heads_first = _layout(layout, varlen=True)
+    return_lse = _checks.flag("return_lse", return_lse)
     _tensors({"q": q, "k": k, "v": v}, "flashdl.torch.attention_varlen")
     arrays = (q, k, v)
     if heads_first:

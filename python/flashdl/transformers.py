@@ -55,6 +55,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 
+from . import _checks
 from . import torch as _fdl
 
 __all__ = ["attention_forward", "attention_mask_interface", "register"]
@@ -338,7 +339,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
             raise ValueError(f"{arg}: expected a rank-4 tensor (batch, heads, seqlen, headdim), "
                              f"got {getattr(x, 'shape', type(x).__name__)}")
-    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    causal = (bool(getattr(module, "is_causal", True)) if is_causal is None
+              else _checks.flag("is_causal", is_causal))
     seq_q, seq_k = query.shape[2], key.shape[2]
     head_dim, v_head_dim = query.shape[-1], value.shape[-1]
     deterministic = kwargs.get("deterministic")
@@ -346,7 +348,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         deterministic = os.environ.get("FLASH_ATTENTION_DETERMINISTIC", "0") == "1"
     opts = dict(causal=causal, softmax_scale=_scalar("scaling", scaling),
                 window_size=_window_size(sliding_window, causal, seq_k), dropout_p=dropout,
-                softcap=_scalar("softcap", softcap) or 0.0, deterministic=bool(deterministic))
+                softcap=_scalar("softcap", softcap) or 0.0,
+                deterministic=_checks.flag("deterministic", deterministic))
 
     # flashdl's layout (batch, seqlen, heads, dim): transposed views, not copies.
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
@@ -384,12 +387,11 @@ def _scalar(name, x):
     if x is None:
         return None
     if isinstance(x, torch.Tensor) and x.requires_grad:
-        raise NotImplementedError(f"flashdl attention: a learnable {name} (a tensor that "
-                                  "requires grad gets no gradient here)")
-    try:
-        return float(x)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name}: expected None or a float, got {type(x).__name__}") from None
+        raise NotImplementedError(f"{name}: a learnable {name} (a tensor that requires grad) is "
+                                  "not supported by flashdl attention: it would get no gradient")
+    value = float(x) if isinstance(x, torch.Tensor) and x.numel() == 1 else \
+        _checks.real(name, x, "None or a float")
+    return _checks.finite(name, value, "None or a finite float")
 
 
 def _window_size(sliding_window, causal, seq_k):
