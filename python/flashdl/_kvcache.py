@@ -283,6 +283,11 @@ def merge_states_list(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike], *,
     arrays.update({f"lses[{i}]": x for i, x in enumerate(lses)})
     bhsd = _layout(layout)
     frame = Frame(arrays, tuple(f"outs[{i}]" for i in range(len(outs))))
+    # out is allocated like outs[0]: a wrongly ranked one is named here, not as out.
+    shape0 = tuple(getattr(outs[0], "shape", ()))
+    if len(shape0) != 4:
+        axes = "(batch, nheads, seqlen, headdim)" if bhsd else "(batch, seqlen, nheads, headdim)"
+        raise ValueError(f"outs[0]: expected rank 4 {axes}, got shape {shape0}")
     if bhsd:
         outs = [_as_bshd(f"outs[{i}]", o) for i, o in enumerate(outs)]
     out, out_view = _output_like(frame, outs[0], bhsd)
