@@ -61,6 +61,7 @@ void dropout_mask(const TensorView& mask_out, double p, uint64_t seed, uint64_t 
     fail(ErrorKind::value, std::string("mask_out: expected an array on cpu, got ") +
                                device_name(mask_out.device.type));
   check_last_dim_contiguous("mask_out", mask_out);
+  check_no_self_overlap("mask_out", mask_out);
   // The same rounding and range check as Options.dropout_p in forward() and backward().
   const float pf = static_cast<float>(p);
   if (!(pf >= 0.0f && pf < 1.0f))

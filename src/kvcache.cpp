@@ -206,6 +206,8 @@ void forward_kvcache(const TensorView& q, const TensorView& k_cache, const Tenso
       check_no_overlap("v_cache", v_cache, name, *t);
     }
     check_no_overlap("v_cache", v_cache, "k_cache", k_cache);
+    check_no_self_overlap("k_cache", k_cache);
+    check_no_self_overlap("v_cache", v_cache);
   }
 
   Params p = make_params(q, k4, v4, out, lse, options, s);

@@ -32,9 +32,9 @@ void merge_states(const std::vector<TensorView>& outs, const std::vector<TensorV
     const std::string on = "outs[" + std::to_string(i) + "]", ln = "lses[" + std::to_string(i) + "]";
     check_rank(on.c_str(), outs[i], 4, olay);
     check_rank(ln.c_str(), lses[i], 3, llay);
-    check_shape(on.c_str(), outs[i], {n[0], n[1], n[2], n[3]}, "(the shape of out)");
-    check_shape(ln.c_str(), lses[i], {n[0], n[2], n[1]}, "(batch, nheads, seqlen) of out");
-    check_dtype(on.c_str(), outs[i], out.dtype, "the dtype of out");
+    check_shape(on.c_str(), outs[i], {n[0], n[1], n[2], n[3]}, "(the shape of outs[0])");
+    check_shape(ln.c_str(), lses[i], {n[0], n[2], n[1]}, "(batch, nheads, seqlen) of outs[0]");
+    check_dtype(on.c_str(), outs[i], out.dtype, "the dtype of outs[0]");
     check_dtype(ln.c_str(), lses[i], DType::float32, "lse is always float32");
     check_device(on.c_str(), outs[i], out.device);
     check_device(ln.c_str(), lses[i], out.device);
@@ -47,6 +47,8 @@ void merge_states(const std::vector<TensorView>& outs, const std::vector<TensorV
   check_dtype("lse", lse, DType::float32, "lse is always float32");
   check_device("lse", lse, out.device);
   check_no_overlap("lse", lse, "out", out);
+  check_no_self_overlap("out", out);
+  check_no_self_overlap("lse", lse);
   if (out.dtype != DType::float16 && out.dtype != DType::bfloat16 &&
       out.dtype != DType::float32 && out.dtype != DType::float64)
     fail(ErrorKind::type, std::string("out: expected dtype float16, bfloat16, float32 or float64, "

@@ -30,6 +30,8 @@ Extent extent(const TensorView& t) {
   return {static_cast<uintptr_t>(lo), static_cast<uintptr_t>(hi + es)};
 }
 
+constexpr double kMaxScale = 1e30;
+
 bool is_float_storage(DType d) {
   return d == DType::float16 || d == DType::bfloat16 || d == DType::float32 ||
          d == DType::float64;
@@ -118,12 +120,108 @@ void check_last_dim_contiguous(const char* name, const TensorView& t) {
                                "got stride " + std::to_string(t.strides[last]));
 }
 
+namespace {
+
+// Whether no two distinct indices of t address overlapping bytes, by a sufficient condition that
+// holds for every view made by slicing (with steps), transposing or selecting from a contiguous
+// array: the axes of extent > 1, sorted by |stride|, each have a stride (in bytes) at least the
+// span of all smaller axes (element size plus sum of |stride| x (extent - 1)). A stride of 0 on an
+// axis of extent > 1 (an expanded array) fails it and does overlap; other failures may not
+// (strides such as (2, 3) for shape (3, 2) interleave without a collision) but are refused too.
+bool provably_no_self_overlap(const TensorView& t, int64_t& zero_axis) {
+  zero_axis = -1;
+  if (t.numel() == 0) return true;
+  struct Axis {
+    __int128 stride, extent;
+  } axes[kMaxRank + 1];
+  int n = 0;
+  const __int128 es = static_cast<__int128>(dtype_size(t.dtype));
+  for (int i = 0; i < t.rank; ++i) {
+    if (t.shape[i] <= 1) continue;
+    if (t.strides[i] == 0) {
+      zero_axis = i;
+      return false;
+    }
+    const __int128 st = t.strides[i] < 0 ? -static_cast<__int128>(t.strides[i]) : t.strides[i];
+    axes[n++] = {st * es, t.shape[i]};
+  }
+  std::sort(axes, axes + n, [](const Axis& a, const Axis& b) { return a.stride < b.stride; });
+  __int128 span = es;
+  for (int i = 0; i < n; ++i) {
+    if (axes[i].stride < span) return false;
+    span += axes[i].stride * (axes[i].extent - 1);
+  }
+  return true;
+}
+
+// Whether a and b provably share no byte: disjoint spans, or (the interleaved views of one buffer,
+// e.g. k and v sliced from a packed kv) the same shape and strides at a whole-element distance,
+// where the two together are one view with a leading axis of extent 2 and stride that distance,
+// proven free of self-overlap above.
+bool provably_disjoint(const TensorView& a, const TensorView& b) {
+  const Extent x = extent(a), y = extent(b);
+  if (!(x.lo < x.hi && y.lo < y.hi && x.lo < y.hi && y.lo < x.hi)) return true;
+  if (a.rank != b.rank || a.rank >= kMaxRank + 1 || dtype_size(a.dtype) != dtype_size(b.dtype))
+    return false;
+  for (int i = 0; i < a.rank; ++i)
+    if (a.shape[i] != b.shape[i] || (a.shape[i] > 1 && a.strides[i] != b.strides[i])) return false;
+  const auto es = static_cast<intptr_t>(dtype_size(a.dtype));
+  const intptr_t delta = reinterpret_cast<intptr_t>(b.data) - reinterpret_cast<intptr_t>(a.data);
+  if (delta % es != 0) return false;
+  // TensorView holds kMaxRank axes: the pair is checked as a view of rank + 1 built by hand.
+  struct Axis {
+    __int128 stride, extent;
+  } axes[kMaxRank + 1];
+  int n = 0;
+  const __int128 d = delta < 0 ? -static_cast<__int128>(delta) : delta;
+  if (d == 0) return false;
+  axes[n++] = {d, 2};
+  for (int i = 0; i < a.rank; ++i) {
+    if (a.shape[i] <= 1) continue;
+    if (a.strides[i] == 0) return false;
+    const __int128 st = a.strides[i] < 0 ? -static_cast<__int128>(a.strides[i]) : a.strides[i];
+    axes[n++] = {st * es, a.shape[i]};
+  }
+  std::sort(axes, axes + n, [](const Axis& p, const Axis& q) { return p.stride < q.stride; });
+  __int128 span = es;
+  for (int i = 0; i < n; ++i) {
+    if (axes[i].stride < span) return false;
+    span += axes[i].stride * (axes[i].extent - 1);
+  }
+  return true;
+}
+
+}  // namespace
+
 void check_no_overlap(const char* out_name, const TensorView& out, const char* in_name,
                       const TensorView& in) {
-  const Extent a = extent(out), b = extent(in);
-  if (a.lo < a.hi && b.lo < b.hi && a.lo < b.hi && b.lo < a.hi)
-    fail(ErrorKind::value, std::string(out_name) + ": output memory overlaps " + in_name +
-                               "; flashdl never writes into an input, pass a separate array");
+  if (provably_disjoint(out, in)) return;
+  fail(ErrorKind::value,
+       std::string(out_name) + ": output memory overlaps " + in_name +
+           " (their memory spans intersect, and flashdl accepts intersecting spans only for "
+           "views of the same shape and strides whose elements interleave without sharing "
+           "one); flashdl never writes into an input or into one output through another, pass "
+           "a separate array");
+}
+
+void check_no_self_overlap(const char* name, const TensorView& t) {
+  int64_t zero_axis = -1;
+  if (provably_no_self_overlap(t, zero_axis)) return;
+  if (zero_axis >= 0)
+    fail(ErrorKind::value, std::string(name) + ": the array is written but addresses one element "
+                               "through several indices (stride 0 on axis " +
+                               std::to_string(zero_axis) + " of extent " +
+                               std::to_string(t.shape[zero_axis]) +
+                               ", e.g. an expanded or broadcast array); pass an array with memory "
+                               "of its own, such as a contiguous copy");
+  std::string strides = "(";
+  for (int i = 0; i < t.rank; ++i) strides += (i ? ", " : "") + std::to_string(t.strides[i]);
+  strides += t.rank == 1 ? ",)" : ")";
+  fail(ErrorKind::value, std::string(name) + ": the array is written, and its strides " + strides +
+                             " for shape " + shape_str(t) +
+                             " may address one element through two indices (flashdl writes "
+                             "only views whose strides, sorted by size, each reach past the span "
+                             "of the smaller axes); pass a contiguous array");
 }
 
 
@@ -187,10 +285,21 @@ Shapes check_attention_args(const TensorView& q, const TensorView& k, const Tens
     check_no_overlap("lse", lse, name, *t);
   }
   check_no_overlap("lse", lse, "out", out);
+  // validate_only calls (flashdl.jax's trace-time checks) pass stand-ins of stride 0 for the
+  // outputs XLA allocates itself: nothing is written through them.
+  if (!o.validate_only) {
+    check_no_self_overlap("out", out);
+    check_no_self_overlap("lse", lse);
+  }
 
-  if (!std::isnan(o.softmax_scale) && !std::isfinite(o.softmax_scale))
-    fail(ErrorKind::value, "softmax_scale: expected a finite number or None, got " +
-                               num_str(o.softmax_scale));
+  // Scores are carried in float32 (scale * log2(e) among them): 1e30 keeps that factor finite
+  // and leaves room for |q.k| up to 1e8 before a score overflows.
+  if (std::isnan(o.softmax_scale)) {
+    // None: 1 / sqrt(headdim)
+  } else if (!(std::fabs(o.softmax_scale) <= kMaxScale)) {
+    fail(ErrorKind::value, "softmax_scale: expected a finite number of magnitude <= 1e30 or "
+                           "None, got " + num_str(o.softmax_scale));
+  }
   if (o.window_left < -1 || o.window_right < -1)
     fail(ErrorKind::value, "window_size: expected (left, right) with each >= 0 or -1 for "
                            "unbounded, got (" + std::to_string(o.window_left) + ", " +
@@ -260,10 +369,13 @@ void check_block_mask(const Options& o, const Shapes& s, Device device,
 void check_score_mods(const Options& o, const Shapes& s, Device device,
                       std::initializer_list<NamedView> outputs) {
   // The float kernels carry softcap * log2(e), scale / softcap and slope * log2(e) in float32:
-  // 1e30 keeps them finite and normal (and a cap that large is no cap at all).
-  constexpr double kMaxMod = 1e30;
-  if (!(o.softcap >= 0.0 && o.softcap <= kMaxMod))
-    fail(ErrorKind::value, "softcap: expected a number >= 0 and <= 1e30 (0: off), got " +
+  // [1e-30, 1e30] keeps softcap * log2(e) finite and normal (a cap of 1e30 is no cap at all, one
+  // of 1e-30 flattens every score to within 1e-30 of 0), and scale / softcap, which may then
+  // exceed float32, is clamped to its largest finite value (detail::score_mod_of), where tanh is
+  // already +-1 for every product q.k a float32 holds as a normal number.
+  constexpr double kMaxMod = 1e30, kMinCap = 1e-30;
+  if (!(o.softcap == 0.0 || (o.softcap >= kMinCap && o.softcap <= kMaxMod)))
+    fail(ErrorKind::value, "softcap: expected 0 (off) or a number in [1e-30, 1e30], got " +
                                num_str(o.softcap));
   const TensorView& a = o.alibi_slopes;
   if (!a.defined()) return;
@@ -419,6 +531,8 @@ Shapes check_backward_args(const TensorView& dout, const TensorView& q, const Te
   check_no_overlap("dq", dq, "dk", dk);
   check_no_overlap("dq", dq, "dv", dv);
   check_no_overlap("dk", dk, "dv", dv);
+  if (!options.validate_only)
+    for (auto [gname, g] : grads) check_no_self_overlap(gname, *g);
 
   return s;
 }

@@ -28,8 +28,14 @@ void check_shape(const char* name, const TensorView& t, std::initializer_list<in
 void check_dtype(const char* name, const TensorView& t, DType expected, const char* why);
 void check_device(const char* name, const TensorView& t, Device expected);
 void check_last_dim_contiguous(const char* name, const TensorView& t);
+// out (written) and in share no byte: their memory spans are disjoint, or they are views of the
+// same shape and strides whose elements interleave without a common one (k and v sliced from one
+// packed buffer). Otherwise ValueError naming out and in.
 void check_no_overlap(const char* out_name, const TensorView& out, const char* in_name,
                       const TensorView& in);
+// A written array addresses each element through one index only (a sufficient condition, exact
+// for stride 0: see validate.cpp). Otherwise ValueError naming it.
+void check_no_self_overlap(const char* name, const TensorView& t);
 
 // The block-sparse mask and block sizes of `o` for a problem of extents `s` (for varlen: the
 // batch of sequences and max_seqlen) whose arrays live on `device`, and that none of the call's

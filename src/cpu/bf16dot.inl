@@ -220,6 +220,7 @@ struct Bf16Products {
 // bfloat16 pairs, as the fa2 forward rounds it. The interleave leaves O's columns in a fixed order
 // within each 32 (finish_row restores it).
 struct KvBf16 {
+  static constexpr bool kNaturalO = false;  // O's columns permuted within 32 until finish_row
   using Elem = uint16_t;  // a cache value
   using Word = uint32_t;  // Q's and P's unit: a pair
   static constexpr int kElems = 32;       // cache values per vector

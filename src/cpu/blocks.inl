@@ -221,10 +221,69 @@ void apply_dropout(const Geometry<T>& g, const Params& p, int64_t b, int64_t h, 
   }
 }
 
+// Offsets of row i of head h in batch b, in elements.
+inline int64_t q_offset(const Params& p, int64_t b, int64_t i, int64_t h) {
+  return b * p.q_batch_stride + i * p.q_row_stride + h * p.q_head_stride;
+}
+inline int64_t k_offset(const Params& p, int64_t b, int64_t j, int64_t h) {
+  return b * p.k_batch_stride + j * p.k_row_stride + h * p.k_head_stride;
+}
+inline int64_t v_offset(const Params& p, int64_t b, int64_t j, int64_t h) {
+  return b * p.v_batch_stride + j * p.v_row_stride + h * p.v_head_stride;
+}
+inline int64_t o_offset(const Params& p, int64_t b, int64_t i, int64_t h) {
+  return b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride;
+}
+inline int64_t do_offset(const Params& p, int64_t b, int64_t i, int64_t h) {
+  return b * p.do_batch_stride + i * p.do_row_stride + h * p.do_head_stride;
+}
+inline float& lse_at(const Params& p, int64_t b, int64_t h, int64_t i) {
+  return p.lse_ptr[b * p.lse_batch_stride + h * p.lse_head_stride + i * p.lse_row_stride];
+}
+
+// Whether some row of the tile pair cannot see some of its keys (a causal, window or sequence
+// edge inside it). Only such pairs can carry a key a row cannot see into that row's products.
+inline bool pair_masked(const Mask& mask, const TilePair& t) {
+  return !mask.block_fully_visible(t.i0, t.i0 + t.rows, t.j0, t.j0 + t.cols);
+}
+
+// Keys a row cannot see never reach it: in a masked tile pair their weight is exactly 0, but a
+// product of the whole tile still adds 0 * x for them, NaN when x (a key or value of the caller,
+// read as it is) is NaN or Inf. After such a product C (rows of ld g.dp) is checked, and each row
+// that came out non-finite is recomputed from its value before the product (C0; null: zero) and
+// the keys it sees alone: C[r] = C0[r] + sum over visible j of A[r][j] * X[j], X read from the
+// caller's array (src: the tile's first key, row_stride apart). Rows that are finite keep the
+// product as it was, so the unmasked bulk and masked pairs of finite data pay only the check.
+template <typename T>
+void redo_nonfinite_rows(const Geometry<T>& g, const Mask& mask, const TilePair& t, const T* A,
+                         const T* C0, T* C, const void* src, DType dt, int64_t row_stride,
+                         Buffer<T>& xrow) {
+  T* x = nullptr;
+  for (int64_t r = 0; r < t.rows; ++r) {
+    T* c = C + r * g.dp;
+    T sum = T(0);
+    for (int64_t e = 0; e < g.d; ++e) sum += c[e] * T(0);  // NaN iff some c[e] is NaN or Inf
+    if (sum == T(0)) continue;
+    if (x == nullptr) x = xrow.get(g.dp);
+    if (C0 != nullptr)
+      std::copy(C0 + r * g.dp, C0 + (r + 1) * g.dp, c);
+    else
+      std::fill(c, c + g.dp, T(0));
+    const int64_t i = t.i0 + r;
+    const int64_t lo = std::max<int64_t>(mask.col_begin(i) - t.j0, 0);
+    const int64_t hi = std::min(mask.col_end(i) - t.j0, t.cols);
+    for (int64_t j = lo; j < hi; ++j) {
+      const T a = A[r * g.Bcp + j];
+      convert_row_in(element(src, dt, j * row_stride), dt, g.d, x);
+      for (int64_t e = 0; e < g.d; ++e) c[e] += a * x[e];
+    }
+  }
+}
+
 // Per-call working buffers of one thread for backward_block.
 template <typename T>
 struct BackwardScratch {
-  Buffer<T> S, dS, Z, Pd, G, row_max;
+  Buffer<T> S, dS, Z, Pd, G, row_max, dQ0, xrow;
 };
 
 // The backward's five products in T, on the tiles as converted: Q and dO (t.mp rows of dp), K
@@ -301,9 +360,31 @@ void backward_block(const Geometry<T>& g, const Params& p, const Mask& mask, int
     for (int64_t r = 0; r < t.mp; ++r)
       for (int64_t j = r * g.Bcp; j < r * g.Bcp + t.np; j += W)
         vstore(dS + j, vload(dS + j) * vload(G + j));
+  const bool masked = pair_masked(mask, t);
+  if (masked) {
+    // dS of keys a row cannot see is 0 * (dP - D): NaN where dP read a NaN or Inf value there.
+    for (int64_t r = 0; r < t.mp; ++r) {
+      T* ds = dS + r * g.Bcp;
+      const int64_t i = t.i0 + r;
+      const int64_t lo = r < t.rows ? std::max<int64_t>(mask.col_begin(i) - t.j0, 0) : t.np;
+      const int64_t hi = r < t.rows ? std::min(mask.col_end(i) - t.j0, t.cols) : t.np;
+      if (hi <= lo) {
+        std::fill(ds, ds + t.np, T(0));  // the row sees no key of the tile
+        continue;
+      }
+      std::fill(ds, ds + lo, T(0));
+      std::fill(ds + hi, ds + t.np, T(0));
+    }
+  }
   zero_tail(dS);
   prod.dk(g, t, dS, dK);
+  if (!masked) return prod.dq(g, t, dS, dQ);
+  T* dQ0 = scratch.dQ0.get(t.mp * g.dp);
+  std::copy(dQ, dQ + t.rows * g.dp, dQ0);
   prod.dq(g, t, dS, dQ);
+  redo_nonfinite_rows(g, mask, t, dS, dQ0, dQ,
+                      element(p.k_ptr, p.dtype, k_offset(p, b, t.j0, h / p.h_h_k_ratio)),
+                      p.dtype, p.k_row_stride, scratch.xrow);
 }
 
 // The same step with the products in T on Q, dO (t.mp rows of dp), K (Bcp x dp), Kt, Vt (d x Bcp).
@@ -314,26 +395,6 @@ void backward_block(const Geometry<T>& g, const Params& p, const Mask& mask, int
                     BackwardScratch<T>& scratch) {
   backward_block(g, p, mask, b, h, t, L2, D, BackwardProducts<T>{Q, dO, K, Kt, Vt}, dK, dV, dQ,
                  scratch);
-}
-
-// Offsets of row i of head h in batch b, in elements.
-inline int64_t q_offset(const Params& p, int64_t b, int64_t i, int64_t h) {
-  return b * p.q_batch_stride + i * p.q_row_stride + h * p.q_head_stride;
-}
-inline int64_t k_offset(const Params& p, int64_t b, int64_t j, int64_t h) {
-  return b * p.k_batch_stride + j * p.k_row_stride + h * p.k_head_stride;
-}
-inline int64_t v_offset(const Params& p, int64_t b, int64_t j, int64_t h) {
-  return b * p.v_batch_stride + j * p.v_row_stride + h * p.v_head_stride;
-}
-inline int64_t o_offset(const Params& p, int64_t b, int64_t i, int64_t h) {
-  return b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride;
-}
-inline int64_t do_offset(const Params& p, int64_t b, int64_t i, int64_t h) {
-  return b * p.do_batch_stride + i * p.do_row_stride + h * p.do_head_stride;
-}
-inline float& lse_at(const Params& p, int64_t b, int64_t h, int64_t i) {
-  return p.lse_ptr[b * p.lse_batch_stride + h * p.lse_head_stride + i * p.lse_row_stride];
 }
 
 // K (Bcp x dp), K^T and V^T (d x Bcp) of keys [j0, j0 + cols) of (b, hk).

@@ -18,7 +18,8 @@ void fa1_forward_impl(const Params& p, int threads, int64_t sram_bytes) {
   const Mask mask = mask_of(p);
   const int64_t rows_alloc = padded_rows(g);
   parallel_for(p.batch * p.nheads, threads, [&](int64_t begin, int64_t end, int) {
-    Buffer<T> o_hbm, m_hbm, l_hbm, kt_buf, v_buf, q_buf, s_buf, pv_buf, rmax_buf, lt_buf, scratch;
+    Buffer<T> o_hbm, m_hbm, l_hbm, kt_buf, v_buf, q_buf, s_buf, pv_buf, rmax_buf, lt_buf, scratch,
+        xrow;
     T* O = o_hbm.get(rows_alloc * g.dp);
     T* m = m_hbm.get(rows_alloc);
     T* l = l_hbm.get(rows_alloc);
@@ -70,6 +71,10 @@ void fa1_forward_impl(const Params& p, int threads, int64_t sram_bytes) {
           }
           if (p.p_dropout > 0.0f) apply_dropout(g, p, b, h, t, S);
           gemm<T, false, false>(t.mp, g.dp, t.np, S, g.Bcp, V, g.dp, PV, g.dp);
+          if (pair_masked(mask, t))
+            redo_nonfinite_rows(g, mask, t, S, static_cast<const T*>(nullptr), PV,
+                                element(p.v_ptr, p.dtype, v_offset(p, b, j0, hk)), p.dtype,
+                                p.v_row_stride, xrow);
           // Lines 11-13: m_new, l_new, O_i = diag(l_new)^-1 (diag(l_i) e^(m_i - m_new) O_i
           //                                                  + e^(m~ - m_new) P~ V_j).
           for (int64_t r = 0; r < rows; ++r) {

@@ -85,9 +85,10 @@ void fa2_forward_impl(const Params& p, int threads) {
   const bool zigzag = uneven_work(p);
   parallel_for(p.batch * p.nheads * g.nqb, threads, [&](int64_t begin, int64_t end, int) {
     Prod prod;
-    Buffer<T> sbuf, obuf, mbuf;
+    Buffer<T> sbuf, obuf, mbuf, o0buf, xrow;
     T* S = sbuf.get(g.Brp * g.Bcp);
     T* O = obuf.get(g.Brp * g.dp);
+    T* O0 = o0buf.get(g.Brp * g.dp);
     T* row_max = mbuf.get(g.Brp);
     std::vector<detail::OnlineSoftmax<T>> sm(static_cast<size_t>(g.Brp));
     for (int64_t task = begin; task < end; ++task) {
@@ -119,7 +120,15 @@ void fa2_forward_impl(const Params& p, int threads) {
         }
         for (int64_t r = rows; r < t.mp; ++r) std::fill(S + r * g.Bcp, S + r * g.Bcp + t.np, T(0));
         if (p.p_dropout > 0.0f) apply_dropout(g, p, b, h, t, S);
+        if (!pair_masked(mask, t)) {
+          prod.accumulate(g, t, S, O);
+          continue;
+        }
+        std::copy(O, O + rows * g.dp, O0);
         prod.accumulate(g, t, S, O);
+        redo_nonfinite_rows(g, mask, t, S, O0, O,
+                            element(p.v_ptr, p.dtype, v_offset(p, b, t.j0, hk)), p.dtype,
+                            p.v_row_stride, xrow);
       }
       for (int64_t r = 0; r < rows; ++r) {
         convert_row_out(O + r * g.dp, sm[r].inv_l(), g.d,

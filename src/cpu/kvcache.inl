@@ -85,6 +85,7 @@ struct KvTile {
 // converted once, keys walked in order with their kv heads in turn (whole cache rows).
 template <typename T>
 struct KvRowsWidened {
+  static constexpr bool kNaturalO = true;  // O's columns in order between products
   Buffer<T> qbuf, kbuf;
   T* Q;
   T* row;
@@ -156,6 +157,7 @@ inline __m512 kv_reduce16(const __m512* v) {
 struct KvF32 {
   using Elem = float;
   using Word = float;
+  static constexpr bool kNaturalO = true;
   static constexpr int kElems = 16;
   static constexpr int kKeysPerStep = 1;
 
@@ -345,6 +347,7 @@ void kv_accumulate(const typename K::Word* P, int64_t ldp, int64_t n,
 // A task's products on the cache rows in place (K: KvF32 or KvBf16).
 template <typename K>
 struct KvRowsInPlace {
+  static constexpr bool kNaturalO = K::kNaturalO;
   using Elem = typename K::Elem;
   using Word = typename K::Word;
   static_assert(kNR<float> % 32 == 0, "O rows must hold whole 32-column groups");
@@ -401,6 +404,32 @@ struct KvRowsInPlace {
 };
 #endif
 
+// Rows r of a task (query (r0 + r) % sq of head (r0 + r) / sq) whose O came out non-finite from a
+// tile of keys [t0, t0 + cols) they do not all see: O[r] = O0[r] + sum over the keys of
+// [lo[r], hi[r]) in the tile of P[r][j] * V[j], V read from the cache.
+template <typename T>
+void redo_cut_rows(const Params& p, int64_t b, int64_t sq, int64_t group, int64_t r0,
+                   int64_t rows, int64_t t0, int64_t cols, const std::vector<int64_t>& lo,
+                   const std::vector<int64_t>& hi, const T* P, int64_t ld, const T* O0, T* O,
+                   int64_t dp, Buffer<T>& xrow) {
+  const int64_t d = p.headdim;
+  for (int64_t r = 0; r < rows; ++r) {
+    T* o = O + r * dp;
+    T sum = T(0);
+    for (int64_t e = 0; e < d; ++e) sum += o[e] * T(0);  // NaN iff some o[e] is NaN or Inf
+    if (sum == T(0)) continue;
+    T* x = xrow.get(dp);
+    std::copy(O0 + r * dp, O0 + (r + 1) * dp, o);
+    const int64_t hk = (r0 + r) / sq / group;
+    for (int64_t j = std::max(lo[r], t0); j < std::min(hi[r], t0 + cols); ++j) {
+      convert_row_in(element(p.v_ptr, p.dtype, detail::v_cache_offset(p, b, j, hk)), p.dtype, d,
+                     x);
+      const T a = P[r * ld + (j - t0)];
+      for (int64_t e = 0; e < d; ++e) o[e] += a * x[e];
+    }
+  }
+}
+
 template <typename T, typename Rows>
 void kvcache_forward_impl(const Params& p, int threads) {
   const int64_t group = p.h_h_k_ratio, sq = p.seqlen_q, d = p.headdim;
@@ -426,10 +455,11 @@ void kvcache_forward_impl(const Params& p, int threads) {
   }
 
   parallel_for(p.batch * S * row_chunks, threads, [&](int64_t begin, int64_t end, int) {
-    Buffer<T> sbuf, obuf;
+    Buffer<T> sbuf, obuf, o0buf, xrow;
     Rows products(Rc, d, dp);
     T* Sc = sbuf.get(Rc * Bt);
     T* O = obuf.get(Rc * dp);
+    T* O0 = o0buf.get(Rc * dp);
     std::vector<detail::OnlineSoftmax<T>> sm(static_cast<size_t>(Rc));
     std::vector<detail::ScoreMod<T>> mod(static_cast<size_t>(Rc));
     std::vector<int64_t> lo(static_cast<size_t>(Rc)), hi(static_cast<size_t>(Rc)),
@@ -476,7 +506,19 @@ void kvcache_forward_impl(const Params& p, int threads) {
           sm[r].accumulate(alpha, row_exp2_sum(srow, n, sm[r].reference()));
           if (alpha != T(1)) row_scale(O + r * dp, dp, alpha);
         }
+        // A key some row of the tile cannot see has weight 0 for it, but 0 * NaN (or Inf) in
+        // its value would still reach the row: rows that come out non-finite are recomputed
+        // from the keys they see (blocks.inl: redo_nonfinite_rows). bfloat16 products keep O's
+        // columns permuted until finish_row and are not checked (docs/concepts/semantics.md).
+        bool cut = false;
+        for (int64_t r = 0; r < rows && !cut; ++r) cut = lo[r] > t0 || hi[r] < t0 + cols;
+        if constexpr (Rows::kNaturalO) {
+          if (cut) std::copy(O, O + rows * dp, O0);
+        }
         products.accumulate(p, tile, Sc, Bt, O);  // O += P V
+        if constexpr (Rows::kNaturalO) {
+          if (cut) redo_cut_rows(p, b, sq, group, r0, rows, t0, cols, lo, hi, Sc, Bt, O0, O, dp, xrow);
+        }
       }
 
       for (int64_t r = 0; r < rows; ++r) {

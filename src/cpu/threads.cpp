@@ -7,6 +7,11 @@
 #include <thread>
 #include <vector>
 
+#if defined(__unix__) || defined(__APPLE__)
+#include <pthread.h>
+#define FLASHDL_HAVE_ATFORK 1
+#endif
+
 namespace flashdl::cpu {
 
 namespace {
@@ -42,6 +47,12 @@ class Pool {
     fn_ = nullptr;
     if (error_) std::rethrow_exception(error_);
   }
+
+  // fork() copies only the calling thread: a child would wait forever on workers it does not
+  // have. The hooks hold the region lock across fork (no region is half-way through in the
+  // child), and the child starts a fresh pool (the old one, its locks and threads, is abandoned).
+  void before_fork() { run_mu_.lock(); }
+  void after_fork_in_parent() { run_mu_.unlock(); }
 
  private:
   void ensure_workers(int count) {
@@ -94,9 +105,19 @@ class Pool {
   std::exception_ptr error_;
 };
 
+// Never destroyed: workers may outlive static destruction order; replaced in a forked child.
+Pool* g_pool = nullptr;
+std::once_flag g_pool_once;
+
 Pool& pool() {
-  static Pool* p = new Pool();  // never destroyed: workers may outlive static destruction order
-  return *p;
+  std::call_once(g_pool_once, [] {
+    g_pool = new Pool();
+#ifdef FLASHDL_HAVE_ATFORK
+    pthread_atfork([] { g_pool->before_fork(); }, [] { g_pool->after_fork_in_parent(); },
+                   [] { g_pool = new Pool(); });
+#endif
+  });
+  return *g_pool;
 }
 
 }  // namespace

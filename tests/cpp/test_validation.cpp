@@ -105,6 +105,8 @@ void test_options() {
               [](Call& c) { c.o.offset = uint64_t{1} << 32; }, p);
   expect_both("softmax_scale inf", ErrorKind::value, "softmax_scale",
               [](Call& c) { c.o.softmax_scale = INFINITY; }, p);
+  expect_both("softmax_scale above 1e30", ErrorKind::value, "softmax_scale",
+              [](Call& c) { c.o.softmax_scale = -1.0000001e30; }, p, "<= 1e30");
   expect_both("sram_bytes -1", ErrorKind::value, "sram_bytes", [](Call& c) { c.o.sram_bytes = -1; }, p);
   expect_both("num_threads -1", ErrorKind::value, "num_threads", [](Call& c) { c.o.num_threads = -1; }, p);
   expect_both("schedule code 9", ErrorKind::value, "schedule",
@@ -425,7 +427,7 @@ void test_score_mods() {
     };
   };
   for (const TensorView& a : {TensorView{}, s1.view(), s2.view(), broadcast, padded.view()})
-    for (double softcap : {0.0, 1e-3, 2.5, 1e6}) {  // valid: forward and backward run
+    for (double softcap : {0.0, 1e-30, 1e-3, 2.5, 1e6, 1e30}) {  // valid: both passes run
       context() = "valid slopes of rank " + std::to_string(a.rank) + ", softcap " + num(softcap);
       Call c(p);
       slopes(a, softcap)(c);
@@ -435,7 +437,8 @@ void test_score_mods() {
   const double nan = std::numeric_limits<double>::quiet_NaN();
   const std::pair<double, const char*> caps[] = {
       {-1.0, "got -1"}, {-1e-300, "got -1e-300"}, {-INFINITY, "got -inf"}, {INFINITY, "got inf"},
-      {nan, "got nan"}};
+      {nan, "got nan"}, {1e-300, "[1e-30, 1e30], got 1e-300"}, {9.99e-31, "got 9.99e-31"},
+      {1.0000001e30, "got 1.0000001e+30"}};
   for (auto [cap, tail] : caps)
     expect_both("softcap " + num(cap), ErrorKind::value, "softcap", slopes(TensorView{}, cap), p,
                 tail);
@@ -558,12 +561,77 @@ void test_varlen_score_mods() {
   CHECK_MSG(std::equal(before.begin(), before.end(), after.begin()), "a varlen call wrote an input");
 }
 
+// Written arrays: refused when they address one element twice (stride 0, or strides that may
+// collide), or when two of them share an element; interleaved views of one buffer that share no
+// element are accepted and computed as separate arrays would be.
+void test_written_overlap() {
+  Problem p;
+  expect_both("out expanded over seqlen", ErrorKind::value, "out",
+              [&](Call& c) { c.out.strides[1] = 0; }, p, "stride 0 on axis 1");
+  expect_both("out rows on top of heads", ErrorKind::value, "out",
+              [&](Call& c) { c.out.strides = {40, 8, 8, 1}; }, p, "may address one element");
+  {
+    Call c(p);
+    c.dk.strides[0] = 0;
+    expect_error("dk expanded over batch", ErrorKind::value, "dk", [&] { c.backward(); }, p,
+                 "stride 0 on axis 0");
+  }
+  // out and dq interleaved in one (2, 5, 8, 8) buffer: heads 0-3 and 4-7.
+  Array buf(DType::float32, {2, 5, 8, 8});
+  TensorView lo = buf.view(), hi = buf.view();
+  lo.shape[2] = hi.shape[2] = 4;
+  hi.data = static_cast<char*>(hi.data) + 4 * 8 * sizeof(float);
+  {
+    context() = "out written into heads 4-7 of a shared buffer";
+    Call ref(p);
+    ref.forward();
+    const std::vector<double> expected = p.out.values();
+    Call c(p);
+    c.out = hi;  // heads 4-7 of the buffer; heads 0-3 hold other data
+    c.forward();
+    Array check(DType::float32, {2, 5, 4, 8});
+    for (int64_t b = 0; b < 2; ++b)
+      for (int64_t s = 0; s < 5; ++s)
+        for (int64_t h = 0; h < 4; ++h)
+          for (int64_t d = 0; d < 8; ++d)
+            CHECK(buf.get(((b * 5 + s) * 8 + h + 4) * 8 + d) == expected[((b * 5 + s) * 4 + h) * 8 + d]);
+  }
+  {
+    context() = "dq and dk interleaved, disjoint";
+    Problem g;  // nheads_kv = nheads so that dq and dk can share the buffer's layout
+    Array k4(DType::float32, {2, 5, 4, 8}), v4(DType::float32, {2, 5, 4, 8});
+    Rng rng(3);
+    k4.fill_random(rng, 1.0);
+    v4.fill_random(rng, 1.0);
+    Call c(g);
+    c.k = k4.view(), c.v = v4.view();
+    c.forward();
+    c.dq = lo, c.dk = hi;
+    Array dv(DType::float32, {2, 5, 4, 8});
+    c.dv = dv.view();
+    bool ok = true;
+    try {
+      c.backward();
+    } catch (const std::exception& e) {
+      ok = false;
+      CHECK_MSG(false, e.what());
+    }
+    CHECK(ok);
+    TensorView shifted = lo;  // heads 1-4: shares heads 1-3 with lo
+    shifted.data = static_cast<char*>(lo.data) + 8 * sizeof(float);
+    c.dk = shifted;
+    expect_error("dq and dk sharing heads", ErrorKind::value, "dq", [&] { c.backward(); }, g,
+                 "overlaps dk");
+  }
+}
+
 }  // namespace
 
 int main() {
   run_test("validation: ranks and shapes", test_shapes_and_ranks);
   run_test("validation: dtypes, devices, strides, overlaps", test_dtypes_devices_strides);
   run_test("validation: options", test_options);
+  run_test("validation: written arrays overlapping themselves or each other", test_written_overlap);
   run_test("validation: numbers as written", test_numbers_as_written);
   run_test("validation: CUDA arrays", test_cuda_arrays);
   run_test("validation: valid and zero-length calls", test_accepted);

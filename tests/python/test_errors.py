@@ -168,11 +168,13 @@ def _bad_value(shape, at, value):
 
 
 SCORE_MOD_CASES = {
-    "softcap -1": (ValueError, "softcap", dict(softcap=-1.0), ">= 0"),
+    "softcap -1": (ValueError, "softcap", dict(softcap=-1.0), r"0 \(off\) or a number in"),
+    "softcap 1e-31": (ValueError, "softcap", dict(softcap=1e-31), r"\[1e-30, 1e30\], got 1e-31"),
+    "softcap 1e-300": (ValueError, "softcap", dict(softcap=1e-300), "got 1e-300"),
     "softcap -inf": (ValueError, "softcap", dict(softcap=-np.inf), None),
     "softcap nan": (ValueError, "softcap", dict(softcap=np.nan), "nan"),
     "softcap inf": (ValueError, "softcap", dict(softcap=np.inf), "inf"),
-    "softcap 1e31": (ValueError, "softcap", dict(softcap=1e31), "<= 1e30"),
+    "softcap 1e31": (ValueError, "softcap", dict(softcap=1e31), r"1e30\], got 1e\+31"),
     "softcap str": (TypeError, "softcap", dict(softcap="1.0"), None),
     "softcap None": (TypeError, "softcap", dict(softcap=None), None),
     "softcap complex": (TypeError, "softcap", dict(softcap=1 + 1j), None),

@@ -463,13 +463,17 @@ def test_merge_states_validation():
         flashdl.merge_states_list([], [])
     with pytest.raises(ValueError, match="lses"):
         flashdl.merge_states_list([o, o2], [lse])
-    with pytest.raises(ValueError, match=r"outs\[1\]"):
+    # merge_states names its own arguments (out_a, lse_a, out_b, lse_b), merge_states_list
+    # the elements of its lists.
+    with pytest.raises(ValueError, match=r"^out_b: .*the shape of out_a"):
         flashdl.merge_states(o, lse, o2[:, :2], lse2)
-    with pytest.raises(ValueError, match=r"lses\[1\]"):
+    with pytest.raises(ValueError, match=r"^outs\[1\]: .*the shape of outs\[0\]"):
+        flashdl.merge_states_list([o, o2[:, :2]], [lse, lse2])
+    with pytest.raises(ValueError, match=r"^lse_b:"):
         flashdl.merge_states(o, lse, o2, lse2[:, :, :2])
-    with pytest.raises(TypeError, match=r"lses\[0\]"):
+    with pytest.raises(TypeError, match=r"^lse_a:"):
         flashdl.merge_states(o, lse.astype(np.float64), o2, lse2)
-    with pytest.raises(TypeError, match=r"outs\[1\]"):
+    with pytest.raises(TypeError, match=r"^out_b:"):
         flashdl.merge_states(o, lse, o2.astype(np.float64), lse2)
     with pytest.raises(TypeError, match="outs, lses"):
         flashdl.merge_states_list(o, lse)

@@ -187,16 +187,19 @@ def test_saturated_cap_and_steep_slopes(schedule):
 
 
 def test_extreme_finite_modifiers():
-    """Validation accepts any finite softcap >= 0 and any finite float32 slopes; such values must
-    then give a finite answer equal to the oracle's (a cap of 1e300 is no cap; slopes of 3e38
-    leave each causal row its diagonal key), or be refused with the argument named."""
+    """Validation accepts softcaps of 0 or in [1e-30, 1e30], scales up to 1e30 in magnitude and any
+    finite float32 slopes; such values (the limits included) must then give a finite answer
+    equal to the oracle's (slopes of 3e38 leave each causal row its diagonal key), and others
+    be refused with the argument named."""
     rng = np.random.default_rng(33)
     failures = []
     for dtype in ["float64", "float32", "bfloat16"]:
         q, k, v = make_qkv(rng, 1, 9, 9, 2, 2, 16, dtype=dtype)
         dout = make(rng, q.shape, dtype)
         for schedule in SCHEDULES:
-            for opts in (dict(softcap=1e38), dict(softcap=1e300),
+            for opts in (dict(softcap=1e38), dict(softcap=1e300), dict(softcap=1e-30),
+                         dict(softcap=1e-30, softmax_scale=1e30),
+                         dict(softcap=1e30, softmax_scale=1e-30),
                          dict(alibi_slopes=np.full(2, 3e38, np.float32), causal=True)):
                 try:
                     out, lse, *grads = run(q, k, v, schedule, dout, **opts)

@@ -54,7 +54,12 @@ template <typename T>
 FLASHDL_HD ScoreMod<T> score_mod_of(const Params& p, int64_t b, int64_t h) {
   ScoreMod<T> m;
   const bool capped = p.softcap > 0.0;
-  m.qk_scale = static_cast<T>(capped ? p.scale_softmax / p.softcap : p.scale_softmax_log2);
+  // scale / softcap can exceed float (a softcap near its floor of 1e-30): clamped to the largest
+  // finite T, tanh of the product is +-1 wherever the exact one is (and 0 at q.k = 0, where an
+  // infinite factor would give NaN).
+  const double big = sizeof(T) == sizeof(float) ? 3.4028234663852886e38 : 1.7976931348623157e308;
+  const double ratio = capped ? p.scale_softmax / p.softcap : p.scale_softmax_log2;
+  m.qk_scale = static_cast<T>(ratio > big ? big : (ratio < -big ? -big : ratio));
   m.cap = capped ? static_cast<T>(p.softcap * kLog2e) : T(0);
   m.slope = p.alibi_slopes_ptr == nullptr
                 ? T(0)
