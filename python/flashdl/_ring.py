@@ -228,6 +228,7 @@ class _RingAttention(torch.autograd.Function):
                              dtype=torch.float32, device=q.device)
         accs, acc_lses = _split_rows(acc, n), _split_lse(acc_lse, n)
         kv = [k, v]
+        empty = [True] * n  # nothing merged into this query chunk yet: copy, do not merge
         for step in range(last + 1):
             owner = (ring.rank - step) % ring.world
             reqs = bufs = None
@@ -239,7 +240,12 @@ class _RingAttention(torch.autograd.Function):
                 out, lse = _attention(qs[qa][:, rows], ks[kb][:, keys], vs[kb][:, keys],
                                       window_size=_window_of(blk), softmax_scale=softmax_scale,
                                       return_lse=True)
-                _merge_into(accs[qa][:, rows], acc_lses[qa][:, :, rows], out, lse)
+                if empty[qa]:
+                    accs[qa][:, rows].copy_(out)
+                    acc_lses[qa][:, :, rows].copy_(lse)
+                    empty[qa] = False
+                else:
+                    _merge_into(accs[qa][:, rows], acc_lses[qa][:, :, rows], out, lse)
             if reqs is not None:
                 _Ring.wait(reqs)
                 kv = bufs

@@ -19,7 +19,7 @@ if not dist.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
 import flashdl.torch as ft  # noqa: E402
-from dist_world import init, run_world  # noqa: E402
+from dist_world import finish, init, run_world  # noqa: E402
 from flashdl import _ulysses  # noqa: E402
 from test_ring import assert_close  # noqa: E402
 
@@ -132,14 +132,16 @@ def _hybrid_checks(rank, out):
 
 def _worker(rank, world, port, results_dir):
     init(rank, world, port)
+    out = {}
     try:
-        out = {}
         _ulysses_checks(rank, world, out)
         if world == 4:
             _hybrid_checks(rank, out)
-        np.save(os.path.join(results_dir, f"rank{rank}.npy"), out, allow_pickle=True)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    np.save(os.path.join(results_dir, f"rank{rank}.npy"), out, allow_pickle=True)
+    finish()
 
 
 def h_inputs(case, dtype):

@@ -18,7 +18,7 @@ if not dist.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
 import flashdl.torch as ft  # noqa: E402
-from dist_world import init, run_world  # noqa: E402
+from dist_world import finish, init, run_world  # noqa: E402
 from flashdl import _ring  # noqa: E402
 from flashdl._ring_plan import chunks_of, global_window, last_step, pair_block  # noqa: E402
 
@@ -52,8 +52,8 @@ def _catch(fn):
 
 def _worker(rank, world, port, results_dir):
     init(rank, world, port)
+    out = {}
     try:
-        out = {}
         for i, case in enumerate(CASES):
             causal, layout, window = case[5:]
             if case[1] % (world if layout == "contiguous" else 2 * world):
@@ -76,9 +76,11 @@ def _worker(rank, world, port, results_dir):
         out["one rank"] = _catch(lambda: ft.ring_attention(bad_q, y, y))
         out["window"] = _catch(lambda: ft.ring_attention(y, y, y, window_size=(-2, 0)))
         out["odd"] = _catch(lambda: ft.ring_attention(y[:, :3], y[:, :3], y[:, :3]))
-        np.save(os.path.join(results_dir, f"rank{rank}.npy"), out, allow_pickle=True)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    np.save(os.path.join(results_dir, f"rank{rank}.npy"), out, allow_pickle=True)
+    finish()
 
 
 def reference(case, dtype):
