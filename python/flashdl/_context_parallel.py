@@ -15,7 +15,7 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import _ulysses
+from . import _checks, _ulysses
 from ._dist_check import Agreement, group_rank, require_initialized
 from ._ring import _RingAttention
 from ._ring import shard as ring_shard
@@ -113,6 +113,11 @@ def context_parallel_shard(x: torch.Tensor, ring_rank: int, ring_size: int, ulys
     ...  for r in range(2) for u in range(2)]
     [[0, 1], [6, 7], [2, 3], [4, 5]]
     """
+    ulysses_size = _checks.integer("ulysses_size", ulysses_size,
+                                   "an int >= 1 (the ranks of a Ulysses group)", 1)
+    ulysses_rank = _checks.integer("ulysses_rank", ulysses_rank,
+                                   f"an int in [0, {ulysses_size}) (ulysses_size {ulysses_size})",
+                                   0, ulysses_size)
     piece = ring_shard(x, ring_rank, ring_size, layout, dim)
     if piece.shape[dim] % ulysses_size:
         raise ValueError(f"x: a ring shard of {piece.shape[dim]} rows (dim {dim}) does not split "

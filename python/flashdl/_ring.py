@@ -22,6 +22,7 @@ from typing import List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from . import _checks
 from ._api import attention as _attention
 from ._api import attention_backward as _attention_backward
 from ._dist_check import Agreement, global_rank, group_rank, require_initialized
@@ -70,6 +71,11 @@ def shard(x: torch.Tensor, rank: int, world_size: int, layout: str = "zigzag",
     ([0, 1, 6, 7], [2, 3, 4, 5])
     """
     check_layout(layout)
+    world_size = _checks.integer("world_size", world_size, "an int >= 1 (the number of ranks)", 1)
+    rank = _checks.integer("rank", rank, f"an int in [0, {world_size}) (world_size {world_size})",
+                           0, world_size)
+    dim = _checks.integer("dim", dim, f"an axis of x, in [-{x.dim()}, {x.dim()})", -x.dim(),
+                          x.dim())
     parts = world_size if layout == "contiguous" else 2 * world_size
     if x.shape[dim] % parts:
         raise ValueError(f"x: sequence length {x.shape[dim]} (dim {dim}) must be a multiple of "

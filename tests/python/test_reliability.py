@@ -344,3 +344,21 @@ def test_masked_nonfinite_keys_kvcache_and_varlen(bad):
     b = flashdl.attention_varlen(qv, kb, vb, cu, cu, 20, 20, window_size=(4, 0))
     np.testing.assert_array_equal(b[:20], a[:20])  # the other sequence
     np.testing.assert_array_equal(b[30:], a[30:])  # rows of sequence 1 that cannot see it
+
+
+def test_shard_helpers_refuse_ranks_and_world_sizes_out_of_range():
+    torch = pytest.importorskip("torch")
+    import flashdl.torch as ft
+    x = torch.arange(8).view(1, 8, 1, 1)
+    for args, kind, match in [((x, 2, 2), ValueError, r"rank: expected an int in \[0, 2\)"),
+                              ((x, -1, 2), ValueError, "rank"),
+                              ((x, 0, 0), ValueError, "world_size: expected an int >= 1"),
+                              ((x, 0, 2.0), TypeError, "world_size"),
+                              ((x, 0, 2, "zigzag", 4), ValueError, "dim")]:
+        with pytest.raises(kind, match=match):
+            ft.ring_shard(*args)
+    with pytest.raises(ValueError, match="ulysses_rank"):
+        ft.context_parallel_shard(x, 0, 2, 2, 2)
+    with pytest.raises(ValueError, match="ulysses_size"):
+        ft.context_parallel_shard(x, 0, 2, 0, 0)
+    assert ft.context_parallel_shard(x, 1, 2, 1, 2).flatten().tolist() == [4, 5]
