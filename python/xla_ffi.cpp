@@ -3,6 +3,7 @@
 #include "xla_ffi.hpp"
 
 #include <cmath>
+#include <cstring>
 #include <exception>
 #include <limits>
 #include <string>
@@ -38,6 +39,21 @@ class Frame {
   }
 
   void* stream() const { return stream_; }
+  bool on_cuda() const { return device_.type == DeviceType::cuda; }
+  int64_t nargs() const { return cf_->args.size; }
+  int64_t nrets() const { return cf_->rets.size; }
+  const Buffer* raw_arg(int64_t i) const { return static_cast<const Buffer*>(cf_->args.args[i]); }
+  const Buffer* raw_ret(int64_t i) const { return static_cast<const Buffer*>(cf_->rets.rets[i]); }
+
+  // Optional attributes (the ones added after the first release of these targets): `fallback`
+  // when the call does not carry them, so frames built for the older targets keep working.
+  bool has(std::string_view name) const { return lookup(name) >= 0; }
+  int64_t integer_or(std::string_view name, int64_t fallback) const {
+    return has(name) ? integer(name) : fallback;
+  }
+  double real_or(std::string_view name, double fallback) const {
+    return has(name) ? real(name) : fallback;
+  }
 
   // Argument i as a view named `name`. keep > 0: every axis before the last `keep` folds into
   // one leading (batch) axis, so rank keep + 1 comes out of any rank > keep.
@@ -86,15 +102,20 @@ class Frame {
   }
 
  private:
-  int64_t find(std::string_view name, AttrType type) const {
+  int64_t lookup(std::string_view name) const {
     for (int64_t i = 0; i < cf_->attrs.size; ++i) {
       const ByteSpan* n = cf_->attrs.names[i];
-      if (std::string_view(n->ptr, n->len) != name) continue;
-      if (cf_->attrs.types[i] != type)
-        fail(ErrorKind::type, std::string(name) + ": attribute of the wrong kind");
-      return i;
+      if (std::string_view(n->ptr, n->len) == name) return i;
     }
-    fail(ErrorKind::value, std::string(name) + ": missing attribute");
+    return -1;
+  }
+
+  int64_t find(std::string_view name, AttrType type) const {
+    const int64_t i = lookup(name);
+    if (i < 0) fail(ErrorKind::value, std::string(name) + ": missing attribute");
+    if (cf_->attrs.types[i] != type)
+      fail(ErrorKind::type, std::string(name) + ": attribute of the wrong kind");
+    return i;
   }
 
   const Scalar& scalar(std::string_view name) const {
@@ -139,6 +160,38 @@ class Frame {
   void* stream_ = nullptr;
 };
 
+// The dropout seed: a uint32 (2,) buffer (low word, high word), a traced value of the JAX program.
+// It is read on the host, so it must live in host memory: the CPU platform.
+uint64_t seed_of(const Frame& f, int64_t i) {
+  if (i >= f.nargs()) fail(ErrorKind::value, "seed: missing (dropout_p > 0 needs the seed buffer)");
+  const Buffer* b = f.raw_arg(i);
+  if (b->dtype != kU32 || b->rank != 1 || b->dims[0] != 2)
+    fail(ErrorKind::type, "seed: expected a uint32 buffer of shape (2,) (low word, high word)");
+  if (f.on_cuda())
+    fail(ErrorKind::unsupported,
+         "seed: dropout under jax.jit reads its traced seed on the host; the CUDA handlers do not "
+         "copy it from the device yet (run dropout eagerly with flashdl.attention on CUDA)");
+  uint32_t w[2];
+  std::memcpy(w, b->data, sizeof(w));
+  return static_cast<uint64_t>(w[0]) | (static_cast<uint64_t>(w[1]) << 32);
+}
+
+// The optional array arguments after the fixed ones, in this order when present: block_mask
+// (attribute has_block_mask), alibi_slopes (has_alibi), seed (dropout_p > 0). `first` is the
+// index of the first of them.
+void optional_args(const Frame& f, int64_t first, Options& o) {
+  int64_t i = first;
+  if (f.integer_or("has_block_mask", 0) != 0) {
+    o.block_mask = f.arg(i++, "block_mask", 3);
+    o.block_size_q = f.integer("block_size_q");
+    o.block_size_k = f.integer("block_size_k");
+  }
+  if (f.integer_or("has_alibi", 0) != 0) o.alibi_slopes = f.arg(i++, "alibi_slopes", 1);
+  o.dropout_p = static_cast<float>(f.real_or("dropout_p", 0.0));
+  o.offset = static_cast<uint64_t>(f.integer_or("offset", 0));
+  if (o.dropout_p != 0.0f) o.seed = seed_of(f, i++);
+}
+
 Options options_of(const Frame& f, bool backward) {
   Options o;
   o.causal = f.flag("causal");
@@ -153,29 +206,83 @@ Options options_of(const Frame& f, bool backward) {
 }
 
 void attention_fwd(const Frame& f) {
+  Options o = options_of(f, false);
+  optional_args(f, 3, o);
   flashdl::forward(f.arg(0, "q", 3), f.arg(1, "k", 3), f.arg(2, "v", 3), f.ret(0, "out", 3),
-                   f.ret(1, "lse", 2), options_of(f, false));
+                   f.ret(1, "lse", 2), o);
 }
 
 void attention_bwd(const Frame& f) {
+  Options o = options_of(f, true);
+  optional_args(f, 6, o);
   flashdl::backward(f.arg(0, "dout", 3), f.arg(1, "q", 3), f.arg(2, "k", 3), f.arg(3, "v", 3),
                     f.arg(4, "out", 3), f.arg(5, "lse", 2), f.ret(0, "dq", 3),
-                    f.ret(1, "dk", 3), f.ret(2, "dv", 3), options_of(f, true));
+                    f.ret(1, "dk", 3), f.ret(2, "dv", 3), o);
+}
+
+// Attention over a KV cache. Arguments q, k_cache, v_cache, cache_seqlens, then k_new, v_new
+// (has_new), block_table (has_block_table), alibi_slopes (has_alibi); results out, lse, and with
+// has_new the updated k_cache, v_cache, which alias the argument caches (input_output_aliases):
+// the append writes them in place. Should XLA hand over distinct buffers, the CPU handler copies
+// the caches first, so the arguments are never written.
+void kvcache_fwd(const Frame& f) {
+  Options o = options_of(f, false);
+  o.num_splits = f.integer_or("num_splits", 0);
+  const bool has_new = f.integer_or("has_new", 0) != 0;
+  TensorView kc = f.arg(1, "k_cache"), vc = f.arg(2, "v_cache"), kn{}, vn{}, bt{};
+  int64_t i = 4;
+  if (has_new) {
+    kn = f.arg(i++, "k");
+    vn = f.arg(i++, "v");
+  }
+  if (f.integer_or("has_block_table", 0) != 0) bt = f.arg(i++, "block_table");
+  if (f.integer_or("has_alibi", 0) != 0) o.alibi_slopes = f.arg(i++, "alibi_slopes");
+  if (has_new) {
+    for (int j = 0; j < 2; ++j) {
+      const Buffer* in = f.raw_arg(1 + j);
+      const Buffer* out = f.raw_ret(2 + j);
+      if (in->data == out->data) continue;
+      if (f.on_cuda())
+        fail(ErrorKind::unsupported, std::string(j ? "v_cache" : "k_cache") +
+                                         ": XLA did not alias the updated cache with the argument");
+      const TensorView t = f.arg(1 + j, j ? "v_cache" : "k_cache");
+      std::memcpy(out->data, in->data, static_cast<size_t>(t.numel()) * dtype_size(t.dtype));
+    }
+    kc = f.ret(2, "k_cache");
+    vc = f.ret(3, "v_cache");
+  }
+  flashdl::forward_kvcache(f.arg(0, "q"), kc, vc, f.arg(3, "cache_seqlens"), kn, vn, bt,
+                           f.ret(0, "out"), f.ret(1, "lse"), o);
+}
+
+// merge_states: arguments outs[0..n), lses[0..n) (n = half the arguments); results out, lse.
+// Leading axes fold into the batch as in the dense targets (jax.vmap's broadcast_all).
+void merge_fwd(const Frame& f) {
+  const int64_t n = f.nargs() / 2;
+  std::vector<TensorView> outs, lses;
+  for (int64_t i = 0; i < n; ++i) {
+    outs.push_back(f.arg(i, ("outs[" + std::to_string(i) + "]").c_str(), 3));
+    lses.push_back(f.arg(n + i, ("lses[" + std::to_string(i) + "]").c_str(), 2));
+  }
+  flashdl::merge_states(outs, lses, f.ret(0, "out", 3), f.ret(1, "lse", 2), f.stream());
 }
 
 void varlen_fwd(const Frame& f) {
+  Options o = options_of(f, false);
+  optional_args(f, 5, o);
   flashdl::forward_varlen(f.arg(0, "q"), f.arg(1, "k"), f.arg(2, "v"), f.arg(3, "cu_seqlens_q"),
                           f.arg(4, "cu_seqlens_k"), f.integer("max_seqlen_q"),
-                          f.integer("max_seqlen_k"), f.ret(0, "out"), f.ret(1, "lse"),
-                          options_of(f, false));
+                          f.integer("max_seqlen_k"), f.ret(0, "out"), f.ret(1, "lse"), o);
 }
 
 void varlen_bwd(const Frame& f) {
+  Options o = options_of(f, true);
+  optional_args(f, 8, o);
   flashdl::backward_varlen(f.arg(0, "dout"), f.arg(1, "q"), f.arg(2, "k"), f.arg(3, "v"),
                            f.arg(4, "out"), f.arg(5, "lse"), f.arg(6, "cu_seqlens_q"),
                            f.arg(7, "cu_seqlens_k"), f.integer("max_seqlen_q"),
                            f.integer("max_seqlen_k"), f.ret(0, "dq"), f.ret(1, "dk"),
-                           f.ret(2, "dv"), options_of(f, true));
+                           f.ret(2, "dv"), o);
 }
 
 FfiError* make_error(const CallFrame* cf, ErrorCode code, const char* msg) {
@@ -220,12 +327,16 @@ std::vector<Target> targets() {
       {"flashdl_attention_bwd", "cpu", handle<attention_bwd, Platform::cpu>},
       {"flashdl_attention_varlen_fwd", "cpu", handle<varlen_fwd, Platform::cpu>},
       {"flashdl_attention_varlen_bwd", "cpu", handle<varlen_bwd, Platform::cpu>},
+      {"flashdl_attention_kvcache", "cpu", handle<kvcache_fwd, Platform::cpu>},
+      {"flashdl_merge_states", "cpu", handle<merge_fwd, Platform::cpu>},
   };
   if (build_info().cuda_compiled) {
     t.push_back({"flashdl_attention_fwd", "CUDA", handle<attention_fwd, Platform::cuda>});
     t.push_back({"flashdl_attention_bwd", "CUDA", handle<attention_bwd, Platform::cuda>});
     t.push_back({"flashdl_attention_varlen_fwd", "CUDA", handle<varlen_fwd, Platform::cuda>});
     t.push_back({"flashdl_attention_varlen_bwd", "CUDA", handle<varlen_bwd, Platform::cuda>});
+    t.push_back({"flashdl_attention_kvcache", "CUDA", handle<kvcache_fwd, Platform::cuda>});
+    t.push_back({"flashdl_merge_states", "CUDA", handle<merge_fwd, Platform::cuda>});
   }
   return t;
 }

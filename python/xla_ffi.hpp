@@ -25,7 +25,15 @@ struct Target {
 // and flashdl_attention_varlen_bwd (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k) -> (dq,
 // dk, dv): forward_varlen / backward_varlen. Attributes: causal (bool), softmax_scale (float, NaN:
 // 1/sqrt(headdim)), window_left, window_right (int), schedule (string), softcap (float),
-// deterministic (bool, backward), max_seqlen_q, max_seqlen_k (int, varlen).
+// deterministic (bool, backward), max_seqlen_q, max_seqlen_k (int, varlen). Optional, after the
+// fixed arguments of the four: block_mask (pred, attribute has_block_mask, with block_size_q,
+// block_size_k), alibi_slopes (f32, has_alibi), seed (u32 (2,), when the attribute dropout_p > 0;
+// attribute offset), folded like q's batch.
+//
+// flashdl_attention_kvcache (q, k_cache, v_cache, cache_seqlens[, k, v][, block_table]
+// [, alibi_slopes]) -> (out, lse[, k_cache, v_cache]): flashdl::forward_kvcache, the updated
+// caches aliasing the argument caches (attributes has_new, has_block_table, has_alibi,
+// num_splits). flashdl_merge_states (outs..., lses...) -> (out, lse): flashdl::merge_states.
 std::vector<Target> targets();
 
 }  // namespace flashdl::xla_ffi

@@ -24,9 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _checks, _ext
-from ._api import _layout, _LayoutErrors, _scalars, _score_mods
+from ._api import _block_sparse, _dropout_p, _layout, _LayoutErrors, _scalars, _score_mods
+from ._api import _unsigned
+from ._jax_partition import partitioned
 
-__all__ = ["attention", "attention_varlen"]
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "merge_states",
+           "ring_attention", "ring_shard", "ring_unshard"]
 
 _FWD, _BWD = "flashdl_attention_fwd", "flashdl_attention_bwd"
 _VARLEN_FWD, _VARLEN_BWD = "flashdl_attention_varlen_fwd", "flashdl_attention_varlen_bwd"
@@ -59,6 +62,12 @@ class _Config(NamedTuple):
     schedule: str
     softcap: float
     deterministic: bool
+    dropout_p: float = 0.0
+    offset: int = 0
+    has_block_mask: bool = False
+    block_size_q: int = 128
+    block_size_k: int = 128
+    has_alibi: bool = False
 
     def attrs(self, backward: bool) -> dict:
         a = dict(causal=self.causal, softmax_scale=np.float64(self.softmax_scale),
@@ -66,15 +75,30 @@ class _Config(NamedTuple):
                  schedule=self.schedule, softcap=np.float64(self.softcap))
         if backward:
             a["deterministic"] = self.deterministic
+        # The optional features travel only when used, so a plain call's HLO is unchanged.
+        if self.dropout_p > 0:
+            a.update(dropout_p=np.float64(self.dropout_p), offset=np.int64(self.offset))
+        if self.has_block_mask:
+            a.update(has_block_mask=True, block_size_q=np.int64(self.block_size_q),
+                     block_size_k=np.int64(self.block_size_k))
+        if self.has_alibi:
+            a["has_alibi"] = True
         return a
 
 
-def _config(causal, softmax_scale, window_size, schedule, softcap, deterministic) -> _Config:
+def _config(causal, softmax_scale, window_size, schedule, softcap, deterministic,
+            dropout_p=0.0, offset=0, block_mask=None, block_size=128,
+            alibi_slopes=None) -> _Config:
     causal, scale, schedule, (left, right) = _scalars(causal, softmax_scale, schedule,
                                                       window_size)
     cap = _score_mods(None, softcap)["softcap"]
+    dropout_p = _dropout_p(dropout_p)
+    offset = _unsigned("offset", offset, 32)
+    sparse = _block_sparse(None, block_size)
     return _Config(causal, math.nan if scale is None else scale, left, right, schedule, cap,
-                   _checks.flag("deterministic", deterministic))
+                   _checks.flag("deterministic", deterministic), dropout_p, offset,
+                   block_mask is not None, sparse["block_size_q"], sparse["block_size_k"],
+                   alibi_slopes is not None)
 
 
 def _stand_in(shape, dtype, writable=False):
@@ -97,7 +121,7 @@ def _probe(x, name):
     return _stand_in(shape, as_np), dtype == jnp.bfloat16
 
 
-def _check(entry, arrays, cfg, extra=()):
+def _check(entry, arrays, cfg, extra=(), optional=None):
     """Runs the core's own argument checks at trace time on stand-ins of `arrays` (a dict name ->
     traced array) with their shapes and dtypes (_probe), so a bad call raises the core's
     ValueError or TypeError naming the argument, with the caller's shapes, before anything is
@@ -113,7 +137,14 @@ def _check(entry, arrays, cfg, extra=()):
     opts = dict(dtype="bfloat16" if bf16 else None, causal=cfg.causal,
                 softmax_scale=None if math.isnan(cfg.softmax_scale) else cfg.softmax_scale,
                 window_left=cfg.window_left, window_right=cfg.window_right,
-                schedule=cfg.schedule, softcap=cfg.softcap, validate_only=True)
+                schedule=cfg.schedule, softcap=cfg.softcap, validate_only=True,
+                dropout_p=cfg.dropout_p, offset=cfg.offset)
+    for name, x in (optional or {}).items():  # block_mask, alibi_slopes: the core checks them
+        if x is not None:
+            opts[name] = _stand_in(tuple(x.shape), jnp.dtype(x.dtype)) if x.ndim else \
+                np.zeros((), jnp.dtype(x.dtype))
+    if cfg.has_block_mask:
+        opts.update(block_size_q=cfg.block_size_q, block_size_k=cfg.block_size_k)
     entry(probes, opts, *extra)
 
 
@@ -132,33 +163,60 @@ def _resolved(cfg, q):
     return cfg._replace(softmax_scale=1.0 / math.sqrt(d) if d > 0 else 1.0)
 
 
-def _forward(q, k, v, cfg):
-    _register()
-    call = jax.ffi.ffi_call(_FWD, _fwd_outputs(q), vmap_method="broadcast_all")
-    return call(q, k, v, **cfg.attrs(False))
+def _raw_forward(cfg, vmap_method="broadcast_all"):
+    """The forward custom call for cfg, as a function of (q, k, v, *extras)."""
+    def call(q, k, v, *extras):
+        _register()
+        fn = jax.ffi.ffi_call(_FWD, _fwd_outputs(q), vmap_method=vmap_method)
+        return tuple(fn(q, k, v, *extras, **cfg.attrs(False)))
+    return call
 
 
-def _backward(dout, q, k, v, out, lse, cfg):
-    _register()
-    shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
-    call = jax.ffi.ffi_call(_BWD, shapes, vmap_method="broadcast_all")
-    return call(dout, q, k, v, out, lse, **cfg.attrs(True))
+def _raw_backward(cfg, vmap_method="broadcast_all"):
+    def call(dout, q, k, v, out, lse, *extras):
+        _register()
+        shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+        fn = jax.ffi.ffi_call(_BWD, shapes, vmap_method=vmap_method)
+        return tuple(fn(dout, q, k, v, out, lse, *extras, **cfg.attrs(True)))
+    return call
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _attention(q, k, v, cfg):
-    return _forward(q, k, v, cfg)
+@functools.lru_cache(maxsize=None)
+def _calls(cfg):
+    """(forward, backward) custom calls for cfg. Without dropout they are partitioned over batch
+    and heads and fold jax.vmap into the batch (_jax_partition). With dropout they run as they
+    are: the mask is keyed by the global (batch, head) index, which a shard does not know, and a
+    vmapped call runs element by element (each with its own seed, as the eager call would)."""
+    if cfg.dropout_p > 0:
+        return _raw_forward(cfg, "sequential"), _raw_backward(cfg, "sequential")
+    return (partitioned("fwd", cfg, _raw_forward(cfg)),
+            partitioned("bwd", cfg, _raw_backward(cfg)))
 
 
-def _attention_fwd(q, k, v, cfg):
-    out, lse = _forward(q, k, v, cfg)
-    return (out, lse), (q, k, v, out, lse)
+def _forward(q, k, v, cfg, extras=()):
+    return _calls(cfg)[0](q, k, v, *extras)
+
+
+def _backward(dout, q, k, v, out, lse, cfg, extras=()):
+    return _calls(cfg)[1](dout, q, k, v, out, lse, *extras)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention(q, k, v, extras, cfg):
+    return _forward(q, k, v, cfg, extras)
+
+
+def _attention_fwd(q, k, v, extras, cfg):
+    out, lse = _forward(q, k, v, cfg, extras)
+    return (out, lse), (q, k, v, out, lse, extras)
 
 
 def _attention_bwd(cfg, residuals, cotangents):
     # lse leaves attention() under stop_gradient, so its cotangent is zero: dout alone flows.
     dout, _ = cotangents
-    return _backward(dout, *residuals, cfg)
+    *arrays, extras = residuals
+    dq, dk, dv = _backward(dout, *arrays, cfg, extras)
+    return dq, dk, dv, tuple(None for _ in extras)  # mask, slopes, seed: no gradient
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -175,7 +233,9 @@ def _check_dense(probes, opts):
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
               softmax_scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1),
               schedule: str = "auto", softcap: float = 0.0, deterministic: bool = False,
-              return_lse: bool = False, layout: str = "bshd") -> Any:
+              return_lse: bool = False, layout: str = "bshd", dropout_p: float = 0.0,
+              seed: Any = None, offset: int = 0, block_mask: Any = None,
+              block_size: Any = 128, alibi_slopes: Any = None) -> Any:
     """:func:`flashdl.attention` for JAX programs: traceable and differentiable with respect to q, k, v.
 
     Works under ``jax.jit``, ``jax.grad`` / ``jax.vjp`` (a ``jax.custom_vjp`` whose backward is
@@ -199,6 +259,20 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
     layout : {"bshd", "bhsd"}, default "bshd"
         ``"bhsd"`` takes (batch, nheads, seqlen, headdim) arrays and returns out in that layout
         (transposed in the program: JAX has no views). Errors quote the caller's shapes.
+    dropout_p : float, default 0.0
+        Static. As in :func:`flashdl.attention`: the same Philox mask for the same
+        ``(seed, offset)`` (:func:`flashdl.dropout_mask`), forward and backward.
+    seed : int or jax.Array, required when ``dropout_p > 0``
+        A Python int in ``[0, 2**64)`` (baked into the program), or a traced value: a uint32
+        array of shape (2,) (low word, high word; ``jax.random.key_data`` of a threefry key is
+        one), a uint32 scalar, or a uint64 scalar (with ``jax_enable_x64``). Never drawn here: a
+        seed drawn at trace time would repeat on every call of the compiled program.
+    offset : int, default 0
+        Static; as in :func:`flashdl.attention`.
+    block_mask : bool array, optional
+        As in :func:`flashdl.attention` (traced values are fine); ``block_size`` static.
+    alibi_slopes : float32 array (nheads,) or (batch, nheads), optional
+        As in :func:`flashdl.attention` (traced values are fine); not differentiated.
 
     Returns
     -------
@@ -215,8 +289,11 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
 
     Notes
     -----
-    Not here yet: dropout, block masks, ALiBi slopes (use :func:`flashdl.attention` eagerly). The
-    CUDA handlers are compiled but have not run on a GPU.
+    Under ``jax.jit`` with q, k, v sharded over batch and/or heads (``NamedSharding``), each
+    device computes its own shard with no collective (docs/jax.md); a sharded sequence axis is
+    gathered (use :func:`ring_attention`). Calls with dropout are not partitioned (the mask is
+    keyed by the global batch and head). The CUDA handlers are compiled but have not run on a
+    GPU; dropout under jit reads its seed on the host and is CPU only.
 
     Examples
     --------
@@ -231,15 +308,77 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
     """
     return_lse = _checks.flag("return_lse", return_lse)
     bhsd = _layout(layout)
-    cfg = _config(causal, softmax_scale, window_size, schedule, softcap, deterministic)
+    block_mask, alibi_slopes = _optional_arrays(block_mask, alibi_slopes)
+    cfg = _config(causal, softmax_scale, window_size, schedule, softcap, deterministic,
+                  dropout_p, offset, block_mask, block_size, alibi_slopes)
+    seed_arr = _seed(seed, cfg.dropout_p)
     with _LayoutErrors((q, k, v), bhsd):
         if bhsd:
             q, k, v = (_heads_second(n, x, 4) for n, x in (("q", q), ("k", k), ("v", v)))
-        _check(_check_dense, {"q": q, "k": k, "v": v}, cfg)
-    out, lse = _attention(q, k, v, _resolved(cfg, q))
+        _check(_check_dense, {"q": q, "k": k, "v": v}, cfg,
+               optional=dict(block_mask=block_mask, alibi_slopes=alibi_slopes))
+    extras = _dense_extras(q, block_mask, alibi_slopes, seed_arr)
+    out, lse = _attention(q, k, v, extras, _resolved(cfg, q))
     if bhsd:
         out = jnp.swapaxes(out, 1, 2)
     return (out, jax.lax.stop_gradient(lse)) if return_lse else out
+
+
+def _optional_arrays(block_mask, alibi_slopes):
+    """block_mask and alibi_slopes as JAX arrays (NumPy arrays and traced values alike)."""
+    out = []
+    for name, x, what in (("block_mask", block_mask, "a bool array"),
+                          ("alibi_slopes", alibi_slopes, "a float32 array")):
+        if x is not None and not (isinstance(x, (jax.Array, np.ndarray))
+                                  or _checks.is_tracer(x)):
+            raise TypeError(f"{name}: expected None or {what}, got {_checks.describe(x)}")
+        out.append(None if x is None else jnp.asarray(x))
+    return out
+
+
+def _dense_extras(q, block_mask, alibi_slopes, seed):
+    """The optional arrays of a dense call, in the handlers' order, broadcast to one plane per
+    (batch, head) so that they shard and fold with q's batch and heads (the core has checked
+    their shapes on the caller's arrays already)."""
+    b, h = q.shape[0], q.shape[2]
+    extras = []
+    if block_mask is not None:
+        m = block_mask if block_mask.ndim == 4 else block_mask[None, None]
+        extras.append(jnp.broadcast_to(m, (b, h) + m.shape[2:]))
+    if alibi_slopes is not None:
+        extras.append(jnp.broadcast_to(alibi_slopes, (b, h)))
+    if seed is not None:
+        extras.append(seed)
+    return tuple(extras)
+
+
+def _seed(seed, dropout_p):
+    """The dropout seed as the uint32 (2,) array (low word, high word) the handlers read; None
+    without dropout. A Python int becomes a constant; traced values are converted in the
+    program."""
+    if dropout_p == 0:
+        return None
+    if seed is None:
+        raise TypeError("seed: dropout_p > 0 under flashdl.jax needs a seed: an int in "
+                        "[0, 2**64) or a traced uint32 array of shape (2,) (e.g. "
+                        "jax.random.key_data(key)); none is drawn, since a seed drawn while "
+                        "tracing would repeat on every call of the compiled program")
+    if isinstance(seed, (jax.Array, np.ndarray)) or _checks.is_tracer(seed):
+        if jnp.issubdtype(seed.dtype, jax.dtypes.prng_key):
+            seed = jax.random.key_data(seed)
+        dtype, shape = jnp.dtype(seed.dtype), tuple(seed.shape)
+        if dtype == jnp.uint32 and shape == (2,):
+            return seed
+        if dtype == jnp.uint32 and shape == ():
+            return jnp.stack([seed, jnp.zeros((), jnp.uint32)])
+        if dtype == jnp.uint64 and shape == ():
+            return jnp.stack([(seed & 0xFFFFFFFF).astype(jnp.uint32),
+                              (seed >> 32).astype(jnp.uint32)])
+        raise TypeError("seed: expected an int, a uint32 array of shape (2,) (low word, high "
+                        "word), a uint32 scalar or a uint64 scalar, got "
+                        f"{dtype} of shape {shape}")
+    value = _unsigned("seed", seed, 64)
+    return jnp.array([value & 0xFFFFFFFF, value >> 32], dtype=jnp.uint32)
 
 
 def _heads_second(name, x, rank):
@@ -397,3 +536,6 @@ def _offsets(name, cu):
 def _static_int(name, x) -> int:
     """A static int (a traced value, a float or a bool is a TypeError naming the argument)."""
     return _checks.integer(name, x, "a static int that fits int64")
+
+
+from ._jax_kvcache import attention_with_kvcache, merge_states  # noqa: E402

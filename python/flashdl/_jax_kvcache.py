@@ -1,0 +1,235 @@
+"""flashdl.jax.attention_with_kvcache and merge_states: the KV cache and the state merge as XLA FFI
+custom calls.
+
+The cache append is a functional update: the custom call's updated caches alias its argument
+caches (``input_output_aliases``), so under ``jax.jit(..., donate_argnums=...)`` the append writes
+the donated buffers in place, and without donation XLA copies the caches first (the caller's
+arrays are never written either way).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _checks
+from .jax import _config, _register, _resolved
+
+_KVCACHE, _MERGE = "flashdl_attention_kvcache", "flashdl_merge_states"
+
+
+def _array(name, x, what):
+    if not (isinstance(x, (jax.Array, np.ndarray)) or _checks.is_tracer(x)):
+        raise TypeError(f"{name}: expected {what}, got {_checks.describe(x)}")
+    return jnp.asarray(x)
+
+
+def _int32(name, x, rank, what):
+    x = _array(name, x, f"an int32 array {what}")
+    if x.ndim != rank or x.dtype != jnp.int32:
+        raise TypeError(f"{name}: expected an int32 array {what}, got {x.dtype} of shape "
+                        f"{tuple(x.shape)}")
+    return x
+
+
+def _check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table):
+    """What Python can check at trace time; the core checks the rest (values of cache_seqlens and
+    block_table, room in the cache) when the call runs (XLA's INVALID_ARGUMENT with its message)."""
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+        if x is not None and x.ndim != 4:
+            raise ValueError(f"{name}: expected a rank-4 array, got shape {tuple(x.shape)}")
+        if x is not None and x.dtype != q.dtype:
+            raise TypeError(f"{name}: expected dtype {q.dtype} (the dtype of q), got {x.dtype}")
+    if (k is None) != (v is None):
+        raise ValueError(f"{'v' if k is not None else 'k'}: pass both k and v to append, or neither")
+    b, _, h, d = q.shape
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"v_cache: expected the shape of k_cache {tuple(k_cache.shape)}, got "
+                         f"{tuple(v_cache.shape)}")
+    hk = k_cache.shape[2]
+    if k_cache.shape[3] != d or hk == 0 or h % hk:
+        raise ValueError(f"k_cache: expected (…, nheads_kv, {d}) with nheads_kv dividing "
+                         f"nheads={h}, got {tuple(k_cache.shape)}")
+    if cache_seqlens.shape != (b,):
+        raise ValueError(f"cache_seqlens: expected shape ({b},) (batch of q), got "
+                         f"{tuple(cache_seqlens.shape)}")
+    if block_table is None and k_cache.shape[0] != b:
+        raise ValueError(f"k_cache: expected batch {b} (that of q), got {k_cache.shape[0]}")
+    if block_table is not None and block_table.shape[0] != b:
+        raise ValueError(f"block_table: expected {b} rows (batch of q), got "
+                         f"{block_table.shape[0]}")
+    if k is not None:
+        for name, x in (("k", k), ("v", v)):
+            if x.shape[0] != b or x.shape[2:] != (hk, d):
+                raise ValueError(f"{name}: expected ({b}, seqlen_new, {hk}, {d}), got "
+                                 f"{tuple(x.shape)}")
+
+
+def attention_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *,
+                           cache_seqlens: jax.Array, k: Optional[jax.Array] = None,
+                           v: Optional[jax.Array] = None, block_table: Optional[jax.Array] = None,
+                           causal: bool = False, softmax_scale: Optional[float] = None,
+                           window_size: Tuple[int, int] = (-1, -1), num_splits: int = 0,
+                           return_lse: bool = False, alibi_slopes: Optional[jax.Array] = None,
+                           softcap: float = 0.0) -> Any:
+    """:func:`flashdl.attention_with_kvcache` for JAX programs, with the append as a functional update.
+
+    Parameters are those of :func:`flashdl.attention_with_kvcache` (layout ``"bshd"``, contiguous or
+    paged caches); ``cache_seqlens`` and ``block_table`` are int32 arrays, traced values welcome
+    (their values are checked when the call runs). No gradient (inference); ``jax.vmap`` runs
+    the calls one by one.
+
+    Returns
+    -------
+    out, or (out, lse)
+        Without ``k``, ``v``.
+    (out, k_cache, v_cache), or (out, lse, k_cache, v_cache)
+        With ``k``, ``v``: the caches with the new rows written at ``cache_seqlens`` onward.
+        Donate the caches (``jax.jit(f, donate_argnums=...)``) to append in place; otherwise XLA
+        copies them first. ``cache_seqlens`` is not changed: add ``seqlen_new`` for the next step.
+
+    Raises
+    ------
+    ValueError, TypeError
+        At trace time for shapes and dtypes (naming the argument); when the call runs for
+        values (no room in the cache, a page index out of range): XLA's error with the core's
+        message.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp, flashdl.jax as fj
+    >>> kc = vc = jnp.zeros((2, 16, 1, 8), jnp.float32)
+    >>> q = knew = vnew = jnp.ones((2, 1, 2, 8), jnp.float32)[:, :, :1]
+    >>> step = jax.jit(lambda q, kc, vc, n, k, v: fj.attention_with_kvcache(
+    ...     q, kc, vc, cache_seqlens=n, k=k, v=v), donate_argnums=(1, 2))
+    >>> out, kc, vc = step(q, kc, vc, jnp.array([3, 5], jnp.int32), knew, vnew)
+    >>> out.shape, float(kc[0, 3, 0, 0]), float(kc[0, 4, 0, 0])
+    ((2, 1, 1, 8), 1.0, 0.0)
+    """
+    return_lse = _checks.flag("return_lse", return_lse)
+    num_splits = _checks.integer("num_splits", num_splits, "an int >= 0 (0: chosen)", 0, 2**62)
+    q, k_cache, v_cache = (_array(n, x, "a JAX array") for n, x in
+                           (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)))
+    k = None if k is None else _array("k", k, "a JAX array")
+    v = None if v is None else _array("v", v, "a JAX array")
+    cache_seqlens = _int32("cache_seqlens", cache_seqlens, 1, "(batch,)")
+    if block_table is not None:
+        block_table = _int32("block_table", block_table, 2, "(batch, max_pages)")
+    if alibi_slopes is not None:
+        alibi_slopes = _array("alibi_slopes", alibi_slopes, "a float32 array")
+    _check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table)
+    cfg = _resolved(_config(causal, softmax_scale, window_size, "auto", softcap, False), q)
+    attrs = cfg.attrs(False)
+    attrs.update(num_splits=np.int64(num_splits), has_new=k is not None,
+                 has_block_table=block_table is not None, has_alibi=alibi_slopes is not None)
+    args = [q, k_cache, v_cache, cache_seqlens] + ([k, v] if k is not None else []) + \
+        ([block_table] if block_table is not None else []) + \
+        ([alibi_slopes] if alibi_slopes is not None else [])
+    b, sq, h, _ = q.shape
+    shapes = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, sq), jnp.float32)]
+    aliases = None
+    if k is not None:
+        shapes += [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)] * 2
+        aliases = {1: 2, 2: 3}
+    _register()
+    call = jax.ffi.ffi_call(_KVCACHE, tuple(shapes), vmap_method="sequential",
+                            input_output_aliases=aliases)
+    res = call(*args, **attrs)
+    out, lse = res[0], res[1]
+    head = (out, lse) if return_lse else (out,)
+    if k is None:
+        return head if return_lse else out
+    return head + (res[2], res[3])
+
+
+# ---- merge_states ------------------------------------------------------------------------------
+
+def _merge_call(outs, lses):
+    _register()
+    o = outs[0]
+    shapes = (jax.ShapeDtypeStruct(o.shape, o.dtype), jax.ShapeDtypeStruct(lses[0].shape,
+                                                                           jnp.float32))
+    return tuple(jax.ffi.ffi_call(_MERGE, shapes, vmap_method="broadcast_all")(*outs, *lses))
+
+
+@jax.custom_vjp
+def _merge(outs, lses):
+    return _merge_call(outs, lses)
+
+
+def _merge_fwd(outs, lses):
+    out, lse = _merge_call(outs, lses)
+    return (out, lse), (outs, lses, out, lse)
+
+
+def _merge_bwd(res, cot):
+    """out = sum_i w_i outs[i], lse = log sum_i exp(lses[i]), w_i = exp(lses[i] - lse) (0 where
+    lses[i] is -inf): d outs[i] = w_i dout, d lses[i] = w_i (dlse + <dout, outs[i] - out>)."""
+    outs, lses, out, lse = res
+    dout, dlse = cot
+    d_outs, d_lses = [], []
+    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    for o, l in zip(outs, lses):
+        w = jnp.where(jnp.isneginf(l), 0.0, jnp.exp(l - safe))          # (..., h, s)
+        wt = jnp.swapaxes(w, -1, -2)[..., None]                           # (..., s, h, 1)
+        d_outs.append((wt * dout.astype(jnp.float32)).astype(o.dtype))
+        dot = jnp.sum(dout.astype(jnp.float32) * (o.astype(jnp.float32) - out.astype(jnp.float32)),
+                      axis=-1)
+        d_lses.append(w * (dlse + jnp.swapaxes(dot, -1, -2)))
+    return tuple(d_outs), tuple(d_lses)
+
+
+_merge.defvjp(_merge_fwd, _merge_bwd)
+
+
+def merge_states(outs: Sequence[jax.Array], lses: Sequence[jax.Array]) -> Tuple[jax.Array, jax.Array]:
+    """:func:`flashdl.merge_states_list` for JAX programs: ``(out, lse)`` over the union of disjoint
+    key sets, from the partial results over each, by flashdl's merge (a custom call).
+
+    Traceable, differentiable with respect to every ``outs[i]`` and ``lses[i]`` (a closed-form
+    backward in the program), and vmappable (mapped axes fold into the batch).
+
+    Parameters
+    ----------
+    outs : sequence of jax.Array (batch, seqlen, nheads, headdim)
+        At least one; all of one shape and dtype.
+    lses : sequence of float32 jax.Array (batch, nheads, seqlen)
+        One per output.
+
+    Returns
+    -------
+    out : jax.Array, like outs[0]
+    lse : float32 jax.Array (batch, nheads, seqlen)
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp, flashdl.jax as fj
+    >>> o = jnp.ones((1, 4, 2, 8), jnp.float32); l = jnp.zeros((1, 2, 4), jnp.float32)
+    >>> out, lse = jax.jit(fj.merge_states)([o, 2 * o], [l, l])
+    >>> float(out[0, 0, 0, 0]), round(float(lse[0, 0, 0]), 4)
+    (1.5, 0.6931)
+    """
+    if isinstance(outs, (jax.Array, np.ndarray)) or isinstance(lses, (jax.Array, np.ndarray)):
+        raise TypeError("outs, lses: expected sequences (lists) of arrays, got an array")
+    outs = [_array(f"outs[{i}]", o, "a JAX array") for i, o in enumerate(outs)]
+    lses = [_array(f"lses[{i}]", x, "a float32 JAX array") for i, x in enumerate(lses)]
+    if not outs or len(outs) != len(lses):
+        raise ValueError(f"lses: expected one lse per output ({len(outs)} outputs, at least one), "
+                         f"got {len(lses)}")
+    o0 = outs[0]
+    if o0.ndim != 4:
+        raise ValueError(f"outs[0]: expected (batch, seqlen, nheads, headdim), got shape "
+                         f"{tuple(o0.shape)}")
+    b, s, h, _ = o0.shape
+    for i, (o, l) in enumerate(zip(outs, lses)):
+        if o.shape != o0.shape or o.dtype != o0.dtype:
+            raise ValueError(f"outs[{i}]: expected {o0.dtype} of shape {tuple(o0.shape)} (that "
+                             f"of outs[0]), got {o.dtype} of shape {tuple(o.shape)}")
+        if l.shape != (b, h, s) or l.dtype != jnp.float32:
+            raise ValueError(f"lses[{i}]: expected float32 of shape {(b, h, s)}, got {l.dtype} "
+                             f"of shape {tuple(l.shape)}")
+    return _merge(tuple(outs), tuple(lses))

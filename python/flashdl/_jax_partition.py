@@ -1,0 +1,127 @@
+"""How flashdl.jax's custom calls meet JAX's sharding and jax.vmap.
+
+Sharding: each dense custom call (forward and backward) is wrapped in
+``jax.experimental.custom_partitioning`` with a Shardy sharding rule in einsum notation (``b s h
+d, b t k d, b t k d -> b s h d, b h s`` for the forward). The batch factor ``b`` and the head
+factors ``h`` (query heads) and ``k`` (kv heads) may be sharded; the sequence and head-dimension
+factors must be replicated. The partition callback then checks that q, k and v are sharded
+alike over batch and heads (a mismatch raises, naming the argument) and lowers the very same
+custom call on each device's shard: no all-gather, no collective at all, because attention is
+independent across batch entries and across kv-head groups. docs/jax.md says why this and not
+an internal shard_map (which would need the mesh at trace time, which jit under automatic
+sharding does not have).
+
+jax.vmap: custom_partitioning has no batching rule, so the partitioned call sits inside a
+``jax.custom_batching.custom_vmap`` whose rule folds the mapped axis into the batch (one kernel
+launch for the whole vmapped batch, as ``vmap_method="broadcast_all"`` did before).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+# The role of each array of a call: its factors in the sharding rule.
+_Q, _KV, _LSE, _MASK, _ALIBI = "b s h d", "b t k d", "b h s", "b h x y", "b h"
+_REPLICATED = ("s", "t", "d", "x", "y")
+
+
+def _roles(kind, cfg):
+    extras = ([_MASK] if cfg.has_block_mask else []) + ([_ALIBI] if cfg.has_alibi else [])
+    if kind == "fwd":
+        names = ["q", "k", "v"] + (["block_mask"] if cfg.has_block_mask else []) + \
+            (["alibi_slopes"] if cfg.has_alibi else [])
+        return names, [_Q, _KV, _KV] + extras, [_Q, _LSE]
+    names = ["dout", "q", "k", "v", "out", "lse"] + (["block_mask"] if cfg.has_block_mask else []) \
+        + (["alibi_slopes"] if cfg.has_alibi else [])
+    return names, [_Q, _Q, _KV, _KV, _Q, _LSE] + extras, [_Q, _KV, _KV]
+
+
+def _entry(spec, i):
+    return spec[i] if i < len(spec) else None
+
+
+def _axes(entry):
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _spec(role, batch, heads):
+    return P(*[batch if f == "b" else heads if f in ("h", "k") else None
+               for f in role.split()])
+
+
+def _shards(mesh, entry):
+    return math.prod(mesh.shape[a] for a in _axes(entry))
+
+
+def _partition_rule(kind, cfg, raw):
+    names, in_roles, out_roles = _roles(kind, cfg)
+    q_at = names.index("q")
+
+    def partition(mesh, arg_shapes, result_shape):
+        specs = [getattr(a.sharding, "spec", P()) for a in arg_shapes]
+        batch, heads = _entry(specs[q_at], 0), _entry(specs[q_at], 2)
+        for name, role, spec, shape in zip(names, in_roles, specs, arg_shapes):
+            factors = role.split()
+            for i, f in enumerate(factors):
+                got = _axes(_entry(spec, i))
+                want = _axes(batch) if f == "b" else _axes(heads) if f in ("h", "k") else None
+                if want is not None and got != want:
+                    raise ValueError(
+                        f"{name}: sharded over {got or 'no mesh axis'} along its "
+                        f"{'batch' if f == 'b' else 'heads'} axis, but q over "
+                        f"{want or 'no mesh axis'}: q, k, v (and dout, out, lse) must be sharded "
+                        "alike over batch and heads")
+                if f in ("b", "h", "k") and shape.shape[i] % max(_shards(mesh, _entry(spec, i)), 1):
+                    raise ValueError(
+                        f"{name}: axis {i} of size {shape.shape[i]} does not split evenly over "
+                        f"{_shards(mesh, _entry(spec, i))} devices")
+        hk = arg_shapes[names.index("k")].shape[2]
+        if hk % _shards(mesh, heads):
+            raise ValueError(f"k: {hk} kv heads do not split evenly over the "
+                             f"{_shards(mesh, heads)} devices that shard the heads of q")
+        arg_sh = tuple(NamedSharding(mesh, _spec(r, batch, heads)) for r in in_roles)
+        res_sh = tuple(NamedSharding(mesh, _spec(r, batch, heads)) for r in out_roles)
+        return mesh, raw, res_sh, arg_sh
+
+    def infer(mesh, arg_shapes, result_shape):  # the GSPMD partitioner (Shardy off)
+        spec = getattr(arg_shapes[q_at].sharding, "spec", P())
+        return tuple(NamedSharding(mesh, _spec(r, _entry(spec, 0), _entry(spec, 2)))
+                     for r in out_roles)
+
+    rule = ", ".join(in_roles) + " -> " + ", ".join(out_roles)
+    return partition, infer, rule
+
+
+def _fold_vmap(fn, nout):
+    """fn under jax.custom_batching.custom_vmap: a mapped axis folds into the batch axis."""
+    f = jax.custom_batching.custom_vmap(fn)
+
+    @f.def_vmap
+    def rule(axis_size, in_batched, *args):
+        args = [x if b else jnp.broadcast_to(x, (axis_size,) + x.shape)
+                for x, b in zip(args, in_batched)]
+        batch = args[0].shape[1]
+        outs = f(*(x.reshape((axis_size * batch,) + x.shape[2:]) for x in args))
+        return tuple(o.reshape((axis_size, batch) + o.shape[1:]) for o in outs), (True,) * nout
+
+    return f
+
+
+@functools.lru_cache(maxsize=None)
+def partitioned(kind, cfg, raw):
+    """The custom call `raw` (a function of the call's arrays, for the static config cfg) as a
+    partitioned, vmappable function of the same arrays."""
+    cp = custom_partitioning(raw)
+    partition, infer, rule = _partition_rule(kind, cfg, raw)
+    order = list(dict.fromkeys(rule.replace(",", " ").replace("->", " ").split()))
+    # Shardy wants the special factors in the order of their first appearance in the rule.
+    replicated = tuple(sorted((f for f in _REPLICATED if f in order), key=order.index))
+    cp.def_partition(partition=partition, infer_sharding_from_operands=infer,
+                     sharding_rule=rule, need_replication_factors=replicated)
+    return _fold_vmap(cp, 2 if kind == "fwd" else 3)
