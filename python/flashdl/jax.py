@@ -29,7 +29,7 @@ from ._api import _unsigned
 from ._jax_partition import partitioned
 
 __all__ = ["attention", "attention_varlen", "attention_with_kvcache", "merge_states",
-           "ring_attention", "ring_shard", "ring_unshard"]
+           "ring_attention", "ring_permute", "ring_unpermute"]
 
 _FWD, _BWD = "flashdl_attention_fwd", "flashdl_attention_bwd"
 _VARLEN_FWD, _VARLEN_BWD = "flashdl_attention_varlen_fwd", "flashdl_attention_varlen_bwd"
@@ -539,3 +539,4 @@ def _static_int(name, x) -> int:
 
 
 from ._jax_kvcache import attention_with_kvcache, merge_states  # noqa: E402
+from ._jax_ring import ring_attention, ring_permute, ring_unpermute  # noqa: E402
