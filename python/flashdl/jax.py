@@ -403,31 +403,33 @@ class _Varlen(NamedTuple):
                     max_seqlen_k=np.int64(self.max_seqlen_k))
 
 
-def _varlen_forward(q, k, v, cu_q, cu_k, cfg, lens):
+def _varlen_forward(q, k, v, cu_q, cu_k, extras, cfg, lens):
     _register()
     total, h, _ = q.shape
     shapes = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((h, total), jnp.float32))
     call = jax.ffi.ffi_call(_VARLEN_FWD, shapes, vmap_method="sequential")
-    return call(q, k, v, cu_q, cu_k, **cfg.attrs(False), **lens.attrs())
+    return call(q, k, v, cu_q, cu_k, *extras, **cfg.attrs(False), **lens.attrs())
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _attention_varlen(q, k, v, cu_q, cu_k, cfg, lens):
-    return _varlen_forward(q, k, v, cu_q, cu_k, cfg, lens)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _attention_varlen(q, k, v, cu_q, cu_k, extras, cfg, lens):
+    return _varlen_forward(q, k, v, cu_q, cu_k, extras, cfg, lens)
 
 
-def _attention_varlen_fwd(q, k, v, cu_q, cu_k, cfg, lens):
-    out, lse = _varlen_forward(q, k, v, cu_q, cu_k, cfg, lens)
-    return (out, lse), (q, k, v, out, lse, cu_q, cu_k)
+def _attention_varlen_fwd(q, k, v, cu_q, cu_k, extras, cfg, lens):
+    out, lse = _varlen_forward(q, k, v, cu_q, cu_k, extras, cfg, lens)
+    return (out, lse), (q, k, v, out, lse, cu_q, cu_k, extras)
 
 
 def _attention_varlen_bwd(cfg, lens, residuals, cotangents):
     dout, _ = cotangents
-    q, k, v, out, lse, cu_q, cu_k = residuals
+    q, k, v, out, lse, cu_q, cu_k, extras = residuals
     shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
     call = jax.ffi.ffi_call(_VARLEN_BWD, shapes, vmap_method="sequential")
-    dq, dk, dv = call(dout, q, k, v, out, lse, cu_q, cu_k, **cfg.attrs(True), **lens.attrs())
-    return dq, dk, dv, None, None  # the offsets are integers: no cotangent
+    dq, dk, dv = call(dout, q, k, v, out, lse, cu_q, cu_k, *extras, **cfg.attrs(True),
+                      **lens.attrs())
+    # the offsets, mask, slopes and seed are not differentiated
+    return dq, dk, dv, None, None, tuple(None for _ in extras)
 
 
 _attention_varlen.defvjp(_attention_varlen_fwd, _attention_varlen_bwd)
@@ -447,7 +449,9 @@ def attention_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax
                      causal: bool = False, softmax_scale: Optional[float] = None,
                      window_size: Tuple[int, int] = (-1, -1), schedule: str = "auto",
                      softcap: float = 0.0, deterministic: bool = False,
-                     return_lse: bool = False, layout: str = "thd") -> Any:
+                     return_lse: bool = False, layout: str = "thd", dropout_p: float = 0.0,
+                     seed: Any = None, offset: int = 0, block_mask: Any = None,
+                     block_size: Any = 128, alibi_slopes: Any = None) -> Any:
     """:func:`flashdl.attention_varlen` for JAX programs (flash-attn's packed layout).
 
     Traceable and differentiable with respect to q, k and v, like :func:`attention`. ``jax.vmap``
@@ -470,6 +474,9 @@ def attention_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax
     layout : {"thd", "htd"}, default "thd"
         ``"htd"`` takes (nheads, total, headdim) arrays and returns out in that layout (transposed in
         the program).
+    dropout_p, seed, offset, block_mask, block_size, alibi_slopes : optional
+        As in :func:`attention` (the mask of sequence ``b`` is that of dense batch ``b``), and
+        block masks and slopes as in :func:`flashdl.attention_varlen`.
 
     Returns
     -------
@@ -497,7 +504,10 @@ def attention_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax
     """
     return_lse = _checks.flag("return_lse", return_lse)
     heads_first = _layout(layout, varlen=True)
-    cfg = _config(causal, softmax_scale, window_size, schedule, softcap, deterministic)
+    block_mask, alibi_slopes = _optional_arrays(block_mask, alibi_slopes)
+    cfg = _config(causal, softmax_scale, window_size, schedule, softcap, deterministic,
+                  dropout_p, offset, block_mask, block_size, alibi_slopes)
+    seed_arr = _seed(seed, cfg.dropout_p)
     lens = _Varlen(_static_int("max_seqlen_q", max_seqlen_q),
                    _static_int("max_seqlen_k", max_seqlen_k))
     cu_seqlens_q, cu_seqlens_k = (_offsets(n, cu) for n, cu in (
@@ -509,8 +519,11 @@ def attention_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax
     with _LayoutErrors((q, k, v), heads_first, varlen=True):
         if heads_first:
             q, k, v = (_heads_second(n, x, 3) for n, x in (("q", q), ("k", k), ("v", v)))
-        _check(_check_varlen, {"q": q, "k": k, "v": v}, cfg, (lens, nseq))
-    out, lse = _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, _resolved(cfg, q), lens)
+        _check(_check_varlen, {"q": q, "k": k, "v": v}, cfg, (lens, nseq),
+               optional=dict(block_mask=block_mask, alibi_slopes=alibi_slopes))
+    extras = tuple(x for x in (block_mask, alibi_slopes, seed_arr) if x is not None)
+    out, lse = _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, extras,
+                                 _resolved(cfg, q), lens)
     if heads_first:
         out = jnp.swapaxes(out, 0, 1)
     return (out, jax.lax.stop_gradient(lse)) if return_lse else out

@@ -226,3 +226,27 @@ def test_zero_length_inputs():
     out, lse = fj.merge_states([np.zeros((1, 0, 2, 8), np.float32)],
                                [np.zeros((1, 2, 0), np.float32)])
     assert out.shape == (1, 0, 2, 8) and lse.shape == (1, 2, 0)
+
+
+def test_varlen_dropout_block_mask_alibi_match_eager():
+    cu = np.array([0, 7, 7, 20], np.int32)
+    q, k, v, dout = arrays([(20, 4, 16), (20, 2, 16), (20, 2, 16), (20, 4, 16)], seed=7)
+    mask = np.random.default_rng(8).random((3, 1, 2, 2)) < 0.7
+    slopes = np.linspace(0.1, 0.3, 4).astype(np.float32)
+    opts = dict(causal=True, dropout_p=0.2, offset=1, block_size=8, softcap=2.0)
+
+    def f(q, k, v, s):
+        return fj.attention_varlen(q, k, v, cu, cu, 13, 13, seed=s, block_mask=mask,
+                                   alibi_slopes=slopes, return_lse=True, **opts)
+    out, lse = jax.jit(f)(q, k, v, words(SEED))
+    e_out, e_lse = flashdl.attention_varlen(q, k, v, cu, cu, 13, 13, seed=SEED, block_mask=mask,
+                                            alibi_slopes=slopes, return_lse=True, **opts)
+    np.testing.assert_array_equal(np.asarray(out), e_out)
+    np.testing.assert_array_equal(np.asarray(lse), e_lse)
+    grads = jax.jit(jax.grad(lambda q, k, v: (f(q, k, v, words(SEED))[0] * dout).sum(),
+                             argnums=(0, 1, 2)))(q, k, v)
+    want = flashdl.attention_varlen_backward(dout, q, k, v, e_out, e_lse, cu, cu, 13, 13,
+                                             seed=SEED, block_mask=mask, alibi_slopes=slopes,
+                                             **opts)
+    for g, e in zip(grads, want):
+        np.testing.assert_array_equal(np.asarray(g), e)
