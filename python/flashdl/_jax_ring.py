@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _checks
-from ._ring_plan import chunks_of, check_layout, global_window, last_step, pair_block
+from ._ring_plan import Block, chunks_of, check_layout, global_window, last_step, pair_block
 
 
 class _Ring(NamedTuple):
@@ -36,23 +36,58 @@ class _Ring(NamedTuple):
     layout: str
     chunk: int           # rows per chunk (s_local / 2 for zigzag)
     last: int            # the last ring step with a visible pair
-    plans: tuple         # plans[t][r]: ((ia, ib, Block), ...) of rank r at step t
+    plans: tuple         # plans[t][r]: the Blocks of rank r at step t (_plans)
     cfg: Any             # flashdl.jax._Config of the whole call (window replaced per block)
 
 
+def _coalesce(blocks):
+    """Unmasked blocks (local rows [q0, q1) x local keys [k0, k1)) that share their rows and
+    have adjacent keys, or share their keys and have adjacent rows, are one unmasked call: fewer,
+    larger kernel calls and merges (zigzag's causal steps become one call each)."""
+    blocks = list(blocks)
+    merged = True
+    while merged:
+        merged = False
+        for i, a in enumerate(blocks):
+            for j, b in enumerate(blocks):
+                if i == j or a.window is not None or b.window is not None:
+                    continue
+                if (a.q0, a.q1) == (b.q0, b.q1) and a.k1 == b.k0:
+                    new = Block(a.q0, a.q1, a.k0, b.k1, None)
+                elif (a.k0, a.k1) == (b.k0, b.k1) and a.q1 == b.q0:
+                    new = Block(a.q0, b.q1, a.k0, a.k1, None)
+                else:
+                    continue
+                blocks = [x for n, x in enumerate(blocks) if n not in (i, j)] + [new]
+                merged = True
+                break
+            if merged:
+                break
+    return tuple(sorted(blocks))
+
+
 def _plans(world, layout, c, left, right, last):
+    """plans[t][r]: the blocks rank r computes at step t, as Blocks in its local rows and in the
+    local rows of the K/V it holds then (chunk i of a rank is local rows [i c, (i + 1) c))."""
     plans = []
     for t in range(last + 1):
         per_rank = []
         for r in range(world):
             owner = (r - t) % world
-            pairs = []
+            blocks = []
             for ia, a in enumerate(chunks_of(r, world, layout)):
                 for ib, b in enumerate(chunks_of(owner, world, layout)):
                     blk = pair_block(a, b, c, left, right)
                     if blk is not None and blk.q1 > blk.q0 and blk.k1 > blk.k0:
-                        pairs.append((ia, ib, blk))
-            per_rank.append(tuple(pairs))
+                        blocks.append(Block(ia * c + blk.q0, ia * c + blk.q1, ib * c + blk.k0,
+                                            ib * c + blk.k1, blk.window))
+            n = len(chunks_of(r, world, layout))
+            if t == 0 and right == 0 and left >= n * c * world and blocks:
+                # A rank's own chunks under a plain causal mask: causal over its local rows in
+                # either layout (zigzag's chunk 2W - 1 - r sees all of chunk r, and chunk r none
+                # of it), so one causal call instead of a diagonal, a full and a diagonal block.
+                blocks = [Block(0, n * c, 0, n * c, (-1, 0))]
+            per_rank.append(_coalesce(blocks))
         plans.append(tuple(per_rank))
     return tuple(plans)
 
@@ -60,10 +95,6 @@ def _plans(world, layout, c, left, right, last):
 def _block_cfg(ring, blk):
     left, right = (-1, -1) if blk.window is None else blk.window
     return ring.cfg._replace(causal=False, window_left=left, window_right=right)
-
-
-def _rows(ring, i, lo, hi):
-    return slice(i * ring.chunk + lo, i * ring.chunk + hi)
 
 
 def _switch(ring, t, fn, *operands):
@@ -91,8 +122,8 @@ def _ring_forward(ring, q, k, v):
     acc_lse = jnp.full_like(jnp.swapaxes(q[..., 0], 1, 2), -jnp.inf, jnp.float32)
 
     def step(plan, q, k, v, acc, acc_lse):
-        for ia, ib, blk in plan:
-            rows, keys = _rows(ring, ia, blk.q0, blk.q1), _rows(ring, ib, blk.k0, blk.k1)
+        for blk in plan:
+            rows, keys = slice(blk.q0, blk.q1), slice(blk.k0, blk.k1)
             out, lse = _forward(q[:, rows], k[:, keys], v[:, keys], _block_cfg(ring, blk))
             o, l = _merge_call((acc[:, rows], out.astype(jnp.float32)),
                                (acc_lse[:, :, rows], lse))
@@ -112,8 +143,8 @@ def _ring_backward(ring, dout, q, k, v, out, lse):
     dk, dv = jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32)
 
     def step(plan, dout, q, k, v, out, lse, dq, dk, dv):
-        for ia, ib, blk in plan:
-            rows, keys = _rows(ring, ia, blk.q0, blk.q1), _rows(ring, ib, blk.k0, blk.k1)
+        for blk in plan:
+            rows, keys = slice(blk.q0, blk.q1), slice(blk.k0, blk.k1)
             gq, gk, gv = _backward(dout[:, rows], q[:, rows], k[:, keys], v[:, keys],
                                    out[:, rows], lse[:, :, rows], _block_cfg(ring, blk))
             dq = dq.at[:, rows].add(gq.astype(jnp.float32))
