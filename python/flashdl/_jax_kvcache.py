@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _checks
-from .jax import _config, _register, _resolved
 
 _KVCACHE, _MERGE = "flashdl_attention_kvcache", "flashdl_merge_states"
 
@@ -102,14 +101,15 @@ def attention_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     Examples
     --------
     >>> import jax, jax.numpy as jnp, flashdl.jax as fj
-    >>> kc = vc = jnp.zeros((2, 16, 1, 8), jnp.float32)
-    >>> q = knew = vnew = jnp.ones((2, 1, 2, 8), jnp.float32)[:, :, :1]
+    >>> kc, vc = jnp.zeros((2, 16, 1, 8), jnp.float32), jnp.zeros((2, 16, 1, 8), jnp.float32)
+    >>> q = knew = vnew = jnp.ones((2, 1, 1, 8), jnp.float32)
     >>> step = jax.jit(lambda q, kc, vc, n, k, v: fj.attention_with_kvcache(
     ...     q, kc, vc, cache_seqlens=n, k=k, v=v), donate_argnums=(1, 2))
     >>> out, kc, vc = step(q, kc, vc, jnp.array([3, 5], jnp.int32), knew, vnew)
     >>> out.shape, float(kc[0, 3, 0, 0]), float(kc[0, 4, 0, 0])
     ((2, 1, 1, 8), 1.0, 0.0)
     """
+    from .jax import _config, _register, _resolved  # flashdl.jax imports this module
     return_lse = _checks.flag("return_lse", return_lse)
     num_splits = _checks.integer("num_splits", num_splits, "an int >= 0 (0: chosen)", 0, 2**62)
     q, k_cache, v_cache = (_array(n, x, "a JAX array") for n, x in
@@ -149,6 +149,7 @@ def attention_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
 # ---- merge_states ------------------------------------------------------------------------------
 
 def _merge_call(outs, lses):
+    from .jax import _register
     _register()
     o = outs[0]
     shapes = (jax.ShapeDtypeStruct(o.shape, o.dtype), jax.ShapeDtypeStruct(lses[0].shape,
