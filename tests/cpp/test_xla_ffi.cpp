@@ -313,6 +313,93 @@ void test_varlen() {
                A::kInvalidArgument, "max_seqlen_q:", out2);
 }
 
+// A Buf whose descriptor points at integer values (S32 or U32), as test_varlen's offsets.
+template <typename T>
+void as_ints(Buf& b, std::vector<T>& values, std::vector<int64_t>& dims, A::DataType dtype) {
+  b.desc = {A::kBufferSize, nullptr, dtype, values.data(), static_cast<int64_t>(dims.size()),
+            dims.data()};
+}
+
+// Dropout: the seed arrives as a uint32 (2,) buffer (low, high word) after the fixed arguments;
+// the result is flashdl::forward's with that seed. A missing or mistyped seed names `seed`.
+void test_dropout_seed_buffer() {
+  Buf q({2, 7, 2, 8}, 11), k({2, 9, 1, 8}, 12), v({2, 9, 1, 8}, 13);
+  Buf out({2, 7, 2, 8}, 0), lse({2, 2, 7}, 0), out_ref({2, 7, 2, 8}, 0), lse_ref({2, 2, 7}, 0);
+  const uint64_t seed = 0x0123456789ABCDEFull;
+  std::vector<uint32_t> w = {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)};
+  std::vector<int32_t> bad = {1, 2};
+  std::vector<int64_t> two = {2};
+  Buf words({2}, 0), wrong({2}, 0);
+  as_ints(words, w, two, A::kU32);
+  as_ints(wrong, bad, two, A::kS32);
+  Attrs a = default_attrs(false);
+  a.f64("dropout_p", 0.3).i64("offset", 5);
+  CHECK(call(handler("flashdl_attention_fwd"), {&q, &k, &v, &words}, {&out, &lse}, a) ==
+        nullptr);
+  flashdl::Options o;
+  o.schedule = flashdl::Schedule::fa2;
+  o.dropout_p = 0.3f;
+  o.seed = seed;
+  o.offset = 5;
+  flashdl::forward(view(q, {2, 7, 2, 8}), view(k, {2, 9, 1, 8}), view(v, {2, 9, 1, 8}),
+                   view(out_ref, {2, 7, 2, 8}), view(lse_ref, {2, 2, 7}), o);
+  CHECK(out.values == out_ref.values && lse.values == lse_ref.values);
+  Buf out2({2, 7, 2, 8}, 0);
+  Attrs b = default_attrs(false);
+  b.f64("dropout_p", 0.3).i64("offset", 5);
+  expect_error("no seed", call(handler("flashdl_attention_fwd"), {&q, &k, &v}, {&out2, &lse}, b),
+               A::kInvalidArgument, "seed:", out2);
+  Attrs c = default_attrs(false);
+  c.f64("dropout_p", 0.3).i64("offset", 5);
+  expect_error("seed dtype",
+               call(handler("flashdl_attention_fwd"), {&q, &k, &v, &wrong}, {&out2, &lse},
+                    c),
+               A::kInvalidArgument, "seed:", out2);
+}
+
+// The KV cache with an append into result caches that XLA did not alias with the arguments: the
+// handler copies the caches over first, so the argument caches stay as they were; merge_states
+// of two partial results equals flashdl::merge_states.
+void test_kvcache_and_merge() {
+  Buf q({2, 1, 2, 8}, 21), kc({2, 6, 1, 8}, 22), vc({2, 6, 1, 8}, 23), kn({2, 1, 1, 8}, 24),
+      vn({2, 1, 1, 8}, 25);
+  std::vector<int32_t> u = {2, 5};
+  std::vector<int64_t> two = {2};
+  Buf used({2}, 0);
+  as_ints(used, u, two, A::kS32);
+  Buf out({2, 1, 2, 8}, 0), lse({2, 2, 1}, 0), kc_out({2, 6, 1, 8}, 0), vc_out({2, 6, 1, 8}, 0);
+  const std::vector<float> kc0 = kc.values, vc0 = vc.values;
+  Attrs a = default_attrs(true);
+  a.flag("has_new", true).i64("num_splits", 0);
+  CHECK(call(handler("flashdl_attention_kvcache"), {&q, &kc, &vc, &used, &kn, &vn},
+             {&out, &lse, &kc_out, &vc_out}, a) == nullptr);
+  CHECK(kc.values == kc0 && vc.values == vc0);
+  std::vector<float> kc_ref = kc0, vc_ref = vc0;
+  Buf out_ref({2, 1, 2, 8}, 0), lse_ref({2, 2, 1}, 0), kr({2, 6, 1, 8}, 0), vr({2, 6, 1, 8}, 0);
+  kr.values = kc_ref, vr.values = vc_ref;
+  kr.desc.data = kr.values.data(), vr.desc.data = vr.values.data();
+  flashdl::Options o;
+  o.causal = true;
+  int32_t used_ref[2] = {2, 5};
+  flashdl::TensorView tu;
+  tu.data = used_ref, tu.dtype = flashdl::DType::int32, tu.rank = 1, tu.shape[0] = 2,
+  tu.strides[0] = 1;
+  flashdl::forward_kvcache(view(q, {2, 1, 2, 8}), view(kr, {2, 6, 1, 8}), view(vr, {2, 6, 1, 8}),
+                           tu, view(kn, {2, 1, 1, 8}), view(vn, {2, 1, 1, 8}), {},
+                           view(out_ref, {2, 1, 2, 8}), view(lse_ref, {2, 2, 1}), o);
+  CHECK(out.values == out_ref.values && lse.values == lse_ref.values);
+  CHECK(kc_out.values == kr.values && vc_out.values == vr.values);
+
+  Buf o1({1, 3, 2, 8}, 31), l1({1, 2, 3}, 32), o2({1, 3, 2, 8}, 33), l2({1, 2, 3}, 34);
+  Buf mo({1, 3, 2, 8}, 0), ml({1, 2, 3}, 0), ro({1, 3, 2, 8}, 0), rl({1, 2, 3}, 0);
+  Attrs none;
+  CHECK(call(handler("flashdl_merge_states"), {&o1, &o2, &l1, &l2}, {&mo, &ml}, none) == nullptr);
+  flashdl::merge_states({view(o1, {1, 3, 2, 8}), view(o2, {1, 3, 2, 8})},
+                        {view(l1, {1, 2, 3}), view(l2, {1, 2, 3})}, view(ro, {1, 3, 2, 8}),
+                        view(rl, {1, 2, 3}));
+  CHECK(mo.values == ro.values && ml.values == rl.values);
+}
+
 }  // namespace
 
 int main() {
@@ -321,5 +408,7 @@ int main() {
   run_test("attribute kinds", test_attribute_kinds);
   run_test("errors come back through the API", test_errors_come_back_through_the_api);
   run_test("varlen", test_varlen);
+  run_test("dropout seed buffer", test_dropout_seed_buffer);
+  run_test("kvcache and merge_states", test_kvcache_and_merge);
   return finish();
 }
