@@ -44,7 +44,8 @@ def _check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table):
         if x is not None and x.dtype != q.dtype:
             raise TypeError(f"{name}: expected dtype {q.dtype} (the dtype of q), got {x.dtype}")
     if (k is None) != (v is None):
-        raise ValueError(f"{'v' if k is not None else 'k'}: pass both k and v to append, or neither")
+        missing = "v" if k is not None else "k"
+        raise ValueError(f"{missing}: pass both k and v to append, or neither")
     b, _, h, d = q.shape
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"v_cache: expected the shape of k_cache {tuple(k_cache.shape)}, got "
@@ -75,7 +76,7 @@ def attention_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                            window_size: Tuple[int, int] = (-1, -1), num_splits: int = 0,
                            return_lse: bool = False, alibi_slopes: Optional[jax.Array] = None,
                            softcap: float = 0.0) -> Any:
-    """:func:`flashdl.attention_with_kvcache` for JAX programs, with the append as a functional update.
+    """:func:`flashdl.attention_with_kvcache` for JAX programs; the append is a functional update.
 
     Parameters are those of :func:`flashdl.attention_with_kvcache` (layout ``"bshd"``, contiguous or
     paged caches); ``cache_seqlens`` and ``block_table`` are int32 arrays, traced values welcome
@@ -187,7 +188,8 @@ def _merge_bwd(res, cot):
 _merge.defvjp(_merge_fwd, _merge_bwd)
 
 
-def merge_states(outs: Sequence[jax.Array], lses: Sequence[jax.Array]) -> Tuple[jax.Array, jax.Array]:
+def merge_states(outs: Sequence[jax.Array],
+                 lses: Sequence[jax.Array]) -> Tuple[jax.Array, jax.Array]:
     """:func:`flashdl.merge_states_list` for JAX programs: ``(out, lse)`` over the union of disjoint
     key sets, from the partial results over each, by flashdl's merge (a custom call).
 
