@@ -84,6 +84,19 @@ def test_sharded_block_mask_and_vmap():
                                   flashdl.attention(q, k, v, causal=True))
 
 
+def test_sharded_dropout_is_gathered_and_keeps_the_global_mask():
+    """Dropout calls are not partitioned (the mask is keyed by the global batch and head): XLA
+    gathers their operands, and the result is the eager call's, mask and all."""
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    q, k, v = arrays([(4, 16, 2, 8)] * 3, seed=4)
+    sh = NamedSharding(mesh, P("data"))
+    args = [jax.device_put(x, sh) for x in (q, k, v)]
+    f = jax.jit(lambda q, k, v: fj.attention(q, k, v, dropout_p=0.3, seed=99))
+    assert "all-gather" in collectives(f.lower(*args).compile().as_text())
+    np.testing.assert_array_equal(np.asarray(f(*args)),
+                                  flashdl.attention(q, k, v, dropout_p=0.3, seed=99))
+
+
 def test_mismatched_shardings_name_the_argument():
     mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
     q, k, v = arrays([(4, 8, 4, 8)] * 3)
