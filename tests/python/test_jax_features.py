@@ -250,3 +250,20 @@ def test_varlen_dropout_block_mask_alibi_match_eager():
                                              **opts)
     for g, e in zip(grads, want):
         np.testing.assert_array_equal(np.asarray(g), e)
+
+
+def test_zero_length_kvcache_and_ring():
+    from jax.sharding import Mesh, PartitionSpec as P
+    out = fj.attention_with_kvcache(jnp.zeros((0, 1, 2, 8)), jnp.zeros((0, 4, 1, 8)),
+                                    jnp.zeros((0, 4, 1, 8)),
+                                    cache_seqlens=jnp.zeros((0,), jnp.int32))
+    assert out.shape == (0, 1, 2, 8)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("sp",))
+    ring = jax.shard_map(lambda q: fj.ring_attention(q, q, q, axis_name="sp", causal=True,
+                                                     return_lse=True),
+                         mesh=mesh, in_specs=P(None, "sp"), out_specs=(P(None, "sp"),
+                                                                       P(None, None, "sp")))
+    out, lse = jax.jit(ring)(jnp.zeros((1, 0, 2, 8)))
+    assert out.shape == (1, 0, 2, 8) and lse.shape == (1, 2, 0)
+    dq = jax.grad(lambda q: ring(q)[0].sum())(jnp.zeros((1, 0, 2, 8)))
+    assert dq.shape == (1, 0, 2, 8)
