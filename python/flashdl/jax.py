@@ -10,6 +10,10 @@ trip, no callback. The gradient is a jax.custom_vjp whose backward is flashdl's 
 recomputes the attention matrix from the saved lse. The handlers are registered with XLA on the
 first call; docs/jax.md says how they are built without jax and which XLA FFI versions they fit.
 
+Also here: attention_with_kvcache (the append a donatable functional update) and merge_states
+(_jax_kvcache), ring_attention for shard_map over a sequence-sharded mesh axis (_jax_ring); the
+dense calls are partitioned over batch and heads under jax.jit sharding (_jax_partition).
+
 flashdl.attention (the eager DLPack entry point) also takes JAX arrays, but cannot be traced.
 """
 
