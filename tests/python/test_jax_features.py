@@ -203,8 +203,8 @@ def test_merge_states_jit_grad_vmap():
     def loss(fn):
         return lambda outs, lses: (lambda r: (r[0] * w).sum() + (r[1] ** 2).sum())(
             fn(outs, lses))
-    got = jax.grad(loss(fj.merge_states), argnums=(0, 1))(outs[::2], lses[::2])
-    want = jax.grad(loss(ref), argnums=(0, 1))(outs[::2], lses[::2])
+    got = jax.jit(jax.grad(loss(fj.merge_states), argnums=(0, 1)))(outs[::2], lses[::2])
+    want = jax.jit(jax.grad(loss(ref), argnums=(0, 1)))(outs[::2], lses[::2])
     for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-6)
     vm = jax.vmap(fj.merge_states)([np.stack([o, o]) for o in outs],
