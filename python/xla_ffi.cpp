@@ -238,6 +238,9 @@ void kvcache_fwd(const Frame& f) {
   if (f.integer_or("has_block_table", 0) != 0) bt = f.arg(i++, "block_table");
   if (f.integer_or("has_alibi", 0) != 0) o.alibi_slopes = f.arg(i++, "alibi_slopes");
   if (has_new) {
+    if (f.nrets() < 4)
+      fail(ErrorKind::value, "k_cache: appending needs the updated caches as results 2 and 3 (the "
+                             "call has " + std::to_string(f.nrets()) + " results)");
     for (int j = 0; j < 2; ++j) {
       const Buffer* in = f.raw_arg(1 + j);
       const Buffer* out = f.raw_ret(2 + j);
