@@ -100,8 +100,9 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
         Rotary embedding fused into the call (flash-attn's): the dtype and device of q,
         ``rotary_dim`` even and <= headdim. The first ``rotary_dim`` columns of the new keys are
         rotated at positions ``cache_seqlens[b] + row`` before they are written (the cache holds
-        rotated keys); those of q at ``cache_seqlens[b] + row`` when ``causal`` or windowed,
-        else every row of q at ``cache_seqlens[b]``. Positions count from cache position 0, also
+        rotated keys); those of q at ``cache_seqlens[b] + row`` when ``causal`` or windowed (a
+        window side below the cache's capacity, as flash-attn decides it), else every row of q
+        at ``cache_seqlens[b]``. Positions count from cache position 0, also
         with ``cache_leftpad``. Both or neither.
     rotary_interleaved : bool, default False
         True: columns (2i, 2i + 1) rotate together (GPT-J); False: (i, i + rotary_dim / 2)
