@@ -466,3 +466,20 @@ def test_drop_in_with_kvcache_rotary_batch_idx_leftpad():
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
     assert not torch.equal(kc[2, 4], k[0, 0])  # rotated before it was written
     assert torch.equal(kc[2, 4, :, 8:], k[0, 0, :, 8:])  # past rotary_dim: as given
+
+
+@pytest.mark.parametrize("chunk", ["8", "3"])
+def test_continuous_batching_example_matches_full_recompute(chunk):
+    """examples/continuous_batching.py: requests arriving and leaving over one paged pool,
+    chunked prefill then decoding with fused rotary, give the tokens of full recomputation (the
+    example exits 1 otherwise)."""
+    import pathlib
+    import subprocess
+    import sys
+
+    example = (pathlib.Path(__file__).resolve().parents[2] / "examples" /
+               "continuous_batching.py")
+    got = subprocess.run([sys.executable, str(example), "--chunk", chunk], capture_output=True,
+                         text=True, timeout=120)
+    assert got.returncode == 0, got.stdout + got.stderr
+    assert got.stdout.rstrip().endswith("OK") and "MISMATCH" not in got.stdout
