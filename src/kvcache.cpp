@@ -299,39 +299,79 @@ Rotary check_rotary(const KvCacheExtras& x, const TensorView& q, const Cache& c,
   return r;
 }
 
+// n elements of dtype dt at src (contiguous) into T, and back: the switch hoisted out of the
+// element loop (a switch per element made the rotation cost 2x a small decode step).
+template <typename T>
+void row_in(const void* src, DType dt, int64_t n, T* dst) {
+  switch (dt) {
+    case DType::float16:
+      for (int64_t e = 0; e < n; ++e)
+        dst[e] = static_cast<T>(cpu::fp16_to_float(static_cast<const uint16_t*>(src)[e]));
+      break;
+    case DType::bfloat16:
+      for (int64_t e = 0; e < n; ++e)
+        dst[e] = static_cast<T>(cpu::bf16_to_float(static_cast<const uint16_t*>(src)[e]));
+      break;
+    case DType::float32:
+      for (int64_t e = 0; e < n; ++e) dst[e] = static_cast<T>(static_cast<const float*>(src)[e]);
+      break;
+    default:
+      for (int64_t e = 0; e < n; ++e) dst[e] = static_cast<T>(static_cast<const double*>(src)[e]);
+  }
+}
+
+template <typename T>
+void row_out(const T* src, int64_t n, void* dst, DType dt) {
+  switch (dt) {
+    case DType::float16:
+      for (int64_t e = 0; e < n; ++e)
+        static_cast<uint16_t*>(dst)[e] = cpu::float_to_fp16(static_cast<float>(src[e]));
+      break;
+    case DType::bfloat16:
+      for (int64_t e = 0; e < n; ++e)
+        static_cast<uint16_t*>(dst)[e] = cpu::float_to_bf16(static_cast<float>(src[e]));
+      break;
+    case DType::float32:
+      for (int64_t e = 0; e < n; ++e) static_cast<float*>(dst)[e] = static_cast<float>(src[e]);
+      break;
+    default:
+      for (int64_t e = 0; e < n; ++e) static_cast<double*>(dst)[e] = static_cast<double>(src[e]);
+  }
+}
+
 // x (batch, rows, heads, d) rotated into a contiguous buffer of its dtype: row i of sequence b at
 // position pos(b, i). T: float32 arithmetic (float64 for float64), one rounding at the end.
 template <typename T, typename Pos>
 std::vector<unsigned char> rotated(const TensorView& x, const KvCacheExtras& e, const Rotary& r,
                                    Pos pos) {
-  using cpu::load_as_double;
-  using cpu::store_from_double;
   const int64_t B = x.shape[0], S = x.shape[1], H = x.shape[2], d = x.shape[3];
   const auto es = static_cast<int64_t>(dtype_size(x.dtype));
   std::vector<unsigned char> buf(static_cast<size_t>(B * S * H * d * es));
-  void* out = buf.data();
+  auto* out = reinterpret_cast<char*>(buf.data());
+  const auto* in = static_cast<const char*>(x.data);
   const int64_t half = r.dim / 2;
+  std::vector<T> c(static_cast<size_t>(half)), sn(static_cast<size_t>(half)),
+      row(static_cast<size_t>(r.dim));
   for (int64_t b = 0; b < B; ++b)
     for (int64_t i = 0; i < S; ++i) {
       const int64_t at = pos(b, i);
-      const int64_t c0 = at * e.rotary_cos.strides[0], s0 = at * e.rotary_sin.strides[0];
+      row_in(static_cast<const char*>(e.rotary_cos.data) + at * e.rotary_cos.strides[0] * es,
+             x.dtype, half, c.data());
+      row_in(static_cast<const char*>(e.rotary_sin.data) + at * e.rotary_sin.strides[0] * es,
+             x.dtype, half, sn.data());
       for (int64_t h = 0; h < H; ++h) {
-        const int64_t src = b * x.strides[0] + i * x.strides[1] + h * x.strides[2];
-        const int64_t dst = ((b * S + i) * H + h) * d;
+        const char* src = in + (b * x.strides[0] + i * x.strides[1] + h * x.strides[2]) * es;
+        char* dst = out + ((b * S + i) * H + h) * d * es;
+        row_in(src, x.dtype, r.dim, row.data());
         for (int64_t m = 0; m < half; ++m) {
           const detail::RotaryPair pr = detail::rotary_pair(m, r.dim, r.interleaved);
-          const auto c = static_cast<T>(load_as_double(e.rotary_cos.data, x.dtype, c0 + m));
-          const auto sn = static_cast<T>(load_as_double(e.rotary_sin.data, x.dtype, s0 + m));
           T y1, y2;
-          detail::rotate(static_cast<T>(load_as_double(x.data, x.dtype, src + pr.first)),
-                         static_cast<T>(load_as_double(x.data, x.dtype, src + pr.second)), c, sn,
-                         &y1, &y2);
-          store_from_double(out, x.dtype, dst + pr.first, y1);
-          store_from_double(out, x.dtype, dst + pr.second, y2);
+          detail::rotate(row[pr.first], row[pr.second], c[m], sn[m], &y1, &y2);
+          row[pr.first] = y1;
+          row[pr.second] = y2;
         }
-        std::memcpy(static_cast<char*>(out) + (dst + r.dim) * es,
-                    static_cast<const char*>(x.data) + (src + r.dim) * es,
-                    static_cast<size_t>((d - r.dim) * es));
+        row_out(row.data(), r.dim, dst, x.dtype);
+        std::memcpy(dst + r.dim * es, src + r.dim * es, static_cast<size_t>((d - r.dim) * es));
       }
     }
   return buf;
