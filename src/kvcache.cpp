@@ -460,16 +460,6 @@ void forward_kvcache(const TensorView& q, const TensorView& k_cache, const Tenso
       check_no_overlap("v_cache", v_cache, name, *t);
     }
   }
-  if (q.device.type != DeviceType::cpu) {
-    // Checked above like the CPU's, not yet served: refused before anything is written.
-    for (auto [name, t] : {NamedView{"rotary_cos", &extras.rotary_cos},
-                           {"cache_batch_idx", &extras.cache_batch_idx},
-                           {"cache_leftpad", &extras.cache_leftpad}})
-      if (t->defined())
-        fail(ErrorKind::unsupported, std::string(name) + ": not implemented for CUDA arrays "
-                                     "yet (CPU only); expected None; nothing was written");
-  }
-
   Params p = make_params(q, k4, v4, out, lse, options, s);
   p.seqused_k = c.visible.data();
   if (indexed) {
@@ -504,6 +494,16 @@ void forward_kvcache(const TensorView& q, const TensorView& k_cache, const Tenso
       a.v_batch_stride = v_new.strides[0];
       a.v_row_stride = v_new.strides[1];
       a.v_head_stride = v_new.strides[2];
+    }
+    if (rot.on) {
+      a.rotary_cos = extras.rotary_cos.data;
+      a.rotary_sin = extras.rotary_sin.data;
+      a.rotary_cos_stride = extras.rotary_cos.strides[0];
+      a.rotary_sin_stride = extras.rotary_sin.strides[0];
+      a.rotary_dim = rot.dim;
+      a.rotary_interleaved = rot.interleaved;
+      a.rotary_per_row_q = rot.per_row_q;
+      a.cache_seqlens = c.seqlens.data();
     }
     cuda::forward_kvcache(p, a);
     return;

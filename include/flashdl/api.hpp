@@ -109,8 +109,8 @@ void backward_varlen(const TensorView& dout, const TensorView& q, const TensorVi
 // cache_batch_idx[b] (contiguous caches only; distinct where k_new is appended). cache_leftpad
 // int32 (batch,): the keys of sequence b before cache_leftpad[b] <= cache_seqlens[b] are
 // invisible; causal, windows and ALiBi count from it (flash-attn's convention; rotary
-// positions do not). Host arrays, checked before anything is written. CPU only for now: CUDA
-// arrays with any of them are refused (ErrorKind::unsupported, naming the argument).
+// positions do not). Host arrays, checked before anything is written (copied to the device for
+// CUDA calls, whose rotary tables are on the device of q).
 struct KvCacheExtras {
   TensorView rotary_cos{};
   TensorView rotary_sin{};

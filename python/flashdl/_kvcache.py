@@ -140,8 +140,6 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
         read-only cache to append to, only one of ``k`` and ``v``, a q that requires grad,
         ``cache_batch_idx`` out of range or repeated where k and v are appended, rotary tables
         too short for the positions. A refused call leaves the caches unchanged.
-    NotImplementedError
-        ``rotary_cos``, ``cache_batch_idx`` or ``cache_leftpad`` with CUDA arrays (CPU only yet).
     TypeError
         An argument of the wrong type (e.g. a non-integer ``num_splits``).
 
@@ -149,7 +147,8 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
     -----
     The CPU kernel reads each K/V row once per kv head for all query heads of its GQA group, in
     place. CUDA arrays (float16, bfloat16; PyTorch or CuPy): the append and the attention run on the
-    device of q on the current stream (written, not yet run on a GPU).
+    device of q on the current stream (written, not yet run on a GPU); rotary tables on the device
+    of q, the index arrays on the host (copied over).
 
     Examples
     --------
@@ -178,12 +177,6 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
         arrays.update(rotary_cos=rotary_cos, rotary_sin=rotary_sin)
     rotary_interleaved = _checks.flag("rotary_interleaved", rotary_interleaved)
     frame = Frame(arrays, tuple(arrays))
-    on_gpu = frame.kind == "cupy" or (frame.kind == "torch" and q.device.type != "cpu")
-    for name, x in (("rotary_cos", rotary_cos), ("cache_batch_idx", cache_batch_idx),
-                    ("cache_leftpad", cache_leftpad)):
-        if on_gpu and x is not None:
-            raise NotImplementedError(f"{name}: not implemented for CUDA arrays yet (CPU only); "
-                                      f"use {name}=None")
     if frame.kind == "torch" and sys.modules["torch"].is_grad_enabled() and q.requires_grad:
         raise ValueError("q: a tensor that requires grad was given to "
                          "flashdl.attention_with_kvcache, which has no backward (inference); "

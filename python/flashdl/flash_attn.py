@@ -14,8 +14,8 @@ flash-attn"):
   flash-attn), CPU tensors only yet (NotImplementedError naming the argument on CUDA).
   flash_attn_with_kvcache is flashdl.attention_with_kvcache: block_table (any page size),
   cache_seqlens (an int, a CPU int32 tensor or None), k/v appended in place, num_splits,
-  softcap, alibi_slopes, rotary_cos/rotary_sin, cache_batch_idx and cache_leftpad (the last
-  three CPU only yet). cache_seqlens and block_table on a GPU are copied to the host first
+  softcap, alibi_slopes, rotary_cos/rotary_sin, cache_batch_idx and cache_leftpad.
+  cache_seqlens, block_table, cache_batch_idx and cache_leftpad on a GPU are copied to the host first
   (flashdl reads them there: one synchronisation); the CUDA path is written, not yet run.
 - softmax_lse of a query that sees no key is -inf (flashdl's contract; flash-attn gives +inf).
 - With alibi_slopes and causal=True, softmax_lse is the lse of the biased scores as written
@@ -801,8 +801,6 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
     Raises
     ------
-    NotImplementedError
-        Rotary embeddings, ``cache_batch_idx`` or ``cache_leftpad`` with CUDA tensors.
     ArgumentError
         An invalid argument value (a ``ValueError`` and a ``RuntimeError``).
     TypeError
@@ -828,10 +826,10 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     # flash-attn takes these on the GPU; flashdl checks them on the host.
     if isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.device.type != "cpu":
         cache_seqlens = cache_seqlens.cpu()
-    if cache_leftpad is not None and k_cache.device.type == "cpu":
-        cache_leftpad = cache_leftpad.cpu() if isinstance(cache_leftpad, torch.Tensor) else \
-            cache_leftpad
-    if isinstance(cache_batch_idx, torch.Tensor) and k_cache.device.type == "cpu":
+    # flash-attn takes these on the GPU too; flashdl reads them on the host.
+    if isinstance(cache_leftpad, torch.Tensor) and cache_leftpad.device.type != "cpu":
+        cache_leftpad = cache_leftpad.cpu()
+    if isinstance(cache_batch_idx, torch.Tensor) and cache_batch_idx.device.type != "cpu":
         cache_batch_idx = cache_batch_idx.cpu()
     if isinstance(block_table, torch.Tensor) and block_table.device.type != "cpu":
         block_table = block_table.cpu()

@@ -23,6 +23,15 @@ FLASHDL_HD RotaryPair rotary_pair(int64_t m, int64_t rotary_dim, bool interleave
 // multiply then add, and unlike a fused multiply-add).
 template <typename T>
 FLASHDL_HD void rotate(T x1, T x2, T c, T s, T* y1, T* y2) {
+#if defined(__CUDA_ARCH__)
+  // nvcc contracts a * b - c * d into a fused multiply-add by default: the _rn intrinsics keep
+  // each product rounded, so the device writes the cache the host would.
+  if constexpr (sizeof(T) == 4) {
+    *y1 = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s));
+    *y2 = __fadd_rn(__fmul_rn(x1, s), __fmul_rn(x2, c));
+    return;
+  }
+#endif
   const T a = x1 * c, b = x2 * s, e = x1 * s, f = x2 * c;
   *y1 = a - b;
   *y2 = e + f;
