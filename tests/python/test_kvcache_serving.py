@@ -142,8 +142,10 @@ def test_rotary_leftpad_batch_idx_against_float64_oracle(c):
     untouched = kc.copy(), vc.copy()
     out, lse = run_case(c, q, kn, vn, ro, kc, vc, table)
     exact_o, naive_o, exact_l = [], [], []
-    # flash-attn's rule: a window side of at least the cache's capacity counts as unbounded.
-    windowed = c["causal"] or any(0 <= w < c["capacity"] for w in c["window"])
+    # flash-attn's rule: a window side of at least the cache's capacity (paged: the pages of
+    # block_table) counts as unbounded.
+    cap = table.shape[1] * c["page_size"] if c["page_size"] else c["capacity"]
+    windowed = c["causal"] or any(0 <= w < cap for w in c["window"])
     for b in range(c["batch"]):
         L, n = c["lens"][b], c["seqlen_new"]
         pad = c["pads"][b] if c["pads"] is not None else 0
