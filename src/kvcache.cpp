@@ -10,10 +10,9 @@
 #include <vector>
 
 #include "backend.hpp"
-#include "cpu/convert.hpp"
 #include "flashdl/api.hpp"
 #include "flashdl/detail/kv_cache.hpp"
-#include "flashdl/detail/rotary.hpp"
+#include "rotary.hpp"
 #include "validate.hpp"
 
 namespace flashdl {
@@ -243,155 +242,6 @@ TensorView as_dense(const TensorView& cache, int64_t batch, int64_t capacity, bo
   return r;
 }
 
-// Rotary embedding: the checked cos/sin and what to rotate.
-struct Rotary {
-  bool on = false;
-  bool interleaved = false;
-  bool per_row_q = false;  // q row i at cache_seqlens + i (causal or windowed), else all at it
-  int64_t dim = 0;         // rotary_dim
-};
-
-Rotary check_rotary(const KvCacheExtras& x, const TensorView& q, const Cache& c,
-                    const Options& o) {
-  Rotary r;
-  if (!x.rotary_cos.defined() && !x.rotary_sin.defined()) return r;
-  if (x.rotary_cos.defined() != x.rotary_sin.defined())
-    fail(ErrorKind::value, std::string(x.rotary_cos.defined() ? "rotary_sin" : "rotary_cos") +
-                               ": expected both rotary_cos and rotary_sin or neither");
-  const char* lay = "(seqlen_ro, rotary_dim / 2)";
-  check_rank("rotary_cos", x.rotary_cos, 2, lay);
-  check_rank("rotary_sin", x.rotary_sin, 2, lay);
-  check_shape("rotary_sin", x.rotary_sin, {x.rotary_cos.shape[0], x.rotary_cos.shape[1]},
-              "(the shape of rotary_cos)");
-  check_dtype("rotary_cos", x.rotary_cos, q.dtype, "the dtype of q");
-  check_dtype("rotary_sin", x.rotary_sin, q.dtype, "the dtype of q");
-  check_device("rotary_cos", x.rotary_cos, q.device);
-  check_device("rotary_sin", x.rotary_sin, q.device);
-  check_last_dim_contiguous("rotary_cos", x.rotary_cos);
-  check_last_dim_contiguous("rotary_sin", x.rotary_sin);
-  r.on = true;
-  r.interleaved = x.rotary_interleaved;
-  r.dim = 2 * x.rotary_cos.shape[1];
-  const int64_t d = q.shape[3];
-  if (r.dim < 2 || r.dim > d)
-    fail(ErrorKind::value, "rotary_cos: rotary_dim (2 x its last dimension) must be in [2, "
-                           "headdim = " + std::to_string(d) + "], got shape " +
-                               shape_str(x.rotary_cos));
-  // flash-attn's convention: with causal or a window, query row i sits at cache_seqlens + i;
-  // without, every row at cache_seqlens. A window side that reaches past the cache's capacity
-  // is unbounded (flash-attn resolves such a window to none before it picks).
-  const bool causal = o.causal;
-  const bool left = o.window_left >= 0 && o.window_left < c.capacity;
-  const bool right = o.window_right >= 0 && o.window_right < c.capacity;
-  r.per_row_q = causal || left || right;
-  const int64_t seqlen_ro = x.rotary_cos.shape[0], sq = q.shape[1];
-  for (size_t b = 0; b < c.seqlens.size(); ++b) {
-    int64_t last = -1;  // the largest position read
-    if (c.seqlen_new > 0) last = c.seqlens[b] + c.seqlen_new - 1;
-    if (sq > 0) last = std::max<int64_t>(last, c.seqlens[b] + (r.per_row_q ? sq - 1 : 0));
-    if (last >= seqlen_ro)
-      fail(ErrorKind::value, "rotary_cos: sequence " + std::to_string(b) + " needs position " +
-                                 std::to_string(last) + " (cache_seqlens[" + std::to_string(b) +
-                                 "] = " + std::to_string(c.seqlens[b]) +
-                                 " plus its new rows), but rotary_cos has " +
-                                 std::to_string(seqlen_ro) + " rows; nothing was written");
-  }
-  return r;
-}
-
-// n elements of dtype dt at src (contiguous) into T, and back: the switch hoisted out of the
-// element loop (a switch per element made the rotation cost 2x a small decode step).
-template <typename T>
-void row_in(const void* src, DType dt, int64_t n, T* dst) {
-  switch (dt) {
-    case DType::float16:
-      for (int64_t e = 0; e < n; ++e)
-        dst[e] = static_cast<T>(cpu::fp16_to_float(static_cast<const uint16_t*>(src)[e]));
-      break;
-    case DType::bfloat16:
-      for (int64_t e = 0; e < n; ++e)
-        dst[e] = static_cast<T>(cpu::bf16_to_float(static_cast<const uint16_t*>(src)[e]));
-      break;
-    case DType::float32:
-      for (int64_t e = 0; e < n; ++e) dst[e] = static_cast<T>(static_cast<const float*>(src)[e]);
-      break;
-    default:
-      for (int64_t e = 0; e < n; ++e) dst[e] = static_cast<T>(static_cast<const double*>(src)[e]);
-  }
-}
-
-template <typename T>
-void row_out(const T* src, int64_t n, void* dst, DType dt) {
-  switch (dt) {
-    case DType::float16:
-      for (int64_t e = 0; e < n; ++e)
-        static_cast<uint16_t*>(dst)[e] = cpu::float_to_fp16(static_cast<float>(src[e]));
-      break;
-    case DType::bfloat16:
-      for (int64_t e = 0; e < n; ++e)
-        static_cast<uint16_t*>(dst)[e] = cpu::float_to_bf16(static_cast<float>(src[e]));
-      break;
-    case DType::float32:
-      for (int64_t e = 0; e < n; ++e) static_cast<float*>(dst)[e] = static_cast<float>(src[e]);
-      break;
-    default:
-      for (int64_t e = 0; e < n; ++e) static_cast<double*>(dst)[e] = static_cast<double>(src[e]);
-  }
-}
-
-// x (batch, rows, heads, d) rotated into a contiguous buffer of its dtype: row i of sequence b at
-// position pos(b, i). T: float32 arithmetic (float64 for float64), one rounding at the end.
-template <typename T, typename Pos>
-std::vector<unsigned char> rotated(const TensorView& x, const KvCacheExtras& e, const Rotary& r,
-                                   Pos pos) {
-  const int64_t B = x.shape[0], S = x.shape[1], H = x.shape[2], d = x.shape[3];
-  const auto es = static_cast<int64_t>(dtype_size(x.dtype));
-  std::vector<unsigned char> buf(static_cast<size_t>(B * S * H * d * es));
-  auto* out = reinterpret_cast<char*>(buf.data());
-  const auto* in = static_cast<const char*>(x.data);
-  const int64_t half = r.dim / 2;
-  std::vector<T> c(static_cast<size_t>(half)), sn(static_cast<size_t>(half)),
-      row(static_cast<size_t>(r.dim));
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t i = 0; i < S; ++i) {
-      const int64_t at = pos(b, i);
-      row_in(static_cast<const char*>(e.rotary_cos.data) + at * e.rotary_cos.strides[0] * es,
-             x.dtype, half, c.data());
-      row_in(static_cast<const char*>(e.rotary_sin.data) + at * e.rotary_sin.strides[0] * es,
-             x.dtype, half, sn.data());
-      for (int64_t h = 0; h < H; ++h) {
-        const char* src = in + (b * x.strides[0] + i * x.strides[1] + h * x.strides[2]) * es;
-        char* dst = out + ((b * S + i) * H + h) * d * es;
-        row_in(src, x.dtype, r.dim, row.data());
-        for (int64_t m = 0; m < half; ++m) {
-          const detail::RotaryPair pr = detail::rotary_pair(m, r.dim, r.interleaved);
-          T y1, y2;
-          detail::rotate(row[pr.first], row[pr.second], c[m], sn[m], &y1, &y2);
-          row[pr.first] = y1;
-          row[pr.second] = y2;
-        }
-        row_out(row.data(), r.dim, dst, x.dtype);
-        std::memcpy(dst + r.dim * es, src + r.dim * es, static_cast<size_t>((d - r.dim) * es));
-      }
-    }
-  return buf;
-}
-
-template <typename Pos>
-std::vector<unsigned char> rotate_rows(const TensorView& x, const KvCacheExtras& e,
-                                       const Rotary& r, Pos pos) {
-  return x.dtype == DType::float64 ? rotated<double>(x, e, r, pos) : rotated<float>(x, e, r, pos);
-}
-
-// A contiguous (batch, rows, heads, d) view of buf, otherwise like x.
-TensorView contiguous_view(const TensorView& x, std::vector<unsigned char>& buf) {
-  TensorView r = x;
-  r.data = buf.data();
-  const int64_t H = x.shape[2], d = x.shape[3];
-  r.strides = {x.shape[1] * H * d, H * d, d, 1};
-  return r;
-}
-
 // Rows [used - seqlen_new, used) of every sequence of the cache = the new keys (or values).
 void append_rows(const Params& p, const Cache& c, const TensorView& src, bool values) {
   const auto es = static_cast<int64_t>(dtype_size(src.dtype));
@@ -417,7 +267,7 @@ void forward_kvcache(const TensorView& q, const TensorView& k_cache, const Tenso
                      const KvCacheExtras& extras) {
   const Cache c =
       check_cache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, extras);
-  const Rotary rot = check_rotary(extras, q, c, options);
+  const Rotary rot = check_rotary(extras, q, c.seqlens, c.seqlen_new, c.capacity, options);
   const int64_t batch = q.shape[0];
   const bool indexed = !c.batch_idx.empty();
   const TensorView k4 = as_dense(k_cache, batch, c.capacity, c.paged, indexed),
@@ -514,14 +364,11 @@ void forward_kvcache(const TensorView& q, const TensorView& k_cache, const Tenso
   TensorView k_src = k_new;
   if (rot.on) {
     if (k_new.defined() && c.seqlen_new > 0) {
-      k_rot = rotate_rows(k_new, extras, rot,
-                          [&](int64_t b, int64_t j) { return int64_t{c.seqlens[b]} + j; });
+      k_rot = rotate_rows(k_new, extras, rot, c.seqlens, true);
       k_src = contiguous_view(k_new, k_rot);
     }
     if (s.batch > 0 && s.seqlen_q > 0 && s.nheads > 0) {
-      q_rot = rotate_rows(q, extras, rot, [&](int64_t b, int64_t i) {
-        return int64_t{c.seqlens[b]} + (rot.per_row_q ? i : 0);
-      });
+      q_rot = rotate_rows(q, extras, rot, c.seqlens, rot.per_row_q);
       const TensorView qv = contiguous_view(q, q_rot);
       p.q_ptr = qv.data;
       p.q_batch_stride = qv.strides[0];
