@@ -207,7 +207,9 @@ void forward_varlen(const InArray& q, const InArray& k, const InArray& v,
                     uintptr_t stream, int64_t sram_bytes, int num_threads,
                     const std::optional<InArray>& block_mask, int64_t block_size_q,
                     int64_t block_size_k, const std::optional<InArray>& alibi_slopes,
-                    double softcap, bool validate_only) {
+                    double softcap, bool validate_only,
+                    const std::optional<InArray>& block_table,
+                    const std::optional<InArray>& seqused_k) {
   const Override ov = parse_override(dtype);
   flashdl::Options o =
       make_options(softmax_scale, causal, window_left, window_right, schedule, dropout_p, seed,
@@ -219,8 +221,12 @@ void forward_varlen(const InArray& q, const InArray& k, const InArray& v,
              tv = to_view("v", v, ov, true), tcq = cu_view("cu_seqlens_q", cu_seqlens_q),
              tck = cu_view("cu_seqlens_k", cu_seqlens_k), to = to_view("out", out, ov, true),
              tl = to_view("lse", lse, Override::none, false);
+  flashdl::PagedKv pk;
+  if (block_table)
+    pk.block_table = to_view("block_table", *block_table, Override::none, false, "int32");
+  if (seqused_k) pk.seqused_k = to_view("seqused_k", *seqused_k, Override::none, false, "int32");
   nb::gil_scoped_release release;
-  flashdl::forward_varlen(tq, tk, tv, tcq, tck, max_seqlen_q, max_seqlen_k, to, tl, o);
+  flashdl::forward_varlen(tq, tk, tv, tcq, tck, max_seqlen_q, max_seqlen_k, to, tl, o, pk);
 }
 
 void backward_varlen(const InArray& dout, const InArray& q, const InArray& k, const InArray& v,
@@ -261,7 +267,10 @@ void forward_kvcache(const InArray& q, const InArray& k_cache, const InArray& v_
                      std::optional<double> softmax_scale, bool causal, int64_t window_left,
                      int64_t window_right, int64_t num_splits, uintptr_t stream,
                      int num_threads, const std::optional<InArray>& alibi_slopes,
-                     double softcap) {
+                     double softcap, const std::optional<InArray>& rotary_cos,
+                     const std::optional<InArray>& rotary_sin, bool rotary_interleaved,
+                     const std::optional<InArray>& cache_batch_idx,
+                     const std::optional<InArray>& cache_leftpad) {
   const Override ov = parse_override(dtype);
   flashdl::Options o = make_options(softmax_scale, causal, window_left, window_right, "auto", 0.0,
                                     0, 0, stream, 0, num_threads, false);
@@ -277,8 +286,17 @@ void forward_kvcache(const InArray& q, const InArray& k_cache, const InArray& v_
                        ? to_view("block_table", *block_table, Override::none, false, "int32")
                        : none,
              to = to_view("out", out, ov, true), tl = to_view("lse", lse, Override::none, false);
+  flashdl::KvCacheExtras x;
+  if (rotary_cos) x.rotary_cos = to_view("rotary_cos", *rotary_cos, ov, true);
+  if (rotary_sin) x.rotary_sin = to_view("rotary_sin", *rotary_sin, ov, true);
+  x.rotary_interleaved = rotary_interleaved;
+  if (cache_batch_idx)
+    x.cache_batch_idx =
+        to_view("cache_batch_idx", *cache_batch_idx, Override::none, false, "int32");
+  if (cache_leftpad)
+    x.cache_leftpad = to_view("cache_leftpad", *cache_leftpad, Override::none, false, "int32");
   nb::gil_scoped_release release;
-  flashdl::forward_kvcache(tq, tkc, tvc, tlen, tk, tv, tbt, to, tl, o);
+  flashdl::forward_kvcache(tq, tkc, tvc, tlen, tk, tv, tbt, to, tl, o, x);
 }
 
 void merge_states(const std::vector<InArray>& outs, const std::vector<InArray>& lses,
@@ -371,7 +389,8 @@ NB_MODULE(_ext, m) {
         "dropout_p"_a = 0.0, "seed"_a = 0, "offset"_a = 0, "stream"_a = 0, "sram_bytes"_a = 0,
         "num_threads"_a = 0, "block_mask"_a.noconvert() = nb::none(), "block_size_q"_a = 128,
         "block_size_k"_a = 128, "alibi_slopes"_a.noconvert() = nb::none(), "softcap"_a = 0.0,
-        "validate_only"_a = false,
+        "validate_only"_a = false, "block_table"_a.noconvert() = nb::none(),
+        "seqused_k"_a.noconvert() = nb::none(),
         "Variable-length forward (validate_only: check the arguments but not the values of "
         "cu_seqlens, compute nothing): q (total_q, nheads, headdim), k, v (total_k, nheads_kv, "
         "headdim), cu_seqlens int32 (batch + 1,) on the CPU; writes out (like q) and lse "
@@ -396,6 +415,9 @@ NB_MODULE(_ext, m) {
         "softmax_scale"_a = nb::none(), "causal"_a = false, "window_left"_a = -1,
         "window_right"_a = -1, "num_splits"_a = 0, "stream"_a = 0, "num_threads"_a = 0,
         "alibi_slopes"_a.noconvert() = nb::none(), "softcap"_a = 0.0,
+        "rotary_cos"_a.noconvert() = nb::none(), "rotary_sin"_a.noconvert() = nb::none(),
+        "rotary_interleaved"_a = false, "cache_batch_idx"_a.noconvert() = nb::none(),
+        "cache_leftpad"_a.noconvert() = nb::none(),
         "Attention over a KV cache: appends k, v (when given) to k_cache, v_cache at "
         "cache_seqlens, then writes out (like q) and lse (float32, (batch, nheads, seqlen_q)).");
 

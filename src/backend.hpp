@@ -18,6 +18,16 @@ struct KvAppend {
   int64_t seqlen_new = 0;
   int64_t k_batch_stride = 0, k_row_stride = 0, k_head_stride = 0;
   int64_t v_batch_stride = 0, v_row_stride = 0, v_head_stride = 0;
+  // Rotary embedding (rotary_dim 0: off; src/kvcache.cpp checked it): the new keys are rotated
+  // as they are written, row j at position cache_seqlens[b] + j; q is rotated into a buffer at
+  // cache_seqlens[b] + row (rotary_per_row_q) or cache_seqlens[b], before the attention.
+  // rotary_cos/sin (seqlen_ro, rotary_dim / 2) in the dtype of q on its device, row strides in
+  // elements; cache_seqlens a host array (batch,).
+  const void* rotary_cos = nullptr;
+  const void* rotary_sin = nullptr;
+  int64_t rotary_cos_stride = 0, rotary_sin_stride = 0, rotary_dim = 0;
+  bool rotary_interleaved = false, rotary_per_row_q = false;
+  const int32_t* cache_seqlens = nullptr;
 };
 
 namespace cpu {

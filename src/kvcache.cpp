@@ -3,6 +3,8 @@
 // only after every check has passed), then one forward call reads the cache through
 // Params.seqused_k (and Params.block_table when it is paged). CUDA arrays: the append and the
 // attention are the CUDA backend's (cuda::forward_kvcache), on the device.
+#include <algorithm>
+#include <array>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -10,6 +12,7 @@
 #include "backend.hpp"
 #include "flashdl/api.hpp"
 #include "flashdl/detail/kv_cache.hpp"
+#include "rotary.hpp"
 #include "validate.hpp"
 
 namespace flashdl {
@@ -24,7 +27,10 @@ struct Cache {
   int64_t page_size = 0;  // paged: rows per page
   int64_t num_pages = 0;  // paged: pages in the cache
   int64_t seqlen_new = 0;
-  std::vector<int32_t> used;  // keys per sequence after the append
+  std::vector<int32_t> used;     // cache positions per sequence after the append (end of keys)
+  std::vector<int32_t> visible;  // keys the kernel sees: used - leftpad (Params.seqused_k)
+  std::vector<int32_t> batch_idx, leftpad;  // copies of the host arrays (empty: not given)
+  std::vector<int32_t> seqlens;             // cache_seqlens, read
 };
 
 std::string at(const char* name, int64_t i) {
@@ -45,11 +51,14 @@ void check_host_int32(const char* name, const TensorView& t, int rank, const cha
                                device_name(t.device.type) + ":" + std::to_string(t.device.id));
 }
 
+void check_no_collision(const Cache& c, const TensorView& block_table);
+
 // The layout checks of the cache and the new keys, the lengths and the page table; returns the
 // cache's geometry and the per-sequence key counts after the append.
 Cache check_cache(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
                   const TensorView& cache_seqlens, const TensorView& k_new,
-                  const TensorView& v_new, const TensorView& block_table) {
+                  const TensorView& v_new, const TensorView& block_table,
+                  const KvCacheExtras& x) {
   check_rank("q", q, 4, "(batch, seqlen_q, nheads, headdim)");
   const int64_t batch = q.shape[0];
   Cache c;
@@ -72,13 +81,22 @@ Cache check_cache(const TensorView& q, const TensorView& k_cache, const TensorVi
       fail(ErrorKind::value, "k_cache: expected pages of at least one row, got shape " +
                                  shape_str(k_cache));
     c.capacity = block_table.shape[1] * c.page_size;
+  } else if (x.cache_batch_idx.defined()) {
+    check_host_int32("cache_batch_idx", x.cache_batch_idx, 1, "(batch,)");
+    check_shape("cache_batch_idx", x.cache_batch_idx, {batch},
+                "(batch,): the cache row of each sequence");
+    c.capacity = k_cache.shape[1];
   } else {
     if (k_cache.shape[0] != batch)
       fail(ErrorKind::value, "k_cache: batch " + std::to_string(k_cache.shape[0]) +
                                  " does not match the batch of q, " + std::to_string(batch) +
-                                 " (a paged cache needs block_table)");
+                                 " (a paged cache needs block_table; another number of cache "
+                                 "rows, cache_batch_idx)");
     c.capacity = k_cache.shape[1];
   }
+  if (c.paged && x.cache_batch_idx.defined())
+    fail(ErrorKind::value, "cache_batch_idx: not supported with a paged cache (block_table "
+                           "already names each sequence's pages); expected None");
 
   // What the core's checks would report under the names k and v, named as this call's arguments.
   if (k_cache.shape[3] != q.shape[3])
@@ -117,9 +135,16 @@ Cache check_cache(const TensorView& q, const TensorView& k_cache, const TensorVi
 
   check_host_int32("cache_seqlens", cache_seqlens, 1, "(batch,)");
   check_shape("cache_seqlens", cache_seqlens, {batch}, "(batch,): tokens in each sequence's cache");
+  if (x.cache_leftpad.defined()) {
+    check_host_int32("cache_leftpad", x.cache_leftpad, 1, "(batch,)");
+    check_shape("cache_leftpad", x.cache_leftpad, {batch},
+                "(batch,): the first visible cache position of each sequence");
+  }
   c.used.resize(static_cast<size_t>(batch));
+  c.seqlens.resize(static_cast<size_t>(batch));
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t len = read_i32(cache_seqlens, b);
+    c.seqlens[b] = static_cast<int32_t>(len);
     if (len < 0)
       fail(ErrorKind::value, "cache_seqlens: expected lengths >= 0, got " +
                                  at("cache_seqlens", b) + " = " + std::to_string(len));
@@ -132,6 +157,24 @@ Cache check_cache(const TensorView& q, const TensorView& k_cache, const TensorVi
                         : " (seqlen_cache)") +
                "; nothing was written");
     c.used[b] = static_cast<int32_t>(len + c.seqlen_new);
+    if (x.cache_leftpad.defined()) {
+      const int64_t pad = read_i32(x.cache_leftpad, b);
+      if (pad < 0 || pad > len)
+        fail(ErrorKind::value, "cache_leftpad: expected 0 <= " + at("cache_leftpad", b) +
+                                   " <= cache_seqlens[" + std::to_string(b) + "] = " +
+                                   std::to_string(len) + ", got " + std::to_string(pad) +
+                                   "; nothing was written");
+      c.leftpad.push_back(static_cast<int32_t>(pad));
+    }
+    if (x.cache_batch_idx.defined()) {
+      const int64_t row = read_i32(x.cache_batch_idx, b);
+      if (row < 0 || row >= k_cache.shape[0])
+        fail(ErrorKind::value, "cache_batch_idx: " + at("cache_batch_idx", b) + " = " +
+                                   std::to_string(row) + " is not a row of k_cache (0.." +
+                                   std::to_string(k_cache.shape[0] - 1) +
+                                   "); nothing was written");
+      c.batch_idx.push_back(static_cast<int32_t>(row));
+    }
     if (!c.paged) continue;
     for (int64_t page = 0; page * c.page_size < c.used[b]; ++page) {
       const int64_t id = read_i32(block_table, b, page);
@@ -142,17 +185,60 @@ Cache check_cache(const TensorView& q, const TensorView& k_cache, const TensorVi
                                    std::to_string(c.num_pages - 1) + "); nothing was written");
     }
   }
+  c.visible = c.used;
+  for (size_t b = 0; b < c.leftpad.size(); ++b) c.visible[b] -= c.leftpad[b];
+  check_no_collision(c, block_table);
   return c;
+}
+
+// Two sequences appending to one cache slot would leave it holding whichever was written last:
+// refused, before anything is written (duplicate cache_batch_idx entries, or pages of
+// block_table shared where both sequences append).
+void check_no_collision(const Cache& c, const TensorView& block_table) {
+  if (c.seqlen_new == 0) return;
+  if (!c.batch_idx.empty()) {
+    std::vector<std::pair<int32_t, size_t>> rows;
+    for (size_t b = 0; b < c.batch_idx.size(); ++b) rows.emplace_back(c.batch_idx[b], b);
+    std::sort(rows.begin(), rows.end());
+    for (size_t i = 1; i < rows.size(); ++i)
+      if (rows[i].first == rows[i - 1].first)
+        fail(ErrorKind::value,
+             "cache_batch_idx: " + at("cache_batch_idx", static_cast<int64_t>(rows[i - 1].second)) +
+                 " and " + at("cache_batch_idx", static_cast<int64_t>(rows[i].second)) +
+                 " are both " + std::to_string(rows[i].first) +
+                 ", and both sequences append k and v to that cache row; expected distinct "
+                 "rows; nothing was written");
+  }
+  if (!c.paged) return;
+  // (page, row in page, sequence) of every slot written.
+  std::vector<std::array<int64_t, 3>> slots;
+  for (size_t b = 0; b < c.used.size(); ++b)
+    for (int64_t pos = c.used[b] - c.seqlen_new; pos < c.used[b]; ++pos)
+      slots.push_back({read_i32(block_table, static_cast<int64_t>(b), pos / c.page_size),
+                       pos % c.page_size, static_cast<int64_t>(b)});
+  std::sort(slots.begin(), slots.end());
+  for (size_t i = 1; i < slots.size(); ++i)
+    if (slots[i][0] == slots[i - 1][0] && slots[i][1] == slots[i - 1][1])
+      fail(ErrorKind::value, "block_table: sequences " + std::to_string(slots[i - 1][2]) +
+                                 " and " + std::to_string(slots[i][2]) + " both append to row " +
+                                 std::to_string(slots[i][1]) + " of page " +
+                                 std::to_string(slots[i][0]) +
+                                 "; expected the pages written to be distinct; nothing was "
+                                 "written");
 }
 
 // The cache seen as the dense (batch, capacity, nheads_kv, headdim) k or v the core's checks and
 // make_params expect. A paged cache has no such layout: its stand-in repeats one row (strides 0),
 // so that the core's overlap checks see memory the cache really has (the whole cache is checked
 // separately), and forward_kvcache then puts the page strides into Params.
-TensorView as_dense(const TensorView& cache, int64_t batch, int64_t capacity, bool paged) {
+// With cache_batch_idx the rows are not the batch of q: the stand-in repeats row 0 (batch stride
+// 0) and forward_kvcache puts the real stride into Params.
+TensorView as_dense(const TensorView& cache, int64_t batch, int64_t capacity, bool paged,
+                    bool indexed) {
   TensorView r = cache;
   r.shape = {batch, capacity, cache.shape[2], cache.shape[3]};
   if (paged) r.strides[0] = r.strides[1] = 0;
+  if (indexed) r.strides[0] = 0;
   return r;
 }
 
@@ -164,7 +250,7 @@ void append_rows(const Params& p, const Cache& c, const TensorView& src, bool va
   for (int64_t b = 0; b < p.batch; ++b)
     for (int64_t j = 0; j < c.seqlen_new; ++j)
       for (int64_t hk = 0; hk < p.nheads_kv; ++hk) {
-        const int64_t pos = c.used[b] - c.seqlen_new + j;
+        const int64_t pos = c.visible[b] - c.seqlen_new + j;  // counted from cache_leftpad
         const int64_t dst = values ? detail::v_cache_offset(p, b, pos, hk)
                                    : detail::k_cache_offset(p, b, pos, hk);
         const int64_t off = b * src.strides[0] + j * src.strides[1] + hk * src.strides[2];
@@ -177,11 +263,15 @@ void append_rows(const Params& p, const Cache& c, const TensorView& src, bool va
 void forward_kvcache(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
                      const TensorView& cache_seqlens, const TensorView& k_new,
                      const TensorView& v_new, const TensorView& block_table,
-                     const TensorView& out, const TensorView& lse, const Options& options) {
-  const Cache c = check_cache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table);
+                     const TensorView& out, const TensorView& lse, const Options& options,
+                     const KvCacheExtras& extras) {
+  const Cache c =
+      check_cache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, extras);
+  const Rotary rot = check_rotary(extras, q, c.seqlens, c.seqlen_new, c.capacity, options);
   const int64_t batch = q.shape[0];
-  const TensorView k4 = as_dense(k_cache, batch, c.capacity, c.paged),
-                   v4 = as_dense(v_cache, batch, c.capacity, c.paged);
+  const bool indexed = !c.batch_idx.empty();
+  const TensorView k4 = as_dense(k_cache, batch, c.capacity, c.paged, indexed),
+                   v4 = as_dense(v_cache, batch, c.capacity, c.paged, indexed);
   const Shapes s = check_attention_args(q, k4, v4, out, lse, options);
   check_score_mods(options, s, q.device, {{"out", &out}, {"lse", &lse}});
   if (options.dropout_p != 0.0f)
@@ -210,8 +300,24 @@ void forward_kvcache(const TensorView& q, const TensorView& k_cache, const Tenso
     check_no_self_overlap("v_cache", v_cache);
   }
 
+  for (auto [name, t] : {NamedView{"rotary_cos", &extras.rotary_cos},
+                         {"rotary_sin", &extras.rotary_sin}}) {
+    if (!t->defined()) continue;
+    check_no_overlap("out", out, name, *t);
+    check_no_overlap("lse", lse, name, *t);
+    if (k_new.defined()) {
+      check_no_overlap("k_cache", k_cache, name, *t);
+      check_no_overlap("v_cache", v_cache, name, *t);
+    }
+  }
   Params p = make_params(q, k4, v4, out, lse, options, s);
-  p.seqused_k = c.used.data();
+  p.seqused_k = c.visible.data();
+  if (indexed) {
+    p.cache_batch_idx = c.batch_idx.data();
+    p.k_batch_stride = k_cache.strides[0];
+    p.v_batch_stride = v_cache.strides[0];
+  }
+  if (!c.leftpad.empty()) p.cache_leftpad = c.leftpad.data();
   if (c.paged) {
     p.k_batch_stride = k_cache.strides[0];
     p.k_row_stride = k_cache.strides[1];
@@ -239,12 +345,40 @@ void forward_kvcache(const TensorView& q, const TensorView& k_cache, const Tenso
       a.v_row_stride = v_new.strides[1];
       a.v_head_stride = v_new.strides[2];
     }
+    if (rot.on) {
+      a.rotary_cos = extras.rotary_cos.data;
+      a.rotary_sin = extras.rotary_sin.data;
+      a.rotary_cos_stride = extras.rotary_cos.strides[0];
+      a.rotary_sin_stride = extras.rotary_sin.strides[0];
+      a.rotary_dim = rot.dim;
+      a.rotary_interleaved = rot.interleaved;
+      a.rotary_per_row_q = rot.per_row_q;
+      a.cache_seqlens = c.seqlens.data();
+    }
     cuda::forward_kvcache(p, a);
     return;
   }
+  // Rotary embedding: q and the new keys rotated into buffers (q at cache_seqlens + row when
+  // causal or windowed, else at cache_seqlens; key row j at cache_seqlens + j), read from there.
+  std::vector<unsigned char> q_rot, k_rot;
+  TensorView k_src = k_new;
+  if (rot.on) {
+    if (k_new.defined() && c.seqlen_new > 0) {
+      k_rot = rotate_rows(k_new, extras, rot, c.seqlens, true);
+      k_src = contiguous_view(k_new, k_rot);
+    }
+    if (s.batch > 0 && s.seqlen_q > 0 && s.nheads > 0) {
+      q_rot = rotate_rows(q, extras, rot, c.seqlens, rot.per_row_q);
+      const TensorView qv = contiguous_view(q, q_rot);
+      p.q_ptr = qv.data;
+      p.q_batch_stride = qv.strides[0];
+      p.q_row_stride = qv.strides[1];
+      p.q_head_stride = qv.strides[2];
+    }
+  }
   // Every check has passed: now the cache may be written.
   if (k_new.defined()) {
-    append_rows(p, c, k_new, false);
+    append_rows(p, c, k_src, false);
     append_rows(p, c, v_new, true);
   }
   if (s.batch == 0 || s.seqlen_q == 0 || s.nheads == 0) return;

@@ -70,16 +70,8 @@ SUBSTITUTIONS = [
 # Cases that need what flashdl lacks, for --flashdl-supported: (test function, predicate over its
 # parameters or None for every case, reason). Reasons are repeated in docs/flash_attn_tests.md.
 UNSUPPORTED = [
-    ("test_flash_attn_kvcache", "rotary_fraction > 0",
-     "rotary_cos/rotary_sin in flash_attn_with_kvcache: NotImplementedError"),
-    ("test_flash_attn_kvcache", "has_leftpad",
-     "cache_leftpad in flash_attn_with_kvcache: NotImplementedError"),
-    ("test_flash_attn_kvcache", "has_batch_idx",
-     "cache_batch_idx in flash_attn_with_kvcache: NotImplementedError"),
-    ("test_flash_attn_varlen_causal", "paged_kv_block_size is not None",
-     "block_table in flash_attn_varlen_func: NotImplementedError"),
     ("test_flash_attn_varlen_paged_kv_num_splits", None,
-     "calls flash-attn's private _flash_attn_varlen_forward (and paged varlen)"),
+     "calls flash-attn's private _flash_attn_varlen_forward"),
     ("test_flash_attn_generator_arg_must_be_none", None,
      "calls flash-attn's private CUDA extension flash_attn_gpu"),
 ]

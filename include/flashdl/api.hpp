@@ -54,10 +54,27 @@ void backward(const TensorView& dout, const TensorView& q, const TensorView& k,
 // counted within the sequence -- the mask dense batch b would get. Options::block_mask:
 // (nblocks_q, nblocks_k) or (batch or 1, nheads or 1, nblocks_q, nblocks_k) with nblocks from
 // max_seqlen_q and max_seqlen_k; sequence b uses plane b, blocks counted from its first row/key.
+//
+// PagedKv (flash-attn's varlen block_table and seqused_k; undefined views: off), forward only.
+// seqused_k int32 (batch,): sequence b uses only its first seqused_k[b] keys (<= its length in
+// cu_seqlens_k); causal and windows align to that count. block_table int32 (batch,
+// max_pages): k, v are paged caches (num_pages, page_size, nheads_kv, headdim) and key j of
+// sequence b is row j % page_size of page block_table[b][j / page_size]; sequence b has
+// cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys (or seqused_k[b]), which must fit its pages, and
+// total_k (cu_seqlens_k[batch]) is not tied to k's first axis. Chunked prefill: the new query
+// rows of a sequence against every key in its pages, causal aligned bottom-right. Host arrays
+// (as cu_seqlens), checked; the pages a sequence reads are gathered into one contiguous buffer
+// first, so the result equals, bit for bit, that of the same call on contiguous k, v. CPU only
+// for now: CUDA arrays with either are refused (ErrorKind::unsupported, naming the argument).
+struct PagedKv {
+  TensorView block_table{};
+  TensorView seqused_k{};
+};
+
 void forward_varlen(const TensorView& q, const TensorView& k, const TensorView& v,
                     const TensorView& cu_seqlens_q, const TensorView& cu_seqlens_k,
                     int64_t max_seqlen_q, int64_t max_seqlen_k, const TensorView& out,
-                    const TensorView& lse, const Options& options);
+                    const TensorView& lse, const Options& options, const PagedKv& paged = {});
 
 // dq, dk, dv shaped and typed like q, k, v; out and lse as forward_varlen returned them.
 void backward_varlen(const TensorView& dout, const TensorView& q, const TensorView& k,
@@ -81,10 +98,32 @@ void backward_varlen(const TensorView& dout, const TensorView& q, const TensorVi
 // bfloat16): the append and the attention run on the device of q, on options.stream (k_new,
 // v_new and the caches on that device; cache_seqlens and block_table stay host arrays, copied
 // to the device on the stream).
+//
+// KvCacheExtras (flash-attn's names; undefined views: off). rotary_cos, rotary_sin (seqlen_ro,
+// rotary_dim / 2), the dtype and device of q, rotary_dim <= headdim: the first rotary_dim
+// columns of the new keys are rotated at positions cache_seqlens[b] + row before they are
+// written (the cache holds rotated keys), and those of q at cache_seqlens[b] + row when causal or
+// windowed, at cache_seqlens[b] for every row otherwise; interleaved: pairs (2i, 2i + 1) (GPT-J),
+// else (i, i + rotary_dim / 2) (GPT-NeoX). Computed in float32 (float64 for float64), rounded
+// once. cache_batch_idx int32 (batch,): sequence b reads and writes cache row
+// cache_batch_idx[b] (contiguous caches only; distinct where k_new is appended). cache_leftpad
+// int32 (batch,): the keys of sequence b before cache_leftpad[b] <= cache_seqlens[b] are
+// invisible; causal, windows and ALiBi count from it (flash-attn's convention; rotary
+// positions do not). Host arrays, checked before anything is written (copied to the device for
+// CUDA calls, whose rotary tables are on the device of q).
+struct KvCacheExtras {
+  TensorView rotary_cos{};
+  TensorView rotary_sin{};
+  bool rotary_interleaved = false;
+  TensorView cache_batch_idx{};
+  TensorView cache_leftpad{};
+};
+
 void forward_kvcache(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
                      const TensorView& cache_seqlens, const TensorView& k_new,
                      const TensorView& v_new, const TensorView& block_table,
-                     const TensorView& out, const TensorView& lse, const Options& options);
+                     const TensorView& out, const TensorView& lse, const Options& options,
+                     const KvCacheExtras& extras = {});
 
 // Merges attention results over disjoint key sets, exactly: outs[i] (batch, seqlen, nheads,
 // headdim), lses[i] float32 (batch, nheads, seqlen), as attention returns them, into out (shape

@@ -131,7 +131,12 @@ struct Params {
   // is row j % page_size of page block_table[b][j / page_size], and k/v_batch_stride are the
   // strides between pages. num_splits: key splits per (batch, kv head), merged exactly
   // (split-KV decoding); 0 chooses from the shape and the thread count.
+  // cache_batch_idx (contiguous caches): sequence b's cache row is cache_batch_idx[b].
+  // cache_leftpad: key j of sequence b is cache position cache_leftpad[b] + j (its first keys
+  // invisible; seqused_k counts from there). Host memory, checked; null: off.
   const int32_t* seqused_k;
+  const int32_t* cache_batch_idx;
+  const int32_t* cache_leftpad;
   const int32_t* block_table;
   int64_t block_table_batch_stride;
   int64_t page_size;

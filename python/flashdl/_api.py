@@ -629,6 +629,19 @@ def _cu_seqlens(name, x):
                     f"(batch + 1,), got {type(x).__name__}")
 
 
+def _host_index(name, x):
+    """block_table, seqused_k of attention_varlen: int32 host arrays (lists of ints, integer
+    arrays narrowed to int32 when their values fit); the core checks the rest by name."""
+    if isinstance(x, (list, tuple)):
+        values = np.asarray(x)
+        if values.size and values.dtype.kind not in "iu":
+            raise TypeError(f"{name}: expected an int32 array or a list of ints, got {x!r}")
+        return _int32_index(name, values.astype(np.int64))
+    if not (isinstance(x, np.ndarray) or hasattr(x, "__dlpack__")):
+        raise TypeError(f"{name}: expected an int32 array, got {type(x).__name__}")
+    return _int32_index(name, x)
+
+
 def _max_seqlen(name, x):
     return _checks.integer(name, x, "an int that fits int64")
 
@@ -648,7 +661,8 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                      seed: Optional[int] = ..., offset: int = ...,
                      block_mask: Optional[ArrayLike] = ..., block_size: BlockSize = ...,
                      alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...,
-                     layout: str = ...
+                     layout: str = ..., block_table: Optional[ArrayLike] = ...,
+                     seqused_k: Optional[ArrayLike] = ...
                      ) -> ArrayLike: ...
 @overload
 def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
@@ -659,7 +673,8 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                      seed: Optional[int] = ..., offset: int = ...,
                      block_mask: Optional[ArrayLike] = ..., block_size: BlockSize = ...,
                      alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...,
-                     layout: str = ...
+                     layout: str = ..., block_table: Optional[ArrayLike] = ...,
+                     seqused_k: Optional[ArrayLike] = ...
                      ) -> Tuple[ArrayLike, ArrayLike]: ...
 @overload
 def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
@@ -670,7 +685,8 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                      seed: Optional[int] = ..., offset: int = ...,
                      block_mask: Optional[ArrayLike] = ..., block_size: BlockSize = ...,
                      alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...,
-                     layout: str = ...
+                     layout: str = ..., block_table: Optional[ArrayLike] = ...,
+                     seqused_k: Optional[ArrayLike] = ...
                      ) -> Any: ...
 
 
@@ -682,7 +698,8 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                      seed: Optional[int] = None, offset: int = 0,
                      block_mask: Optional[ArrayLike] = None, block_size: BlockSize = 128,
                      alibi_slopes: Optional[ArrayLike] = None, softcap: float = 0.0,
-                     layout: str = "thd") -> Any:
+                     layout: str = "thd", block_table: Optional[ArrayLike] = None,
+                     seqused_k: Optional[ArrayLike] = None) -> Any:
     """Attention over a batch of sequences of different lengths, packed with no padding.
 
     flash-attn's ``flash_attn_varlen_func`` layout: sequence ``b`` is
@@ -719,6 +736,18 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
     layout : {"thd", "htd"}, default "thd"
         ``"thd"``: q, k, v and out are (total, nheads, headdim) (flash-attn's). ``"htd"``: they are
         (nheads, total, headdim), read through transposed views (JAX arrays are transposed).
+    block_table : int32 array (batch, max_pages_per_sequence), optional
+        Paged keys and values (flash-attn's and vLLM's layout; forward only): k and v are then
+        (num_pages, page_size, nheads_kv, headdim), any page size, and key ``j`` of sequence
+        ``b`` is row ``j % page_size`` of page ``block_table[b, j // page_size]``. Sequence ``b``
+        has ``cu_seqlens_k[b + 1] - cu_seqlens_k[b]`` keys (or ``seqused_k[b]``), which its pages
+        must hold. Chunked prefill: the new query rows of each sequence against every key its
+        pages hold so far, causal aligned bottom-right. The pages are gathered into contiguous
+        buffers first, so the result equals, bit for bit, that of the same call on contiguous
+        k, v. A host array (as ``cu_seqlens`` on the CPU), ``layout="thd"`` only.
+    seqused_k : int32 array (batch,), optional
+        Sequence ``b`` uses only its first ``seqused_k[b]`` keys (<= its length in
+        ``cu_seqlens_k``); causal and windows align to that count. A host array.
 
     Returns
     -------
@@ -732,6 +761,8 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
     ValueError
         Bad shapes, offsets (host arrays), lengths above ``max_seqlen``, or options; the message
         names the argument.
+    NotImplementedError
+        ``block_table`` or ``seqused_k`` with CUDA arrays (CPU only yet).
     TypeError
         An argument of the wrong type (e.g. ``cu_seqlens`` not an array).
 
@@ -756,7 +787,20 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
     frame = Frame({"q": q, "k": k, "v": v}, _FLOATS_FWD)
     frame.refuse_autograd({"q": q, "k": k, "v": v}, "flashdl.attention_varlen",
                           "flashdl.torch.attention_varlen")
-    errors = _LayoutErrors((q, k, v), heads_first, varlen=True)
+    paged = {}
+    if block_table is not None or seqused_k is not None:
+        if frame.kind == "cupy" or (frame.kind == "torch" and q.device.type != "cpu"):
+            name = "block_table" if block_table is not None else "seqused_k"
+            raise NotImplementedError(f"{name}: not implemented for CUDA arrays yet (CPU only); "
+                                      f"use {name}=None")
+        if heads_first:
+            raise ValueError(f"layout: {layout!r} is not supported with block_table or "
+                             "seqused_k; expected 'thd'")
+        paged = dict(block_table=None if block_table is None else _host_index("block_table",
+                                                                              block_table),
+                     seqused_k=None if seqused_k is None else _host_index("seqused_k",
+                                                                          seqused_k))
+    errors = _LayoutErrors((q, k, v) if block_table is None else (), heads_first, varlen=True)
     if heads_first:
         q, k, v = (_as_bshd(n, x, rank=3) for n, x in (("q", q), ("k", k), ("v", v)))
     opts = _options(causal, softmax_scale, schedule, window_size, frame)
@@ -772,7 +816,7 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
     with errors:
         _ext.forward_varlen(frame.export(q), frame.export(k), frame.export(v), cu_q, cu_k, max_q,
                             max_k, frame.dest(out_view), frame.dest(lse), dropout_p=dropout_p,
-                            seed=seed, offset=offset, **opts)
+                            seed=seed, offset=offset, **opts, **paged)
     out, lse = frame.finish(out), frame.finish(lse)
     return (out, lse) if return_lse else out
 

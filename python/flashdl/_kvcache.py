@@ -63,7 +63,12 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
                            softmax_scale: Optional[float] = None,
                            window_size: Tuple[int, int] = (-1, -1), num_splits: int = 0,
                            return_lse: bool = False, alibi_slopes: Optional[ArrayLike] = None,
-                           softcap: float = 0.0, layout: str = "bshd") -> Any:
+                           softcap: float = 0.0, layout: str = "bshd",
+                           rotary_cos: Optional[ArrayLike] = None,
+                           rotary_sin: Optional[ArrayLike] = None,
+                           rotary_interleaved: bool = False,
+                           cache_batch_idx: Optional[ArrayLike] = None,
+                           cache_leftpad: Optional[ArrayLike] = None) -> Any:
     """Attention of a few new queries over a KV cache (decoding), with an optional in-place append.
 
     flash-attn's ``flash_attn_with_kvcache``, with vLLM's paged layout. Sequence ``b`` attends to
@@ -91,6 +96,25 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
         are read, and they must be valid). A host array, as ``cache_seqlens``.
     causal, softmax_scale, window_size, alibi_slopes, softcap : optional
         As in :func:`attention`.
+    rotary_cos, rotary_sin : array (seqlen_ro, rotary_dim / 2), optional
+        Rotary embedding fused into the call (flash-attn's): the dtype and device of q,
+        ``rotary_dim`` even and <= headdim. The first ``rotary_dim`` columns of the new keys are
+        rotated at positions ``cache_seqlens[b] + row`` before they are written (the cache holds
+        rotated keys); those of q at ``cache_seqlens[b] + row`` when ``causal`` or windowed (a
+        window side below the cache's capacity, as flash-attn decides it), else every row of q
+        at ``cache_seqlens[b]``. Positions count from cache position 0, also
+        with ``cache_leftpad``. Both or neither.
+    rotary_interleaved : bool, default False
+        True: columns (2i, 2i + 1) rotate together (GPT-J); False: (i, i + rotary_dim / 2)
+        (GPT-NeoX). flash-attn's ``flash_attn_with_kvcache`` defaults to True.
+    cache_batch_idx : int32 array (batch,), optional
+        Contiguous caches: sequence ``b`` reads (and appends to) cache row ``cache_batch_idx[b]``,
+        so the caches may hold more rows than q has sequences. Values in range and, when k and v
+        are appended, distinct. A host array, as ``cache_seqlens``.
+    cache_leftpad : int32 array (batch,), optional
+        The cache positions of sequence ``b`` before ``cache_leftpad[b]`` (<= cache_seqlens[b])
+        hold no token: they are invisible, and causal, windows and ALiBi count keys from there.
+        A host array.
     num_splits : int, default 0
         Key splits per (batch, kv head), computed in parallel and merged exactly (split-KV,
         "flash-decoding"); 0 chooses from the shape and the thread count.
@@ -113,7 +137,9 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
     ------
     ValueError
         Shapes that do not fit, no room in the cache for ``k``, ``v``, a page index out of range, a
-        read-only cache to append to, only one of ``k`` and ``v``, a q that requires grad.
+        read-only cache to append to, only one of ``k`` and ``v``, a q that requires grad,
+        ``cache_batch_idx`` out of range or repeated where k and v are appended, rotary tables
+        too short for the positions. A refused call leaves the caches unchanged.
     TypeError
         An argument of the wrong type (e.g. a non-integer ``num_splits``).
 
@@ -121,7 +147,8 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
     -----
     The CPU kernel reads each K/V row once per kv head for all query heads of its GQA group, in
     place. CUDA arrays (float16, bfloat16; PyTorch or CuPy): the append and the attention run on the
-    device of q on the current stream (written, not yet run on a GPU).
+    device of q on the current stream (written, not yet run on a GPU); rotary tables on the device
+    of q, the index arrays on the host (copied over).
 
     Examples
     --------
@@ -143,6 +170,12 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
     arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
     if k is not None:
         arrays.update(k=k, v=v)
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError(f"{'rotary_sin' if rotary_cos is not None else 'rotary_cos'}: expected "
+                         "both rotary_cos and rotary_sin or neither")
+    if rotary_cos is not None:
+        arrays.update(rotary_cos=rotary_cos, rotary_sin=rotary_sin)
+    rotary_interleaved = _checks.flag("rotary_interleaved", rotary_interleaved)
     frame = Frame(arrays, tuple(arrays))
     if frame.kind == "torch" and sys.modules["torch"].is_grad_enabled() and q.requires_grad:
         raise ValueError("q: a tensor that requires grad was given to "
@@ -159,7 +192,10 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
     opts.update(_score_mods(alibi_slopes, softcap))
     seqlens = _index_array("cache_seqlens", cache_seqlens, True)
     table = _index_array("block_table", block_table, False)
-    errors = _LayoutErrors((q, k_cache, v_cache), bhsd, same_batch=block_table is None,
+    batch_idx = _index_array("cache_batch_idx", cache_batch_idx, False)
+    leftpad = _index_array("cache_leftpad", cache_leftpad, False)
+    errors = _LayoutErrors((q, k_cache, v_cache), bhsd,
+                           same_batch=block_table is None and cache_batch_idx is None,
                            names="q, k_cache, v_cache")
     if bhsd:
         q, k_cache, v_cache = (_as_bshd(n, x) for n, x in (
@@ -173,7 +209,11 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
                              seqlens, None if k is None else frame.export(k),
                              None if v is None else frame.export(v), table,
                              frame.dest(out_view), frame.dest(lse),
-                             num_splits=operator.index(num_splits), **opts)
+                             num_splits=operator.index(num_splits),
+                             rotary_cos=None if rotary_cos is None else frame.export(rotary_cos),
+                             rotary_sin=None if rotary_sin is None else frame.export(rotary_sin),
+                             rotary_interleaved=rotary_interleaved, cache_batch_idx=batch_idx,
+                             cache_leftpad=leftpad, **opts)
     out, lse = frame.finish(out), frame.finish(lse)
     return (out, lse) if return_lse else out
 

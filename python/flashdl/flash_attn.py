@@ -10,11 +10,12 @@ and that layout. flash-attn's own test module runs against this one: tools/flash
 docs/flash_attn_tests.md. Differences from flash-attn (also in docs/migrating.md, "From
 flash-attn"):
 
-- block_table (paged KV) in flash_attn_varlen_func raises NotImplementedError naming the
-  argument. flash_attn_with_kvcache is flashdl.attention_with_kvcache: block_table (any page
-  size), cache_seqlens (an int, a CPU int32 tensor or None), k/v appended in place, num_splits,
-  softcap, alibi_slopes; rotary_cos/rotary_sin, cache_batch_idx and cache_leftpad raise
-  NotImplementedError. cache_seqlens and block_table on a GPU are copied to the host first
+- block_table (paged KV) and seqused_k in flash_attn_varlen_func: forward only (as
+  flash-attn), CPU tensors only yet (NotImplementedError naming the argument on CUDA).
+  flash_attn_with_kvcache is flashdl.attention_with_kvcache: block_table (any page size),
+  cache_seqlens (an int, a CPU int32 tensor or None), k/v appended in place, num_splits,
+  softcap, alibi_slopes, rotary_cos/rotary_sin, cache_batch_idx and cache_leftpad.
+  cache_seqlens, block_table, cache_batch_idx and cache_leftpad on a GPU are copied to the host first
   (flashdl reads them there: one synchronisation); the CUDA path is written, not yet run.
 - softmax_lse of a query that sees no key is -inf (flashdl's contract; flash-attn gives +inf).
 - With alibi_slopes and causal=True, softmax_lse is the lse of the biased scores as written
@@ -103,14 +104,10 @@ def _maybe_contiguous(x):
     return x.contiguous() if isinstance(x, torch.Tensor) and x.stride(-1) != 1 else x
 
 
-def _score_mods(softcap, alibi_slopes, block_table=None):
+def _score_mods(softcap, alibi_slopes):
     """flashdl's softcap and alibi_slopes keywords for flash-attn's arguments."""
     softcap = _checks.finite("softcap", _checks.real("softcap", softcap, "a float"),
                              "a finite float (<= 0: off)")
-    if block_table is not None:
-        raise NotImplementedError("block_table: paged keys and values in flash_attn_varlen_func "
-                                  "are not implemented in flashdl yet (use block_table=None; "
-                                  "flash_attn_with_kvcache takes block_table)")
     # flash-attn's kernel treats softcap <= 0 as off; flashdl takes 0 for that.
     return dict(softcap=softcap if softcap > 0 else 0.0, alibi_slopes=alibi_slopes)
 
@@ -256,15 +253,24 @@ def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alib
 
 def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
             softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-            return_attn_probs, block_table=None):
-    mods = _score_mods(softcap, alibi_slopes, block_table)
+            return_attn_probs, block_table=None, seqused_k=None):
+    mods = _score_mods(softcap, alibi_slopes)
     q, k, v = (_maybe_contiguous(x) for x in (q, k, v))
     window = _window(window_size)
     seed = _seed(q, dropout_p, return_attn_probs)
+    paged = {}
+    if block_table is not None or seqused_k is not None:
+        # flash-attn takes these on the GPU; flashdl reads them on the host (CPU only yet).
+        paged = {n: x.cpu() if isinstance(x, torch.Tensor) else x
+                 for n, x in (("block_table", block_table), ("seqused_k", seqused_k))}
+        if return_attn_probs and dropout_p > 0:
+            raise NotImplementedError("block_table: return_attn_probs with dropout and paged "
+                                      "keys is not implemented (use return_attn_probs=False)")
     out, lse = _fdt.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                      max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
                                      window_size=window, dropout_p=dropout_p, seed=seed,
-                                     deterministic=deterministic, return_lse=True, **mods)
+                                     deterministic=deterministic, return_lse=True, **mods,
+                                     **paged)
     if not return_attn_probs:
         return out
     if not dropout_p > 0:
@@ -510,7 +516,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            window_size: Tuple[int, int] = ..., softcap: float = ...,
                            alibi_slopes: Optional[torch.Tensor] = ..., deterministic: bool = ...,
                            return_attn_probs: Literal[False] = ...,
-                           block_table: Optional[torch.Tensor] = ...) -> torch.Tensor: ...
+                           block_table: Optional[torch.Tensor] = ...,
+                           seqused_k: Optional[torch.Tensor] = ...) -> torch.Tensor: ...
 @overload
 def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
@@ -519,7 +526,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            window_size: Tuple[int, int] = ..., softcap: float = ...,
                            alibi_slopes: Optional[torch.Tensor] = ..., deterministic: bool = ...,
                            *, return_attn_probs: Literal[True],
-                           block_table: Optional[torch.Tensor] = ...
+                           block_table: Optional[torch.Tensor] = ...,
+                           seqused_k: Optional[torch.Tensor] = ...
                            ) -> _WithProbs: ...
 @overload
 def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -529,7 +537,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            window_size: Tuple[int, int] = ..., softcap: float = ...,
                            alibi_slopes: Optional[torch.Tensor] = ..., deterministic: bool = ...,
                            return_attn_probs: bool = ...,
-                           block_table: Optional[torch.Tensor] = ...
+                           block_table: Optional[torch.Tensor] = ...,
+                           seqused_k: Optional[torch.Tensor] = ...
                            ) -> _OutOrProbs: ...
 
 
@@ -541,7 +550,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                            alibi_slopes: Optional[torch.Tensor] = None,
                            deterministic: bool = False, return_attn_probs: bool = False,
-                           block_table: Optional[torch.Tensor] = None
+                           block_table: Optional[torch.Tensor] = None,
+                           seqused_k: Optional[torch.Tensor] = None
                            ) -> _OutOrProbs:
     """flash-attn's ``flash_attn_varlen_func``, over :func:`flashdl.torch.attention_varlen`.
 
@@ -554,8 +564,13 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     max_seqlen_q, max_seqlen_k : int
     dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs : optional
         As in :func:`flash_attn_func`, per sequence.
-    block_table : torch.Tensor, optional
-        Not implemented (``NotImplementedError`` unless None).
+    block_table : int32 tensor (batch, max_num_blocks_per_seq), optional
+        Paged k, v (num_blocks, page_block_size, nheads_k, headdim), any page size: chunked
+        prefill over a paged KV cache (flashdl.attention_varlen's ``block_table``). Forward only,
+        as in flash-attn; CPU tensors only yet (a GPU table is copied to the host).
+    seqused_k : int32 tensor (batch,), optional
+        Keys each sequence uses (flash-attn's private varlen forward's argument; a flashdl
+        extension here).
 
     Returns
     -------
@@ -566,7 +581,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Raises
     ------
     NotImplementedError
-        A ``block_table``.
+        ``block_table`` or ``seqused_k`` with CUDA tensors; their backward.
     ArgumentError
         An invalid argument value (a ``ValueError`` and a ``RuntimeError``).
     TypeError
@@ -582,7 +597,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                    softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                   return_attn_probs, block_table)
+                   return_attn_probs, block_table, seqused_k)
 
 
 @overload
@@ -762,9 +777,13 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         nheads_k, headdim) with ``block_table`` (any page size).
     k, v : torch.Tensor (batch, seqlen_new, nheads_k, headdim), optional
         Written into the caches in place at ``cache_seqlens``.
-    rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad : None
-        Not implemented (``NotImplementedError`` unless None); ``rotary_interleaved`` is
-        ignored.
+    rotary_cos, rotary_sin : torch.Tensor (seqlen_ro, rotary_dim / 2), optional
+        Rotary embedding of q and the new k (flashdl.attention_with_kvcache's); the cache keeps
+        rotated keys. ``rotary_interleaved`` (default True, as flash-attn): GPT-J pairs.
+    cache_batch_idx : int32 tensor (batch,), optional
+        The cache row of each sequence (contiguous caches).
+    cache_leftpad : int32 tensor (batch,), optional
+        The first visible cache position of each sequence.
     cache_seqlens : int or int32 tensor (batch,), optional
         Tokens already in each cache: an int (every sequence), a tensor, or None (the caches are
         full).
@@ -782,8 +801,6 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
     Raises
     ------
-    NotImplementedError
-        Rotary embeddings, ``cache_batch_idx`` or ``cache_leftpad``.
     ArgumentError
         An invalid argument value (a ``ValueError`` and a ``RuntimeError``).
     TypeError
@@ -798,10 +815,6 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     >>> out.shape, torch.equal(k_cache[:, 3], k[:, 0])
     (torch.Size([2, 1, 2, 16]), True)
     """
-    for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
-                    ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
-        if x is not None:
-            raise NotImplementedError(f"{name}: not implemented in flashdl yet (use {name}=None)")
     batch = q.shape[0]
     if cache_seqlens is None:
         cache_seqlens = torch.full((batch,), k_cache.shape[1] - (0 if k is None else k.shape[1]),
@@ -813,15 +826,25 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     # flash-attn takes these on the GPU; flashdl checks them on the host.
     if isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.device.type != "cpu":
         cache_seqlens = cache_seqlens.cpu()
+    # flash-attn takes these on the GPU too; flashdl reads them on the host.
+    if isinstance(cache_leftpad, torch.Tensor) and cache_leftpad.device.type != "cpu":
+        cache_leftpad = cache_leftpad.cpu()
+    if isinstance(cache_batch_idx, torch.Tensor) and cache_batch_idx.device.type != "cpu":
+        cache_batch_idx = cache_batch_idx.cpu()
     if isinstance(block_table, torch.Tensor) and block_table.device.type != "cpu":
         block_table = block_table.cpu()
+    rotary = {}
+    if rotary_cos is not None or rotary_sin is not None:
+        rotary = dict(rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                      rotary_interleaved=rotary_interleaved)
     mods = _score_mods(softcap, alibi_slopes)
     with torch.no_grad():
         return _fdt.attention_with_kvcache(
             _maybe_contiguous(q), k_cache, v_cache, cache_seqlens=cache_seqlens, k=k, v=v,
             block_table=block_table, softmax_scale=softmax_scale, causal=causal,
             window_size=_window(window_size), num_splits=num_splits,
-            return_lse=return_softmax_lse, **mods)
+            return_lse=return_softmax_lse, cache_batch_idx=cache_batch_idx,
+            cache_leftpad=cache_leftpad, **rotary, **mods)
 
 
 def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor,

@@ -454,7 +454,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      block_mask: Optional[ArrayLike] = ..., block_size: BlockSize = ...,
                      deterministic: bool = ..., alibi_slopes: Optional[ArrayLike] = ...,
                      softcap: float = ..., return_lse: Literal[False] = ...,
-                     layout: str = ...) -> torch.Tensor: ...
+                     layout: str = ..., block_table: Optional[ArrayLike] = ...,
+                     seqused_k: Optional[ArrayLike] = ...) -> torch.Tensor: ...
 @overload
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      cu_seqlens_q: ArrayLike, cu_seqlens_k: ArrayLike, max_seqlen_q: int,
@@ -465,7 +466,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      block_mask: Optional[ArrayLike] = ..., block_size: BlockSize = ...,
                      deterministic: bool = ..., alibi_slopes: Optional[ArrayLike] = ...,
                      softcap: float = ..., return_lse: Literal[True],
-                     layout: str = ...) -> Tuple[torch.Tensor, torch.Tensor]: ...
+                     layout: str = ..., block_table: Optional[ArrayLike] = ...,
+                     seqused_k: Optional[ArrayLike] = ...) -> Tuple[torch.Tensor, torch.Tensor]: ...
 @overload
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      cu_seqlens_q: ArrayLike, cu_seqlens_k: ArrayLike, max_seqlen_q: int,
@@ -476,7 +478,9 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      block_mask: Optional[ArrayLike] = ..., block_size: BlockSize = ...,
                      deterministic: bool = ..., alibi_slopes: Optional[ArrayLike] = ...,
                      softcap: float = ..., return_lse: bool = ...,
-                     layout: str = ...) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]: ...
+                     layout: str = ..., block_table: Optional[ArrayLike] = ...,
+                     seqused_k: Optional[ArrayLike] = ...
+                     ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]: ...
 
 
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -487,7 +491,9 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      seed: Optional[int] = None, offset: int = 0,
                      block_mask: Optional[ArrayLike] = None, block_size: BlockSize = 128,
                      deterministic: bool = False, alibi_slopes: Optional[ArrayLike] = None,
-                     softcap: float = 0.0, return_lse: bool = False, layout: str = "thd"
+                     softcap: float = 0.0, return_lse: bool = False, layout: str = "thd",
+                     block_table: Optional[ArrayLike] = None,
+                     seqused_k: Optional[ArrayLike] = None
                      ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """:func:`flashdl.attention_varlen` for torch tensors, differentiable with respect to q, k and v.
 
@@ -515,6 +521,10 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     layout : {"thd", "htd"}, default "thd"
         ``"htd"`` takes (nheads, total, headdim) tensors through transposed views and returns out in
         that layout.
+    block_table, seqused_k : int32 tensor, optional
+        Paged keys and values, and the keys each sequence uses, as in
+        :func:`flashdl.attention_varlen` (CPU tensors). Forward only, as in flash-attn: the call is
+        not a custom op then, and a backward through its output raises NotImplementedError.
 
     Returns
     -------
@@ -526,6 +536,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ------
     ValueError
         Bad shapes, offsets or options (the message names the argument).
+    NotImplementedError
+        ``block_table`` or ``seqused_k`` with CUDA tensors, and the backward of such a call.
     TypeError
         An argument of the wrong type.
 
@@ -539,6 +551,13 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     >>> out.shape, k.grad.shape
     (torch.Size([12, 2, 8]), torch.Size([12, 2, 8]))
     """
+    if block_table is not None or seqused_k is not None:
+        return _attention_varlen_paged(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+            softmax_scale=softmax_scale, schedule=schedule, window_size=window_size,
+            dropout_p=dropout_p, seed=seed, offset=offset, block_mask=block_mask,
+            block_size=block_size, alibi_slopes=alibi_slopes, softcap=softcap,
+            return_lse=return_lse, layout=layout, block_table=block_table, seqused_k=seqused_k)
     heads_first = _layout(layout, varlen=True)
     return_lse = _checks.flag("return_lse", return_lse)
     _tensors({"q": q, "k": k, "v": v}, "flashdl.torch.attention_varlen")
@@ -555,6 +574,40 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      max_q, max_k, *options)
     if heads_first:
         out = out.transpose(0, 1)
+    return (out, lse) if return_lse else out
+
+
+class _ForwardOnly(torch.autograd.Function):
+    """out as it is, with a backward that refuses (paged varlen is forward only, as in
+    flash-attn): gradients never stop silently at it."""
+
+    @staticmethod
+    def forward(ctx, out, what, *inputs):
+        ctx.what = what
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(f"{ctx.what}: flashdl.torch.attention_varlen with paged keys "
+                                  "and values (or seqused_k) is forward only, as in flash-attn; "
+                                  "no backward")
+
+
+def _attention_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            *, return_lse, block_table, seqused_k, **options):
+    """attention_varlen with block_table or seqused_k: flashdl.attention_varlen on detached
+    tensors, the output tied to the inputs by _ForwardOnly where they require grad."""
+    _tensors({"q": q, "k": k, "v": v}, "flashdl.torch.attention_varlen")
+    cu_q, cu_k = (_cu_tensor(n, x) for n, x in (("cu_seqlens_q", cu_seqlens_q),
+                                                  ("cu_seqlens_k", cu_seqlens_k)))
+    with torch.no_grad():
+        out, lse = _attention_varlen(q.detach(), k.detach(), v.detach(), cu_q, cu_k,
+                                     max_seqlen_q, max_seqlen_k, return_lse=True,
+                                     block_table=block_table, seqused_k=seqused_k, **options)
+    needs = [x for x in (q, k, v) if x.requires_grad]
+    if needs and torch.is_grad_enabled():
+        what = "block_table" if block_table is not None else "seqused_k"
+        out = _ForwardOnly.apply(out, what, *needs)
     return (out, lse) if return_lse else out
 
 
@@ -642,7 +695,12 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            softmax_scale: Optional[float] = None,
                            window_size: Tuple[int, int] = (-1, -1), num_splits: int = 0,
                            return_lse: bool = False, alibi_slopes: Optional[ArrayLike] = None,
-                           softcap: float = 0.0, layout: str = "bshd"
+                           softcap: float = 0.0, layout: str = "bshd",
+                           rotary_cos: Optional[torch.Tensor] = None,
+                           rotary_sin: Optional[torch.Tensor] = None,
+                           rotary_interleaved: bool = False,
+                           cache_batch_idx: Optional[ArrayLike] = None,
+                           cache_leftpad: Optional[ArrayLike] = None
                            ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """:func:`flashdl.attention_with_kvcache` for torch tensors (decoding; no autograd).
 
@@ -664,6 +722,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     layout : {"bshd", "bhsd"}, default "bshd"
         ``"bhsd"``: q, k, v and out (batch, nheads, seqlen, headdim), the caches (batch, nheads_kv,
         seqlen_cache, headdim) as Hugging Face keeps them, read and written through transposed views.
+    rotary_cos, rotary_sin, rotary_interleaved, cache_batch_idx, cache_leftpad : optional
+        As in :func:`flashdl.attention_with_kvcache` (CPU tensors only yet).
 
     Returns
     -------
@@ -694,4 +754,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                        softmax_scale=softmax_scale, window_size=window_size,
                                        num_splits=num_splits, return_lse=return_lse,
                                        alibi_slopes=alibi_slopes, softcap=softcap,
-                                       layout=layout)
+                                       layout=layout, rotary_cos=rotary_cos,
+                                       rotary_sin=rotary_sin,
+                                       rotary_interleaved=rotary_interleaved,
+                                       cache_batch_idx=cache_batch_idx,
+                                       cache_leftpad=cache_leftpad)

@@ -5,7 +5,7 @@ dropout keep-mask recovered from S_dmask equals flashdl.dropout_mask, S_dmask in
 scaling of flash-attn's kernel, which flash-attn's normalisation turns into the probabilities,
 against float64 written from that definition); windows below -1;
 strided last dimensions; softcap and alibi_slopes against flash-attn's reference formulas;
-NotImplementedError for block_table; unpad_input/pad_input (flash_attn.bert_padding)."""
+block_table and seqused_k (paged varlen, forward only); unpad_input/pad_input (flash_attn.bert_padding)."""
 
 import inspect
 import subprocess
@@ -32,7 +32,10 @@ SIGNATURES = {
     "flash_attn_qkvpacked_func": (["qkv"], COMMON),
     "flash_attn_kvpacked_func": (["q", "kv"], COMMON),
     "flash_attn_varlen_func": (["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
-                                "max_seqlen_k"], COMMON + [("block_table", None)]),
+                                "max_seqlen_k"], COMMON + [("block_table", None),
+                                                           # flash-attn 3's keyword, after
+                                                           # flash-attn 2's parameters
+                                                           ("seqused_k", None)]),
     "flash_attn_varlen_qkvpacked_func": (["qkv", "cu_seqlens", "max_seqlen"], COMMON),
     "flash_attn_varlen_kvpacked_func": (["q", "kv", "cu_seqlens_q", "cu_seqlens_k",
                                          "max_seqlen_q", "max_seqlen_k"], COMMON),
@@ -454,7 +457,8 @@ def test_negative_softcap_is_off_and_s_dmask_uses_the_modifiers():
 def test_unsupported_arguments_raise_naming_them():
     q, k, v = qkv_of(1, 4, 4, 2, 2, 8)
     c = cu([4])
-    with pytest.raises(NotImplementedError, match="block_table"):
+    # A block_table needs paged k, v (rank 4): refused by value, naming k.
+    with pytest.raises(ValueError, match="^k: .*paged"):
         flash_attn.flash_attn_varlen_func(q[0], k[0], v[0], c, c, 4, 4,
                                           block_table=torch.zeros(1, 1, dtype=torch.int32))
     # Everything else is flashdl's own validation, which names the argument.
@@ -521,8 +525,10 @@ def test_with_kvcache_int_and_none_cache_seqlens_and_unsupported():
     four = flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=4)
     assert torch.allclose(four, flashdl.torch.attention(q, k_cache[:, :4], v_cache[:, :4]),
                           atol=1e-6)
-    for name in ("rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad"):
-        with pytest.raises(NotImplementedError, match=name):
+    # Supported since issue 33; malformed ones are refused by value, naming the argument.
+    for name, other in (("rotary_cos", "rotary_sin"), ("rotary_sin", "rotary_cos"),
+                        ("cache_batch_idx", None), ("cache_leftpad", None)):
+        with pytest.raises((ValueError, TypeError), match=f"^{other or name}: "):
             flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, **{name: torch.zeros(1)})
 
 

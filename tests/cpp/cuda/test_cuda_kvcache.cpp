@@ -19,6 +19,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cli.hpp"
@@ -228,12 +229,130 @@ int run_race(const Target& t, const Cli& cli) {
   });
 }
 
+// Rotary embedding (both pair styles, rotary_dim below and at the head dim, per-row and shared
+// query positions), cache_batch_idx (more cache rows than sequences, permuted) and cache_leftpad,
+// contiguous and paged: the device call against the same call on the CPU backend (whose
+// float64-oracle tests are tests/python/test_kvcache_serving.py). The caches must come out
+// bitwise equal (both round each float32 product, then the sum, once to the dtype) and out within
+// the dtype's rounding of the CPU's.
+struct ServingCase {
+  int64_t b, sq, h, hk, d, cap, rows, seqlen_new, page, rd;
+  bool interleaved, causal;
+  std::vector<int32_t> lens, idx, pad;
+};
+
+std::vector<ServingCase> serving_cases() {
+  return {
+      // decode step, GQA, rotary half the head dim (GPT-NeoX), batch indices, left pads
+      {2, 1, 8, 2, 128, 96, 3, 1, 0, 64, false, true, {40, 70}, {2, 0}, {5, 0}},
+      // speculative rows, interleaved (GPT-J) over the whole head dim, non-causal (shared
+      // positions), no batch index
+      {3, 3, 4, 4, 64, 64, 3, 3, 0, 64, true, false, {10, 0, 61}, {}, {2, 0, 30}},
+      // paged with left pads, rotary 32 of 96 columns, causal
+      {2, 2, 4, 1, 96, 80, 0, 2, 16, 32, false, true, {33, 70}, {}, {17, 0}},
+      // no append: q rotated alone, batch indices repeated (reads only)
+      {2, 2, 4, 2, 128, 50, 2, 0, 0, 128, true, true, {20, 49}, {1, 1}, {}},
+  };
+}
+
+int run_serving(const Target& t, const Cli& cli) {
+  int failures = 0;
+  const std::vector<ServingCase> cs = serving_cases();
+  for (size_t ci = 0; ci < cs.size(); ++ci) {
+    const ServingCase& c = cs[ci];
+    for (const DType dt : kDtypes) {
+      char buf[200];
+      std::snprintf(buf, sizeof buf, "kvcache serving %s case %zu d=%lld rd=%lld %s%s%s%s",
+                    flashdl::dtype_name(dt), ci, (long long)c.d, (long long)c.rd,
+                    c.interleaved ? "interleaved " : "", c.page ? "paged " : "",
+                    c.idx.empty() ? "" : "batch_idx ", c.pad.empty() ? "" : "leftpad");
+      const std::string label = buf;
+      if (!cli.selected(label)) continue;
+      failures += run_case(label, [&] {
+        std::mt19937 rng(uint32_t(977 * ci + 13));
+        const int64_t npages = c.page ? c.b * CacheLayout::detail_ceil(c.cap, c.page) + 1 : 0;
+        const int64_t per = c.page ? CacheLayout::detail_ceil(c.cap, c.page) : 0;
+        const Layout lq = make_layout(c.b, c.sq, c.h, c.d, Kind::contiguous);
+        const Layout ln = make_layout(c.b, c.seqlen_new, c.hk, c.d, Kind::contiguous);
+        const Layout lc = c.page ? make_layout(npages, c.page, c.hk, c.d, Kind::contiguous)
+                                 : make_layout(c.rows, c.cap, c.hk, c.d, Kind::contiguous);
+        const int64_t ro_rows = c.cap + c.sq, half = c.rd / 2;
+        const Layout lr{{ro_rows, half, 1, 1}, {half, 1, 1, 1}, ro_rows * half};
+        const Layout ll = lse_layout(c.b, c.h, c.sq, false);
+        const auto q = random_values(lq.span, rng), kc = random_values(lc.span, rng),
+                   vc = random_values(lc.span, rng), kn = random_values(ln.span, rng),
+                   vn = random_values(ln.span, rng);
+        std::vector<float> cos = random_values(lr.span, rng), sin = random_values(lr.span, rng);
+        for (float& x : cos) x /= 2;
+        for (float& x : sin) x /= 2;
+        std::vector<int32_t> table;
+        for (int64_t i = 0; i < c.b * per; ++i) table.push_back(int32_t((i * 7 + 3) % npages));
+        // One run on `host` memory (the CPU backend) or the target's: out, lse, caches.
+        auto once = [&](bool host, void* stream) {
+          Buffer bq(size_t(lq.span) * 2, host), bo(size_t(lq.span) * 2, host),
+              bl(size_t(ll.span) * 4 + 4, host), bkc(size_t(lc.span) * 2, host),
+              bvc(size_t(lc.span) * 2, host), bkn(size_t(ln.span) * 2 + 2, host),
+              bvn(size_t(ln.span) * 2 + 2, host), bcos(size_t(lr.span) * 2, host),
+              bsin(size_t(lr.span) * 2, host);
+          bq.upload(place(q, lq, dt));
+          bkc.upload(place(kc, lc, dt));
+          bvc.upload(place(vc, lc, dt));
+          bkn.upload(place(kn, ln, dt));
+          bvn.upload(place(vn, ln, dt));
+          bcos.upload(place(cos, lr, dt));
+          bsin.upload(place(sin, lr, dt));
+          bo.poison();
+          bl.poison();
+          flashdl::Options o;
+          o.causal = c.causal;
+          o.stream = stream;
+          std::vector<int32_t> lens = c.lens, idx = c.idx, pad = c.pad, tab = table;
+          flashdl::KvCacheExtras x;
+          x.rotary_cos = view_of(bcos, dt, lr, 2);
+          x.rotary_sin = view_of(bsin, dt, lr, 2);
+          x.rotary_interleaved = c.interleaved;
+          if (!idx.empty()) x.cache_batch_idx = flashdl::make_view(idx.data(), DType::int32, {c.b});
+          if (!pad.empty()) x.cache_leftpad = flashdl::make_view(pad.data(), DType::int32, {c.b});
+          const flashdl::TensorView none{};
+          const bool append = c.seqlen_new > 0;
+          flashdl::forward_kvcache(
+              view_of(bq, dt, lq, 4), view_of(bkc, dt, lc, 4), view_of(bvc, dt, lc, 4),
+              flashdl::make_view(lens.data(), DType::int32, {c.b}),
+              append ? view_of(bkn, dt, ln, 4) : none, append ? view_of(bvn, dt, ln, 4) : none,
+              c.page ? flashdl::make_view(tab.data(), DType::int32, {c.b, per}) : none,
+              view_of(bo, dt, lq, 4), view_of(bl, DType::float32, ll, 3), o, x);
+          if (!host) t.sync();
+          bool gaps = true;
+          return std::make_tuple(gather(bo.download<uint16_t>(), lq, dt, gaps),
+                                 bl.download<uint32_t>(), bkc.download<uint16_t>(),
+                                 bvc.download<uint16_t>());
+        };
+        const auto [out_d, lse_d, kc_d, vc_d] = once(t.host, t.stream);
+        const auto [out_h, lse_h, kc_h, vc_h] = once(true, nullptr);
+        const double err = max_abs_diff(out_d, out_h);
+        const double tol = dt == DType::float16 ? 4e-3 : 3e-2;
+        double lse_err = 0;
+        for (int64_t i = 0; i < ll.span; ++i)
+          lse_err = std::max(lse_err, std::fabs(double(bits_to_float(lse_d[size_t(i)])) -
+                                                bits_to_float(lse_h[size_t(i)])));
+        const bool caches = kc_d == kc_h && vc_d == vc_h;
+        const bool ok = err <= tol && lse_err <= 1e-3 && caches;
+        std::printf("%s %s | out err %.2e tol %.2e lse err %.2e%s\n", ok ? "ok  " : "FAIL",
+                    label.c_str(), err, tol, lse_err, caches ? "" : " [caches differ]");
+        return ok;
+      });
+    }
+  }
+  return failures;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   return test_main(argc, argv, [&](const Target& t, const Cli& cli) {
     int failures = 0;
     failures += run_kvcache(t, cli);
+    failures += run_serving(t, cli);
     if (cli.repeats()) failures += run_race(t, cli);
     failures += merge::run_merge_states(t, cli);
     return failures;
