@@ -39,7 +39,7 @@ Refused with NotImplementedError naming the feature, never approximated: 4-D mas
 such sequences (an additive bias, per-head masks, bidirectional image-token blocks, a 4-D mask
 with a KV cache), a sliding window with padding between tokens (its distances would count the
 padding), bidirectional sliding windows that matter (transformers' own implementations disagree
-on their width), attention sinks (s_aux), position_bias, paged caches (continuous batching),
+on their width), position_bias, paged caches (continuous batching),
 BlockMask (flex attention) masks. output_attentions=True returns None as the weights (with a
 warning), as transformers' flash and sdpa integrations do.
 """
@@ -64,7 +64,6 @@ DEFAULT_NAME = "fdl"
 
 # Keyword arguments transformers may pass to an attention function that flashdl cannot honour.
 _REFUSED = {
-    "s_aux": "attention sinks (s_aux)",
     "position_bias": "an additive position_bias",
     "cache": "a paged cache (continuous batching)",
     "block_table": "a paged cache (block_table)",
@@ -303,8 +302,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     is_causal : bool, optional
         Overrides ``module.is_causal``.
     **kwargs
-        Other keyword arguments transformers passes; attention sinks, additive position biases and
-        paged caches raise ``NotImplementedError``.
+        Other keyword arguments transformers passes: ``s_aux`` (gpt-oss's attention sinks, one
+        logit per query head, differentiable) runs in flashdl; additive position biases and paged
+        caches raise ``NotImplementedError``.
 
     Returns
     -------
@@ -349,7 +349,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     opts = dict(causal=causal, softmax_scale=_scalar("scaling", scaling),
                 window_size=_window_size(sliding_window, causal, seq_k), dropout_p=dropout,
                 softcap=_scalar("softcap", softcap) or 0.0,
-                deterministic=_checks.flag("deterministic", deterministic))
+                deterministic=_checks.flag("deterministic", deterministic),
+                sinks=_sinks(kwargs.get("s_aux")))
 
     # flashdl's layout (batch, seqlen, heads, dim): transposed views, not copies.
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
@@ -392,6 +393,18 @@ def _scalar(name, x):
     value = float(x) if isinstance(x, torch.Tensor) and x.numel() == 1 else \
         _checks.real(name, x, "None or a float")
     return _checks.finite(name, value, "None or a finite float")
+
+
+def _sinks(s_aux):
+    """gpt-oss's attention sinks (s_aux: one logit per query head, a parameter of the model's
+    dtype) as flashdl's float32 sinks; the conversion is differentiable, so the parameter gets
+    its gradient."""
+    if s_aux is None:
+        return None
+    if not isinstance(s_aux, torch.Tensor) or not s_aux.is_floating_point():
+        raise TypeError("s_aux: expected None or a float tensor of shape (num_attention_heads,), "
+                        f"got {getattr(s_aux, 'dtype', type(s_aux).__name__)}")
+    return s_aux.to(torch.float32)
 
 
 def _window_size(sliding_window, causal, seq_k):

@@ -457,7 +457,7 @@ def test_dropout_comes_from_the_module_and_torch_seed():
 def test_refusals_name_what_is_refused():
     q, k, v = qkv(1, 4, 4, 8, 8, 16)
     module = Module(True)
-    cases = [(dict(s_aux=torch.zeros(4)), "sinks"), (dict(position_bias=q), "position_bias"),
+    cases = [(dict(position_bias=q), "position_bias"),
              (dict(cache=object()), "paged"), (dict(block_table=q), "paged")]
     for kwargs, message in cases:
         with pytest.raises(NotImplementedError, match=message):
@@ -529,3 +529,85 @@ def test_example_runs_and_matches_sdpa():
                          text=True, timeout=300)
     assert got.returncode == 0, got.stdout + got.stderr
     assert got.stdout.rstrip().endswith("OK")
+
+
+# --- gpt-oss: learnable attention sinks (s_aux) --------------------------------------------------
+
+def gpt_oss(impl, state=None, dtype=torch.float32):
+    """A tiny random gpt-oss (GQA, alternating sliding and full layers, MoE run by the eager
+    experts so that float64 works), its sinks drawn away from their zero init."""
+    cfg = transformers.GptOssConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
+                                    layer_types=["sliding_attention", "full_attention"],
+                                    max_position_embeddings=64, **COMMON)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=impl,
+                                                          dtype=dtype,
+                                                          experts_implementation="eager")
+    if state is None:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0.0, 2.0)
+    else:
+        model.load_state_dict({k: v.to(dtype) for k, v in state.items()})
+    return model.eval()
+
+
+_GPT_OSS = {}
+
+
+def gpt_oss_models():
+    if not _GPT_OSS:
+        fdl = gpt_oss(NAME)
+        state = fdl.state_dict()
+        _GPT_OSS.update(fdl=fdl, eager=gpt_oss("eager", state),
+                        ref=gpt_oss("eager", state, torch.float64))
+    return _GPT_OSS
+
+
+@pytest.mark.parametrize("padding", [None, "right"])
+def test_gpt_oss_sinks_logits_match_eager(padding):
+    m = gpt_oss_models()
+    ids, mask = inputs(padding, seq=16)
+    valid = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+    ref = np64(logits_of(m["ref"], ids, mask)[valid])
+    assert_rule(np64(logits_of(m["fdl"], ids, mask)[valid]), ref,
+                np64(logits_of(m["eager"], ids, mask)[valid]), "float32",
+                what="gpt-oss logits vs eager", ulps=ULPS)
+    # The sinks matter: the same model without them is far off.
+    with torch.no_grad():
+        saved = [layer.self_attn.sinks.clone() for layer in m["fdl"].model.layers]
+        for layer in m["fdl"].model.layers:
+            layer.self_attn.sinks.fill_(-1e4)
+        without = np64(logits_of(m["fdl"], ids, mask)[valid])
+        for layer, x in zip(m["fdl"].model.layers, saved):
+            layer.self_attn.sinks.copy_(x)
+    assert np.abs(without - ref).max() > 1e-2
+
+
+def test_gpt_oss_sinks_gradients_match_eager():
+    m = gpt_oss_models()
+    ids, mask = inputs("right", seq=16)
+    g = {impl: grads(m[impl], ids, mask) for impl in ("fdl", "eager", "ref")}
+    assert any("sinks" in name for name in g["ref"])
+    magnitude = max(float(x.abs().max()) for x in g["ref"].values())
+    for name, ref in g["ref"].items():
+        assert_rule(np64(g["fdl"][name]), np64(ref), np64(g["eager"][name]), "float32",
+                    what=f"gpt-oss d{name} vs eager", ulps=ULPS, magnitude=magnitude, grad=True)
+    for name in (n for n in g["ref"] if "sinks" in n):
+        assert float(g["fdl"][name].abs().max()) > 0
+
+
+def test_gpt_oss_generate_matches_eager():
+    m = gpt_oss_models()
+    ids, mask = inputs("left", seq=12, seed=2)
+    out = {}
+    for impl in ("fdl", "eager"):
+        with torch.no_grad():
+            out[impl] = m[impl].generate(ids, attention_mask=mask, max_new_tokens=8,
+                                         do_sample=False, output_logits=True,
+                                         return_dict_in_generate=True)
+    assert torch.equal(out["fdl"].sequences, out["eager"].sequences)
+    for step, (a, b) in enumerate(zip(out["fdl"].logits, out["eager"].logits)):
+        assert float((a - b).abs().max()) <= 1e-5 * max(1.0, float(b.abs().max())), f"step {step}"

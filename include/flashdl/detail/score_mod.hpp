@@ -69,6 +69,12 @@ FLASHDL_HD ScoreMod<T> score_mod_of(const Params& p, int64_t b, int64_t h) {
   return m;
 }
 
+// The attention sink of head h in the exp2 domain (Params::sinks_ptr non-null).
+template <typename T>
+FLASHDL_HD T sink_of(const Params& p, int64_t h) {
+  return static_cast<T>(static_cast<double>(p.sinks_ptr[h * p.sinks_stride]) * kLog2e);
+}
+
 // Whether a call has any modifier (kernels keep their unmodified fast path otherwise).
 FLASHDL_HD bool has_score_mod(const Params& p) {
   return p.softcap > 0.0 || p.alibi_slopes_ptr != nullptr;
