@@ -377,9 +377,36 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         out = _run_varlen(q, k, v, _from_padding(attention_mask, causal, opts["window_size"],
                                                  q.shape[0], seq_q, seq_k), opts)
     else:
-        out = _run_varlen(q, k, v, _from_4d(attention_mask, causal, opts["window_size"],
-                                            q.shape[0], seq_q, seq_k), opts)
+        try:
+            plan = _from_4d(attention_mask, causal, opts["window_size"], q.shape[0], seq_q,
+                            seq_k)
+        except _NotSequences:
+            out = _masked(q, k, v, attention_mask, opts)
+        else:
+            out = _run_varlen(q, k, v, plan, opts)
     return out[..., :v_head_dim], None
+
+
+class _NotSequences(NotImplementedError):
+    """A 4-D mask that is not a set of varlen sequences: it runs as flashdl's mask or bias."""
+
+
+def _masked(q, k, v, attention_mask, opts):
+    """A 4-D mask that the varlen path cannot express (per-head masks, additive float biases,
+    bidirectional blocks, masks with a KV cache), as "sdpa" takes it: the mask alone says which
+    keys each query sees (is_causal and the window are already in it), a bool mask as flashdl's
+    mask, a float one as flashdl's bias (its gradient flows when it requires grad)."""
+    b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+    m = attention_mask
+    if m.shape[-2:] != (sq, sk) or m.shape[0] not in (1, b):
+        raise ValueError(f"attention_mask: expected a 4-D mask ({b} or 1, heads or 1, {sq}, "
+                         f"{sk}), got shape {tuple(m.shape)}")
+    run = dict(opts, causal=False, window_size=(-1, -1))
+    if m.dtype == torch.bool:
+        return _fdl.attention(q, k, v, mask=m, **run)
+    if not m.is_floating_point():
+        raise NotImplementedError(f"flashdl attention: a 4-D attention_mask of dtype {m.dtype}")
+    return _fdl.attention(q, k, v, bias=m, **run)
 
 
 def _scalar(name, x):
@@ -494,7 +521,7 @@ def _from_4d(mask, causal, window, batch, seq_q, seq_k):
         if cached[0]() is mask and cached[1:] == key[1:]:
             return result
     if seq_q != seq_k:
-        raise NotImplementedError("flashdl attention: a 4-D attention_mask with a KV cache "
+        raise _NotSequences("flashdl attention: a 4-D attention_mask with a KV cache "
                                   f"(seq_q {seq_q} != seq_k {seq_k})")
     if mask.shape[0] not in (1, batch) or tuple(mask.shape[2:]) != (seq_q, seq_k):
         raise ValueError(f"attention_mask: expected a 4-D mask ({batch} or 1, heads or 1, "
@@ -505,21 +532,20 @@ def _from_4d(mask, causal, window, batch, seq_q, seq_k):
         visible = mask == 0
         hidden = (mask == float("-inf")) | (mask <= torch.finfo(mask.dtype).min)
         if not bool((visible | hidden).all()):
-            raise NotImplementedError("flashdl attention: a float attention_mask with values "
+            raise _NotSequences("flashdl attention: a float attention_mask with values "
                                       "other than 0 and -inf (an additive bias)")
     else:
-        raise NotImplementedError(f"flashdl attention: a 4-D attention_mask of dtype "
-                                  f"{mask.dtype}")
+        raise _NotSequences(f"flashdl attention: a 4-D attention_mask of dtype {mask.dtype}")
     visible = visible.to("cpu")
     if visible.shape[1] > 1 and not bool((visible == visible[:, :1]).all()):
-        raise NotImplementedError("flashdl attention: a 4-D attention_mask that differs "
+        raise _NotSequences("flashdl attention: a 4-D attention_mask that differs "
                                   "between heads")
     m = visible[:, 0].expand(batch, seq_q, seq_k)
     n = seq_q
     pos = torch.arange(n)
     live = m.diagonal(dim1=1, dim2=2)
     if bool((m.any(1) & ~live).any()):
-        raise NotImplementedError(
+        raise _NotSequences(
             "flashdl attention: a 4-D attention_mask in which a query attends to a key that "
             "does not attend to itself")
     # The live token before each token, -1 if none.
@@ -541,7 +567,7 @@ def _from_4d(mask, causal, window, batch, seq_q, seq_k):
     if right >= 0:
         expected &= -d <= right
     if not torch.equal(m[live], expected[live]):
-        raise NotImplementedError(
+        raise _NotSequences(
             "flashdl attention: a 4-D attention_mask that is not a set of "
             f"{'causal' if causal else 'bidirectional'} sequences (packed sequences, chunks, "
             f"padding) with this layer's window (flashdl window_size {window}): e.g. "

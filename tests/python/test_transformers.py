@@ -114,8 +114,8 @@ LOWP = {"gpt2": ("sdpa", "eager"), "llama-gqa": ("sdpa", "eager"),
 
 
 def bias_mask(batch, seq):
-    """A causal additive mask with a bias on key 3: transformers' own implementations add it,
-    flashdl refuses it; so it shows which one a model runs."""
+    """A causal additive mask with a bias on key 3 (a 4-D float mask that is not a set of
+    sequences: flashdl runs it as an additive bias)."""
     causal = torch.ones(seq, seq, dtype=torch.bool).tril()
     bias = torch.zeros(batch, 1, seq, seq).masked_fill(~causal, float("-inf"))
     bias[:, :, 3:, 3] = -1.0
@@ -123,13 +123,21 @@ def bias_mask(batch, seq):
 
 
 def runs_flashdl(model):
+    """Whether model's attention calls flashdl (a spy on flashdl.torch.attention)."""
     ids, _ = inputs(None, batch=2, seq=8)
+    calls = []
+    real = fdl_hf._fdl.attention
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    fdl_hf._fdl.attention = spy
     try:
-        logits_of(model, ids, bias_mask(2, 8))
-    except NotImplementedError as err:
-        assert "flashdl attention" in str(err)
-        return True
-    return False
+        logits_of(model, ids, None)
+    finally:
+        fdl_hf._fdl.attention = real
+    return bool(calls)
 
 
 def test_register_returns_a_name_transformers_accepts():
@@ -290,21 +298,51 @@ def test_user_4d_masks_that_are_sequences_match_sdpa():
                     np64(logits_of(m["sdpa"], ids, mask)), "float32", ulps=ULPS)
 
 
-def test_4d_masks_that_are_not_sequences_are_refused():
-    model = models("llama-gqa")["fdl"]
+@pytest.mark.parametrize("case", ["additive bias", "per-head bool", "bidirectional",
+                                  "per-head float"])
+def test_4d_masks_that_are_not_sequences_run_as_mask_or_bias(case):
+    """4-D masks the varlen path cannot express run as flashdl's bias (float) or mask (bool),
+    the mask alone deciding what each query sees, as "sdpa" does: logits and gradients by the
+    rule against a float64 "sdpa" copy, float32 "sdpa" and "eager" the low-precision ones."""
+    m = models("llama-gqa")
     ids, _ = inputs(None, batch=2, seq=16)
     causal = torch.ones(16, 16, dtype=torch.bool).tril()
-    bias = bias_mask(2, 16)
-    per_head = causal.repeat(2, 4, 1, 1)
-    per_head[:, 1, 9, 2] = False
-    strict = torch.ones(16, 16, dtype=torch.bool).tril(-1)  # no token sees itself
-    cases = [(bias, "additive bias"), (per_head, "differs between heads"),
-             (torch.ones(2, 1, 16, 16, dtype=torch.bool), "not a set of causal sequences"),
-             (strict.expand(2, 1, 16, 16), "does not attend to itself"),
-             (torch.ones(2, 1, 16, 16, dtype=torch.int64), "dtype")]
-    for mask, message in cases:
-        with pytest.raises(NotImplementedError, match=message):
-            logits_of(model, ids, mask)
+    g = torch.Generator().manual_seed(5)
+    if case == "additive bias":
+        mask = bias_mask(2, 16)
+    elif case == "per-head bool":
+        mask = causal.repeat(2, 4, 1, 1)
+        mask[:, 1, 9, 2] = False
+        mask[1, 3, 12, :5] = False
+    elif case == "bidirectional":
+        mask = torch.ones(2, 1, 16, 16, dtype=torch.bool)
+    else:
+        mask = torch.randn(2, 4, 16, 16, generator=g).masked_fill(~causal, float("-inf"))
+    ref = np64(logits_of(m["ref"], ids, mask.double() if mask.is_floating_point() else mask))
+    got = np64(logits_of(m["fdl"], ids, mask))
+    for low in ("sdpa", "eager"):
+        assert_rule(got, ref, np64(logits_of(m[low], ids, mask)), "float32",
+                    what=f"{case} logits vs {low}", ulps=ULPS)
+    if case == "per-head float":
+        gr = {impl: grads_with_mask(m[impl], ids, mask.double() if impl == "ref" else mask)
+              for impl in ("fdl", "sdpa", "ref")}
+        magnitude = max(float(x.abs().max()) for x in gr["ref"].values())
+        for name, r in gr["ref"].items():
+            assert_rule(np64(gr["fdl"][name]), np64(r), np64(gr["sdpa"][name]), "float32",
+                        what=f"d{name}", ulps=ULPS, magnitude=magnitude, grad=True)
+
+
+def grads_with_mask(model, ids, mask):
+    model.zero_grad()
+    model(ids, attention_mask=mask, labels=ids, use_cache=False).loss.backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_4d_masks_of_other_dtypes_are_refused():
+    model = models("llama-gqa")["fdl"]
+    ids, _ = inputs(None, batch=2, seq=16)
+    with pytest.raises(NotImplementedError, match="dtype"):
+        logits_of(model, ids, torch.ones(2, 1, 16, 16, dtype=torch.int64))
 
 
 def sdpa64(q, k, v, mask, scale=None):
