@@ -486,17 +486,16 @@ static ExtraExtents extra_extents(const Shapes& s, int64_t varlen_total_q) {
 static void check_broadcastable(const char* name, const TensorView& t, const ExtraExtents& x,
                                 Device device) {
   check_defined(name, t);
-  std::initializer_list<int64_t> want = x.rank == 4
-      ? std::initializer_list<int64_t>{x.ext[0], x.ext[1], x.ext[2], x.ext[3]}
-      : std::initializer_list<int64_t>{x.ext[0], x.ext[1], x.ext[2]};
+  const std::string want = x.rank == 4 ? shape_str({x.ext[0], x.ext[1], x.ext[2], x.ext[3]})
+                                       : shape_str({x.ext[0], x.ext[1], x.ext[2]});
   bool ok = t.rank == x.rank;
   for (int a = 0; ok && a < x.rank; ++a) {
     const bool last = a == x.rank - 1;
     ok = t.shape[a] == x.ext[a] || (!last && t.shape[a] == 1);
   }
   if (!ok)
-    fail(ErrorKind::value, std::string(name) + ": expected a shape broadcastable to " +
-                               shape_str(want) + " " + x.layout + ", got " + shape_str(t));
+    fail(ErrorKind::value, std::string(name) + ": expected a shape broadcastable to " + want +
+                               " " + x.layout + ", got " + shape_str(t));
   if (device.type != DeviceType::cpu)
     fail(ErrorKind::not_implemented,
          std::string(name) + ": not yet on the CUDA backend (an attention " + name +
