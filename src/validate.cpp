@@ -581,11 +581,15 @@ void zero_extra_grads(const Options& o) {
     }
     for (int64_t a = 0; a < n[0]; ++a)
       for (int64_t b = 0; b < n[1]; ++b)
-        for (int64_t c = 0; c < n[2]; ++c)
+        for (int64_t c = 0; c < n[2]; ++c) {
+          char* row = static_cast<char*>(d.data) + (a * st[0] + b * st[1] + c * st[2]) * es;
+          if (st[3] == 1) {  // a contiguous row at once
+            std::memset(row, 0, static_cast<size_t>(n[3] * es));
+            continue;
+          }
           for (int64_t e = 0; e < n[3]; ++e)
-            std::memset(static_cast<char*>(d.data) +
-                            (a * st[0] + b * st[1] + c * st[2] + e * st[3]) * es,
-                        0, static_cast<size_t>(es));
+            std::memset(row + e * st[3] * es, 0, static_cast<size_t>(es));
+        }
   }
 }
 

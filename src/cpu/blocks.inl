@@ -152,30 +152,61 @@ inline bool mask_tile_empty(const detail::HeadExtras* ex, int64_t i0, int64_t ro
 }
 
 // Row i's bias over keys [j0 + a, j0 + e) added to s[a, e) (exp2 domain: times log2 e), and keys
-// the mask hides set to -inf; returns the max of s[0, n). s holds -inf outside [a, e) already.
+// the mask hides set to -inf; returns the max of s[0, n), given -inf outside [a, e) already.
+// s[j] += x[j] * c for j in [0, n), returning the max of the results (vectors, then a tail).
 template <typename T>
-T apply_extras_row(T* s, int64_t n, const detail::HeadExtras& ex, int64_t i, int64_t j0, int64_t a,
+inline T add_scaled_max(T* __restrict s, const T* __restrict x, T c, int64_t n) {
+  constexpr int W = Simd<T>::W;
+  const vec_t<T> vc = vset1(c);
+  vec_t<T> vm = vset1<T>(-INFINITY);
+  int64_t j = 0;
+  for (; j + W <= n; j += W) {
+    const vec_t<T> y = vload(s + j) + vload(x + j) * vc;
+    vstore(s + j, y);
+    vm = vmax<T>(vm, y);
+  }
+  T m = hmax<T>(vm);
+  for (; j < n; ++j) {
+    s[j] += x[j] * c;
+    m = s[j] > m ? s[j] : m;
+  }
+  return m;
+}
+
+// Row i's bias over keys [j0 + a, j0 + e) added to s[a, e) (exp2 domain: times log2 e), and keys
+// the mask hides set to -inf; returns the max of s[0, n), given -inf outside [a, e) already.
+template <typename T>
+T apply_extras_row(T* s, const detail::HeadExtras& ex, int64_t i, int64_t j0, int64_t a,
                    int64_t e) {
-  if (ex.bias != nullptr && a < e) {
-    static thread_local std::vector<T> row;
-    row.resize(static_cast<size_t>(e - a));
+  if (a >= e) return T(-INFINITY);
+  const T l2e = static_cast<T>(detail::kLog2e);
+  T m = T(-INFINITY);
+  if (ex.bias != nullptr) {
     const int64_t off = ex.bias_offset(i, j0 + a);
-    if (ex.bias_col == 1) {
-      convert_row_in(element(ex.bias, ex.bias_dtype, off), ex.bias_dtype, e - a, row.data());
+    if (ex.bias_col == 1 && ((std::is_same_v<T, float> && ex.bias_dtype == DType::float32) ||
+                             (std::is_same_v<T, double> && ex.bias_dtype == DType::float64))) {
+      m = add_scaled_max(s + a, static_cast<const T*>(element(ex.bias, ex.bias_dtype, off)), l2e,
+                         e - a);  // read in place
     } else {
-      for (int64_t j = 0; j < e - a; ++j)
-        row[j] = static_cast<T>(load_as_double(ex.bias, ex.bias_dtype, off + j * ex.bias_col));
+      static thread_local std::vector<T> row;
+      row.resize(static_cast<size_t>(e - a));
+      if (ex.bias_col == 1) {
+        convert_row_in(element(ex.bias, ex.bias_dtype, off), ex.bias_dtype, e - a, row.data());
+      } else {
+        for (int64_t j = 0; j < e - a; ++j)
+          row[j] = static_cast<T>(load_as_double(ex.bias, ex.bias_dtype, off + j * ex.bias_col));
+      }
+      m = add_scaled_max(s + a, row.data(), l2e, e - a);
     }
-    const T l2e = static_cast<T>(detail::kLog2e);
-    for (int64_t j = a; j < e; ++j) s[j] += row[j - a] * l2e;
   }
   if (ex.keep != nullptr) {
     const uint8_t* k = ex.keep + i * ex.mask_row + j0 * ex.mask_col;
-    for (int64_t j = a; j < e; ++j)
-      if (!k[j * ex.mask_col]) s[j] = T(-INFINITY);
+    m = T(-INFINITY);
+    for (int64_t j = a; j < e; ++j) {
+      s[j] = k[j * ex.mask_col] ? s[j] : T(-INFINITY);
+      m = s[j] > m ? s[j] : m;
+    }
   }
-  T m = T(-INFINITY);
-  for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
   return m;
 }
 
@@ -188,13 +219,6 @@ template <typename T>
 void mask_scores(const Geometry<T>& g, const Mask& mask, T* S, const TilePair& t, T* row_max,
                  const detail::ScoreMod<T>* mod = nullptr, T* grad = nullptr,
                  const detail::HeadExtras* ex = nullptr) {
-  detail::ScoreMod<T> plain;  // the scale alone, for a bias or mask without modifiers
-  if (ex != nullptr && mod == nullptr) {
-    plain.qk_scale = g.c;
-    plain.cap = T(0);
-    plain.slope = T(0);
-    mod = &plain;
-  }
   if (mod != nullptr) {
     for (int64_t r = 0; r < t.mp; ++r) {
       T* s = S + r * g.Bcp;
@@ -210,7 +234,7 @@ void mask_scores(const Geometry<T>& g, const Mask& mask, T* S, const TilePair& t
       const int64_t hi = std::min(mask.col_end(i) - t.j0, t.cols);
       row_max[r] = row_modified_range_max(s, t.np, *mod, mask.diag(i) - t.j0, lo, hi, gr);
       if (ex != nullptr)
-        row_max[r] = apply_extras_row(s, t.np, *ex, i, t.j0, std::max<int64_t>(lo, 0), hi);
+        row_max[r] = apply_extras_row(s, *ex, i, t.j0, std::max<int64_t>(lo, 0), hi);
     }
     return;
   }
@@ -218,16 +242,16 @@ void mask_scores(const Geometry<T>& g, const Mask& mask, T* S, const TilePair& t
                     mask.block_fully_visible(t.i0, t.i0 + t.rows, t.j0, t.j0 + t.cols);
   for (int64_t r = 0; r < t.mp; ++r) {
     T* s = S + r * g.Bcp;
-    if (full) {
-      row_max[r] = row_scale_max(s, t.np, g.c);
-    } else if (r >= t.rows) {
+    if (r >= t.rows) {
       std::fill(s, s + t.np, T(-INFINITY));
       row_max[r] = T(-INFINITY);
-    } else {
-      const int64_t lo = mask.col_begin(t.i0 + r) - t.j0;
-      const int64_t hi = std::min(mask.col_end(t.i0 + r) - t.j0, t.cols);
-      row_max[r] = row_scale_range_max(s, t.np, g.c, lo, hi);
+      continue;
     }
+    const int64_t lo = mask.col_begin(t.i0 + r) - t.j0;
+    const int64_t hi = std::min(mask.col_end(t.i0 + r) - t.j0, t.cols);
+    row_max[r] = full ? row_scale_max(s, t.np, g.c) : row_scale_range_max(s, t.np, g.c, lo, hi);
+    if (ex != nullptr)
+      row_max[r] = apply_extras_row(s, *ex, t.i0 + r, t.j0, std::max<int64_t>(lo, 0), hi);
   }
 }
 
@@ -411,6 +435,14 @@ void accumulate_dbias(const Geometry<T>& g, const Params& p, int64_t b, int64_t 
       continue;
     }
     const int64_t o = b * p.dbias_batch_stride + h * p.dbias_head_stride + i * p.dbias_row_stride;
+    if (p.dbias_col_stride == 1) {  // a row at a time, converted as out is
+      static thread_local std::vector<T> row;
+      row.resize(static_cast<size_t>(t.cols));
+      for (int64_t j = 0; j < t.cols; ++j) row[j] = pr[j] != T(0) ? ds[j] : T(0);
+      convert_row_out(row.data(), T(1), t.cols, element(p.dbias_ptr, p.bias_dtype, o + t.j0),
+                      p.bias_dtype);
+      continue;
+    }
     for (int64_t j = 0; j < t.cols; ++j)
       store_from_double(p.dbias_ptr, p.bias_dtype, o + (t.j0 + j) * p.dbias_col_stride,
                         pr[j] != T(0) ? static_cast<double>(ds[j]) : 0.0);
