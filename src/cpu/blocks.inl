@@ -153,22 +153,36 @@ inline bool mask_tile_empty(const detail::HeadExtras* ex, int64_t i0, int64_t ro
 
 // Row i's bias over keys [j0 + a, j0 + e) added to s[a, e) (exp2 domain: times log2 e), and keys
 // the mask hides set to -inf; returns the max of s[0, n), given -inf outside [a, e) already.
-// s[j] += x[j] * c for j in [0, n), returning the max of the results (vectors, then a tail).
+// s[j] = keep[j] ? s[j] + x[j] * c : -inf for j in [0, n) (x null: no bias; keep null: every key
+// kept, else contiguous bytes), returning the max of the results: one pass, vectors then a tail.
 template <typename T>
-inline T add_scaled_max(T* __restrict s, const T* __restrict x, T c, int64_t n) {
+inline T extras_row_fused(T* __restrict s, const T* __restrict x, T c,
+                          const uint8_t* __restrict keep, int64_t n) {
   constexpr int W = Simd<T>::W;
-  const vec_t<T> vc = vset1(c);
-  vec_t<T> vm = vset1<T>(-INFINITY);
+  using I = std::conditional_t<sizeof(T) == 4, int32_t, int64_t>;
+  typedef I ivec __attribute__((vector_size(FLASHDL_VEC_BYTES)));
+  typedef uint8_t bvec __attribute__((vector_size(W)));
+  const vec_t<T> vc = vset1(c), ninf = vset1<T>(-INFINITY);
+  vec_t<T> vm = ninf;
   int64_t j = 0;
   for (; j + W <= n; j += W) {
-    const vec_t<T> y = vload(s + j) + vload(x + j) * vc;
+    vec_t<T> y = vload(s + j);
+    if (x != nullptr) y += vload(x + j) * vc;
+    if (keep != nullptr) {
+      bvec kb;
+      __builtin_memcpy(&kb, keep + j, sizeof kb);
+      y = __builtin_convertvector(kb, ivec) != 0 ? y : ninf;
+    }
     vstore(s + j, y);
     vm = vmax<T>(vm, y);
   }
   T m = hmax<T>(vm);
   for (; j < n; ++j) {
-    s[j] += x[j] * c;
-    m = s[j] > m ? s[j] : m;
+    T y = s[j];
+    if (x != nullptr) y += x[j] * c;
+    if (keep != nullptr && !keep[j]) y = T(-INFINITY);
+    s[j] = y;
+    m = y > m ? y : m;
   }
   return m;
 }
@@ -179,35 +193,36 @@ template <typename T>
 T apply_extras_row(T* s, const detail::HeadExtras& ex, int64_t i, int64_t j0, int64_t a,
                    int64_t e) {
   if (a >= e) return T(-INFINITY);
-  const T l2e = static_cast<T>(detail::kLog2e);
-  T m = T(-INFINITY);
+  const int64_t n = e - a;
+  const T* x = nullptr;
   if (ex.bias != nullptr) {
     const int64_t off = ex.bias_offset(i, j0 + a);
     if (ex.bias_col == 1 && ((std::is_same_v<T, float> && ex.bias_dtype == DType::float32) ||
                              (std::is_same_v<T, double> && ex.bias_dtype == DType::float64))) {
-      m = add_scaled_max(s + a, static_cast<const T*>(element(ex.bias, ex.bias_dtype, off)), l2e,
-                         e - a);  // read in place
+      x = static_cast<const T*>(element(ex.bias, ex.bias_dtype, off));  // read in place
     } else {
       static thread_local std::vector<T> row;
-      row.resize(static_cast<size_t>(e - a));
+      row.resize(static_cast<size_t>(n));
       if (ex.bias_col == 1) {
-        convert_row_in(element(ex.bias, ex.bias_dtype, off), ex.bias_dtype, e - a, row.data());
+        convert_row_in(element(ex.bias, ex.bias_dtype, off), ex.bias_dtype, n, row.data());
       } else {
-        for (int64_t j = 0; j < e - a; ++j)
+        for (int64_t j = 0; j < n; ++j)
           row[j] = static_cast<T>(load_as_double(ex.bias, ex.bias_dtype, off + j * ex.bias_col));
       }
-      m = add_scaled_max(s + a, row.data(), l2e, e - a);
+      x = row.data();
     }
   }
+  const uint8_t* keep = nullptr;
   if (ex.keep != nullptr) {
-    const uint8_t* k = ex.keep + i * ex.mask_row + j0 * ex.mask_col;
-    m = T(-INFINITY);
-    for (int64_t j = a; j < e; ++j) {
-      s[j] = k[j * ex.mask_col] ? s[j] : T(-INFINITY);
-      m = s[j] > m ? s[j] : m;
+    keep = ex.keep + i * ex.mask_row + (j0 + a) * ex.mask_col;
+    if (ex.mask_col != 1) {  // a strided mask row, gathered
+      static thread_local std::vector<uint8_t> krow;
+      krow.resize(static_cast<size_t>(n));
+      for (int64_t j = 0; j < n; ++j) krow[j] = keep[j * ex.mask_col];
+      keep = krow.data();
     }
   }
-  return m;
+  return extras_row_fused(s + a, x, static_cast<T>(detail::kLog2e), keep, n);
 }
 
 // S (the tile pair's Q K^T, unscaled) scaled to the exp2 domain, with invisible keys, padding rows
