@@ -1,8 +1,8 @@
 # Type stub of flashdl._ext, the nanobind extension (python/bindings.cpp): keep in step with its
 # m.def(...) signatures. Arrays are anything nanobind reads over DLPack or the buffer protocol
 # (NumPy, PyTorch, JAX, CuPy); inputs are read only, outputs (out, lse, dq, dk, dv, dbias, dsinks,
-# mask_out) are
-# written in place. Validation is the core's: it raises ValueError, TypeError or RuntimeError.
+# mask_out) are written in place. Validation is the core's: it raises ValueError, TypeError,
+# RuntimeError or NotImplementedError.
 
 from typing import Any, List, Optional
 
