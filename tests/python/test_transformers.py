@@ -509,9 +509,12 @@ def test_refusals_name_what_is_refused():
         fdl_hf.attention_forward(module, q, k, torch.cat([v, v], -1), None)
     with pytest.raises(NotImplementedError, match="bidirectional"):
         fdl_hf.attention_forward(Module(False), q, k, v, None, sliding_window=4)
-    with pytest.raises(NotImplementedError, match="KV cache"):
-        fdl_hf.attention_forward(module, q[:, :, :2], k, v,
-                                 torch.ones(1, 1, 2, 8, dtype=torch.bool))
+    # A 4-D mask with a KV cache (seq_q < seq_k) is no varlen sequence set: it runs as
+    # flashdl's boolean mask, as "sdpa" computes it.
+    cached = torch.ones(1, 1, 2, 8, dtype=torch.bool)
+    cached[..., 0, 5:] = False
+    got, _ = fdl_hf.attention_forward(module, q[:, :, :2], k, v, cached)
+    rule(got, q[:, :, :2], k, v, cached)
     for bad in (0, 2.5, True):
         with pytest.raises(ValueError, match="sliding_window"):
             fdl_hf.attention_forward(module, q, k, v, None, sliding_window=bad)
