@@ -35,9 +35,13 @@ terms:
   cu_seq_lens_q/cu_seq_lens_k/max_length_q/max_length_k keyword arguments without a mask run the
   varlen path directly, as in transformers' flash integration.
 
-Refused with NotImplementedError naming the feature, never approximated: 4-D masks that are not
-such sequences (an additive bias, per-head masks, bidirectional image-token blocks, a 4-D mask
-with a KV cache), a sliding window with padding between tokens (its distances would count the
+- any other 4-D mask (an additive float bias, per-head masks, bidirectional image-token blocks,
+  a 4-D mask with a KV cache) runs as flashdl's bias (float) or mask (bool), the mask alone
+  deciding what each query sees, as "sdpa" does; gpt-oss's attention sinks (s_aux) run with their
+  gradient.
+
+Refused with NotImplementedError naming the feature, never approximated: 4-D masks of other
+dtypes, a sliding window with padding between tokens (its distances would count the
 padding), bidirectional sliding windows that matter (transformers' own implementations disagree
 on their width), position_bias, paged caches (continuous batching),
 BlockMask (flex attention) masks. output_attentions=True returns None as the weights (with a
