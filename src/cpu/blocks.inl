@@ -139,6 +139,23 @@ struct HeadMods {
 
 // Whether the boolean mask hides every element of the tile pair (its rows and keys that exist):
 // such pairs are skipped before anything is loaded, as zero blocks of a block mask are.
+// Whether the boolean mask keeps every element of the tile pair: mask_scores then leaves the
+// mask out for it (a padding or block mask is all True on most tiles).
+inline bool mask_tile_full(const detail::HeadExtras* ex, int64_t i0, int64_t rows, int64_t j0,
+                           int64_t cols) {
+  for (int64_t i = i0; i < i0 + rows; ++i) {
+    const uint8_t* k = ex->keep + i * ex->mask_row + j0 * ex->mask_col;
+    uint8_t all = 1;
+    if (ex->mask_col == 1) {
+      for (int64_t j = 0; j < cols; ++j) all &= k[j] != 0;
+    } else {
+      for (int64_t j = 0; j < cols; ++j) all &= k[j * ex->mask_col] != 0;
+    }
+    if (!all) return false;
+  }
+  return true;
+}
+
 inline bool mask_tile_empty(const detail::HeadExtras* ex, int64_t i0, int64_t rows, int64_t j0,
                             int64_t cols) {
   if (ex == nullptr || ex->keep == nullptr) return false;
@@ -155,19 +172,41 @@ inline bool mask_tile_empty(const detail::HeadExtras* ex, int64_t i0, int64_t ro
 // the mask hides set to -inf; returns the max of s[0, n), given -inf outside [a, e) already.
 // s[j] = keep[j] ? s[j] + x[j] * c : -inf for j in [0, n) (x null: no bias; keep null: every key
 // kept, else contiguous bytes), returning the max of the results: one pass, vectors then a tail.
-template <typename T>
-inline T extras_row_fused(T* __restrict s, const T* __restrict x, T c,
+// W bfloat16 values widened to a float vector (bfloat16 is the top half of a float32).
+inline vec_t<float> vload_bf16(const uint16_t* b) {
+  constexpr int W = Simd<float>::W;
+  typedef uint16_t hvec __attribute__((vector_size(W * 2)));
+  typedef uint32_t uvec __attribute__((vector_size(W * 4)));
+  hvec h;
+  __builtin_memcpy(&h, b, sizeof h);
+  const uvec u = __builtin_convertvector(h, uvec) << 16;
+  vec_t<float> f;
+  __builtin_memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// B: T, or uint16_t for a bfloat16 bias read in place (T float: the top half of a float32).
+template <typename T, typename B>
+inline T extras_row_fused(T* __restrict s, const B* __restrict x, T c,
                           const uint8_t* __restrict keep, int64_t n) {
   constexpr int W = Simd<T>::W;
   using I = std::conditional_t<sizeof(T) == 4, int32_t, int64_t>;
   typedef I ivec __attribute__((vector_size(FLASHDL_VEC_BYTES)));
   typedef uint8_t bvec __attribute__((vector_size(W)));
+  auto value = [](B b) -> T {
+    if constexpr (std::is_same_v<B, T>) return b;
+    else return static_cast<T>(bf16_to_float(b));
+  };
+  auto vvalue = [](const B* b) -> vec_t<T> {
+    if constexpr (std::is_same_v<B, T>) return vload(b);
+    else return vload_bf16(b);
+  };
   const vec_t<T> vc = vset1(c), ninf = vset1<T>(-INFINITY);
   vec_t<T> vm = ninf;
   int64_t j = 0;
   for (; j + W <= n; j += W) {
     vec_t<T> y = vload(s + j);
-    if (x != nullptr) y += vload(x + j) * vc;
+    if (x != nullptr) y += vvalue(x + j) * vc;
     if (keep != nullptr) {
       bvec kb;
       __builtin_memcpy(&kb, keep + j, sizeof kb);
@@ -179,7 +218,7 @@ inline T extras_row_fused(T* __restrict s, const T* __restrict x, T c,
   T m = hmax<T>(vm);
   for (; j < n; ++j) {
     T y = s[j];
-    if (x != nullptr) y += x[j] * c;
+    if (x != nullptr) y += value(x[j]) * c;
     if (keep != nullptr && !keep[j]) y = T(-INFINITY);
     s[j] = y;
     m = y > m ? y : m;
@@ -195,8 +234,24 @@ T apply_extras_row(T* s, const detail::HeadExtras& ex, int64_t i, int64_t j0, in
   if (a >= e) return T(-INFINITY);
   const int64_t n = e - a;
   const T* x = nullptr;
+  const uint8_t* keep = nullptr;
+  if (ex.keep != nullptr) {
+    keep = ex.keep + i * ex.mask_row + (j0 + a) * ex.mask_col;
+    if (ex.mask_col != 1) {  // a strided mask row, gathered
+      static thread_local std::vector<uint8_t> krow;
+      krow.resize(static_cast<size_t>(n));
+      for (int64_t j = 0; j < n; ++j) krow[j] = keep[j * ex.mask_col];
+      keep = krow.data();
+    }
+  }
   if (ex.bias != nullptr) {
     const int64_t off = ex.bias_offset(i, j0 + a);
+    if constexpr (std::is_same_v<T, float>) {
+      if (ex.bias_col == 1 && ex.bias_dtype == DType::bfloat16)  // read in place, widened
+        return extras_row_fused(s + a, static_cast<const uint16_t*>(element(ex.bias,
+                                                                            ex.bias_dtype, off)),
+                                static_cast<T>(detail::kLog2e), keep, n);
+    }
     if (ex.bias_col == 1 && ((std::is_same_v<T, float> && ex.bias_dtype == DType::float32) ||
                              (std::is_same_v<T, double> && ex.bias_dtype == DType::float64))) {
       x = static_cast<const T*>(element(ex.bias, ex.bias_dtype, off));  // read in place
@@ -212,16 +267,6 @@ T apply_extras_row(T* s, const detail::HeadExtras& ex, int64_t i, int64_t j0, in
       x = row.data();
     }
   }
-  const uint8_t* keep = nullptr;
-  if (ex.keep != nullptr) {
-    keep = ex.keep + i * ex.mask_row + (j0 + a) * ex.mask_col;
-    if (ex.mask_col != 1) {  // a strided mask row, gathered
-      static thread_local std::vector<uint8_t> krow;
-      krow.resize(static_cast<size_t>(n));
-      for (int64_t j = 0; j < n; ++j) krow[j] = keep[j * ex.mask_col];
-      keep = krow.data();
-    }
-  }
   return extras_row_fused(s + a, x, static_cast<T>(detail::kLog2e), keep, n);
 }
 
@@ -234,6 +279,12 @@ template <typename T>
 void mask_scores(const Geometry<T>& g, const Mask& mask, T* S, const TilePair& t, T* row_max,
                  const detail::ScoreMod<T>* mod = nullptr, T* grad = nullptr,
                  const detail::HeadExtras* ex = nullptr) {
+  detail::HeadExtras kept_all;
+  if (ex != nullptr && ex->keep != nullptr && mask_tile_full(ex, t.i0, t.rows, t.j0, t.cols)) {
+    kept_all = *ex;
+    kept_all.keep = nullptr;
+    ex = kept_all.bias != nullptr ? &kept_all : nullptr;  // without a bias: the plain path
+  }
   if (mod != nullptr) {
     for (int64_t r = 0; r < t.mp; ++r) {
       T* s = S + r * g.Bcp;
