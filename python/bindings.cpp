@@ -146,6 +146,19 @@ void set_score_mods(flashdl::Options& o, const std::optional<InArray>& alibi_slo
   o.softcap = softcap;
 }
 
+// Attention sinks (None: none) and, in the backward, the array for their gradient (None: not
+// wanted); the core checks shape, dtype and device.
+void set_extras(flashdl::Options& o, Override ov, const std::optional<InArray>& bias,
+                const std::optional<InArray>& mask, const std::optional<InArray>& sinks,
+                const std::optional<OutArray>& dbias, const std::optional<OutArray>& dsinks) {
+  constexpr const char* kBias = "float32, float16 or bfloat16";
+  if (bias) o.bias = to_view("bias", *bias, ov, true, kBias);
+  if (mask) o.mask = to_view("mask", *mask, Override::none, false, "bool");
+  if (sinks) o.sinks = to_view("sinks", *sinks, Override::none, false, "float32");
+  if (dbias) o.dbias = to_view("dbias", *dbias, ov, true, kBias);
+  if (dsinks) o.dsinks = to_view("dsinks", *dsinks, Override::none, false, "float32");
+}
+
 void forward(const InArray& q, const InArray& k, const InArray& v, const OutArray& out,
              const OutArray& lse, std::optional<std::string> dtype,
              std::optional<double> softmax_scale, bool causal, int64_t window_left,
@@ -154,13 +167,15 @@ void forward(const InArray& q, const InArray& k, const InArray& v, const OutArra
              const std::optional<InArray>& block_mask, int64_t block_size_q,
              int64_t block_size_k,
              const std::optional<InArray>& alibi_slopes, double softcap,
-             bool validate_only) {
+             bool validate_only, const std::optional<InArray>& sinks,
+             const std::optional<InArray>& bias, const std::optional<InArray>& mask) {
   const Override ov = parse_override(dtype);
   flashdl::Options o =
       make_options(softmax_scale, causal, window_left, window_right, schedule, dropout_p, seed,
                    offset, stream, sram_bytes, num_threads, false);
   set_block_mask(o, block_mask, block_size_q, block_size_k);
   set_score_mods(o, alibi_slopes, softcap);
+  set_extras(o, ov, bias, mask, sinks, std::nullopt, std::nullopt);
   o.validate_only = validate_only;
   const auto tq = to_view("q", q, ov, true), tk = to_view("k", k, ov, true),
              tv = to_view("v", v, ov, true), to = to_view("out", out, ov, true),
@@ -177,13 +192,17 @@ void backward(const InArray& dout, const InArray& q, const InArray& k, const InA
               uint64_t offset, uintptr_t stream, int64_t sram_bytes, int num_threads,
               bool deterministic, const std::optional<InArray>& block_mask,
               int64_t block_size_q, int64_t block_size_k,
-             const std::optional<InArray>& alibi_slopes, double softcap) {
+             const std::optional<InArray>& alibi_slopes, double softcap,
+             const std::optional<InArray>& sinks, const std::optional<OutArray>& dsinks,
+             const std::optional<InArray>& bias, const std::optional<InArray>& mask,
+             const std::optional<OutArray>& dbias) {
   const Override ov = parse_override(dtype);
   flashdl::Options o =
       make_options(softmax_scale, causal, window_left, window_right, schedule, dropout_p, seed,
                    offset, stream, sram_bytes, num_threads, deterministic);
   set_block_mask(o, block_mask, block_size_q, block_size_k);
   set_score_mods(o, alibi_slopes, softcap);
+  set_extras(o, ov, bias, mask, sinks, dbias, dsinks);
   const auto tdo = to_view("dout", dout, ov, true), tq = to_view("q", q, ov, true),
              tk = to_view("k", k, ov, true), tv = to_view("v", v, ov, true),
              to = to_view("out", out, ov, true), tl = to_view("lse", lse, Override::none, false),
@@ -209,13 +228,16 @@ void forward_varlen(const InArray& q, const InArray& k, const InArray& v,
                     int64_t block_size_k, const std::optional<InArray>& alibi_slopes,
                     double softcap, bool validate_only,
                     const std::optional<InArray>& block_table,
-                    const std::optional<InArray>& seqused_k) {
+                    const std::optional<InArray>& seqused_k,
+                    const std::optional<InArray>& sinks, const std::optional<InArray>& bias,
+                    const std::optional<InArray>& mask) {
   const Override ov = parse_override(dtype);
   flashdl::Options o =
       make_options(softmax_scale, causal, window_left, window_right, schedule, dropout_p, seed,
                    offset, stream, sram_bytes, num_threads, false);
   set_block_mask(o, block_mask, block_size_q, block_size_k);
   set_score_mods(o, alibi_slopes, softcap);
+  set_extras(o, ov, bias, mask, sinks, std::nullopt, std::nullopt);
   o.validate_only = validate_only;
   const auto tq = to_view("q", q, ov, true), tk = to_view("k", k, ov, true),
              tv = to_view("v", v, ov, true), tcq = cu_view("cu_seqlens_q", cu_seqlens_q),
@@ -239,13 +261,17 @@ void backward_varlen(const InArray& dout, const InArray& q, const InArray& k, co
                      uintptr_t stream, int64_t sram_bytes, int num_threads, bool deterministic,
                      const std::optional<InArray>& block_mask, int64_t block_size_q,
                      int64_t block_size_k,
-             const std::optional<InArray>& alibi_slopes, double softcap) {
+             const std::optional<InArray>& alibi_slopes, double softcap,
+             const std::optional<InArray>& sinks, const std::optional<OutArray>& dsinks,
+             const std::optional<InArray>& bias, const std::optional<InArray>& mask,
+             const std::optional<OutArray>& dbias) {
   const Override ov = parse_override(dtype);
   flashdl::Options o =
       make_options(softmax_scale, causal, window_left, window_right, schedule, dropout_p, seed,
                    offset, stream, sram_bytes, num_threads, deterministic);
   set_block_mask(o, block_mask, block_size_q, block_size_k);
   set_score_mods(o, alibi_slopes, softcap);
+  set_extras(o, ov, bias, mask, sinks, dbias, dsinks);
   const auto tdo = to_view("dout", dout, ov, true), tq = to_view("q", q, ov, true),
              tk = to_view("k", k, ov, true), tv = to_view("v", v, ov, true),
              to = to_view("out", out, ov, true), tl = to_view("lse", lse, Override::none, false),
@@ -351,6 +377,7 @@ void translate_error(const std::exception_ptr& p, void*) {
     PyObject* type = PyExc_RuntimeError;
     if (e.kind() == flashdl::ErrorKind::value) type = PyExc_ValueError;
     if (e.kind() == flashdl::ErrorKind::type) type = PyExc_TypeError;
+    if (e.kind() == flashdl::ErrorKind::not_implemented) type = PyExc_NotImplementedError;
     PyErr_SetString(type, e.what());
   }
 }
@@ -368,6 +395,8 @@ NB_MODULE(_ext, m) {
         "offset"_a = 0, "stream"_a = 0, "sram_bytes"_a = 0, "num_threads"_a = 0,
         "block_mask"_a.noconvert() = nb::none(), "block_size_q"_a = 128, "block_size_k"_a = 128,
         "alibi_slopes"_a.noconvert() = nb::none(), "softcap"_a = 0.0, "validate_only"_a = false,
+        "sinks"_a.noconvert() = nb::none(), "bias"_a.noconvert() = nb::none(),
+        "mask"_a.noconvert() = nb::none(),
         "Attention forward (validate_only: check the arguments, compute nothing): writes out (like q) and lse (float32, (batch, nheads, seqlen_q)).");
 
   m.def("backward", &backward, "dout"_a.noconvert(), "q"_a.noconvert(), "k"_a.noconvert(),
@@ -379,6 +408,9 @@ NB_MODULE(_ext, m) {
         "deterministic"_a = false, "block_mask"_a.noconvert() = nb::none(),
         "block_size_q"_a = 128, "block_size_k"_a = 128,
         "alibi_slopes"_a.noconvert() = nb::none(), "softcap"_a = 0.0,
+        "sinks"_a.noconvert() = nb::none(), "dsinks"_a.noconvert() = nb::none(),
+        "bias"_a.noconvert() = nb::none(), "mask"_a.noconvert() = nb::none(),
+        "dbias"_a.noconvert() = nb::none(),
         "Attention backward: writes dq, dk, dv (shaped and typed like q, k, v).");
 
   m.def("forward_varlen", &forward_varlen, "q"_a.noconvert(), "k"_a.noconvert(),
@@ -391,6 +423,8 @@ NB_MODULE(_ext, m) {
         "block_size_k"_a = 128, "alibi_slopes"_a.noconvert() = nb::none(), "softcap"_a = 0.0,
         "validate_only"_a = false, "block_table"_a.noconvert() = nb::none(),
         "seqused_k"_a.noconvert() = nb::none(),
+        "sinks"_a.noconvert() = nb::none(), "bias"_a.noconvert() = nb::none(),
+        "mask"_a.noconvert() = nb::none(),
         "Variable-length forward (validate_only: check the arguments but not the values of "
         "cu_seqlens, compute nothing): q (total_q, nheads, headdim), k, v (total_k, nheads_kv, "
         "headdim), cu_seqlens int32 (batch + 1,) on the CPU; writes out (like q) and lse "
@@ -406,6 +440,9 @@ NB_MODULE(_ext, m) {
         "num_threads"_a = 0, "deterministic"_a = false, "block_mask"_a.noconvert() = nb::none(),
         "block_size_q"_a = 128, "block_size_k"_a = 128,
         "alibi_slopes"_a.noconvert() = nb::none(), "softcap"_a = 0.0,
+        "sinks"_a.noconvert() = nb::none(), "dsinks"_a.noconvert() = nb::none(),
+        "bias"_a.noconvert() = nb::none(), "mask"_a.noconvert() = nb::none(),
+        "dbias"_a.noconvert() = nb::none(),
         "Variable-length backward: writes dq, dk, dv (shaped and typed like q, k, v).");
 
   m.def("forward_kvcache", &forward_kvcache, "q"_a.noconvert(), "k_cache"_a.noconvert(),

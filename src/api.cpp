@@ -37,6 +37,7 @@ void forward(const TensorView& q, const TensorView& k, const TensorView& v, cons
   const Shapes s = check_attention_args(q, k, v, out, lse, options);
   check_block_mask(options, s, q.device, {{"out", &out}, {"lse", &lse}});
   check_score_mods(options, s, q.device, {{"out", &out}, {"lse", &lse}});
+  check_extras(options, s, q.device, {{"out", &out}, {"lse", &lse}});
   if (options.validate_only) return;
   if (s.batch == 0 || s.seqlen_q == 0 || s.nheads == 0) return;  // nothing to write
   dispatch_forward(make_params(q, k, v, out, lse, options, s));
@@ -49,7 +50,9 @@ void backward(const TensorView& dout, const TensorView& q, const TensorView& k,
   const Shapes s = check_backward_args(dout, q, k, v, out, lse, dq, dk, dv, options);
   check_block_mask(options, s, q.device, {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}});
   check_score_mods(options, s, q.device, {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}});
+  check_extras(options, s, q.device, {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}});
   if (options.validate_only) return;
+  zero_extra_grads(options);
   if (s.batch == 0 || s.nheads == 0) return;
   dispatch_backward(make_backward_params(dout, q, k, v, out, lse, dq, dk, dv, options, s));
 }

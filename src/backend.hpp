@@ -36,6 +36,9 @@ void backward(const Params& params);
 // Independent problems (the sequences of a varlen batch), run over the threads together.
 void forward_batch(const std::vector<Params>& problems);
 void backward_batch(const std::vector<Params>& problems);
+// dsinks[h] = -sum over batches and rows of exp(sink_h - lse) * rowsum(dout * out), from the
+// arrays of a backward Params (after its kernels; the same for every schedule). Deterministic.
+void sinks_backward(const Params& params);
 std::string isa_name();       // the vector kernels picked at run time
 int num_threads();            // threads the next call uses
 void set_num_threads(int n);  // 0: default

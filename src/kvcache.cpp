@@ -274,6 +274,7 @@ void forward_kvcache(const TensorView& q, const TensorView& k_cache, const Tenso
                    v4 = as_dense(v_cache, batch, c.capacity, c.paged, indexed);
   const Shapes s = check_attention_args(q, k4, v4, out, lse, options);
   check_score_mods(options, s, q.device, {{"out", &out}, {"lse", &lse}});
+  refuse_extras(options, "KV-cache (forward_kvcache)");
   if (options.dropout_p != 0.0f)
     fail(ErrorKind::value, "dropout_p: attention over a KV cache is for inference, expected 0, "
                            "got " + num_str(options.dropout_p));

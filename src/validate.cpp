@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <cstring>
 #include <sstream>
 #include <string>
 
@@ -406,6 +407,201 @@ void check_score_mods(const Options& o, const Shapes& s, Device device,
   }
 }
 
+// The bias, mask and dbias fields of Params: dense rank-4 views (batch, nheads, rows, keys) or
+// varlen rank-3 ones (nheads, rows, keys) with batch stride 0; a broadcast axis (size 1 or
+// stride 0) gets stride 0, and bias_batch/heads/rows are 1 there. Empty arrays set nothing.
+static void set_extra_params(Params& p, const Options& o, const Shapes& s) {
+  auto axes = [](const TensorView& t, int64_t (&st)[4], int64_t (&n)[3]) {
+    const int lead = 4 - t.rank;  // 1 for varlen: no batch axis
+    for (int a = 0; a < 3; ++a) {
+      const int ta = a - lead;
+      const bool real = ta >= 0 && t.shape[ta] > 1 && t.strides[ta] != 0;
+      st[a] = real ? t.strides[ta] : 0;
+      n[a] = real ? t.shape[ta] : 1;
+    }
+    st[3] = t.strides[t.rank - 1];
+  };
+  int64_t st[4], n[3];
+  if (o.bias.defined() && o.bias.numel() > 0) {
+    axes(o.bias, st, n);
+    p.bias_ptr = o.bias.data;
+    p.bias_dtype = o.bias.dtype;
+    p.bias_batch_stride = st[0];
+    p.bias_head_stride = st[1];
+    p.bias_row_stride = st[2];
+    p.bias_col_stride = st[3];
+    p.bias_batch = n[0];
+    p.bias_heads = n[1];
+    p.bias_rows = n[2];
+    if (o.dbias.defined()) {
+      // dbias has the bias's shape; the axes the bias broadcasts along are the ones dBias sums
+      // over (validated: size 1 there, never stride 0 with a larger size).
+      const int lead = 4 - o.dbias.rank;  // 1 for varlen: no batch axis
+      p.dbias_ptr = o.dbias.data;
+      p.dbias_batch_stride = (lead == 0 && n[0] > 1) ? o.dbias.strides[0] : 0;
+      p.dbias_head_stride = n[1] > 1 ? o.dbias.strides[1 - lead] : 0;
+      p.dbias_row_stride = n[2] > 1 ? o.dbias.strides[2 - lead] : 0;
+      p.dbias_col_stride = o.dbias.strides[o.dbias.rank - 1];
+    }
+  }
+  if (o.mask.defined() && o.mask.numel() > 0) {
+    axes(o.mask, st, n);
+    p.mask_ptr = static_cast<const uint8_t*>(o.mask.data);
+    p.mask_batch_stride = st[0];
+    p.mask_head_stride = st[1];
+    p.mask_row_stride = st[2];
+    p.mask_col_stride = st[3];
+  }
+  (void)s;
+}
+
+// A float32 (nheads,) array of the problem's device: the sinks, or (written) their gradient.
+static void check_per_head(const char* name, const TensorView& t, const Shapes& s, Device device) {
+  check_defined(name, t);
+  if (!(t.rank == 1 && t.shape[0] == s.nheads))
+    fail(ErrorKind::value, std::string(name) + ": expected shape " + shape_str({s.nheads}) +
+                               " (nheads,), one per query head, got " + shape_str(t));
+  check_dtype(name, t, DType::float32, "one float32 logit per query head");
+  check_device(name, t, device);
+}
+
+// The extents a bias or mask must broadcast to: dense (batch, nheads, seqlen_q, seqlen_k), or
+// varlen (nheads, total_q, max_seqlen_k).
+struct ExtraExtents {
+  int rank;
+  int64_t ext[4];
+  const char* layout;
+};
+
+static ExtraExtents extra_extents(const Shapes& s, int64_t varlen_total_q) {
+  if (varlen_total_q >= 0)
+    return {3, {s.nheads, varlen_total_q, s.seqlen_k, 0},
+            "(nheads or 1, total_q or 1, max_seqlen_k)"};
+  return {4, {s.batch, s.nheads, s.seqlen_q, s.seqlen_k},
+          "(batch or 1, nheads or 1, seqlen_q or 1, seqlen_k)"};
+}
+
+// A bias or mask: rank, every leading axis 1 (or of stride 0) or the problem's extent, the key axis
+// the problem's, on `device`.
+static void check_broadcastable(const char* name, const TensorView& t, const ExtraExtents& x,
+                                Device device) {
+  check_defined(name, t);
+  const std::string want = x.rank == 4 ? shape_str({x.ext[0], x.ext[1], x.ext[2], x.ext[3]})
+                                       : shape_str({x.ext[0], x.ext[1], x.ext[2]});
+  bool ok = t.rank == x.rank;
+  for (int a = 0; ok && a < x.rank; ++a) {
+    const bool last = a == x.rank - 1;
+    ok = t.shape[a] == x.ext[a] || (!last && t.shape[a] == 1);
+  }
+  if (!ok)
+    fail(ErrorKind::value, std::string(name) + ": expected a shape broadcastable to " + want +
+                               " " + x.layout + ", got " + shape_str(t));
+  if (device.type != DeviceType::cpu)
+    fail(ErrorKind::not_implemented,
+         std::string(name) + ": not yet on the CUDA backend (an attention " + name +
+             " runs on CPU arrays only)");
+  check_device(name, t, device);
+}
+
+void check_extras(const Options& o, const Shapes& s, Device device,
+                  std::initializer_list<NamedView> outputs, int64_t varlen_total_q) {
+  const ExtraExtents x = extra_extents(s, varlen_total_q);
+  if (o.bias.defined()) {
+    check_broadcastable("bias", o.bias, x, device);
+    if (!(o.bias.dtype == DType::float32 || o.bias.dtype == DType::float16 ||
+          o.bias.dtype == DType::bfloat16 || o.bias.dtype == DType::float64))
+      fail(ErrorKind::type, std::string("bias: expected dtype float32, float16 or bfloat16 (an "
+                                        "additive float bias), got ") + dtype_name(o.bias.dtype));
+    for (auto [name, t] : outputs) check_no_overlap(name, *t, "bias", o.bias);
+  }
+  if (o.mask.defined()) {
+    check_broadcastable("mask", o.mask, x, device);
+    check_dtype("mask", o.mask, DType::boolean, "a boolean mask, True = keep");
+    for (auto [name, t] : outputs) check_no_overlap(name, *t, "mask", o.mask);
+  }
+  if (o.dbias.defined()) {
+    if (!o.bias.defined())
+      fail(ErrorKind::value, "dbias: given without bias; expected bias (the forward's) too");
+    check_defined("dbias", o.dbias);
+    if (o.dbias.rank != o.bias.rank ||
+        !std::equal(o.dbias.shape.begin(), o.dbias.shape.begin() + o.bias.rank,
+                    o.bias.shape.begin()))
+      fail(ErrorKind::value, "dbias: expected the shape of bias, " + shape_str(o.bias) +
+                                 ", got " + shape_str(o.dbias));
+    check_dtype("dbias", o.dbias, o.bias.dtype, "the dtype of bias");
+    check_device("dbias", o.dbias, device);
+    for (int a = 0; a + 1 < o.bias.rank; ++a)
+      if (o.bias.shape[a] > 1 && o.bias.strides[a] == 0)
+        fail(ErrorKind::value, "bias: a stride of 0 along axis " + std::to_string(a) + " (size " +
+                                   std::to_string(o.bias.shape[a]) + ") in a backward that "
+                                   "returns dbias; expected a size-1 axis there, which dbias "
+                                   "sums into");
+    check_no_overlap("dbias", o.dbias, "bias", o.bias);
+    if (o.mask.defined()) check_no_overlap("dbias", o.dbias, "mask", o.mask);
+    for (auto [name, t] : outputs) check_no_overlap("dbias", o.dbias, name, *t);
+    if (!o.validate_only) check_no_self_overlap("dbias", o.dbias);
+  }
+  if (o.sinks.defined()) {
+    if (device.type != DeviceType::cpu)
+      fail(ErrorKind::not_implemented,
+           "sinks: not yet on the CUDA backend (attention sinks run on CPU arrays only)");
+    check_per_head("sinks", o.sinks, s, device);
+    for (auto [name, t] : outputs) check_no_overlap(name, *t, "sinks", o.sinks);
+    const auto* base = static_cast<const float*>(o.sinks.data);
+    for (int64_t h = 0; h < s.nheads; ++h) {
+      const float x = base[h * o.sinks.strides[0]];
+      if (!std::isfinite(x))
+        fail(ErrorKind::value, "sinks: expected finite logits, got " + num_str(x) + " at [" +
+                                   std::to_string(h) + "]");
+    }
+  }
+  if (o.dsinks.defined()) {
+    if (!o.sinks.defined())
+      fail(ErrorKind::value, "dsinks: given without sinks; expected sinks (the forward's) too");
+    check_per_head("dsinks", o.dsinks, s, device);
+    check_no_overlap("dsinks", o.dsinks, "sinks", o.sinks);
+    for (auto [name, t] : outputs) check_no_overlap("dsinks", o.dsinks, name, *t);
+    if (o.dbias.defined()) check_no_overlap("dsinks", o.dsinks, "dbias", o.dbias);
+    if (!o.validate_only) check_no_self_overlap("dsinks", o.dsinks);
+  }
+}
+
+void zero_extra_grads(const Options& o) {
+  if (o.dsinks.defined() && o.dsinks.device.type == DeviceType::cpu)
+    for (int64_t h = 0; h < o.dsinks.shape[0]; ++h)
+      static_cast<float*>(o.dsinks.data)[h * o.dsinks.strides[0]] = 0.0f;
+  const TensorView& d = o.dbias;
+  if (d.defined() && d.device.type == DeviceType::cpu && d.numel() > 0) {
+    // Every float dtype's +0 is all zero bits. Rank 3 (varlen) or 4, any strides.
+    const auto es = static_cast<int64_t>(dtype_size(d.dtype));
+    int64_t n[4] = {1, 1, 1, 1}, st[4] = {0, 0, 0, 0};
+    for (int a = 0; a < d.rank; ++a) {
+      n[4 - d.rank + a] = d.shape[a];
+      st[4 - d.rank + a] = d.strides[a];
+    }
+    for (int64_t a = 0; a < n[0]; ++a)
+      for (int64_t b = 0; b < n[1]; ++b)
+        for (int64_t c = 0; c < n[2]; ++c) {
+          char* row = static_cast<char*>(d.data) + (a * st[0] + b * st[1] + c * st[2]) * es;
+          if (st[3] == 1) {  // a contiguous row at once
+            std::memset(row, 0, static_cast<size_t>(n[3] * es));
+            continue;
+          }
+          for (int64_t e = 0; e < n[3]; ++e)
+            std::memset(row + e * st[3] * es, 0, static_cast<size_t>(es));
+        }
+  }
+}
+
+void refuse_extras(const Options& o, const char* path) {
+  if (o.bias.defined())
+    fail(ErrorKind::not_implemented, std::string("bias: not yet on the ") + path + " path");
+  if (o.mask.defined())
+    fail(ErrorKind::not_implemented, std::string("mask: not yet on the ") + path + " path");
+  if (o.sinks.defined())
+    fail(ErrorKind::not_implemented, std::string("sinks: not yet on the ") + path + " path");
+}
+
 #define FLASHDL_SET_STRIDES(P, prefix, t) \
   P.prefix##_batch_stride = (t).strides[0];  \
   P.prefix##_row_stride = (t).strides[1];    \
@@ -470,6 +666,15 @@ Params make_params(const TensorView& q, const TensorView& k, const TensorView& v
     p.alibi_head_stride = slopes.strides[slopes.rank - 1];
   }
   p.softcap = o.softcap;
+  set_extra_params(p, o, s);
+  if (o.sinks.defined()) {
+    p.sinks_ptr = static_cast<const float*>(o.sinks.data);
+    p.sinks_stride = o.sinks.strides[0];
+  }
+  if (o.dsinks.defined()) {
+    p.dsinks_ptr = static_cast<float*>(o.dsinks.data);
+    p.dsinks_stride = o.dsinks.strides[0];
+  }
 
   p.p_dropout = o.dropout_p;
   p.seed = o.seed;
@@ -492,7 +697,11 @@ void dispatch_forward(const Params& p) {
 }
 
 void dispatch_backward(const Params& p) {
-  if (p.device.type == DeviceType::cpu) return cpu::backward(p);
+  if (p.device.type == DeviceType::cpu) {
+    cpu::backward(p);  // dbias was zeroed by the entry point (zero_extra_grads)
+    if (p.dsinks_ptr != nullptr) cpu::sinks_backward(p);
+    return;
+  }
   if (!cuda::compiled())
     fail(ErrorKind::unsupported, "q: a CUDA array was given but flashdl was built without the CUDA "
                                  "backend");

@@ -50,6 +50,21 @@ void check_block_mask(const Options& o, const Shapes& s, Device device,
 void check_score_mods(const Options& o, const Shapes& s, Device device,
                       std::initializer_list<NamedView> outputs);
 
+// The bias, mask and sinks (and the backward's dbias, dsinks) of `o` for a problem of extents `s` on `device`, that
+// none of `outputs` overlaps them; NotImplementedError on CUDA. Called by the dense and varlen
+// entry points beside check_score_mods.
+// Bias and mask: broadcastable to (batch, nheads, seqlen_q, seqlen_k), or for varlen
+// (varlen_total_q >= 0) to (nheads, varlen_total_q, max_seqlen_k); dbias: the bias's shape and
+// dtype.
+void check_extras(const Options& o, const Shapes& s, Device device,
+                  std::initializer_list<NamedView> outputs, int64_t varlen_total_q = -1);
+// The gradients of the extras (dbias, dsinks) zeroed: before the kernels, which add into dbias
+// only where some row sees the key, and for calls with nothing to compute.
+void zero_extra_grads(const Options& o);
+// NotImplementedError naming the first of bias, mask, sinks given to an entry `path` that does not run them
+// yet (the KV cache).
+void refuse_extras(const Options& o, const char* path);
+
 // Checks q, k, v, out, lse and the options; returns the problem's extents.
 Shapes check_attention_args(const TensorView& q, const TensorView& k, const TensorView& v,
                             const TensorView& out, const TensorView& lse, const Options& o);

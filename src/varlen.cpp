@@ -160,6 +160,20 @@ void select_sequence(Params& p, int64_t b) {
   p.dropout_batch_offset = b;
 }
 
+// Params of the sequence whose query rows start at packed row q0: its rows of the bias, mask and
+// dbias ((nheads, total_q, max_seqlen_k); a broadcast row axis has stride 0), as a batch-1 call
+// over its seqlen_q rows.
+void select_rows(Params& p, int64_t q0) {
+  if (p.bias_ptr != nullptr) {
+    const int64_t es = static_cast<int64_t>(dtype_size(p.bias_dtype));
+    p.bias_ptr = static_cast<const char*>(p.bias_ptr) + q0 * p.bias_row_stride * es;
+    if (p.dbias_ptr != nullptr)
+      p.dbias_ptr = static_cast<char*>(p.dbias_ptr) + q0 * p.dbias_row_stride * es;
+    if (p.bias_rows > 1) p.bias_rows = p.seqlen_q;
+  }
+  if (p.mask_ptr != nullptr) p.mask_ptr += q0 * p.mask_row_stride;
+}
+
 // The one-launch form (CUDA): Params made with mask_extents' shapes (batch = the sequences,
 // seqlen bounds = max_seqlen; the batch-1 views already have batch stride 0), plus the offsets.
 // Sequence b's block-mask plane and dropout stream follow from its batch index as in a dense call.
@@ -379,6 +393,8 @@ void forward_varlen(const TensorView& q, const TensorView& k, const TensorView& 
                    {{"out", &out}, {"lse", &lse}});
   check_score_mods(options, mask_extents(vb, whole, max_seqlen_q, max_seqlen_k), q.device,
                    {{"out", &out}, {"lse", &lse}});
+  check_extras(options, mask_extents(vb, whole, max_seqlen_q, max_seqlen_k), q.device,
+               {{"out", &out}, {"lse", &lse}}, q.shape[0]);
   if (options.validate_only) return;
   if (whole.nheads == 0 || vb.batch() == 0) return;
   if (q.device.type != DeviceType::cpu) {
@@ -399,6 +415,7 @@ void forward_varlen(const TensorView& q, const TensorView& k, const TensorView& 
     Params p = make_params(slice(q4, 1, q0, sq), slice(k4, 1, k0, sk), slice(v4, 1, k0, sk),
                            slice(o4, 1, q0, sq), slice(l3, 2, q0, sq), options, s);
     select_sequence(p, b);
+    select_rows(p, q0);
     problems.push_back(p);
   }
   cpu::forward_batch(problems);
@@ -428,7 +445,10 @@ void backward_varlen(const TensorView& dout, const TensorView& q, const TensorVi
                    {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}});
   check_score_mods(options, mask_extents(vb, whole, max_seqlen_q, max_seqlen_k), q.device,
                    {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}});
+  check_extras(options, mask_extents(vb, whole, max_seqlen_q, max_seqlen_k), q.device,
+               {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}}, q.shape[0]);
   if (options.validate_only) return;
+  zero_extra_grads(options);
   if (whole.nheads == 0 || vb.batch() == 0) return;
   if (q.device.type != DeviceType::cpu) {
     Params p = make_backward_params(do4, q4, k4, v4, o4, l3, dq4, dk4, dv4, options,
@@ -447,9 +467,19 @@ void backward_varlen(const TensorView& dout, const TensorView& q, const TensorVi
         slice(o4, 1, q0, sq), slice(l3, 2, q0, sq), slice(dq4, 1, q0, sq),
         slice(dk4, 1, k0, sk), slice(dv4, 1, k0, sk), options, s);
     select_sequence(p, b);
+    select_rows(p, q0);
+    p.dsinks_ptr = nullptr;  // summed over every sequence below
     problems.push_back(p);
   }
-  cpu::backward_batch(problems);
+  if (options.dbias.defined()) {
+    // Sequences may add into the same dbias elements (a bias broadcast over rows or heads): one
+    // after another, each over every thread, in sequence order (reproducible).
+    for (const Params& p : problems) cpu::backward(p);
+  } else {
+    cpu::backward_batch(problems);
+  }
+  if (options.dsinks.defined())  // the packed rows as one batch-1 problem
+    cpu::sinks_backward(make_backward_params(do4, q4, k4, v4, o4, l3, dq4, dk4, dv4, options, whole));
 }
 
 }  // namespace flashdl

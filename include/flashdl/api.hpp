@@ -18,6 +18,7 @@ enum class ErrorKind : int {
   type = 1,         // a bad dtype or array type: Python TypeError
   unsupported = 2,  // valid request this build or device cannot serve: Python RuntimeError
   runtime = 3,      // a failure while running (CUDA error, allocation): Python RuntimeError
+  not_implemented = 4,  // a feature not yet on this path (backend, entry): NotImplementedError
 };
 
 class Error : public std::runtime_error {

@@ -48,6 +48,31 @@ struct Options {
   // forward_kvcache: key splits per (batch, kv head), merged exactly; 0 chooses.
   int64_t num_splits = 0;
 
+  // An additive attention bias: float32, float16 or bfloat16 (batch or 1, nheads or 1, seqlen_q or
+  // 1, seqlen_k), any stride (a stride of 0 broadcasts like a size-1 axis), read tile by tile in
+  // place. Added (natural-log units) to the scaled score after the softcap and ALiBi, before the
+  // window and causal masks. Varlen calls: (nheads or 1, total_q or 1, max_seqlen_k), row r of
+  // the packed queries, columns counted from its sequence's first key. NaN or +inf where a row
+  // sees the key poisons that row: the caller's. Undefined (rank 0, the default): none.
+  TensorView bias{};
+  // A boolean mask (True = keep) with the bias's shapes and broadcasting: key j is visible to
+  // query i only where it is true (on top of causal, the window and block masks); a row with no
+  // key kept follows the empty-row rule. Tiles whose mask block is all false are skipped.
+  TensorView mask{};
+  // backward only, with a bias: receives dBias, the bias's shape and dtype (a size-1 axis holds
+  // the sum over the axis it broadcasts along). Undefined: not computed.
+  TensorView dbias{};
+
+  // Attention sinks (gpt-oss, StreamingLLM): float32 (nheads,), one logit per query head that
+  // joins every row's softmax denominator and carries no value: lse includes it (a row that sees
+  // no key then has lse = sink and out 0), out excludes it. Finite values (checked on the host).
+  // CPU only for now. Undefined (rank 0, the default): none.
+  TensorView sinks{};
+  // backward only, with sinks: float32 (nheads,) receives
+  // dSinks[h] = -sum over batches and rows of exp(sink_h - lse_i) * D_i, D_i = rowsum(dO * O).
+  // Undefined: not computed.
+  TensorView dsinks{};
+
   // Check the arguments and return without computing or writing anything (forward, backward and
   // their varlen forms). The values in host cu_seqlens are not read then: the check covers
   // shapes, dtypes, devices, strides, overlaps and options, for callers (flashdl.jax at trace
@@ -124,6 +149,27 @@ struct Params {
   const float* alibi_slopes_ptr;
   int64_t alibi_batch_stride, alibi_head_stride;
   double softcap;
+
+  // Bias, mask and dBias (Options::bias, mask, dbias; null: none), read through
+  // detail::HeadExtras. Strides in elements; a broadcast axis (size 1 or stride 0) has stride 0.
+  // bias_batch, bias_heads, bias_rows: the bias's extents on the first three axes after
+  // broadcasting (1 or the problem's), the shape dBias sums into.
+  const void* bias_ptr;
+  DType bias_dtype;
+  int64_t bias_batch_stride, bias_head_stride, bias_row_stride, bias_col_stride;
+  int64_t bias_batch, bias_heads, bias_rows;
+  const uint8_t* mask_ptr;
+  int64_t mask_batch_stride, mask_head_stride, mask_row_stride, mask_col_stride;
+  void* dbias_ptr;
+  int64_t dbias_batch_stride, dbias_head_stride, dbias_row_stride, dbias_col_stride;
+
+  // Attention sinks (Options::sinks; null: none): float32 logit of head h at
+  // sinks_ptr[h * sinks_stride], read through detail::sink_of. dsinks (the backward's, null: not
+  // wanted) is written by the dispatch layer after the kernels (cpu::sinks_backward).
+  const float* sinks_ptr;
+  int64_t sinks_stride;
+  float* dsinks_ptr;
+  int64_t dsinks_stride;
 
   // Attention over a KV cache (src/kvcache.cpp; null: off). Sequence b attends to its first
   // seqused_k[b] keys (host memory, checked <= seqlen_k, the cache's capacity). Paged caches

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Tuple, Union, overload
 import numpy as np
 
 from . import _checks, _ext
-from ._frameworks import Frame
+from ._frameworks import Frame, _is_numpy_bfloat16
 
 if TYPE_CHECKING:
     import numpy.typing as npt
@@ -104,6 +104,117 @@ def _score_mods(alibi_slopes, softcap):
         if getattr(alibi_slopes, "requires_grad", False):
             alibi_slopes = alibi_slopes.detach()  # the slopes are not differentiated
     return dict(alibi_slopes=alibi_slopes, softcap=float(softcap))
+
+
+def _array_arg(name, x, what):
+    """x, an array that crosses DLPack (NumPy, or the framework of q), else TypeError naming it."""
+    if not (isinstance(x, np.ndarray) or hasattr(x, "__dlpack__")):
+        raise TypeError(f"{name}: expected None or {what} (NumPy or the framework of q), "
+                        f"got {type(x).__name__}")
+    _checks.readable(name, x)
+    return x
+
+
+def _strides(x):
+    """Element strides of a NumPy array or torch tensor; None for arrays without strides (JAX)."""
+    if isinstance(x, np.ndarray):
+        return tuple(s // x.itemsize for s in x.strides) if x.itemsize else (0,) * x.ndim
+    stride = getattr(x, "stride", None)
+    return tuple(stride()) if callable(stride) else None
+
+
+def _full_rank(name, x, rank, layout):
+    """A bias or mask of rank <= `rank` as a view of rank `rank` (size-1 axes in front: NumPy
+    broadcasting); more axes than that, or none, are refused naming the argument."""
+    nd = len(getattr(x, "shape", ()))
+    if not 1 <= nd <= rank:
+        raise ValueError(f"{name}: expected an array of rank 1 to {rank} broadcastable to "
+                         f"{layout}, got rank {nd}")
+    return x[(None,) * (rank - nd)] if nd < rank else x
+
+
+def _compact(x):
+    """x with every leading axis of stride 0 (a broadcast view: np.broadcast_to, torch expand)
+    narrowed to size 1: the array dBias sums into. A view; for torch, autograd carries the
+    gradient back through it to the broadcast tensor."""
+    st = _strides(x)
+    if st is None:
+        return x
+    index = tuple(slice(0, 1) if st[a] == 0 and x.shape[a] > 1 else slice(None)
+                  for a in range(len(st) - 1))
+    return x[index] if any(i != slice(None) for i in index) else x
+
+
+def _extras(sinks, bias=None, mask=None, rank=4, for_grad=False):
+    """The extension's keywords for an attention bias, boolean mask and sinks. bias: a float
+    array broadcastable to (batch, nheads, seqlen_q, seqlen_k) ((nheads, total_q, max_seqlen_k)
+    for varlen, rank 3), fewer axes taken as leading size-1 ones; mask: a bool array of the same
+    shapes; sinks: float32 (nheads,). The core checks dtypes, shapes and devices. Torch tensors
+    that require grad cross detached (flashdl.torch returns their gradients). for_grad: the
+    backward's bias, with stride-0 axes narrowed to size 1 (the shape dbias takes)."""
+    layout = ("(batch, nheads, seqlen_q, seqlen_k)" if rank == 4
+              else "(nheads, total_q, max_seqlen_k)")
+    out = {}
+    if bias is not None:
+        bias = _full_rank("bias", _array_arg("bias", bias, "a float array"), rank, layout)
+        out["bias"] = _compact(bias) if for_grad else bias
+    if mask is not None:
+        out["mask"] = _full_rank("mask", _array_arg("mask", mask, "a bool array"), rank, layout)
+    if sinks is not None:
+        out["sinks"] = _array_arg("sinks", sinks, "a float32 array of shape (nheads,)")
+    for name, x in out.items():
+        if getattr(x, "requires_grad", False):
+            out[name] = x.detach()
+        elif _is_numpy_bfloat16(x):
+            out[name] = x.view(np.uint16)  # NumPy bfloat16 crosses as uint16 (see Frame.export)
+    return out
+
+
+def _heads(q, rank=4):
+    """nheads of a (batch, seqlen, nheads, headdim) q (or (total, nheads, headdim) for varlen); 0
+    for a wrongly ranked q, which the core then names."""
+    shape = tuple(q.shape)
+    return shape[rank - 2] if len(shape) == rank else 0
+
+
+def _extra_grads(frame, q, opts, given_bias, rank=4):
+    """The backward's extra outputs: dbias (the bias's dtype, in the shape of the bias the core
+    sees) when a bias is given, dsinks (float32 (nheads,)) when sinks are; as (keywords for the
+    extension, a function that turns the filled arrays into what the caller gets)."""
+    kw, arrays = {}, []
+    bias = opts.get("bias")
+    if bias is not None:
+        dbias = frame.empty(tuple(bias.shape), given_bias.dtype)
+        kw["dbias"] = frame.dest(dbias)
+        arrays.append(("dbias", dbias))
+    if opts.get("sinks") is not None:
+        dsinks = frame.empty((_heads(q, rank),), frame.float32())
+        kw["dsinks"] = frame.dest(dsinks)
+        arrays.append(("dsinks", dsinks))
+
+    def finish():
+        result = []
+        for name, x in arrays:
+            x = frame.finish(x)
+            if name == "dbias":
+                x = _in_shape_of(x, given_bias)
+            result.append(x)
+        return tuple(result)
+    return kw, finish
+
+
+def _in_shape_of(dbias, bias):
+    """dbias (the compact gradient) in the shape of the bias the caller gave: leading size-1
+    axes dropped, axes the caller broadcast with a stride of 0 broadcast back (a view holding the
+    gradient of the shared value)."""
+    shape = tuple(bias.shape)
+    dbias = dbias.reshape(tuple(dbias.shape)[len(dbias.shape) - len(shape):])
+    if tuple(dbias.shape) == shape:
+        return dbias
+    if isinstance(dbias, np.ndarray):
+        return np.broadcast_to(dbias, shape)
+    expand = getattr(dbias, "expand", None)
+    return expand(*shape) if callable(expand) else dbias
 
 
 def _scalars(causal, softmax_scale, schedule, window_size):
@@ -239,6 +350,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
               return_seed: Literal[False] = ..., block_mask: Optional[ArrayLike] = ...,
               block_size: BlockSize = ...,
               alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...,
+              bias: Optional[ArrayLike] = ..., mask: Optional[ArrayLike] = ...,
+              sinks: Optional[ArrayLike] = ...,
               layout: str = ...) -> ArrayLike: ...
 @overload
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
@@ -247,7 +360,9 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
               dropout_p: float = ..., seed: Optional[int] = ..., offset: int = ...,
               return_seed: Literal[False] = ..., block_mask: Optional[ArrayLike] = ...,
               block_size: BlockSize = ...,
-              alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ..., layout: str = ...
+              alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...,
+              bias: Optional[ArrayLike] = ..., mask: Optional[ArrayLike] = ...,
+              sinks: Optional[ArrayLike] = ..., layout: str = ...
               ) -> Tuple[ArrayLike, ArrayLike]: ...
 @overload
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
@@ -256,7 +371,9 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
               dropout_p: float = ..., seed: Optional[int] = ..., offset: int = ...,
               return_seed: Literal[True], block_mask: Optional[ArrayLike] = ...,
               block_size: BlockSize = ...,
-              alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ..., layout: str = ...
+              alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...,
+              bias: Optional[ArrayLike] = ..., mask: Optional[ArrayLike] = ...,
+              sinks: Optional[ArrayLike] = ..., layout: str = ...
               ) -> Tuple[ArrayLike, int]: ...
 @overload
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
@@ -265,7 +382,9 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
               dropout_p: float = ..., seed: Optional[int] = ..., offset: int = ...,
               return_seed: Literal[True], block_mask: Optional[ArrayLike] = ...,
               block_size: BlockSize = ...,
-              alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ..., layout: str = ...
+              alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...,
+              bias: Optional[ArrayLike] = ..., mask: Optional[ArrayLike] = ...,
+              sinks: Optional[ArrayLike] = ..., layout: str = ...
               ) -> Tuple[ArrayLike, ArrayLike, int]: ...
 @overload
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
@@ -275,6 +394,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
               return_seed: bool = ..., block_mask: Optional[ArrayLike] = ...,
               block_size: BlockSize = ...,
               alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...,
+              bias: Optional[ArrayLike] = ..., mask: Optional[ArrayLike] = ...,
+              sinks: Optional[ArrayLike] = ...,
               layout: str = ...) -> Any: ...
 
 
@@ -285,6 +406,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
               return_seed: bool = False, block_mask: Optional[ArrayLike] = None,
               block_size: BlockSize = 128,
               alibi_slopes: Optional[ArrayLike] = None, softcap: float = 0.0,
+              bias: Optional[ArrayLike] = None, mask: Optional[ArrayLike] = None,
+              sinks: Optional[ArrayLike] = None,
               layout: str = "bshd") -> Any:
     """Exact attention ``softmax(q k^T * softmax_scale) v``, without materialising the N x N matrix.
 
@@ -348,6 +471,11 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
     softcap : float, default 0.0
         When > 0, each scaled score ``s`` becomes ``softcap * tanh(s / softcap)`` (Gemma 2, Grok);
         0 is off. Modifiers apply in flash-attn's order: scale, cap, bias, mask.
+    sinks : float32 array (nheads,), optional
+        Attention sinks (gpt-oss, StreamingLLM): one logit per query head that joins every row's
+        softmax denominator and carries no value, ``p_ij = exp(s_ij) / (exp(sink_h) + sum_j
+        exp(s_ij))``. lse includes it; a row that sees no key gets ``out`` 0 and ``lse = sink``.
+        Finite values; CPU arrays only for now (CUDA raises NotImplementedError).
     layout : {"bshd", "bhsd"}, default "bshd"
         ``"bshd"``: q, k, v and out are (batch, seqlen, nheads, headdim). ``"bhsd"``: they are
         (batch, nheads, seqlen, headdim) (PyTorch's SDPA layout), read through transposed views
@@ -404,6 +532,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
     opts = _options(causal, softmax_scale, schedule, window_size, frame)
     opts.update(_block_sparse(block_mask, block_size))
     opts.update(_score_mods(alibi_slopes, softcap))
+    opts.update(_extras(sinks, bias, mask))
     dropout_p, seed, offset = _dropout(dropout_p, seed, offset)
     out, out_view = _output_like(frame, q, bhsd)
     lse = frame.empty(_lse_shape(q), frame.float32())
@@ -418,11 +547,13 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
 
 
 def _backward_options(causal, softmax_scale, schedule, window_size, frame, dropout_p, seed,
-                      offset, block_mask, block_size, alibi_slopes, softcap):
+                      offset, block_mask, block_size, alibi_slopes, softcap, sinks=None,
+                      bias=None, mask=None, rank=4):
     """The backward's options: the forward's, with the dropout seed it used (never drawn here)."""
     opts = _options(causal, softmax_scale, schedule, window_size, frame)
     opts.update(_block_sparse(block_mask, block_size))
     opts.update(_score_mods(alibi_slopes, softcap))
+    opts.update(_extras(sinks, bias, mask, rank=rank, for_grad=True))
     if seed is None:
         raise TypeError("seed: expected the int seed the forward used, got None")
     dropout_p, seed, offset = _dropout(dropout_p, seed, offset)
@@ -437,6 +568,8 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
                        dropout_p: float = 0.0, seed: int = 0, offset: int = 0,
                        block_mask: Optional[ArrayLike] = None, block_size: BlockSize = 128,
                        alibi_slopes: Optional[ArrayLike] = None, softcap: float = 0.0,
+              bias: Optional[ArrayLike] = None, mask: Optional[ArrayLike] = None,
+              sinks: Optional[ArrayLike] = None,
                        layout: str = "bshd"
                        ) -> Tuple[ArrayLike, ArrayLike, ArrayLike]:
     """Gradients ``(dq, dk, dv)`` of :func:`attention` for the upstream gradient ``dout``.
@@ -468,7 +601,7 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
         The seed the forward used (None is refused: it would draw a different mask).
     offset : int, default 0
         The forward's offset.
-    block_mask, block_size, alibi_slopes, softcap : optional
+    block_mask, block_size, alibi_slopes, softcap, sinks : optional
         As in :func:`attention`; must match the forward.
     layout : {"bshd", "bhsd"}, default "bshd"
         With ``"bhsd"``, dout, q, k, v, out and the gradients are (batch, nheads, seqlen, headdim).
@@ -478,6 +611,9 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
     dq, dk, dv : array
         Shaped, typed and laid out like q, k and v. With GQA, dk and dv sum over the query heads of
         each group. A query that saw no key contributes zero gradients.
+    dsinks : float32 array (nheads,)
+        With ``sinks``: appended, ``(dq, dk, dv, dsinks)``;
+        ``dsinks[h] = -sum over batches and rows of exp(sinks[h] - lse) * rowsum(dout * out)``.
 
     Raises
     ------
@@ -504,15 +640,17 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
         dout, q, k, v, out = (_as_bshd(n, x) for n, x in (
             ("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out)))
     opts = _backward_options(causal, softmax_scale, schedule, window_size, frame, dropout_p, seed,
-                             offset, block_mask, block_size, alibi_slopes, softcap)
+                             offset, block_mask, block_size, alibi_slopes, softcap, sinks,
+                             bias, mask)
     (dq, dq_view), (dk, dk_view), (dv, dv_view) = (_output_like(frame, x, bhsd)
                                                    for x in (q, k, v))
+    extra_kw, extras = _extra_grads(frame, q, opts, bias)
     with errors:
         _ext.backward(frame.export(dout), frame.export(q), frame.export(k), frame.export(v),
                       frame.export(out), frame.export(lse), frame.dest(dq_view),
                       frame.dest(dk_view), frame.dest(dv_view), deterministic=_checks.flag("deterministic", deterministic),
-                      **opts)
-    return frame.finish(dq), frame.finish(dk), frame.finish(dv)
+                      **opts, **extra_kw)
+    return (frame.finish(dq), frame.finish(dk), frame.finish(dv)) + extras()
 
 
 def dropout_mask(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, dropout_p: float,
@@ -661,6 +799,8 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                      seed: Optional[int] = ..., offset: int = ...,
                      block_mask: Optional[ArrayLike] = ..., block_size: BlockSize = ...,
                      alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...,
+                     bias: Optional[ArrayLike] = ..., mask: Optional[ArrayLike] = ...,
+                     sinks: Optional[ArrayLike] = ...,
                      layout: str = ..., block_table: Optional[ArrayLike] = ...,
                      seqused_k: Optional[ArrayLike] = ...
                      ) -> ArrayLike: ...
@@ -673,6 +813,8 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                      seed: Optional[int] = ..., offset: int = ...,
                      block_mask: Optional[ArrayLike] = ..., block_size: BlockSize = ...,
                      alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...,
+                     bias: Optional[ArrayLike] = ..., mask: Optional[ArrayLike] = ...,
+                     sinks: Optional[ArrayLike] = ...,
                      layout: str = ..., block_table: Optional[ArrayLike] = ...,
                      seqused_k: Optional[ArrayLike] = ...
                      ) -> Tuple[ArrayLike, ArrayLike]: ...
@@ -685,6 +827,8 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                      seed: Optional[int] = ..., offset: int = ...,
                      block_mask: Optional[ArrayLike] = ..., block_size: BlockSize = ...,
                      alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...,
+                     bias: Optional[ArrayLike] = ..., mask: Optional[ArrayLike] = ...,
+                     sinks: Optional[ArrayLike] = ...,
                      layout: str = ..., block_table: Optional[ArrayLike] = ...,
                      seqused_k: Optional[ArrayLike] = ...
                      ) -> Any: ...
@@ -698,6 +842,8 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                      seed: Optional[int] = None, offset: int = 0,
                      block_mask: Optional[ArrayLike] = None, block_size: BlockSize = 128,
                      alibi_slopes: Optional[ArrayLike] = None, softcap: float = 0.0,
+                     bias: Optional[ArrayLike] = None, mask: Optional[ArrayLike] = None,
+                     sinks: Optional[ArrayLike] = None,
                      layout: str = "thd", block_table: Optional[ArrayLike] = None,
                      seqused_k: Optional[ArrayLike] = None) -> Any:
     """Attention over a batch of sequences of different lengths, packed with no padding.
@@ -722,8 +868,8 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
         results, though never an access outside the arrays).
     max_seqlen_q, max_seqlen_k : int
         Bounds on the sequence lengths (no sequence may be longer).
-    causal, softmax_scale, schedule, return_lse, window_size, dropout_p, seed, offset, softcap : optional
-        As in :func:`attention`, per sequence. With dropout, sequence ``b`` gets the mask dense batch
+    causal, softmax_scale, schedule, return_lse, window_size, dropout_p, seed, offset, softcap, sinks : optional
+        As in :func:`attention`, per sequence (the sinks are per head, shared by every sequence). With dropout, sequence ``b`` gets the mask dense batch
         ``b`` would get, with row and column counted within the sequence.
     block_mask : bool array, optional
         ``(nblocks_q, nblocks_k)`` for every sequence, or
@@ -811,6 +957,7 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                                                                            max_seqlen_k)
     opts.update(_block_sparse(block_mask, block_size))
     opts.update(_score_mods(alibi_slopes, softcap))
+    opts.update(_extras(sinks, bias, mask, rank=3))
     out, out_view = _output_like(frame, q, heads_first)
     lse = frame.empty(_varlen_lse_shape(q), frame.float32())
     with errors:
@@ -830,6 +977,8 @@ def attention_varlen_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: Ar
                               offset: int = 0, block_mask: Optional[ArrayLike] = None,
                               block_size: BlockSize = 128,
                               alibi_slopes: Optional[ArrayLike] = None, softcap: float = 0.0,
+              bias: Optional[ArrayLike] = None, mask: Optional[ArrayLike] = None,
+              sinks: Optional[ArrayLike] = None,
                               layout: str = "thd") -> Tuple[ArrayLike, ArrayLike, ArrayLike]:
     """Gradients ``(dq, dk, dv)`` of :func:`attention_varlen` for the upstream gradient ``dout``.
 
@@ -846,8 +995,9 @@ def attention_varlen_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: Ar
         The forward's log-sum-exp.
     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         As in the forward.
-    causal, softmax_scale, schedule, window_size, dropout_p, seed, offset, block_mask, block_size, alibi_slopes, softcap : optional
-        As in the forward.
+    causal, softmax_scale, schedule, window_size, dropout_p, seed, offset, block_mask, block_size, alibi_slopes, softcap, sinks : optional
+        As in the forward. With ``sinks``, dsinks (float32 (nheads,), summed over every
+        sequence) is appended to the result.
     deterministic : bool, default False
         As in :func:`attention_backward`.
     layout : {"thd", "htd"}, default "thd"
@@ -883,16 +1033,19 @@ def attention_varlen_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: Ar
         dout, q, k, v, out = (_as_bshd(n, x, rank=3) for n, x in (
             ("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out)))
     opts = _backward_options(causal, softmax_scale, schedule, window_size, frame, dropout_p, seed,
-                             offset, block_mask, block_size, alibi_slopes, softcap)
+                             offset, block_mask, block_size, alibi_slopes, softcap, sinks,
+                             bias, mask, rank=3)
     cu_q, cu_k = _cu_seqlens("cu_seqlens_q", cu_seqlens_q), _cu_seqlens("cu_seqlens_k",
                                                                          cu_seqlens_k)
     max_q, max_k = _max_seqlen("max_seqlen_q", max_seqlen_q), _max_seqlen("max_seqlen_k",
                                                                            max_seqlen_k)
     (dq, dq_view), (dk, dk_view), (dv, dv_view) = (_output_like(frame, x, heads_first)
                                                    for x in (q, k, v))
+    extra_kw, extras = _extra_grads(frame, q, opts, bias, rank=3)
     with errors:
         _ext.backward_varlen(frame.export(dout), frame.export(q), frame.export(k),
                              frame.export(v), frame.export(out), frame.export(lse), cu_q, cu_k,
                              max_q, max_k, frame.dest(dq_view), frame.dest(dk_view),
-                             frame.dest(dv_view), deterministic=_checks.flag("deterministic", deterministic), **opts)
-    return frame.finish(dq), frame.finish(dk), frame.finish(dv)
+                             frame.dest(dv_view), deterministic=_checks.flag("deterministic", deterministic),
+                             **opts, **extra_kw)
+    return (frame.finish(dq), frame.finish(dk), frame.finish(dv)) + extras()

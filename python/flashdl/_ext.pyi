@@ -1,7 +1,8 @@
 # Type stub of flashdl._ext, the nanobind extension (python/bindings.cpp): keep in step with its
 # m.def(...) signatures. Arrays are anything nanobind reads over DLPack or the buffer protocol
-# (NumPy, PyTorch, JAX, CuPy); inputs are read only, outputs (out, lse, dq, dk, dv, mask_out) are
-# written in place. Validation is the core's: it raises ValueError, TypeError or RuntimeError.
+# (NumPy, PyTorch, JAX, CuPy); inputs are read only, outputs (out, lse, dq, dk, dv, dbias, dsinks,
+# mask_out) are written in place. Validation is the core's: it raises ValueError, TypeError,
+# RuntimeError or NotImplementedError.
 
 from typing import Any, List, Optional
 
@@ -32,6 +33,9 @@ def forward(
     alibi_slopes: Optional[_Array] = None,
     softcap: float = 0.0,
     validate_only: bool = False,
+    sinks: Optional[_Array] = None,
+    bias: Optional[_Array] = None,
+    mask: Optional[_Array] = None,
 ) -> None:
     """Attention forward (validate_only: check the arguments, compute nothing): writes out (like
     q) and lse (float32, (batch, nheads, seqlen_q))."""
@@ -65,6 +69,11 @@ def backward(
     block_size_k: int = 128,
     alibi_slopes: Optional[_Array] = None,
     softcap: float = 0.0,
+    sinks: Optional[_Array] = None,
+    dsinks: Optional[_Array] = None,
+    bias: Optional[_Array] = None,
+    mask: Optional[_Array] = None,
+    dbias: Optional[_Array] = None,
 ) -> None:
     """Attention backward: writes dq, dk, dv (shaped and typed like q, k, v)."""
 
@@ -97,6 +106,9 @@ def forward_varlen(
     alibi_slopes: Optional[_Array] = None,
     softcap: float = 0.0,
     validate_only: bool = False,
+    sinks: Optional[_Array] = None,
+    bias: Optional[_Array] = None,
+    mask: Optional[_Array] = None,
 ) -> None:
     """Variable-length forward (validate_only: check the arguments but not the values of
     cu_seqlens, compute nothing): writes out (like q) and lse (float32, (nheads, total_q))."""
@@ -134,6 +146,11 @@ def backward_varlen(
     block_size_k: int = 128,
     alibi_slopes: Optional[_Array] = None,
     softcap: float = 0.0,
+    sinks: Optional[_Array] = None,
+    dsinks: Optional[_Array] = None,
+    bias: Optional[_Array] = None,
+    mask: Optional[_Array] = None,
+    dbias: Optional[_Array] = None,
 ) -> None:
     """Variable-length backward: writes dq, dk, dv (shaped and typed like q, k, v)."""
 

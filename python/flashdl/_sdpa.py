@@ -38,7 +38,8 @@ def check_layout(query, key, value, enable_gqa):
 
 
 def check_mask(attn_mask, shape):
-    """None, or a bool mask flashdl computes exactly: all True (attention unmasked)."""
+    """None, a bool mask (True = take part in attention) or a float mask (added to the scores),
+    broadcastable to the scores' shape: flashdl's mask or bias."""
     if attn_mask is None:
         return
     if not isinstance(attn_mask, torch.Tensor):
@@ -52,17 +53,24 @@ def check_mask(attn_mask, shape):
     if not fits:
         raise ValueError(f"attn_mask: shape {tuple(attn_mask.shape)} does not broadcast to "
                          f"the scores' shape {tuple(shape)}")
-    if attn_mask.dtype != torch.bool:
-        raise NotImplementedError(
-            f"attn_mask: float (additive) masks are not supported by flashdl, got "
-            f"{attn_mask.dtype}; use is_causal, flashdl.torch.attention's window_size or "
-            f"block_mask, or attn_mask=None")
-    # Reading the mask synchronises once on CUDA; an all-True mask is plain attention.
-    if not bool(attn_mask.all()):
-        raise NotImplementedError(
-            "attn_mask: arbitrary boolean masks are not supported by flashdl (only an all-True "
-            "mask is); use is_causal, flashdl.torch.attention's window_size or block_mask, or "
-            "attn_mask=None")
+    if attn_mask.dtype != torch.bool and attn_mask.dtype not in (
+            torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        raise TypeError(f"attn_mask: expected a bool or float mask, got {attn_mask.dtype}")
+
+
+def mask_args(attn_mask, rank3, seqlen_k, keep):
+    """flashdl's (bias, mask) for attn_mask: rank 4 (batch, heads, seq_q, keys) views, the keys
+    cut to the `keep` that causal_args attends to, a key axis of size 1 expanded (stride 0)."""
+    if attn_mask is None:
+        return None, None
+    m = attn_mask
+    if rank3:
+        m = m[(None,) * (3 - m.dim())].unsqueeze(1)  # (batch, 1, seq_q, keys)
+    if m.shape[-1] == seqlen_k and keep < seqlen_k:
+        m = m.narrow(-1, 0, keep)
+    elif m.shape[-1] != keep:
+        m = m.expand(*m.shape[:-1], keep)
+    return (None, m) if m.dtype == torch.bool else (m, None)
 
 
 def causal_args(is_causal, seqlen_q, seqlen_k):

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from . import _checks, _sdpa
-from ._api import (_FLOATS_FWD, ArrayLike, BlockSize, _as_bshd, _block_sparse, _cu_seqlens,
+from ._api import (_FLOATS_FWD, ArrayLike, BlockSize, _as_bshd, _block_sparse, _compact,
+                   _cu_seqlens, _full_rank,
                    _dropout, _int32_index, _layout, _LayoutErrors, _lse_shape, _max_seqlen,
                    _scalars, _score_mods, _varlen_lse_shape)
 from ._api import attention as _attention
@@ -79,13 +80,16 @@ def _attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
                        dropout_p: float, seed: Optional[torch.Tensor], offset: int,
                        block_mask: Optional[torch.Tensor], block_size: List[int],
                        alibi_slopes: Optional[torch.Tensor], softcap: float,
-                       deterministic: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+                       deterministic: bool, bias: Optional[torch.Tensor],
+        mask: Optional[torch.Tensor], sinks: Optional[torch.Tensor]
+                       ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of flashdl.attention; deterministic is only for the backward (saved by the
     autograd formula), it does not change the forward."""
     return _attention(q, k, v, causal=causal, softmax_scale=softmax_scale, schedule=schedule,
                       window_size=_pair(window_size), dropout_p=dropout_p, seed=_seed_int(seed),
                       offset=offset, block_mask=block_mask, block_size=_pair(block_size),
-                      alibi_slopes=alibi_slopes, softcap=softcap, return_lse=True)
+                      alibi_slopes=alibi_slopes, softcap=softcap, bias=bias, mask=mask, sinks=sinks,
+                      return_lse=True)
 
 
 @_attention_forward.register_fake
@@ -102,33 +106,58 @@ def _attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                            seed: Optional[torch.Tensor], offset: int,
                            block_mask: Optional[torch.Tensor], block_size: List[int],
                            alibi_slopes: Optional[torch.Tensor], softcap: float,
-                           deterministic: bool
-                           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of flashdl.attention_backward."""
-    return _attention_backward(dout, q, k, v, out, lse, causal=causal,
-                               softmax_scale=softmax_scale, schedule=schedule,
-                               window_size=_pair(window_size), deterministic=deterministic,
-                               dropout_p=dropout_p, seed=_seed_int(seed), offset=offset,
-                               block_mask=block_mask, block_size=_pair(block_size),
-                               alibi_slopes=alibi_slopes, softcap=softcap)
+                           deterministic: bool, bias: Optional[torch.Tensor],
+        mask: Optional[torch.Tensor], sinks: Optional[torch.Tensor]
+                           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                 torch.Tensor]:
+    """(dq, dk, dv, dbias, dsinks) of flashdl.attention_backward; dbias, dsinks empty without
+    a bias, sinks."""
+    grads = _attention_backward(dout, q, k, v, out, lse, causal=causal,
+                                softmax_scale=softmax_scale, schedule=schedule,
+                                window_size=_pair(window_size), deterministic=deterministic,
+                                dropout_p=dropout_p, seed=_seed_int(seed), offset=offset,
+                                block_mask=block_mask, block_size=_pair(block_size),
+                                alibi_slopes=alibi_slopes, softcap=softcap, bias=bias, mask=mask,
+                                sinks=sinks)
+    return _with_extra_grads(q, grads, bias, sinks)
+
+
+def _with_extra_grads(q, grads, bias, sinks):
+    """The backward ops' results: (dq, dk, dv, dbias, dsinks), dbias and dsinks empty tensors
+    where no bias or sinks were given (an op's outputs are tensors, never None)."""
+    dq, dk, dv, *extra = grads
+    dbias = extra.pop(0) if bias is not None else q.new_empty((0,))
+    dsinks = extra.pop(0) if sinks is not None else q.new_empty((0,), dtype=torch.float32)
+    return dq, dk, dv, dbias, dsinks
+
+
+def _extra_grads_fake(q, bias, sinks):
+    return (bias.new_empty(bias.shape) if bias is not None else q.new_empty((0,)),
+            q.new_empty(tuple(sinks.shape) if sinks is not None else (0,), dtype=torch.float32))
 
 
 @_attention_backward_op.register_fake
 def _attention_backward_fake(dout, q, k, v, *args):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)) + \
+        _extra_grads_fake(q, args[-3], args[-1])
 
 
 # The options after q, k, v (and the varlen arguments) in both schemas, in the forward's order.
 _OPTIONS = ("causal", "softmax_scale", "schedule", "window_size", "dropout_p", "seed", "offset",
-            "block_mask", "block_size", "alibi_slopes", "softcap", "deterministic")
+            "block_mask", "block_size", "alibi_slopes", "softcap", "deterministic", "bias", "mask",
+            "sinks")
+# The options with a gradient, in the order the backward ops return them.
+_DIFFERENTIABLE = ("bias", "sinks")
 
 
 def _save(ctx, tensors, out, lse, options):
     """Saves what a backward op needs: the inputs' tensors, out, lse and the options (the seed,
-    block_mask and alibi_slopes tensors through save_for_backward, the rest as attributes)."""
+    block_mask, alibi_slopes and sinks tensors through save_for_backward, the rest as
+    attributes)."""
     opts = dict(zip(_OPTIONS, options))
     ctx.save_for_backward(*tensors, out, lse, opts.pop("seed"), opts.pop("block_mask"),
-                          opts.pop("alibi_slopes"))
+                          opts.pop("alibi_slopes"), opts.pop("bias"), opts.pop("mask"),
+                          opts.pop("sinks"))
     ctx.opts = opts
     # lse is returned for callers that want it (return_lse=True); no gradient flows into it.
     ctx.mark_non_differentiable(lse)
@@ -136,9 +165,20 @@ def _save(ctx, tensors, out, lse, options):
 
 def _saved(ctx):
     """(tensors, out, lse, options) as _save kept them, the options as backward-op keywords."""
-    *tensors, out, lse, seed, block_mask, alibi_slopes = ctx.saved_tensors
+    *tensors, out, lse, seed, block_mask, alibi_slopes, bias, mask, sinks = ctx.saved_tensors
     return tensors, out, lse, dict(ctx.opts, seed=seed, block_mask=block_mask,
-                                   alibi_slopes=alibi_slopes)
+                                   alibi_slopes=alibi_slopes, bias=bias, mask=mask, sinks=sinks)
+
+
+def _option_grads(ctx, first, opts, extra):
+    """The gradients of the options (None but for the differentiable ones that were given and
+    need one); first: the index of the first option among the forward op's inputs."""
+    grads = [None] * len(_OPTIONS)
+    for name, g in zip(_DIFFERENTIABLE, extra):
+        i = _OPTIONS.index(name)
+        if opts[name] is not None and ctx.needs_input_grad[first + i]:
+            grads[i] = g
+    return tuple(grads)
 
 
 def _attention_setup(ctx, inputs, output):
@@ -147,8 +187,9 @@ def _attention_setup(ctx, inputs, output):
 
 def _attention_grad(ctx, dout, _dlse):
     (q, k, v), out, lse, opts = _saved(ctx)
-    dq, dk, dv = _attention_backward_op(_last_dim_contiguous(dout), q, k, v, out, lse, **opts)
-    return (dq, dk, dv) + (None,) * len(_OPTIONS)
+    dq, dk, dv, *extra = _attention_backward_op(_last_dim_contiguous(dout), q, k, v, out, lse,
+                                                **opts)
+    return (dq, dk, dv) + _option_grads(ctx, 3, opts, extra)
 
 
 _attention_forward.register_autograd(_attention_grad, setup_context=_attention_setup)
@@ -163,14 +204,16 @@ def _attention_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               seed: Optional[torch.Tensor], offset: int,
                               block_mask: Optional[torch.Tensor], block_size: List[int],
                               alibi_slopes: Optional[torch.Tensor], softcap: float,
-                              deterministic: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+                              deterministic: bool, bias: Optional[torch.Tensor],
+        mask: Optional[torch.Tensor], sinks: Optional[torch.Tensor]
+                              ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of flashdl.attention_varlen; deterministic only for the backward."""
     return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              causal=causal, softmax_scale=softmax_scale, schedule=schedule,
                              window_size=_pair(window_size), dropout_p=dropout_p,
                              seed=_seed_int(seed), offset=offset, block_mask=block_mask,
                              block_size=_pair(block_size), alibi_slopes=alibi_slopes,
-                             softcap=softcap, return_lse=True)
+                             softcap=softcap, bias=bias, mask=mask, sinks=sinks, return_lse=True)
 
 
 @_attention_varlen_forward.register_fake
@@ -188,22 +231,27 @@ def _attention_varlen_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.
                                   seed: Optional[torch.Tensor], offset: int,
                                   block_mask: Optional[torch.Tensor], block_size: List[int],
                                   alibi_slopes: Optional[torch.Tensor], softcap: float,
-                                  deterministic: bool
-                                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of flashdl.attention_varlen_backward."""
-    return _attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                  deterministic: bool, bias: Optional[torch.Tensor],
+        mask: Optional[torch.Tensor], sinks: Optional[torch.Tensor]
+                                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                             torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dbias, dsinks) of flashdl.attention_varlen_backward (empty when not
+    given)."""
+    grads = _attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                       max_seqlen_q, max_seqlen_k, causal=causal,
                                       softmax_scale=softmax_scale, schedule=schedule,
                                       window_size=_pair(window_size),
                                       deterministic=deterministic, dropout_p=dropout_p,
                                       seed=_seed_int(seed), offset=offset, block_mask=block_mask,
                                       block_size=_pair(block_size), alibi_slopes=alibi_slopes,
-                                      softcap=softcap)
+                                      softcap=softcap, bias=bias, mask=mask, sinks=sinks)
+    return _with_extra_grads(q, grads, bias, sinks)
 
 
 @_attention_varlen_backward_op.register_fake
 def _attention_varlen_backward_fake(dout, q, k, v, *args):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)) + \
+        _extra_grads_fake(q, args[-3], args[-1])
 
 
 def _attention_varlen_setup(ctx, inputs, output):
@@ -213,9 +261,9 @@ def _attention_varlen_setup(ctx, inputs, output):
 
 def _attention_varlen_grad(ctx, dout, _dlse):
     (q, k, v, cu_q, cu_k), out, lse, opts = _saved(ctx)
-    dq, dk, dv = _attention_varlen_backward_op(_last_dim_contiguous(dout), q, k, v, out, lse,
-                                               cu_q, cu_k, *ctx.max_seqlens, **opts)
-    return (dq, dk, dv) + (None,) * (4 + len(_OPTIONS))
+    dq, dk, dv, *extra = _attention_varlen_backward_op(_last_dim_contiguous(dout), q, k, v, out,
+                                                       lse, cu_q, cu_k, *ctx.max_seqlens, **opts)
+    return (dq, dk, dv) + (None,) * 4 + _option_grads(ctx, 7, opts, extra)
 
 
 _attention_varlen_forward.register_autograd(_attention_varlen_grad,
@@ -282,7 +330,8 @@ def _int64(name: str, x: int, what: str) -> int:
 
 
 def _op_options(q, causal, softmax_scale, schedule, window_size, dropout_p, seed, offset,
-                block_mask, block_size, deterministic, alibi_slopes, softcap):
+                block_mask, block_size, deterministic, alibi_slopes, softcap, sinks=None,
+                bias=None, mask=None, rank=4):
     """The ops' option arguments (_OPTIONS) from the public ones, every bad one named."""
     dropout_p, seed, offset = _seed_tensor(dropout_p, seed, offset, q.device)
     causal, softmax_scale, schedule, window = _scalars(causal, softmax_scale, schedule,
@@ -292,7 +341,36 @@ def _op_options(q, causal, softmax_scale, schedule, window_size, dropout_p, seed
     mods = _score_mods(_as_tensor("alibi_slopes", alibi_slopes), softcap)
     return (causal, softmax_scale, schedule, window, dropout_p, seed, offset, sparse["block_mask"],
             [sparse["block_size_q"], sparse["block_size_k"]], mods["alibi_slopes"],
-            mods["softcap"], _checks.flag("deterministic", deterministic))
+            mods["softcap"], _checks.flag("deterministic", deterministic),
+            *_extra_tensors(bias, mask, sinks, rank))
+
+
+def _extra_tensors(bias, mask, sinks, rank):
+    """(bias, mask, sinks) for the ops' schemas: tensors (gradients kept) of full rank, the bias
+    with its broadcast (stride-0) axes narrowed to size 1, the shape its gradient takes."""
+    layout = ("(batch, nheads, seqlen_q, seqlen_k)" if rank == 4
+              else "(nheads, total_q, max_seqlen_k)")
+    out = []
+    for name, x in (("bias", bias), ("mask", mask)):
+        x = _as_tensor(name, x)
+        if x is not None:
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{name}: expected None or a tensor broadcastable to {layout}, "
+                                f"got {type(x).__name__}")
+            x = _full_rank(name, x, rank, layout)
+            if name == "bias":
+                x = _compact(x)
+        out.append(x)
+    return out[0], out[1], _sinks_tensor(sinks)
+
+
+def _sinks_tensor(sinks):
+    """sinks for the ops' schema: None or a tensor (gradient kept); the core checks the rest."""
+    sinks = _as_tensor("sinks", sinks)
+    if sinks is not None and not isinstance(sinks, torch.Tensor):
+        raise TypeError("sinks: expected None or a float32 tensor of shape (nheads,), got "
+                        f"{type(sinks).__name__}")
+    return sinks
 
 
 def _call(op, arrays, heads_first, varlen, *args):
@@ -324,7 +402,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               seed: Optional[int] = ..., offset: int = ..., block_mask: Optional[ArrayLike] = ...,
               block_size: BlockSize = ..., deterministic: bool = ...,
               alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...,
-              return_lse: Literal[False] = ..., layout: str = ...) -> torch.Tensor: ...
+              bias: Optional[ArrayLike] = ..., mask: Optional[ArrayLike] = ...,
+              sinks: Optional[ArrayLike] = ..., return_lse: Literal[False] = ..., layout: str = ...) -> torch.Tensor: ...
 @overload
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
               softmax_scale: Optional[float] = ..., schedule: str = ...,
@@ -332,7 +411,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               seed: Optional[int] = ..., offset: int = ..., block_mask: Optional[ArrayLike] = ...,
               block_size: BlockSize = ..., deterministic: bool = ...,
               alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...,
-              return_lse: Literal[True], layout: str = ...
+              bias: Optional[ArrayLike] = ..., mask: Optional[ArrayLike] = ...,
+              sinks: Optional[ArrayLike] = ..., return_lse: Literal[True], layout: str = ...
               ) -> Tuple[torch.Tensor, torch.Tensor]: ...
 @overload
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
@@ -340,7 +420,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               window_size: Tuple[int, int] = ..., dropout_p: float = ...,
               seed: Optional[int] = ..., offset: int = ..., block_mask: Optional[ArrayLike] = ...,
               block_size: BlockSize = ..., deterministic: bool = ...,
-              alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ..., return_lse: bool = ...,
+              alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...,
+              bias: Optional[ArrayLike] = ..., mask: Optional[ArrayLike] = ...,
+              sinks: Optional[ArrayLike] = ..., return_lse: bool = ...,
               layout: str = ...) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]: ...
 
 
@@ -350,7 +432,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               seed: Optional[int] = None, offset: int = 0, block_mask: Optional[ArrayLike] = None,
               block_size: BlockSize = 128, deterministic: bool = False,
               alibi_slopes: Optional[ArrayLike] = None, softcap: float = 0.0,
-              return_lse: bool = False, layout: str = "bshd"
+              bias: Optional[ArrayLike] = None, mask: Optional[ArrayLike] = None,
+              sinks: Optional[ArrayLike] = None, return_lse: bool = False, layout: str = "bshd"
               ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """:func:`flashdl.attention` for torch tensors, differentiable with respect to q, k and v.
 
@@ -438,7 +521,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         q, k, v = (_as_bshd(n, x) for n, x in (("q", q), ("k", k), ("v", v)))
     out, lse = _call(_attention_forward, arrays, bhsd, False, q, k, v, *_op_options(
         q, causal, softmax_scale, schedule, window_size, dropout_p, seed, offset, block_mask,
-        block_size, deterministic, alibi_slopes, softcap))
+        block_size, deterministic, alibi_slopes, softcap, sinks, bias, mask))
     if bhsd:
         out = out.transpose(1, 2)
     return (out, lse) if return_lse else out
@@ -453,7 +536,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      seed: Optional[int] = ..., offset: int = ...,
                      block_mask: Optional[ArrayLike] = ..., block_size: BlockSize = ...,
                      deterministic: bool = ..., alibi_slopes: Optional[ArrayLike] = ...,
-                     softcap: float = ..., return_lse: Literal[False] = ...,
+                     softcap: float = ..., bias: Optional[ArrayLike] = ...,
+                     mask: Optional[ArrayLike] = ..., sinks: Optional[ArrayLike] = ..., return_lse: Literal[False] = ...,
                      layout: str = ..., block_table: Optional[ArrayLike] = ...,
                      seqused_k: Optional[ArrayLike] = ...) -> torch.Tensor: ...
 @overload
@@ -465,7 +549,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      seed: Optional[int] = ..., offset: int = ...,
                      block_mask: Optional[ArrayLike] = ..., block_size: BlockSize = ...,
                      deterministic: bool = ..., alibi_slopes: Optional[ArrayLike] = ...,
-                     softcap: float = ..., return_lse: Literal[True],
+                     softcap: float = ..., bias: Optional[ArrayLike] = ...,
+                     mask: Optional[ArrayLike] = ..., sinks: Optional[ArrayLike] = ..., return_lse: Literal[True],
                      layout: str = ..., block_table: Optional[ArrayLike] = ...,
                      seqused_k: Optional[ArrayLike] = ...) -> Tuple[torch.Tensor, torch.Tensor]: ...
 @overload
@@ -477,7 +562,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      seed: Optional[int] = ..., offset: int = ...,
                      block_mask: Optional[ArrayLike] = ..., block_size: BlockSize = ...,
                      deterministic: bool = ..., alibi_slopes: Optional[ArrayLike] = ...,
-                     softcap: float = ..., return_lse: bool = ...,
+                     softcap: float = ..., bias: Optional[ArrayLike] = ...,
+                     mask: Optional[ArrayLike] = ..., sinks: Optional[ArrayLike] = ..., return_lse: bool = ...,
                      layout: str = ..., block_table: Optional[ArrayLike] = ...,
                      seqused_k: Optional[ArrayLike] = ...
                      ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]: ...
@@ -491,7 +577,9 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      seed: Optional[int] = None, offset: int = 0,
                      block_mask: Optional[ArrayLike] = None, block_size: BlockSize = 128,
                      deterministic: bool = False, alibi_slopes: Optional[ArrayLike] = None,
-                     softcap: float = 0.0, return_lse: bool = False, layout: str = "thd",
+                     softcap: float = 0.0, bias: Optional[ArrayLike] = None,
+                     mask: Optional[ArrayLike] = None, sinks: Optional[ArrayLike] = None,
+                     return_lse: bool = False, layout: str = "thd",
                      block_table: Optional[ArrayLike] = None,
                      seqused_k: Optional[ArrayLike] = None
                      ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
@@ -565,7 +653,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if heads_first:
         q, k, v = (_as_bshd(n, x, rank=3) for n, x in (("q", q), ("k", k), ("v", v)))
     options = _op_options(q, causal, softmax_scale, schedule, window_size, dropout_p, seed, offset,
-                          block_mask, block_size, deterministic, alibi_slopes, softcap)
+                          block_mask, block_size, deterministic, alibi_slopes, softcap, sinks,
+                          bias, mask, rank=3)
     cu_q, cu_k = (_cu_tensor(n, x) for n, x in (("cu_seqlens_q", cu_seqlens_q),
                                                   ("cu_seqlens_k", cu_seqlens_k)))
     max_q, max_k = (_int64(n, _max_seqlen(n, x), "an int that fits int64") for n, x in (
@@ -628,8 +717,10 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     key, value : torch.Tensor (batch, heads_kv, seq_k, dim)
         Or rank 3. value's head dim must equal query's.
     attn_mask : torch.Tensor, optional
-        None, or an all-True bool mask. Float masks and other bool masks raise
-        ``NotImplementedError`` (use ``window_size`` or ``block_mask`` of :func:`attention`).
+        Broadcastable to (batch, heads, seq_q, seq_k): a bool mask (True: the key takes part;
+        flashdl's ``mask``, tiles it hides entirely are skipped) or a float mask added to the
+        scores (flashdl's ``bias``, read in place, with its gradient when it requires grad). A
+        query row that the mask leaves no key gets output 0 (not NaN).
     dropout_p : float, default 0.0
         flashdl's Philox dropout with a seed drawn from the generator of query's device
         (``torch.manual_seed`` repeats it): the same distribution as torch's dropout, not the same
@@ -651,8 +742,6 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
 
     Raises
     ------
-    NotImplementedError
-        An ``attn_mask`` that is not all True.
     ValueError
         Shapes that do not fit (e.g. different head counts without ``enable_gqa``).
     TypeError
@@ -673,6 +762,7 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     shape = (query.shape[0], sq, sk) if rank3 else (query.shape[0], query.shape[1], sq, sk)
     _sdpa.check_mask(attn_mask, shape)
     keep, causal, window = _sdpa.causal_args(is_causal, sq, sk)
+    bias, mask = _sdpa.mask_args(attn_mask, rank3, sk, keep)
 
     def flashdl_layout(x: torch.Tensor, n: int) -> torch.Tensor:
         x = x.narrow(seq, 0, n)  # a view; only top-left causal with sq < sk drops keys
@@ -682,7 +772,7 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     try:
         out = attention(flashdl_layout(query, sq), flashdl_layout(key, keep),
                         flashdl_layout(value, keep), causal=causal, softmax_scale=scale,
-                        window_size=window, dropout_p=dropout_p)
+                        window_size=window, dropout_p=dropout_p, bias=bias, mask=mask)
     except (ValueError, TypeError) as err:
         raise _sdpa.renamed(err) from None
     return out.squeeze(2) if rank3 else out.transpose(1, 2)

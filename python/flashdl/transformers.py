@@ -35,11 +35,15 @@ terms:
   cu_seq_lens_q/cu_seq_lens_k/max_length_q/max_length_k keyword arguments without a mask run the
   varlen path directly, as in transformers' flash integration.
 
-Refused with NotImplementedError naming the feature, never approximated: 4-D masks that are not
-such sequences (an additive bias, per-head masks, bidirectional image-token blocks, a 4-D mask
-with a KV cache), a sliding window with padding between tokens (its distances would count the
+- any other 4-D mask (an additive float bias, per-head masks, bidirectional image-token blocks,
+  a 4-D mask with a KV cache) runs as flashdl's bias (float) or mask (bool), the mask alone
+  deciding what each query sees, as "sdpa" does; gpt-oss's attention sinks (s_aux) run with their
+  gradient.
+
+Refused with NotImplementedError naming the feature, never approximated: 4-D masks of other
+dtypes, a sliding window with padding between tokens (its distances would count the
 padding), bidirectional sliding windows that matter (transformers' own implementations disagree
-on their width), attention sinks (s_aux), position_bias, paged caches (continuous batching),
+on their width), position_bias, paged caches (continuous batching),
 BlockMask (flex attention) masks. output_attentions=True returns None as the weights (with a
 warning), as transformers' flash and sdpa integrations do.
 """
@@ -64,7 +68,6 @@ DEFAULT_NAME = "fdl"
 
 # Keyword arguments transformers may pass to an attention function that flashdl cannot honour.
 _REFUSED = {
-    "s_aux": "attention sinks (s_aux)",
     "position_bias": "an additive position_bias",
     "cache": "a paged cache (continuous batching)",
     "block_table": "a paged cache (block_table)",
@@ -303,8 +306,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     is_causal : bool, optional
         Overrides ``module.is_causal``.
     **kwargs
-        Other keyword arguments transformers passes; attention sinks, additive position biases and
-        paged caches raise ``NotImplementedError``.
+        Other keyword arguments transformers passes: ``s_aux`` (gpt-oss's attention sinks, one
+        logit per query head, differentiable) runs in flashdl; additive position biases and paged
+        caches raise ``NotImplementedError``.
 
     Returns
     -------
@@ -349,7 +353,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     opts = dict(causal=causal, softmax_scale=_scalar("scaling", scaling),
                 window_size=_window_size(sliding_window, causal, seq_k), dropout_p=dropout,
                 softcap=_scalar("softcap", softcap) or 0.0,
-                deterministic=_checks.flag("deterministic", deterministic))
+                deterministic=_checks.flag("deterministic", deterministic),
+                sinks=_sinks(kwargs.get("s_aux")))
 
     # flashdl's layout (batch, seqlen, heads, dim): transposed views, not copies.
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
@@ -376,9 +381,36 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         out = _run_varlen(q, k, v, _from_padding(attention_mask, causal, opts["window_size"],
                                                  q.shape[0], seq_q, seq_k), opts)
     else:
-        out = _run_varlen(q, k, v, _from_4d(attention_mask, causal, opts["window_size"],
-                                            q.shape[0], seq_q, seq_k), opts)
+        try:
+            plan = _from_4d(attention_mask, causal, opts["window_size"], q.shape[0], seq_q,
+                            seq_k)
+        except _NotSequences:
+            out = _masked(q, k, v, attention_mask, opts)
+        else:
+            out = _run_varlen(q, k, v, plan, opts)
     return out[..., :v_head_dim], None
+
+
+class _NotSequences(NotImplementedError):
+    """A 4-D mask that is not a set of varlen sequences: it runs as flashdl's mask or bias."""
+
+
+def _masked(q, k, v, attention_mask, opts):
+    """A 4-D mask that the varlen path cannot express (per-head masks, additive float biases,
+    bidirectional blocks, masks with a KV cache), as "sdpa" takes it: the mask alone says which
+    keys each query sees (is_causal and the window are already in it), a bool mask as flashdl's
+    mask, a float one as flashdl's bias (its gradient flows when it requires grad)."""
+    b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+    m = attention_mask
+    if m.shape[-2:] != (sq, sk) or m.shape[0] not in (1, b):
+        raise ValueError(f"attention_mask: expected a 4-D mask ({b} or 1, heads or 1, {sq}, "
+                         f"{sk}), got shape {tuple(m.shape)}")
+    run = dict(opts, causal=False, window_size=(-1, -1))
+    if m.dtype == torch.bool:
+        return _fdl.attention(q, k, v, mask=m, **run)
+    if not m.is_floating_point():
+        raise NotImplementedError(f"flashdl attention: a 4-D attention_mask of dtype {m.dtype}")
+    return _fdl.attention(q, k, v, bias=m, **run)
 
 
 def _scalar(name, x):
@@ -392,6 +424,18 @@ def _scalar(name, x):
     value = float(x) if isinstance(x, torch.Tensor) and x.numel() == 1 else \
         _checks.real(name, x, "None or a float")
     return _checks.finite(name, value, "None or a finite float")
+
+
+def _sinks(s_aux):
+    """gpt-oss's attention sinks (s_aux: one logit per query head, a parameter of the model's
+    dtype) as flashdl's float32 sinks; the conversion is differentiable, so the parameter gets
+    its gradient."""
+    if s_aux is None:
+        return None
+    if not isinstance(s_aux, torch.Tensor) or not s_aux.is_floating_point():
+        raise TypeError("s_aux: expected None or a float tensor of shape (num_attention_heads,), "
+                        f"got {getattr(s_aux, 'dtype', type(s_aux).__name__)}")
+    return s_aux.to(torch.float32)
 
 
 def _window_size(sliding_window, causal, seq_k):
@@ -481,7 +525,7 @@ def _from_4d(mask, causal, window, batch, seq_q, seq_k):
         if cached[0]() is mask and cached[1:] == key[1:]:
             return result
     if seq_q != seq_k:
-        raise NotImplementedError("flashdl attention: a 4-D attention_mask with a KV cache "
+        raise _NotSequences("flashdl attention: a 4-D attention_mask with a KV cache "
                                   f"(seq_q {seq_q} != seq_k {seq_k})")
     if mask.shape[0] not in (1, batch) or tuple(mask.shape[2:]) != (seq_q, seq_k):
         raise ValueError(f"attention_mask: expected a 4-D mask ({batch} or 1, heads or 1, "
@@ -492,21 +536,20 @@ def _from_4d(mask, causal, window, batch, seq_q, seq_k):
         visible = mask == 0
         hidden = (mask == float("-inf")) | (mask <= torch.finfo(mask.dtype).min)
         if not bool((visible | hidden).all()):
-            raise NotImplementedError("flashdl attention: a float attention_mask with values "
+            raise _NotSequences("flashdl attention: a float attention_mask with values "
                                       "other than 0 and -inf (an additive bias)")
     else:
-        raise NotImplementedError(f"flashdl attention: a 4-D attention_mask of dtype "
-                                  f"{mask.dtype}")
+        raise _NotSequences(f"flashdl attention: a 4-D attention_mask of dtype {mask.dtype}")
     visible = visible.to("cpu")
     if visible.shape[1] > 1 and not bool((visible == visible[:, :1]).all()):
-        raise NotImplementedError("flashdl attention: a 4-D attention_mask that differs "
+        raise _NotSequences("flashdl attention: a 4-D attention_mask that differs "
                                   "between heads")
     m = visible[:, 0].expand(batch, seq_q, seq_k)
     n = seq_q
     pos = torch.arange(n)
     live = m.diagonal(dim1=1, dim2=2)
     if bool((m.any(1) & ~live).any()):
-        raise NotImplementedError(
+        raise _NotSequences(
             "flashdl attention: a 4-D attention_mask in which a query attends to a key that "
             "does not attend to itself")
     # The live token before each token, -1 if none.
@@ -528,7 +571,7 @@ def _from_4d(mask, causal, window, batch, seq_q, seq_k):
     if right >= 0:
         expected &= -d <= right
     if not torch.equal(m[live], expected[live]):
-        raise NotImplementedError(
+        raise _NotSequences(
             "flashdl attention: a 4-D attention_mask that is not a set of "
             f"{'causal' if causal else 'bidirectional'} sequences (packed sequences, chunks, "
             f"padding) with this layer's window (flashdl window_size {window}): e.g. "

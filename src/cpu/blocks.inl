@@ -129,18 +129,162 @@ template <typename T>
 struct HeadMods {
   detail::ScoreMod<T> mod;
   bool on;
+  detail::HeadExtras ex;  // the bias and mask of (b, h) (detail/extras.hpp)
   HeadMods(const Params& p, int64_t b, int64_t h)
-      : mod(detail::score_mod_of<T>(p, b, h)), on(detail::has_score_mod(p)) {}
+      : mod(detail::score_mod_of<T>(p, b, h)), on(detail::has_score_mod(p)),
+        ex(detail::extras_of(p, b, h)) {}
   const detail::ScoreMod<T>* get() const { return on ? &mod : nullptr; }
+  const detail::HeadExtras* extras() const { return ex.any() ? &ex : nullptr; }
 };
+
+// Whether the boolean mask hides every element of the tile pair (its rows and keys that exist):
+// such pairs are skipped before anything is loaded, as zero blocks of a block mask are.
+// Whether the boolean mask keeps every element of the tile pair: mask_scores then leaves the
+// mask out for it (a padding or block mask is all True on most tiles).
+inline bool mask_tile_full(const detail::HeadExtras* ex, int64_t i0, int64_t rows, int64_t j0,
+                           int64_t cols) {
+  for (int64_t i = i0; i < i0 + rows; ++i) {
+    const uint8_t* k = ex->keep + i * ex->mask_row + j0 * ex->mask_col;
+    uint8_t all = 1;
+    if (ex->mask_col == 1) {
+      for (int64_t j = 0; j < cols; ++j) all &= k[j] != 0;
+    } else {
+      for (int64_t j = 0; j < cols; ++j) all &= k[j * ex->mask_col] != 0;
+    }
+    if (!all) return false;
+  }
+  return true;
+}
+
+inline bool mask_tile_empty(const detail::HeadExtras* ex, int64_t i0, int64_t rows, int64_t j0,
+                            int64_t cols) {
+  if (ex == nullptr || ex->keep == nullptr) return false;
+  for (int64_t i = i0; i < i0 + rows; ++i) {
+    const uint8_t* k = ex->keep + i * ex->mask_row + j0 * ex->mask_col;
+    uint8_t any = 0;
+    for (int64_t j = 0; j < cols; ++j) any |= k[j * ex->mask_col];
+    if (any) return false;
+  }
+  return true;
+}
+
+// Row i's bias over keys [j0 + a, j0 + e) added to s[a, e) (exp2 domain: times log2 e), and keys
+// the mask hides set to -inf; returns the max of s[0, n), given -inf outside [a, e) already.
+// s[j] = keep[j] ? s[j] + x[j] * c : -inf for j in [0, n) (x null: no bias; keep null: every key
+// kept, else contiguous bytes), returning the max of the results: one pass, vectors then a tail.
+// W bfloat16 values widened to a float vector (bfloat16 is the top half of a float32).
+inline vec_t<float> vload_bf16(const uint16_t* b) {
+  constexpr int W = Simd<float>::W;
+  typedef uint16_t hvec __attribute__((vector_size(W * 2)));
+  typedef uint32_t uvec __attribute__((vector_size(W * 4)));
+  hvec h;
+  __builtin_memcpy(&h, b, sizeof h);
+  const uvec u = __builtin_convertvector(h, uvec) << 16;
+  vec_t<float> f;
+  __builtin_memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// B: T, or uint16_t for a bfloat16 bias read in place (T float: the top half of a float32).
+template <typename T, typename B>
+inline T extras_row_fused(T* __restrict s, const B* __restrict x, T c,
+                          const uint8_t* __restrict keep, int64_t n) {
+  constexpr int W = Simd<T>::W;
+  using I = std::conditional_t<sizeof(T) == 4, int32_t, int64_t>;
+  typedef I ivec __attribute__((vector_size(FLASHDL_VEC_BYTES)));
+  typedef uint8_t bvec __attribute__((vector_size(W)));
+  auto value = [](B b) -> T {
+    if constexpr (std::is_same_v<B, T>) return b;
+    else return static_cast<T>(bf16_to_float(b));
+  };
+  auto vvalue = [](const B* b) -> vec_t<T> {
+    if constexpr (std::is_same_v<B, T>) return vload(b);
+    else return vload_bf16(b);
+  };
+  const vec_t<T> vc = vset1(c), ninf = vset1<T>(-INFINITY);
+  vec_t<T> vm = ninf;
+  int64_t j = 0;
+  for (; j + W <= n; j += W) {
+    vec_t<T> y = vload(s + j);
+    if (x != nullptr) y += vvalue(x + j) * vc;
+    if (keep != nullptr) {
+      bvec kb;
+      __builtin_memcpy(&kb, keep + j, sizeof kb);
+      y = __builtin_convertvector(kb, ivec) != 0 ? y : ninf;
+    }
+    vstore(s + j, y);
+    vm = vmax<T>(vm, y);
+  }
+  T m = hmax<T>(vm);
+  for (; j < n; ++j) {
+    T y = s[j];
+    if (x != nullptr) y += value(x[j]) * c;
+    if (keep != nullptr && !keep[j]) y = T(-INFINITY);
+    s[j] = y;
+    m = y > m ? y : m;
+  }
+  return m;
+}
+
+// Row i's bias over keys [j0 + a, j0 + e) added to s[a, e) (exp2 domain: times log2 e), and keys
+// the mask hides set to -inf; returns the max of s[0, n), given -inf outside [a, e) already.
+template <typename T>
+T apply_extras_row(T* s, const detail::HeadExtras& ex, int64_t i, int64_t j0, int64_t a,
+                   int64_t e) {
+  if (a >= e) return T(-INFINITY);
+  const int64_t n = e - a;
+  const T* x = nullptr;
+  const uint8_t* keep = nullptr;
+  if (ex.keep != nullptr) {
+    keep = ex.keep + i * ex.mask_row + (j0 + a) * ex.mask_col;
+    if (ex.mask_col != 1) {  // a strided mask row, gathered
+      static thread_local std::vector<uint8_t> krow;
+      krow.resize(static_cast<size_t>(n));
+      for (int64_t j = 0; j < n; ++j) krow[j] = keep[j * ex.mask_col];
+      keep = krow.data();
+    }
+  }
+  if (ex.bias != nullptr) {
+    const int64_t off = ex.bias_offset(i, j0 + a);
+    if constexpr (std::is_same_v<T, float>) {
+      if (ex.bias_col == 1 && ex.bias_dtype == DType::bfloat16)  // read in place, widened
+        return extras_row_fused(s + a, static_cast<const uint16_t*>(element(ex.bias,
+                                                                            ex.bias_dtype, off)),
+                                static_cast<T>(detail::kLog2e), keep, n);
+    }
+    if (ex.bias_col == 1 && ((std::is_same_v<T, float> && ex.bias_dtype == DType::float32) ||
+                             (std::is_same_v<T, double> && ex.bias_dtype == DType::float64))) {
+      x = static_cast<const T*>(element(ex.bias, ex.bias_dtype, off));  // read in place
+    } else {
+      static thread_local std::vector<T> row;
+      row.resize(static_cast<size_t>(n));
+      if (ex.bias_col == 1) {
+        convert_row_in(element(ex.bias, ex.bias_dtype, off), ex.bias_dtype, n, row.data());
+      } else {
+        for (int64_t j = 0; j < n; ++j)
+          row[j] = static_cast<T>(load_as_double(ex.bias, ex.bias_dtype, off + j * ex.bias_col));
+      }
+      x = row.data();
+    }
+  }
+  return extras_row_fused(s + a, x, static_cast<T>(detail::kLog2e), keep, n);
+}
 
 // S (the tile pair's Q K^T, unscaled) scaled to the exp2 domain, with invisible keys, padding rows
 // and padding columns at -inf. Writes each row's max to row_max (mp entries). With score modifiers
 // (mod non-null) they are applied before the mask, and grad (non-null: the backward) receives
 // d score / d (scale q.k) for every element of the mp x np tile (0 in padding rows).
+// With a bias or mask (ex non-null) they follow the modifiers (apply_extras_row).
 template <typename T>
 void mask_scores(const Geometry<T>& g, const Mask& mask, T* S, const TilePair& t, T* row_max,
-                 const detail::ScoreMod<T>* mod = nullptr, T* grad = nullptr) {
+                 const detail::ScoreMod<T>* mod = nullptr, T* grad = nullptr,
+                 const detail::HeadExtras* ex = nullptr) {
+  detail::HeadExtras kept_all;
+  if (ex != nullptr && ex->keep != nullptr && mask_tile_full(ex, t.i0, t.rows, t.j0, t.cols)) {
+    kept_all = *ex;
+    kept_all.keep = nullptr;
+    ex = kept_all.bias != nullptr ? &kept_all : nullptr;  // without a bias: the plain path
+  }
   if (mod != nullptr) {
     for (int64_t r = 0; r < t.mp; ++r) {
       T* s = S + r * g.Bcp;
@@ -155,6 +299,8 @@ void mask_scores(const Geometry<T>& g, const Mask& mask, T* S, const TilePair& t
       const int64_t lo = mask.col_begin(i) - t.j0;
       const int64_t hi = std::min(mask.col_end(i) - t.j0, t.cols);
       row_max[r] = row_modified_range_max(s, t.np, *mod, mask.diag(i) - t.j0, lo, hi, gr);
+      if (ex != nullptr)
+        row_max[r] = apply_extras_row(s, *ex, i, t.j0, std::max<int64_t>(lo, 0), hi);
     }
     return;
   }
@@ -162,16 +308,16 @@ void mask_scores(const Geometry<T>& g, const Mask& mask, T* S, const TilePair& t
                     mask.block_fully_visible(t.i0, t.i0 + t.rows, t.j0, t.j0 + t.cols);
   for (int64_t r = 0; r < t.mp; ++r) {
     T* s = S + r * g.Bcp;
-    if (full) {
-      row_max[r] = row_scale_max(s, t.np, g.c);
-    } else if (r >= t.rows) {
+    if (r >= t.rows) {
       std::fill(s, s + t.np, T(-INFINITY));
       row_max[r] = T(-INFINITY);
-    } else {
-      const int64_t lo = mask.col_begin(t.i0 + r) - t.j0;
-      const int64_t hi = std::min(mask.col_end(t.i0 + r) - t.j0, t.cols);
-      row_max[r] = row_scale_range_max(s, t.np, g.c, lo, hi);
+      continue;
     }
+    const int64_t lo = mask.col_begin(t.i0 + r) - t.j0;
+    const int64_t hi = std::min(mask.col_end(t.i0 + r) - t.j0, t.cols);
+    row_max[r] = full ? row_scale_max(s, t.np, g.c) : row_scale_range_max(s, t.np, g.c, lo, hi);
+    if (ex != nullptr)
+      row_max[r] = apply_extras_row(s, *ex, t.i0 + r, t.j0, std::max<int64_t>(lo, 0), hi);
   }
 }
 
@@ -179,9 +325,9 @@ void mask_scores(const Geometry<T>& g, const Mask& mask, T* S, const TilePair& t
 template <typename T>
 void masked_scores(const Geometry<T>& g, const Mask& mask, const T* Q, const T* Kt, int64_t ldkt,
                    T* S, const TilePair& t, T* row_max, const detail::ScoreMod<T>* mod = nullptr,
-                   T* grad = nullptr) {
+                   T* grad = nullptr, const detail::HeadExtras* ex = nullptr) {
   gemm<T, false, false>(t.mp, t.np, g.d, Q, g.dp, Kt, ldkt, S, g.Bcp);
-  mask_scores(g, mask, S, t, row_max, mod, grad);
+  mask_scores(g, mask, S, t, row_max, mod, grad, ex);
 }
 
 // Z: the dropout multipliers (0 or 1 / (1 - p)) of the tile pair, from the counter-based
@@ -280,11 +426,94 @@ void redo_nonfinite_rows(const Geometry<T>& g, const Mask& mask, const TilePair&
   }
 }
 
-// Per-call working buffers of one thread for backward_block.
+// dBias of a backward: where the bias is as large as the problem (no broadcast axis), every
+// score's gradient is its own element, computed in exactly one tile pair: stored straight into
+// dbias. Otherwise each thread sums into its own compact (bias_batch, bias_heads, bias_rows,
+// seqlen_k) partial, and finish() adds the partials into dbias in thread order (bitwise
+// reproducible for a given thread count; no (batch, nheads, seqlen_q, seqlen_k) temporary).
+template <typename T>
+struct DBiasPartials {
+  bool on = false, direct = false;
+  int64_t elems = 0;
+  std::vector<std::vector<T>> part;
+
+  DBiasPartials(const Params& p, int threads) {
+    on = p.dbias_ptr != nullptr;
+    direct = on && p.bias_batch == p.batch && p.bias_heads == p.nheads &&
+             p.bias_rows == p.seqlen_q;
+    if (on && !direct) {
+      elems = p.bias_batch * p.bias_heads * p.bias_rows * p.seqlen_k;
+      part.resize(static_cast<size_t>(threads));
+    }
+  }
+  // Thread t's partial (allocated by the thread that fills it), or null when stored directly.
+  T* of(int t) {
+    if (!on || direct) return nullptr;
+    part[t].assign(static_cast<size_t>(elems), T(0));
+    return part[t].data();
+  }
+  void finish(const Params& p, int threads) {
+    if (!on || direct) return;
+    const int64_t rows = p.bias_batch * p.bias_heads * p.bias_rows;
+    parallel_for(rows, threads, [&](int64_t begin, int64_t end, int) {
+      std::vector<T> acc(static_cast<size_t>(p.seqlen_k));
+      for (int64_t r = begin; r < end; ++r) {
+        std::fill(acc.begin(), acc.end(), T(0));
+        for (const auto& pt : part)
+          if (!pt.empty())
+            for (int64_t j = 0; j < p.seqlen_k; ++j) acc[j] += pt[r * p.seqlen_k + j];
+        const int64_t ii = r % p.bias_rows, hh = (r / p.bias_rows) % p.bias_heads,
+                      bb = r / p.bias_rows / p.bias_heads;
+        const int64_t o = bb * p.dbias_batch_stride + hh * p.dbias_head_stride +
+                          ii * p.dbias_row_stride;
+        for (int64_t j = 0; j < p.seqlen_k; ++j) {
+          const int64_t at = o + j * p.dbias_col_stride;
+          // Added: varlen sequences add into the same elements one after another.
+          store_from_double(p.dbias_ptr, p.bias_dtype, at,
+                            load_as_double(p.dbias_ptr, p.bias_dtype, at) +
+                                static_cast<double>(acc[j]));
+        }
+      }
+    });
+  }
+};
+
+// Per-call working buffers of one thread for backward_block; dbias: the thread's dBias partial
+// (DBiasPartials::of), null where dBias is stored directly or not wanted.
 template <typename T>
 struct BackwardScratch {
   Buffer<T> S, dS, Z, Pd, G, row_max, dQ0, xrow;
+  T* dbias = nullptr;
 };
+
+// dBias of the tile pair: dS = P * (dP - D) (before the softcap's derivative and the scale) of
+// its rows and keys; entries with P = 0 (hidden keys) add nothing, even where dP is not finite.
+template <typename T>
+void accumulate_dbias(const Geometry<T>& g, const Params& p, int64_t b, int64_t h,
+                      const TilePair& t, const T* P, const T* dS, T* partial) {
+  for (int64_t r = 0; r < t.rows; ++r) {
+    const int64_t i = t.i0 + r;
+    const T* pr = P + r * g.Bcp;
+    const T* ds = dS + r * g.Bcp;
+    if (partial != nullptr) {
+      T* acc = partial + detail::dbias_index(p, b, h, i) + t.j0;
+      for (int64_t j = 0; j < t.cols; ++j) acc[j] += pr[j] != T(0) ? ds[j] : T(0);
+      continue;
+    }
+    const int64_t o = b * p.dbias_batch_stride + h * p.dbias_head_stride + i * p.dbias_row_stride;
+    if (p.dbias_col_stride == 1) {  // a row at a time, converted as out is
+      static thread_local std::vector<T> row;
+      row.resize(static_cast<size_t>(t.cols));
+      for (int64_t j = 0; j < t.cols; ++j) row[j] = pr[j] != T(0) ? ds[j] : T(0);
+      convert_row_out(row.data(), T(1), t.cols, element(p.dbias_ptr, p.bias_dtype, o + t.j0),
+                      p.bias_dtype);
+      continue;
+    }
+    for (int64_t j = 0; j < t.cols; ++j)
+      store_from_double(p.dbias_ptr, p.bias_dtype, o + (t.j0 + j) * p.dbias_col_stride,
+                        pr[j] != T(0) ? static_cast<double>(ds[j]) : 0.0);
+  }
+}
 
 // The backward's five products in T, on the tiles as converted: Q and dO (t.mp rows of dp), K
 // (Bcp x dp), K^T and V^T (d x Bcp). dK, dQ without the softmax scale (callers apply it).
@@ -325,7 +554,7 @@ void backward_block(const Geometry<T>& g, const Params& p, const Mask& mask, int
   const HeadMods<T> mods(p, b, h);
   T* G = mods.on && mods.mod.capped() ? scratch.G.get(n) : nullptr;
   prod.scores(g, t, S);
-  mask_scores(g, mask, S, t, row_max, mods.get(), G);
+  mask_scores(g, mask, S, t, row_max, mods.get(), G, mods.extras());
   for (int64_t r = 0; r < t.mp; ++r)  // P = exp2(t - lse2); masked entries give exactly 0
     row_exp2_sum(S + r * g.Bcp, t.np, detail::softmax_reference_point(L2[r]));
 
@@ -356,6 +585,7 @@ void backward_block(const Geometry<T>& g, const Params& p, const Mask& mask, int
       vstore(dS + j, vload(S + j) * (dp - vd));
     }
   }
+  if (p.dbias_ptr != nullptr) accumulate_dbias(g, p, b, h, t, S, dS, scratch.dbias);
   if (G != nullptr)
     for (int64_t r = 0; r < t.mp; ++r)
       for (int64_t j = r * g.Bcp; j < r * g.Bcp + t.np; j += W)

@@ -46,6 +46,7 @@ void fa1_forward_impl(const Params& p, int threads, int64_t sram_bytes) {
                                                  g.qt.start(qt) < i_end;
              ++qt) {  // line 7
           if (!pair_in_mask(g, bm, qt, kt)) continue;  // a zero block: never loaded or computed
+          if (mask_tile_empty(mods.extras(), g.qt.start(qt), g.qt.size(qt), j0, cols)) continue;
           if (!kv_loaded) {
             // Line 6: K_j, V_j to on-chip memory (only for blocks some query tile needs).
             load_rows_transposed(element(p.k_ptr, p.dtype, k_offset(p, b, j0, hk)), p.dtype,
@@ -61,7 +62,8 @@ void fa1_forward_impl(const Params& p, int threads, int64_t sram_bytes) {
           load_rows(element(p.q_ptr, p.dtype, q_offset(p, b, i0, h)), p.dtype, p.q_row_stride,
                     rows, g.d, Q, g.dp, g.Brp);
           // Lines 9-10: S = tau Q K^T (masked), m~ = rowmax, P~ = exp(S - m~), l~ = rowsum.
-          masked_scores(g, mask, Q, Kt, g.Bcp, S, t, m_tilde, mods.get());
+          masked_scores(g, mask, Q, Kt, g.Bcp, S, t, m_tilde, mods.get(), static_cast<T*>(nullptr),
+                        mods.extras());
           for (int64_t r = 0; r < t.mp; ++r) {
             T* s = S + r * g.Bcp;
             if (r < rows)
@@ -92,12 +94,18 @@ void fa1_forward_impl(const Params& p, int threads, int64_t sram_bytes) {
         }
       }
       for (int64_t i = 0; i < p.seqlen_q; ++i) {
-        convert_row_out(O + i * g.dp, T(1), g.d, element(p.o_ptr, p.dtype, o_offset(p, b, i, h)),
-                        p.dtype);
         detail::OnlineSoftmax<T> state;
         state.m = m[i];
         state.l = l[i];
-        lse_at(p, b, h, i) = static_cast<float>(state.lse());
+        T o_scale = T(1), lse = state.lse();
+        if (p.sinks_ptr != nullptr) {  // O here is normalised by l: the sink's factor times l
+          const auto f = detail::finalize_with_sink(m[i], l[i], detail::sink_of<T>(p, h));
+          o_scale = f.o_scale * l[i];
+          lse = f.lse;
+        }
+        convert_row_out(O + i * g.dp, o_scale, g.d, element(p.o_ptr, p.dtype, o_offset(p, b, i, h)),
+                        p.dtype);
+        lse_at(p, b, h, i) = static_cast<float>(lse);
       }
     }
   });
@@ -109,9 +117,11 @@ void fa1_backward_impl(const Params& p, int threads, int64_t sram_bytes) {
   const Mask mask = mask_of(p);
   const int64_t group = p.h_h_k_ratio;
   const int64_t rows_alloc = padded_rows(g);
-  parallel_for(p.batch * p.nheads_kv, threads, [&](int64_t begin, int64_t end, int) {
+  DBiasPartials<T> dbias(p, threads);
+  parallel_for(p.batch * p.nheads_kv, threads, [&](int64_t begin, int64_t end, int thread) {
     KeyBlock<T> kv;
     BackwardScratch<T> scratch;
+    scratch.dbias = dbias.of(thread);
     Buffer<T> dq_hbm, dk_buf, dv_buf, q_buf, do_buf, o_buf, l2_buf, d_buf;
     T* dQ = dq_hbm.get(group * rows_alloc * g.dp);
     T* dK = dk_buf.get(g.Bcp * g.dp);
@@ -138,9 +148,11 @@ void fa1_backward_impl(const Params& p, int threads, int64_t sram_bytes) {
         for (int64_t hg = 0; hg < group && i_begin < i_end; ++hg) {
           const int64_t h = hk * group + hg;
           const BlockMask bm = detail::block_mask_of(p, b, h);
+          const detail::HeadExtras ex = detail::extras_of(p, b, h);
           for (int64_t qt = g.qt.tile_of(i_begin); qt < g.nqb && g.qt.start(qt) < i_end;
                ++qt) {  // line 9
             if (!pair_in_mask(g, bm, qt, kt)) continue;  // a zero block: never loaded or computed
+            if (mask_tile_empty(&ex, g.qt.start(qt), g.qt.size(qt), j0, cols)) continue;
             if (!kv_loaded) {
               kv.load(p, g, b, hk, j0, cols);  // line 7
 #if FLASHDL_HAVE_BF16_DOT
@@ -194,6 +206,7 @@ void fa1_backward_impl(const Params& p, int threads, int64_t sram_bytes) {
       }
     }
   });
+  dbias.finish(p, threads);
 }
 
 inline void fa1_forward(const Params& p, int threads, int64_t sram_bytes) {

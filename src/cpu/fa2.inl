@@ -106,13 +106,14 @@ void fa2_forward_impl(const Params& p, int threads) {
       for (int64_t kt = g.kt.tile_of(j_begin); j_begin < j_end && kt < g.nkb && g.kt.start(kt) < j_end;
            ++kt) {
         if (!pair_in_mask(g, bm, qt, kt)) continue;  // a zero block: never loaded or computed
+        const TilePair t = tile_pair(g, qt, kt);
+        if (mask_tile_empty(mods.extras(), t.i0, t.rows, t.j0, t.cols)) continue;
         if (!q_loaded) {
           prod.start(p, g, b, h, hk, i0, rows);
           q_loaded = true;
         }
-        const TilePair t = tile_pair(g, qt, kt);
         prod.scores(p, g, kt, t, S);
-        mask_scores(g, mask, S, t, row_max, mods.get());
+        mask_scores(g, mask, S, t, row_max, mods.get(), static_cast<T*>(nullptr), mods.extras());
         for (int64_t r = 0; r < rows; ++r) {
           const T alpha = sm[r].rescale_factor(row_max[r]);
           sm[r].accumulate(alpha, row_exp2_sum(S + r * g.Bcp, t.np, sm[r].reference()));
@@ -131,9 +132,15 @@ void fa2_forward_impl(const Params& p, int threads) {
                             p.v_row_stride, xrow);
       }
       for (int64_t r = 0; r < rows; ++r) {
-        convert_row_out(O + r * g.dp, sm[r].inv_l(), g.d,
+        T o_scale = sm[r].inv_l(), lse = sm[r].lse();
+        if (p.sinks_ptr != nullptr) {
+          const auto f = detail::finalize_with_sink(sm[r].m, sm[r].l, detail::sink_of<T>(p, h));
+          o_scale = f.o_scale;
+          lse = f.lse;
+        }
+        convert_row_out(O + r * g.dp, o_scale, g.d,
                         element(p.o_ptr, p.dtype, o_offset(p, b, i0 + r, h)), p.dtype);
-        lse_at(p, b, h, i0 + r) = static_cast<float>(sm[r].lse());
+        lse_at(p, b, h, i0 + r) = static_cast<float>(lse);
       }
     }
   });
@@ -212,6 +219,7 @@ void fa2_backward_by_keys(const Params& p, const Geometry<T>& g, const Mask& mas
   const int64_t nbhk = p.batch * p.nheads_kv;
   const int64_t ntasks = nbhk * g.nkb;
   const int nthreads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, ntasks)));
+  DBiasPartials<T> dbias(p, nthreads);
   // dQ partial sums: thread t covers the (batch, kv head) pairs its static slice touches.
   std::vector<std::vector<T>> dq_part(static_cast<size_t>(nthreads));
   std::vector<int64_t> first_bhk(static_cast<size_t>(nthreads), 0), last_bhk(nthreads, -1);
@@ -229,6 +237,7 @@ void fa2_backward_by_keys(const Params& p, const Geometry<T>& g, const Mask& mas
     const bool bf16 = std::is_same_v<T, float> && p.dtype == DType::bfloat16;
     Bf16BackwardProducts bprod;
 #endif
+    scratch.dbias = dbias.of(t);
     T* dK = dk_buf.get(g.Bcp * g.dp);
     T* dV = dv_buf.get(g.Bcp * g.dp);
     for (int64_t task = begin; task < end; ++task) {
@@ -242,9 +251,11 @@ void fa2_backward_by_keys(const Params& p, const Geometry<T>& g, const Mask& mas
       for (int64_t hg = 0; hg < group && i_begin < i_end; ++hg) {
         const int64_t h = hk * group + hg, bh = b * p.nheads + h;
         const BlockMask bm = detail::block_mask_of(p, b, h);
+        const detail::HeadExtras ex = detail::extras_of(p, b, h);
         T* dq_head = part.data() + ((bhk - first_bhk[t]) * group + hg) * head_elems;
         for (int64_t qt = g.qt.tile_of(i_begin); qt < g.nqb && g.qt.start(qt) < i_end; ++qt) {
           if (!pair_in_mask(g, bm, qt, kt)) continue;  // a zero block: never loaded or computed
+          if (mask_tile_empty(&ex, g.qt.start(qt), g.qt.size(qt), j0, cols)) continue;
           if (!kv_loaded) {
             kb_bufs.load(p, g, b, hk, j0, cols);
 #if FLASHDL_HAVE_BF16_DOT
@@ -274,6 +285,7 @@ void fa2_backward_by_keys(const Params& p, const Geometry<T>& g, const Mask& mas
       store_key_grads(p, g, b, hk, j0, cols, dK, dV);
     }
   });
+  dbias.finish(p, threads);
 
   // dQ = scale * (sum of the partials in thread order).
   parallel_for(p.batch * p.nheads, threads, [&](int64_t begin, int64_t end, int) {
@@ -312,6 +324,7 @@ void fa2_backward_by_queries(const Params& p, const Geometry<T>& g, const Mask& 
   const int nthreads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, ntasks)));
   const int64_t kv_elems = g.nkb * g.Bcp * g.dp;  // one (batch, kv head)'s dK (or dV) tiles
   std::vector<std::vector<T>> dkv_part(static_cast<size_t>(nthreads));
+  DBiasPartials<T> dbias(p, nthreads);
   // Thread t's partials cover (batch, kv head) pairs first_bhk[t]..last_bhk[t]: bhk = bh / group.
   std::vector<int64_t> first_bhk(static_cast<size_t>(nthreads), 0), last_bhk(nthreads, -1);
   parallel_for(ntasks, nthreads, [&](int64_t begin, int64_t end, int t) {
@@ -329,6 +342,7 @@ void fa2_backward_by_queries(const Params& p, const Geometry<T>& g, const Mask& 
     KeyBlock<T> kb_bufs;
     int64_t loaded = -1;  // the (bhk, key tile) in kb_bufs
     BackwardScratch<T> scratch;
+    scratch.dbias = dbias.of(t);
 #if FLASHDL_HAVE_BF16_DOT
     const bool bf16 = std::is_same_v<T, float> && p.dtype == DType::bfloat16;
     Bf16BackwardProducts bprod;
@@ -340,6 +354,7 @@ void fa2_backward_by_queries(const Params& p, const Geometry<T>& g, const Mask& 
       const int64_t i0 = g.qt.start(qt), rows = g.qt.size(qt);
       const int64_t j_begin = mask.block_col_begin(i0), j_end = mask.block_col_end(i0 + rows);
       const BlockMask bm = detail::block_mask_of(p, b, h);
+      const detail::HeadExtras ex = detail::extras_of(p, b, h);
       T* dK_head = part.data() + (bhk - first_bhk[t]) * 2 * kv_elems;
       T* dV_head = dK_head + kv_elems;
       std::fill(dQ, dQ + g.Brp * g.dp, T(0));
@@ -348,6 +363,7 @@ void fa2_backward_by_queries(const Params& p, const Geometry<T>& g, const Mask& 
            j_begin < j_end && kt < g.nkb && g.kt.start(kt) < j_end; ++kt) {
         if (!pair_in_mask(g, bm, qt, kt)) continue;  // a zero block: never loaded or computed
         const TilePair tp = tile_pair(g, qt, kt);
+        if (mask_tile_empty(&ex, tp.i0, tp.rows, tp.j0, tp.cols)) continue;
         if (!q_loaded) {
           load_query_tile(p, g, b, h, qt, Q, dO, L2, D, O);
 #if FLASHDL_HAVE_BF16_DOT
@@ -387,6 +403,7 @@ void fa2_backward_by_queries(const Params& p, const Geometry<T>& g, const Mask& 
     }
   });
 
+  dbias.finish(p, threads);
   // dK, dV = the sums of the partials in thread order (dK scaled by store_key_grads).
   parallel_for(p.batch * p.nheads_kv * g.nkb, threads, [&](int64_t begin, int64_t end, int) {
     Buffer<T> dk_buf, dv_buf;

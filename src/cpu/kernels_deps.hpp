@@ -23,6 +23,7 @@
 #include "cpu/schedules.hpp"
 #include "cpu/threads.hpp"
 #include "flashdl/detail/block_mask.hpp"
+#include "flashdl/detail/extras.hpp"
 #include "flashdl/detail/kv_cache.hpp"
 #include "flashdl/detail/mask.hpp"
 #include "flashdl/detail/philox.hpp"

@@ -8,6 +8,7 @@
 #include "cpu/schedules.hpp"
 #include "cpu/threads.hpp"
 #include "flashdl/detail/block_mask.hpp"
+#include "flashdl/detail/extras.hpp"
 #include "flashdl/detail/mask.hpp"
 #include "flashdl/detail/philox.hpp"
 #include "flashdl/detail/score_mod.hpp"
@@ -56,6 +57,7 @@ void softmax_rows(const Params& p, const Head& hd, std::vector<double>& P, std::
   const detail::BlockMask blocks = detail::block_mask_of(p, hd.b, hd.h);
   // In the exp2 domain the modifiers are ScoreMod's; the oracle divides log2(e) back out.
   const detail::ScoreMod<double> mod = detail::score_mod_of<double>(p, hd.b, hd.h);
+  const detail::HeadExtras ex = detail::extras_of(p, hd.b, hd.h);
   P.assign(sq * sk, 0.0);
   if (G) G->assign(sq * sk, 0.0);
   lse.assign(sq, -INFINITY);
@@ -68,21 +70,27 @@ void softmax_rows(const Params& p, const Head& hd, std::vector<double>& P, std::
     double m = -INFINITY;
     double* row = P.data() + i * sk;
     for (int64_t j = 0; j < sk; ++j) {
-      if (!mask.visible(i, j) || !blocks.visible(i, j)) {
+      if (!mask.visible(i, j) || !blocks.visible(i, j) || !ex.kept(i, j)) {
         row[j] = -INFINITY;
         continue;
       }
       double s = 0;
       for (int64_t c = 0; c < d; ++c) s += qi[c] * kd[j * d + c];
       row[j] = (mod.score(s) + mod.bias(mask.diag(i), j)) * detail::kLn2;
+      if (ex.bias != nullptr) row[j] += load_as_double(ex.bias, ex.bias_dtype, ex.bias_offset(i, j));
       if (G) (*G)[i * sk + j] = mod.grad(s);
       m = std::fmax(m, row[j]);
     }
-    if (m == -INFINITY) {  // no visible key: P = 0, lse = -inf
+    // The sink (natural log) joins the denominator with no value: a row that sees no key then
+    // has P = 0 and lse = sink.
+    const double sink = p.sinks_ptr ? static_cast<double>(p.sinks_ptr[hd.h * p.sinks_stride])
+                                    : -INFINITY;
+    if (m == -INFINITY && sink == -INFINITY) {  // no visible key: P = 0, lse = -inf
       for (int64_t j = 0; j < sk; ++j) row[j] = 0.0;
       continue;
     }
-    double l = 0;
+    m = std::fmax(m, sink);
+    double l = sink == -INFINITY ? 0.0 : std::exp(sink - m);
     for (int64_t j = 0; j < sk; ++j) l += (row[j] = std::exp(row[j] - m));
     for (int64_t j = 0; j < sk; ++j) row[j] /= l;
     lse[i] = m + std::log(l);
@@ -115,8 +123,20 @@ void reference_forward(const Params& p, int threads) {
 
 void reference_backward(const Params& p, int threads) {
   const int64_t sq = p.seqlen_q, sk = p.seqlen_k, d = p.headdim;
+  // dBias: stored per element when the bias is as large as the problem, else summed in per-thread
+  // compact partials added in thread order (as the fa1 and fa2 schedules do).
+  const bool dbias_direct = p.bias_batch == p.batch && p.bias_heads == p.nheads &&
+                            p.bias_rows == p.seqlen_q;
+  std::vector<std::vector<double>> dbias_part(
+      p.dbias_ptr != nullptr && !dbias_direct ? static_cast<size_t>(threads) : 0);
   // One task per (batch, kv head): dk and dv sum over the query heads of the group.
-  parallel_for(p.batch * p.nheads_kv, threads, [&](int64_t begin, int64_t end, int) {
+  parallel_for(p.batch * p.nheads_kv, threads, [&](int64_t begin, int64_t end, int thread) {
+    double* dbias_acc = nullptr;
+    if (!dbias_part.empty()) {
+      dbias_part[thread].assign(
+          static_cast<size_t>(p.bias_batch * p.bias_heads * p.bias_rows * sk), 0.0);
+      dbias_acc = dbias_part[thread].data();
+    }
     std::vector<double> P, lse, G, dP(sq * sk), dk(sk * d), dv(sk * d), dq(sq * d), dO(sq * d),
         D(sq);
     for (int64_t task = begin; task < end; ++task) {
@@ -155,7 +175,14 @@ void reference_backward(const Params& p, int threads) {
           for (int64_t j = 0; j < sk; ++j) {
             const double pij = P[i * sk + j];
             if (pij == 0.0) continue;
-            const double ds = pij * (dP[i * sk + j] - D[i]) * G[i * sk + j] * p.scale_softmax;
+            const double dbias = pij * (dP[i * sk + j] - D[i]);  // d loss / d (bias + score)
+            if (dbias_acc != nullptr) dbias_acc[detail::dbias_index(p, b, h, i) + j] += dbias;
+            else if (p.dbias_ptr != nullptr)
+              store_from_double(p.dbias_ptr, p.bias_dtype,
+                                b * p.dbias_batch_stride + h * p.dbias_head_stride +
+                                    i * p.dbias_row_stride + j * p.dbias_col_stride,
+                                dbias);
+            const double ds = dbias * G[i * sk + j] * p.scale_softmax;
             for (int64_t c = 0; c < d; ++c) {
               dq[i * d + c] += ds * hd.k(j, c);
               dk[j * d + c] += ds * hd.q(i, c);
@@ -176,6 +203,19 @@ void reference_backward(const Params& p, int threads) {
       }
     }
   });
+  if (dbias_part.empty()) return;
+  const int64_t rows = p.bias_batch * p.bias_heads * p.bias_rows;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t ii = r % p.bias_rows, hh = (r / p.bias_rows) % p.bias_heads,
+                  bb = r / p.bias_rows / p.bias_heads;
+    const int64_t o = bb * p.dbias_batch_stride + hh * p.dbias_head_stride + ii * p.dbias_row_stride;
+    for (int64_t j = 0; j < sk; ++j) {
+      double acc = load_as_double(p.dbias_ptr, p.bias_dtype, o + j * p.dbias_col_stride);
+      for (const auto& part : dbias_part)
+        if (!part.empty()) acc += part[r * sk + j];
+      store_from_double(p.dbias_ptr, p.bias_dtype, o + j * p.dbias_col_stride, acc);
+    }
+  }
 }
 
 }  // namespace flashdl::cpu

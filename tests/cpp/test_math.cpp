@@ -203,6 +203,38 @@ void test_online_softmax() {
   CHECK(!std::isnan(alpha) && !std::isnan(empty.reference()));
 }
 
+// finalize_with_sink against the direct float64 softmax over the row's scores plus the sink:
+// the output weight of the accumulator and the lse, for rows the sink dominates, rows that
+// dominate it, and a row that saw no key (out 0, lse = sink).
+void test_finalize_with_sink() {
+  using flashdl::detail::finalize_with_sink;
+  using flashdl::detail::OnlineSoftmax;
+  const double ln2 = 0.69314718055994530942;
+  for (double sink : {-30.0, -1.0, 0.0, 2.5, 40.0}) {
+    for (int n : {0, 1, 5}) {
+      std::vector<double> t;  // exp2-domain scores
+      for (int j = 0; j < n; ++j) t.push_back(0.7 * j - 1.3);
+      OnlineSoftmax<float> sm;
+      const float m = n ? static_cast<float>(*std::max_element(t.begin(), t.end())) : -INFINITY;
+      sm.rescale_factor(m);
+      float l = 0;
+      for (double x : t) l += std::exp2(static_cast<float>(x) - sm.reference());
+      sm.accumulate(1.0f, l);
+      const float sink2 = static_cast<float>(sink / ln2);
+      const auto f = finalize_with_sink(sm.m, sm.l, sink2);
+      double denom = std::exp2(static_cast<double>(sink2));
+      for (double x : t) denom += std::exp2(x);
+      const double ref = n ? std::exp2(static_cast<double>(m)) : 0.0;  // the accumulator's reference
+      const double lse = std::log2(denom) * ln2;
+      context() = "sink " + std::to_string(sink) + ", keys " + std::to_string(n);
+      CHECK(std::isfinite(f.o_scale) && std::isfinite(f.lse));
+      if (n) CHECK(std::fabs(f.o_scale - ref / denom) <= 1e-6 * (ref / denom));
+      CHECK(std::fabs(f.lse - lse) <= 1e-5 * std::max(1.0, std::fabs(lse)));
+      if (!n) CHECK(std::fabs(f.lse - sink) <= 1e-5 * std::max(1.0, std::fabs(sink)));
+    }
+  }
+}
+
 void test_merge() {
   Rng rng(9);
   const int64_t d = 4;
@@ -568,6 +600,7 @@ int main() {
   run_test("math: mask vs brute force", test_mask);
   run_test("math: online softmax vs direct float64", test_online_softmax);
   run_test("math: merge_weights", test_merge);
+  run_test("math: finalize_with_sink vs direct float64", test_finalize_with_sink);
   run_test("math: fa1_tiles", test_tiles);
   run_test("math: axis tiles cut at block-mask edges", test_axis_tiles);
   run_test("math: block-mask planes and broadcasting", test_block_mask_planes);

@@ -627,6 +627,62 @@ void test_written_overlap() {
 
 }  // namespace
 
+// Bias, mask, sinks and their gradients: each refusal names its argument; CUDA arrays are refused
+// with NotImplementedError (ErrorKind::not_implemented) before anything runs, in every build.
+void test_extras() {
+  Problem p;
+  Array bias(DType::float32, {1, 4, 5, 7}), dbias(DType::float32, {1, 4, 5, 7});
+  Array ibias(DType::int32, {1, 4, 5, 7}), fmask(DType::float32, {1, 1, 5, 7});
+  Array mask(DType::boolean, {2, 1, 5, 7}), sinks(DType::float32, {4}), dsinks(DType::float32, {4});
+  Array short_sinks(DType::float32, {3}), wide(DType::float32, {1, 4, 5, 8});
+  auto with = [&](auto edit) { return [&, edit](Call& c) { edit(c.o); }; };
+  expect_both("sinks of length 3", ErrorKind::value, "sinks",
+              with([&](Options& o) { o.sinks = short_sinks.view(); }), p, "(4,)");
+  expect_both("bias int32", ErrorKind::type, "bias",
+              with([&](Options& o) { o.bias = ibias.view(); }), p, "int32");
+  expect_both("bias with seqlen_k 8", ErrorKind::value, "bias",
+              with([&](Options& o) { o.bias = wide.view(); }), p, "(2, 4, 5, 7)");
+  expect_both("mask float32", ErrorKind::type, "mask",
+              with([&](Options& o) { o.mask = fmask.view(); }), p, "bool");
+  Call c(p);
+  c.o.dbias = dbias.view();
+  expect_error("dbias without bias", ErrorKind::value, "dbias", [&] { c.backward(); }, p);
+  c.o.bias = bias.view();
+  c.o.dbias = wide.view();
+  expect_error("dbias of another shape", ErrorKind::value, "dbias", [&] { c.backward(); }, p);
+  TensorView spread = bias.view();
+  spread.shape[0] = 2;
+  spread.strides[0] = 0;  // a batch axis broadcast with stride 0: dbias cannot sum into it
+  Array dspread(DType::float32, {2, 4, 5, 7});
+  c.o.bias = spread;
+  c.o.dbias = dspread.view();
+  expect_error("dbias of a stride-0 bias", ErrorKind::value, "bias", [&] { c.backward(); }, p,
+               "stride of 0");
+  c.o.bias = TensorView{};
+  c.o.dbias = TensorView{};
+  c.o.dsinks = dsinks.view();
+  expect_error("dsinks without sinks", ErrorKind::value, "dsinks", [&] { c.backward(); }, p);
+
+  // CUDA arrays: refused by name as not implemented yet, before any device work.
+  Array q(DType::float16, {1, 4, 2, 64}), k(DType::float16, {1, 4, 2, 64}), v(DType::float16, {1, 4, 2, 64});
+  Array out(DType::float16, {1, 4, 2, 64}), lse(DType::float32, {1, 2, 4});
+  Array cbias(DType::float16, {1, 2, 4, 4}), cmask(DType::boolean, {1, 1, 4, 4}), csinks(DType::float32, {2});
+  Call g(p);
+  g.q = q.view(), g.k = k.view(), g.v = v.view(), g.out = out.view(), g.lse = lse.view();
+  for (TensorView* t : {&g.q, &g.k, &g.v, &g.out, &g.lse}) t->device = {flashdl::DeviceType::cuda, 0};
+  const flashdl::Device gpu{flashdl::DeviceType::cuda, 0};
+  for (auto [name, view] : {std::pair<const char*, TensorView>{"bias", cbias.view()},
+                            {"mask", cmask.view()}, {"sinks", csinks.view()}}) {
+    Call one = g;
+    view.device = gpu;
+    if (std::string(name) == "bias") one.o.bias = view;
+    if (std::string(name) == "mask") one.o.mask = view;
+    if (std::string(name) == "sinks") one.o.sinks = view;
+    expect_error(std::string("cuda ") + name, ErrorKind::not_implemented, name,
+                 [&] { one.forward(); }, p, "not yet on the CUDA backend");
+  }
+}
+
 int main() {
   run_test("validation: ranks and shapes", test_shapes_and_ranks);
   run_test("validation: dtypes, devices, strides, overlaps", test_dtypes_devices_strides);
@@ -640,5 +696,6 @@ int main() {
   run_test("validation: varlen block_mask", test_varlen_block_mask);
   run_test("validation: softcap and alibi_slopes", test_score_mods);
   run_test("validation: varlen softcap and alibi_slopes", test_varlen_score_mods);
+  run_test("validation: bias, mask, sinks and their gradients", test_extras);
   return finish();
 }

@@ -24,6 +24,7 @@ inline const char* kind_name(ErrorKind k) {
     case ErrorKind::type: return "type";
     case ErrorKind::unsupported: return "unsupported";
     case ErrorKind::runtime: return "runtime";
+    case ErrorKind::not_implemented: return "not_implemented";
   }
   return "?";
 }

@@ -44,12 +44,13 @@ def seed_tensor(seed):
 
 def options(causal=False, softmax_scale=None, schedule="auto", window_size=(-1, -1),
             dropout_p=0.0, seed=None, offset=0, block_mask=None, block_size=128,
-            alibi_slopes=None, softcap=0.0, deterministic=False):
+            alibi_slopes=None, softcap=0.0, deterministic=False, bias=None, mask=None,
+            sinks=None):
     """The ops' option arguments (after q, k, v and the varlen arguments), in schema order."""
     bs = [block_size] * 2 if isinstance(block_size, int) else list(block_size)
     return (causal, softmax_scale, schedule, list(window_size), dropout_p,
             None if seed is None else seed_tensor(seed), offset, block_mask, bs, alibi_slopes,
-            softcap, deterministic)
+            softcap, deterministic, bias, mask, sinks)
 
 
 # --- opcheck -------------------------------------------------------------------------------------
@@ -67,6 +68,11 @@ DENSE = {
                                             block_size=(16, 16))),
     "bfloat16 dropout deterministic": ((2, 5, 5, 2, 2, 16), torch.bfloat16,
                                        dict(dropout_p=0.5, seed=7, deterministic=True)),
+    "GQA causal sinks": ((2, 6, 9, 4, 2, 16), torch.float32,
+                         dict(causal=True, sinks=torch.tensor([0.5, -1.0, 2.0, 0.0]))),
+    "bias per head, mask per batch": ((2, 6, 9, 4, 2, 16), torch.float32,
+                                      dict(bias=torch.randn(1, 4, 6, 9),
+                                           mask=torch.rand(2, 1, 6, 9) > 0.3)),
 }
 
 
@@ -88,6 +94,9 @@ VARLEN = {
     "float32 causal": (torch.float32, dict(causal=True)),
     "bfloat16 GQA window": (torch.bfloat16, dict(window_size=(3, 2))),
     "dropout fixed seed": (torch.float32, dict(dropout_p=0.25, seed=99, offset=1)),
+    "sinks": (torch.float32, dict(causal=True, sinks=torch.tensor([1.0, -0.5, 0.25, 3.0]))),
+    "bias per packed row, mask": (torch.float32, dict(bias=torch.randn(4, 11, 6),
+                                                      mask=torch.rand(1, 11, 6) > 0.2)),
 }
 
 
@@ -268,7 +277,7 @@ def test_compiled_block_matches_eager(attn):
     # forward and backward graphs hold one op each (fullgraph: nothing broke the graph)
     (bwd,) = calls(graphs, BWD)
     assert len(calls(graphs, FWD)) == 1
-    assert bwd.args[-1] is bool(attn.get("deterministic", False))
+    assert bwd.args[-4] is bool(attn.get("deterministic", False))
     if "dropout_p" in attn and "seed" not in attn:
         # the seed is drawn in the graph, from the CPU generator, as eager draws it
         assert any(n.target is torch.ops.aten.randint.low for gm in graphs

@@ -114,8 +114,8 @@ LOWP = {"gpt2": ("sdpa", "eager"), "llama-gqa": ("sdpa", "eager"),
 
 
 def bias_mask(batch, seq):
-    """A causal additive mask with a bias on key 3: transformers' own implementations add it,
-    flashdl refuses it; so it shows which one a model runs."""
+    """A causal additive mask with a bias on key 3 (a 4-D float mask that is not a set of
+    sequences: flashdl runs it as an additive bias)."""
     causal = torch.ones(seq, seq, dtype=torch.bool).tril()
     bias = torch.zeros(batch, 1, seq, seq).masked_fill(~causal, float("-inf"))
     bias[:, :, 3:, 3] = -1.0
@@ -123,13 +123,21 @@ def bias_mask(batch, seq):
 
 
 def runs_flashdl(model):
+    """Whether model's attention calls flashdl (a spy on flashdl.torch.attention)."""
     ids, _ = inputs(None, batch=2, seq=8)
+    calls = []
+    real = fdl_hf._fdl.attention
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    fdl_hf._fdl.attention = spy
     try:
-        logits_of(model, ids, bias_mask(2, 8))
-    except NotImplementedError as err:
-        assert "flashdl attention" in str(err)
-        return True
-    return False
+        logits_of(model, ids, None)
+    finally:
+        fdl_hf._fdl.attention = real
+    return bool(calls)
 
 
 def test_register_returns_a_name_transformers_accepts():
@@ -290,21 +298,51 @@ def test_user_4d_masks_that_are_sequences_match_sdpa():
                     np64(logits_of(m["sdpa"], ids, mask)), "float32", ulps=ULPS)
 
 
-def test_4d_masks_that_are_not_sequences_are_refused():
-    model = models("llama-gqa")["fdl"]
+@pytest.mark.parametrize("case", ["additive bias", "per-head bool", "bidirectional",
+                                  "per-head float"])
+def test_4d_masks_that_are_not_sequences_run_as_mask_or_bias(case):
+    """4-D masks the varlen path cannot express run as flashdl's bias (float) or mask (bool),
+    the mask alone deciding what each query sees, as "sdpa" does: logits and gradients by the
+    rule against a float64 "sdpa" copy, float32 "sdpa" and "eager" the low-precision ones."""
+    m = models("llama-gqa")
     ids, _ = inputs(None, batch=2, seq=16)
     causal = torch.ones(16, 16, dtype=torch.bool).tril()
-    bias = bias_mask(2, 16)
-    per_head = causal.repeat(2, 4, 1, 1)
-    per_head[:, 1, 9, 2] = False
-    strict = torch.ones(16, 16, dtype=torch.bool).tril(-1)  # no token sees itself
-    cases = [(bias, "additive bias"), (per_head, "differs between heads"),
-             (torch.ones(2, 1, 16, 16, dtype=torch.bool), "not a set of causal sequences"),
-             (strict.expand(2, 1, 16, 16), "does not attend to itself"),
-             (torch.ones(2, 1, 16, 16, dtype=torch.int64), "dtype")]
-    for mask, message in cases:
-        with pytest.raises(NotImplementedError, match=message):
-            logits_of(model, ids, mask)
+    g = torch.Generator().manual_seed(5)
+    if case == "additive bias":
+        mask = bias_mask(2, 16)
+    elif case == "per-head bool":
+        mask = causal.repeat(2, 4, 1, 1)
+        mask[:, 1, 9, 2] = False
+        mask[1, 3, 12, :5] = False
+    elif case == "bidirectional":
+        mask = torch.ones(2, 1, 16, 16, dtype=torch.bool)
+    else:
+        mask = torch.randn(2, 4, 16, 16, generator=g).masked_fill(~causal, float("-inf"))
+    ref = np64(logits_of(m["ref"], ids, mask.double() if mask.is_floating_point() else mask))
+    got = np64(logits_of(m["fdl"], ids, mask))
+    for low in ("sdpa", "eager"):
+        assert_rule(got, ref, np64(logits_of(m[low], ids, mask)), "float32",
+                    what=f"{case} logits vs {low}", ulps=ULPS)
+    if case == "per-head float":
+        gr = {impl: grads_with_mask(m[impl], ids, mask.double() if impl == "ref" else mask)
+              for impl in ("fdl", "sdpa", "ref")}
+        magnitude = max(float(x.abs().max()) for x in gr["ref"].values())
+        for name, r in gr["ref"].items():
+            assert_rule(np64(gr["fdl"][name]), np64(r), np64(gr["sdpa"][name]), "float32",
+                        what=f"d{name}", ulps=ULPS, magnitude=magnitude, grad=True)
+
+
+def grads_with_mask(model, ids, mask):
+    model.zero_grad()
+    model(ids, attention_mask=mask, labels=ids, use_cache=False).loss.backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_4d_masks_of_other_dtypes_are_refused():
+    model = models("llama-gqa")["fdl"]
+    ids, _ = inputs(None, batch=2, seq=16)
+    with pytest.raises(NotImplementedError, match="dtype"):
+        logits_of(model, ids, torch.ones(2, 1, 16, 16, dtype=torch.int64))
 
 
 def sdpa64(q, k, v, mask, scale=None):
@@ -457,7 +495,7 @@ def test_dropout_comes_from_the_module_and_torch_seed():
 def test_refusals_name_what_is_refused():
     q, k, v = qkv(1, 4, 4, 8, 8, 16)
     module = Module(True)
-    cases = [(dict(s_aux=torch.zeros(4)), "sinks"), (dict(position_bias=q), "position_bias"),
+    cases = [(dict(position_bias=q), "position_bias"),
              (dict(cache=object()), "paged"), (dict(block_table=q), "paged")]
     for kwargs, message in cases:
         with pytest.raises(NotImplementedError, match=message):
@@ -471,9 +509,12 @@ def test_refusals_name_what_is_refused():
         fdl_hf.attention_forward(module, q, k, torch.cat([v, v], -1), None)
     with pytest.raises(NotImplementedError, match="bidirectional"):
         fdl_hf.attention_forward(Module(False), q, k, v, None, sliding_window=4)
-    with pytest.raises(NotImplementedError, match="KV cache"):
-        fdl_hf.attention_forward(module, q[:, :, :2], k, v,
-                                 torch.ones(1, 1, 2, 8, dtype=torch.bool))
+    # A 4-D mask with a KV cache (seq_q < seq_k) is no varlen sequence set: it runs as
+    # flashdl's boolean mask, as "sdpa" computes it.
+    cached = torch.ones(1, 1, 2, 8, dtype=torch.bool)
+    cached[..., 0, 5:] = False
+    got, _ = fdl_hf.attention_forward(module, q[:, :, :2], k, v, cached)
+    rule(got, q[:, :, :2], k, v, cached)
     for bad in (0, 2.5, True):
         with pytest.raises(ValueError, match="sliding_window"):
             fdl_hf.attention_forward(module, q, k, v, None, sliding_window=bad)
@@ -529,3 +570,85 @@ def test_example_runs_and_matches_sdpa():
                          text=True, timeout=300)
     assert got.returncode == 0, got.stdout + got.stderr
     assert got.stdout.rstrip().endswith("OK")
+
+
+# --- gpt-oss: learnable attention sinks (s_aux) --------------------------------------------------
+
+def gpt_oss(impl, state=None, dtype=torch.float32):
+    """A tiny random gpt-oss (GQA, alternating sliding and full layers, MoE run by the eager
+    experts so that float64 works), its sinks drawn away from their zero init."""
+    cfg = transformers.GptOssConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
+                                    layer_types=["sliding_attention", "full_attention"],
+                                    max_position_embeddings=64, **COMMON)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=impl,
+                                                          dtype=dtype,
+                                                          experts_implementation="eager")
+    if state is None:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0.0, 2.0)
+    else:
+        model.load_state_dict({k: v.to(dtype) for k, v in state.items()})
+    return model.eval()
+
+
+_GPT_OSS = {}
+
+
+def gpt_oss_models():
+    if not _GPT_OSS:
+        fdl = gpt_oss(NAME)
+        state = fdl.state_dict()
+        _GPT_OSS.update(fdl=fdl, eager=gpt_oss("eager", state),
+                        ref=gpt_oss("eager", state, torch.float64))
+    return _GPT_OSS
+
+
+@pytest.mark.parametrize("padding", [None, "right"])
+def test_gpt_oss_sinks_logits_match_eager(padding):
+    m = gpt_oss_models()
+    ids, mask = inputs(padding, seq=16)
+    valid = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+    ref = np64(logits_of(m["ref"], ids, mask)[valid])
+    assert_rule(np64(logits_of(m["fdl"], ids, mask)[valid]), ref,
+                np64(logits_of(m["eager"], ids, mask)[valid]), "float32",
+                what="gpt-oss logits vs eager", ulps=ULPS)
+    # The sinks matter: the same model without them is far off.
+    with torch.no_grad():
+        saved = [layer.self_attn.sinks.clone() for layer in m["fdl"].model.layers]
+        for layer in m["fdl"].model.layers:
+            layer.self_attn.sinks.fill_(-1e4)
+        without = np64(logits_of(m["fdl"], ids, mask)[valid])
+        for layer, x in zip(m["fdl"].model.layers, saved):
+            layer.self_attn.sinks.copy_(x)
+    assert np.abs(without - ref).max() > 1e-2
+
+
+def test_gpt_oss_sinks_gradients_match_eager():
+    m = gpt_oss_models()
+    ids, mask = inputs("right", seq=16)
+    g = {impl: grads(m[impl], ids, mask) for impl in ("fdl", "eager", "ref")}
+    assert any("sinks" in name for name in g["ref"])
+    magnitude = max(float(x.abs().max()) for x in g["ref"].values())
+    for name, ref in g["ref"].items():
+        assert_rule(np64(g["fdl"][name]), np64(ref), np64(g["eager"][name]), "float32",
+                    what=f"gpt-oss d{name} vs eager", ulps=ULPS, magnitude=magnitude, grad=True)
+    for name in (n for n in g["ref"] if "sinks" in n):
+        assert float(g["fdl"][name].abs().max()) > 0
+
+
+def test_gpt_oss_generate_matches_eager():
+    m = gpt_oss_models()
+    ids, mask = inputs("left", seq=12, seed=2)
+    out = {}
+    for impl in ("fdl", "eager"):
+        with torch.no_grad():
+            out[impl] = m[impl].generate(ids, attention_mask=mask, max_new_tokens=8,
+                                         do_sample=False, output_logits=True,
+                                         return_dict_in_generate=True)
+    assert torch.equal(out["fdl"].sequences, out["eager"].sequences)
+    for step, (a, b) in enumerate(zip(out["fdl"].logits, out["eager"].logits)):
+        assert float((a - b).abs().max()) <= 1e-5 * max(1.0, float(b.abs().max())), f"step {step}"

@@ -2,7 +2,9 @@
 //   s = scale * q.k
 //   s = softcap * tanh(s / softcap)              (softcap > 0: logit soft-capping, Gemma 2, Grok)
 //   s = s - slope_h * |i + seqlen_k - seqlen_q - j|   (ALiBi: BLOOM, MPT; bottom-right aligned)
-//   then the mask (-inf where key j is invisible to query i) and the softmax.
+//   s = s + bias[b, h, i, j]                      (Options::bias, detail/extras.hpp)
+//   then the masks (-inf where the window/causal mask, the block mask or Options::mask hides key
+//   j from query i) and the softmax, with the sink of head h (sink_of) in its denominator.
 // The kernels work in the exp2 domain (t = s * log2 e), so the factors here carry log2(e).
 // Backward: the gradient of s with respect to scale * q.k is 1 - tanh^2 with softcap (1 without);
 // the ALiBi bias is a constant of (i, j) and is not differentiated (as in flash-attn).
@@ -67,6 +69,12 @@ FLASHDL_HD ScoreMod<T> score_mod_of(const Params& p, int64_t b, int64_t h) {
                                                                         h * p.alibi_head_stride]) *
                                  kLog2e);
   return m;
+}
+
+// The attention sink of head h in the exp2 domain (Params::sinks_ptr non-null).
+template <typename T>
+FLASHDL_HD T sink_of(const Params& p, int64_t h) {
+  return static_cast<T>(static_cast<double>(p.sinks_ptr[h * p.sinks_stride]) * kLog2e);
 }
 
 // Whether a call has any modifier (kernels keep their unmodified fast path otherwise).

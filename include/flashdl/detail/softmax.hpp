@@ -63,6 +63,26 @@ struct OnlineSoftmax {
   }
 };
 
+// Steps 3 and 4 for a row with an attention sink: a logit `sink2` (exp2 domain, finite) that joins
+// the denominator and carries no value. Given the row's state {m, l} (l = sum exp2(t - ref(m)), the
+// accumulator summed against the same reference point), returns the factor that turns the
+// unnormalised accumulator into out, and the natural-log lse including the sink. The larger of m and
+// sink2 is the reference, so neither exp2 overflows; a row that saw no key (m = -inf, l = 0, o = 0)
+// gets o_scale finite (out 0) and lse = sink.
+template <typename T>
+struct SinkFinal {
+  T o_scale;
+  T lse;
+};
+
+template <typename T>
+FLASHDL_HD SinkFinal<T> finalize_with_sink(T m, T l, T sink2) {
+  const T top = fast_max(m, sink2);
+  const T a = exp2_of(softmax_reference_point(m) - top);  // the accumulator's reference to top
+  const T denom = l * a + exp2_of(sink2 - top);           // >= 1 term of exp2(0)
+  return {a / denom, (top + log2_of(denom)) * T(kLn2)};
+}
+
 // Merges two normalised partial results over disjoint key sets: (o_a, lse_a) and (o_b, lse_b)
 // give the o and lse of the union. Returns the weights to apply to o_a and o_b.
 template <typename T>
