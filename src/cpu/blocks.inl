@@ -555,8 +555,13 @@ void backward_block(const Geometry<T>& g, const Params& p, const Mask& mask, int
   T* G = mods.on && mods.mod.capped() ? scratch.G.get(n) : nullptr;
   prod.scores(g, t, S);
   mask_scores(g, mask, S, t, row_max, mods.get(), G, mods.extras());
-  for (int64_t r = 0; r < t.mp; ++r)  // P = exp2(t - lse2); masked entries give exactly 0
-    row_exp2_sum(S + r * g.Bcp, t.np, detail::softmax_reference_point(L2[r]));
+  // P = exp2(t - lse2); masked entries give exactly 0. lse comes as float32: where |lse2| is
+  // huge (|softmax_scale * q.k| near 1e30) its rounding alone exceeds exp2's range, and a lse2
+  // rounded below the row's largest score made P = inf and the gradients NaN. P <= 1 holds
+  // exactly with the tile's row max as a floor (lse2 >= every score of the row): one max a row.
+  for (int64_t r = 0; r < t.mp; ++r)
+    row_exp2_sum(S + r * g.Bcp, t.np,
+                 detail::softmax_reference_point(L2[r] < row_max[r] ? row_max[r] : L2[r]));
 
   const bool dropout = p.p_dropout > 0.0f;
   T* Pd = S;

@@ -90,9 +90,13 @@ void softmax_rows(const Params& p, const Head& hd, std::vector<double>& P, std::
       continue;
     }
     m = std::fmax(m, sink);
+    // Keys the row cannot see get exactly 0, never exp(-inf - m) / l: with an Inf or NaN score
+    // among the visible ones m or l is Inf or NaN, and that would be NaN, which the backward
+    // then carried into dk and dv of keys the row cannot see.
     double l = sink == -INFINITY ? 0.0 : std::exp(sink - m);
-    for (int64_t j = 0; j < sk; ++j) l += (row[j] = std::exp(row[j] - m));
-    for (int64_t j = 0; j < sk; ++j) row[j] /= l;
+    for (int64_t j = 0; j < sk; ++j)
+      if (row[j] != -INFINITY) l += (row[j] = std::exp(row[j] - m));
+    for (int64_t j = 0; j < sk; ++j) row[j] = row[j] == -INFINITY ? 0.0 : row[j] / l;
     lse[i] = m + std::log(l);
   }
 }

@@ -101,6 +101,26 @@ __device__ void pair_products(const T* sP, const T* sdS, int ld_p, const T* sQ, 
   }
 }
 
+// dS K_j into sdQ again by scalar FMAs over the keys each row sees: the slow path of a masked pair
+// whose K holds a NaN or Inf, where the tensor-core product adds dS = 0 times NaN to rows that
+// cannot see such a key (prob_and_ds's condition; row r is query i0 + r, column c key j0 + c).
+// Per thread Br * d / kThreads outputs of up to Bc FMAs each.
+template <typename T, int kD>
+__device__ __noinline__ void dq_visible(const T* sdS, int ld_p, const T* sK, int ld_kv, float* sdQ,
+                                        int ld_o, int br, int bc, const float* sL2, int64_t i0,
+                                        int64_t j0, const detail::Mask mask,
+                                        const detail::BlockMask bm) {
+  for (int idx = threadIdx.x; idx < br * kD; idx += kThreads) {
+    const int r = idx / kD, e = idx % kD;
+    float sum = 0.0f;
+    if (sL2[r] != -INFINITY)
+      for (int c = 0; c < bc; ++c)
+        if (mask.visible(i0 + r, j0 + c) && bm.visible(i0 + r, j0 + c))  // never 0 * NaN
+          sum = fmaf(to_float(sdS[r * ld_p + c]), to_float(sK[c * ld_kv + e]), sum);
+    sdQ[r * ld_o + e] = sum;
+  }
+}
+
 // Line 21: dQ_i <- dQ_i + dS K_j, read from and written back to the workspace (scale applied at
 // the end).
 template <int kD>
@@ -229,17 +249,27 @@ __global__ void __launch_bounds__(kThreads, 1)
                                   L.Bc / kFrag, kWarps);
         __syncthreads();
         // Lines 12-15, 18 and 20: the score modifiers, mask, P, the dropout mask Z, dS.
-        if (c.all && mask.block_fully_visible(i0, i0 + rows, j0, j0 + L.Bc))
+        const bool masked = !(c.all && mask.block_fully_visible(i0, i0 + rows, j0, j0 + L.Bc));
+        if (!masked)
           bwd::probs_and_ds<T, false>(sS, sdP, L.ld_s, L.Br, L.Bc, sL2, sD, i0, j0, mask, bm,
                                       drop, mod, kWarps);
         else
           bwd::probs_and_ds<T, true>(sS, sdP, L.ld_s, L.Br, L.Bc, sL2, sD, i0, j0, mask, bm, drop,
                                      mod, kWarps);
-        __syncthreads();
+        // A masked pair whose K holds a NaN or Inf redoes dS K_j over visible keys (dq_visible);
+        // the vote rides on the barrier the pair needs anyway (masked: the same in every thread).
+        const bool nonfinite_k =
+            masked ? __syncthreads_or(tile_has_nonfinite<kD, kThreads>(sK, L.ld_kv, L.Bc))
+                   : (__syncthreads(), false);
         // Lines 16, 22 and the product of line 21.
         pair_products<T, kD>(reinterpret_cast<const T*>(sS), reinterpret_cast<const T*>(sdP),
                              ld_p, sQ, sdO, sK, L.ld_kv, sdK, sdV, sdQ, L.ld_o, L.Br, L.Bc);
         __syncthreads();
+        if (nonfinite_k) {
+          dq_visible<T, kD>(reinterpret_cast<const T*>(sdP), ld_p, sK, L.ld_kv, sdQ, L.ld_o, L.Br,
+                            L.Bc, sL2, i0, j0, mask, bm);
+          __syncthreads();
+        }
         // Line 21: dQ_i written back. The next pair's first barrier orders this before sdQ is
         // overwritten; nothing here reads what the next loads overwrite.
         update_dq<kD>(gdQ + (hg * p.seqlen_q + i0) * kD, sdQ, L.ld_o, rows);

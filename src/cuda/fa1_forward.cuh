@@ -153,6 +153,28 @@ __device__ void pv(const T* sP, const T* sV, float* sO, const Fa1Layout& L) {
   }
 }
 
+// P V of the pair by scalar FMAs over the keys each row sees: the slow path of a masked pair whose
+// V holds a NaN or Inf, where the tensor-core product adds 0 * NaN = NaN to rows that cannot see
+// such a key. Per thread Br * d / kThreads outputs of up to Bc FMAs each.
+template <typename T, int kD>
+__device__ __noinline__ void pv_visible(const T* sP, const T* sV, float* sO, const Fa1Layout& L,
+                                        int64_t i0, int rows, int64_t j0, const detail::Mask mask,
+                                        const detail::BlockMask bm) {
+  const int ld_p = 2 * L.ld_s;
+  for (int idx = threadIdx.x; idx < L.Br * kD; idx += kThreads) {
+    const int r = idx / kD, e = idx % kD;
+    float sum = 0.0f;
+    if (r < rows) {
+      const int64_t i = i0 + r;
+      const int64_t lo = mask.col_begin(i) - j0, hi = mask.col_end(i) - j0;
+      for (int c = 0; c < L.Bc; ++c)
+        if (c >= lo && c < hi && bm.visible(i, j0 + c))  // a select: 0 * NaN is never formed
+          sum = fmaf(to_float(sP[r * ld_p + c]), to_float(sV[c * L.ld_kv + e]), sum);
+    }
+    sO[r * L.ld_o + e] = sum;
+  }
+}
+
 // Line 12: O_i <- O_i * sScale[r] + (P V) * sScale[Br + r], read from and written to the workspace.
 template <int kD>
 __device__ void update_output(float* gO, const float* sO, const float* sScale, const Fa1Layout& L,
@@ -273,12 +295,20 @@ __global__ void __launch_bounds__(kThreads, 1)
       const bool modded = modifies(mod);
       if (modded) apply_score_mods(sS, L, i0, rows, j0, mask, mod);
       const float scale_log2 = modded ? 1.0f : float(p.scale_softmax_log2);
-      if (c.all && mask.block_fully_visible(i0, i0 + rows, j0, j0 + L.Bc))
+      const bool masked = !(c.all && mask.block_fully_visible(i0, i0 + rows, j0, j0 + L.Bc));
+      if (!masked)
         softmax_rows<T, false>(sS, sScale, gM, gL, L, i0, rows, j0, mask, bm, drop, scale_log2);
       else
         softmax_rows<T, true>(sS, sScale, gM, gL, L, i0, rows, j0, mask, bm, drop, scale_log2);
-      __syncthreads();
-      pv<T, kD>(reinterpret_cast<const T*>(sS), sV, sO, L);
+      // A masked pair whose V holds a NaN or Inf takes the scalar P V over visible keys; the vote
+      // rides on the barrier the pair needs anyway (masked is the same in every thread).
+      const bool nonfinite_v =
+          masked ? __syncthreads_or(tile_has_nonfinite<kD, kThreads>(sV, L.ld_kv, L.Bc))
+                 : (__syncthreads(), false);
+      if (nonfinite_v)
+        pv_visible<T, kD>(reinterpret_cast<const T*>(sS), sV, sO, L, i0, rows, j0, mask, bm);
+      else
+        pv<T, kD>(reinterpret_cast<const T*>(sS), sV, sO, L);
       __syncthreads();
       update_output<kD>(gO + i0 * kD, sO, sScale, L, rows);
       // No barrier needed here: the next pair's first barrier orders this update before anything

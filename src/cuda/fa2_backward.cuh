@@ -144,6 +144,23 @@ __device__ __forceinline__ void dq_tile(const typename Tr::T* sdS, const typenam
   }
 }
 
+// K with every NaN and Inf replaced by 0, in place (each thread its share; the caller
+// synchronises): the K of dQ += dS K in a masked pair whose K holds such a value. dS is exactly 0
+// where a row cannot see a key (prob_and_ds's select), and 0 times the tensor cores' NaN would
+// still be NaN; a row that sees such a key has a non-finite score there, hence a non-finite dS,
+// and keeps a non-finite dQ (NaN, where the reference may give NaN or Inf; a score of -Inf gives
+// P = dS = 0 and so a finite dQ, where the reference's 0 * Inf is NaN). No registers stay live
+// across it, unlike a scalar product over the visible keys (ptxas, sm_80 float16 d 128: the
+// deterministic dQ kernel 116 -> 230 registers with 32 x 64 tiles, 128 -> 255 and 252 bytes of
+// spill stores with 64 x 64).
+template <int kD, int kThreads, typename T>
+__device__ __forceinline__ void zero_nonfinite(T* s, int ld, int tile_rows) {
+  for (int idx = threadIdx.x; idx < tile_rows * kD; idx += kThreads) {
+    T& x = s[(idx / kD) * ld + idx % kD];
+    if (!(fabsf(to_float(x)) <= 3.40282347e38f)) x = from_float<T>(0.0f);  // NaN, +-Inf
+  }
+}
+
 // One CTA per SM is what the shared memory allows for most head dims; the bound lets ptxas use
 // the registers that leaves instead of spilling to fit two.
 template <typename Tr>
@@ -251,7 +268,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
   // Two barriers per pair: this one (the pair's block visible to all; every warp done with the
   // previous pair's stage, P and dS) and pair_probs' (P and dS visible).
-  bool first = true;
+  bool first = true, k_nonfinite = false;
   for (int stage = 0; it < total; first = false) {
     const int64_t next = next_pair(it + 1);
     if constexpr (Tr::kStages == 2) {
@@ -269,6 +286,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       __syncthreads();
     }
 
+    // Whether K holds a NaN or Inf: masked pairs then zero them for dQ. Once, when K has
+    // landed (the first pair): one more barrier per CTA (first is the same in every thread).
+    if (first) k_nonfinite = __syncthreads_or(tile_has_nonfinite<kD, Tr::kThreads>(sK, kLd, kN));
     const int64_t h = kv_head * group + it / nm, i0 = (m_begin + it % nm) * kM;
     const int rows = int(seqlen_q - i0 < kM ? seqlen_q - i0 : kM);
     const T* sQ = q_stage(L.off_q, stage);
@@ -300,6 +320,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
     // dQ_i += dS K_j into the float32 accumulator (the deterministic mode has a pass of its own).
     if (ws_dq != nullptr) {
+      // A masked pair with a NaN or Inf in K: dQ from K with those zeroed, then K reloaded for
+      // the next pairs' scores (keys the flags zero-filled come back as they are: every pair with
+      // them is masked, and so takes this path too).
+      const bool slow_dq =
+          k_nonfinite && !(cover(it).all && mask.block_fully_visible(i0, i0 + rows, n0, n0 + kN));
+      if (slow_dq) {
+        __syncthreads();  // every warp done with K's scores
+        zero_nonfinite<kD, Tr::kThreads>(sK, kLd, kN);
+        __syncthreads();
+      }
       float* gdq = ws_dq + ((batch * p.nheads + h) * p.seqlen_q + i0) * kD;
       for (int t = warp; t < Tr::kDqTiles; t += Tr::kNWarps) {
         const int rf = t / Tr::kFragsD, df = t % Tr::kFragsD;
@@ -311,6 +341,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           const int r = rf * kFrag + map.r[e];
           if (r < rows) atomicAdd(gdq + r * kD + df * kFrag + map.c[e], acc.x[e]);
         }
+      }
+      if (slow_dq) {
+        __syncthreads();  // every warp done with the zeroed K
+        load_tile<kD, Tr::kThreads>(sK, kLd,
+                                    static_cast<const T*>(p.k_ptr) + batch * p.k_batch_stride +
+                                        kv_head * p.k_head_stride + (seq.k0 + n0) * p.k_row_stride,
+                                    p.k_row_stride, kN, kv_rows, false);
+        __syncthreads();
       }
     }
     it = next;
@@ -424,6 +462,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // compute: the second CTA does.
     pair_probs<Tr, false>(sQ, sdO, sK, sV, sS, sdP, map, sL2, sD, m0, rows, n0, mask, bm, c.all,
                           drop, mod);
+    // A masked block whose K holds a NaN or Inf: dS K from K with those zeroed (zero_nonfinite);
+    // the vote is one more barrier, in masked blocks only (masked is the same in every thread).
+    const bool masked = !(c.all && mask.block_fully_visible(m0, m0 + rows, n0, n0 + kN));
+    if (masked && __syncthreads_or(tile_has_nonfinite<kD, Tr::kThreads>(sK, kLd, kN))) {
+      zero_nonfinite<kD, Tr::kThreads>(sK, kLd, kN);  // K's last use: dS K below
+      __syncthreads();
+    }
     const T* sdS = reinterpret_cast<const T*>(sdP);
 #pragma unroll
     for (int u = 0; u < Tr::kDqTilesPerWarp; ++u) {

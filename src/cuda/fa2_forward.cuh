@@ -229,6 +229,54 @@ __device__ __forceinline__ void accumulate_pv(const typename Tr::T* sP, const ty
   }
 }
 
+// The slow path of a masked block whose V tile holds a NaN or Inf (tile_has_nonfinite): O += P V
+// for this warp's 16-row band over the keys each row sees, by scalar FMAs, since the tensor-core
+// product of the whole tile adds 0 * NaN = NaN to the rows that cannot see such a key. pa: the
+// band's P as A operands, which go to the warp's scratch sS as T (ld kLdP) first; the accumulator
+// and A layouts are acc_row / acc_col (the caller checked layout_holds): a lane's elements sit in
+// rows lane / 4 and lane / 4 + 8. keys(r, lo, hi): the columns row r of the band sees before the
+// block mask; shown(r, c): the block mask. One key at a time, its two P values and the lane's V
+// values consumed at once: a call (ABI), or a loop per output element, made ptxas spill more in
+// a kernel at 253 registers (sm_80 float16 d 128: 528 and 164 bytes of spill stores; this form
+// 32). Per lane up to kBlockN x (kFragsD * 8) FMAs.
+template <typename Tr, typename Keys, typename Shown>
+__device__ __forceinline__ void accumulate_pv_visible(float* sS,
+                                                      const FragA<typename Tr::T> (&pa)[Tr::kFragsN],
+                                                      const typename Tr::T* sV,
+                                                      FragAcc (&acc)[Tr::kFragsD], const Keys& keys,
+                                                      const Shown& shown) {
+  using T = typename Tr::T;
+  static_assert(FragAcc::num_elements == 8, "the m16n8k16 accumulator layout of acc_row / acc_col");
+  const int lane = threadIdx.x % 32, r0 = lane / 4, r1 = r0 + 8;
+  T* sP = reinterpret_cast<T*>(sS);
+#pragma unroll
+  for (int nf = 0; nf < Tr::kFragsN; ++nf)
+#pragma unroll
+    for (int i = 0; i < 8; ++i)  // element i of the A fragment: (acc_row, acc_col) of i
+      sP[acc_row(lane, i) * Tr::kLdP + nf * kFrag + acc_col(lane, i)] = pa[nf].x[i];
+  __syncwarp();
+  int lo0, hi0, lo1, hi1;
+  keys(r0, lo0, hi0);
+  keys(r1, lo1, hi1);
+  const T* v0 = sV + (lane % 4) * 2;
+#pragma unroll 1
+  for (int c = lo0 < lo1 ? lo0 : lo1; c < (hi0 > hi1 ? hi0 : hi1); ++c) {
+    const bool in0 = c >= lo0 && c < hi0 && shown(r0, c);
+    const bool in1 = c >= lo1 && c < hi1 && shown(r1, c);
+    const float p0 = to_float(sP[r0 * Tr::kLdP + c]), p1 = to_float(sP[r1 * Tr::kLdP + c]);
+    const T* v = v0 + c * Tr::kLdQKV;
+#pragma unroll
+    for (int df = 0; df < Tr::kFragsD; ++df)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {  // row r0 + 8 ((i / 2) % 2), column acc_col(lane, i)
+        const bool hi = (i / 2) % 2 != 0;
+        const float x = to_float(v[df * kFrag + i % 2 + 8 * (i / 4)]);
+        if (hi ? in1 : in0) acc[df].x[i] = fmaf(hi ? p1 : p0, x, acc[df].x[i]);  // a select
+      }
+  }
+  __syncwarp();  // the next band's P overwrites the scratch
+}
+
 // The accumulator row map, learnt from the 16 x 16 tile of row indices at `tile` (ld 16).
 __device__ __forceinline__ FragRows load_rows(const float* tile) {
   FragAcc f;
@@ -332,7 +380,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
   // they run, on the shared-memory path. Rebuilt per block there, from `mods` and the slope (one
   // cached load): held across the loop they cost registers.
   const bool modded = kMods && modifies(head_score_mods(mods, p, batch, head));
-  const bool in_regs = layout_holds<T>(codes_f, codes_t) && !smem_softmax && !drop.on() &&
+  const bool layout_ok = layout_holds<T>(codes_f, codes_t);
+  const bool in_regs = layout_ok && !smem_softmax && !drop.on() &&
                        bm.dense() && !modded;
   const float scale_log2 = modded ? 1.0f : float(p.scale_softmax_log2);
   // load_frag's bfloat16 loads (as float16) are those of wmma on every architecture they are
@@ -363,6 +412,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
       }
       const T* sKn = sK + stage * kBlockN * kLd;
       const T* sVn = sV + stage * kBlockN * kLd;
+      const int64_t n0 = int64_t(n) * kBlockN;
+      const bool full = mask.block_fully_visible(m0, m0 + m_rows, n0, n0 + kBlockN) && cover(n).all;
+      // A masked block whose V holds a NaN or Inf takes the slow P V (accumulate_pv_visible); the
+      // vote is a second barrier, in masked blocks only (full is the same in every thread).
+      const bool nonfinite_v =
+          !full && __syncthreads_or(tile_has_nonfinite<kD, Tr::kThreads>(sVn, kLd, kBlockN));
 
       // S = Q K^T for the warp's R bands: each K fragment feeds R products.
       FragAcc acc_s[R][kFragsN];
@@ -385,8 +440,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
         }
       }
 
-      const int64_t n0 = int64_t(n) * kBlockN;
-      const bool full = mask.block_fully_visible(m0, m0 + m_rows, n0, n0 + kBlockN) && cover(n).all;
       FragA<T> pa[R][kFragsN];  // P, the A operands of P V
       if constexpr (kRegs) {
         float alpha[R][2];
@@ -445,17 +498,36 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
         }
       }
 
-      // O += P V: each V fragment feeds R products.
+      // O += P V: each V fragment feeds R products; the slow path for a masked block whose V
+      // holds a NaN or Inf, where the layout is known (every architecture flashdl compiles for;
+      // elsewhere such a value still reaches the rows of its block that cannot see it).
+      if (nonfinite_v && layout_ok) {
 #pragma unroll
-      for (int kf = 0; kf < kFragsN; ++kf)
-#pragma unroll
-        for (int df = 0; df < kFragsD; ++df) {
-          FragB<T> b;
-          load_frag(b, sVn + kf * kFrag * kLd + df * kFrag, kLd);
-#pragma unroll
-          for (int rf = 0; rf < R; ++rf)
-            wmma::mma_sync(acc_o[rf][df], pa[rf][kf], b, acc_o[rf][df]);
+        for (int rf = 0; rf < R; ++rf) {
+          const int64_t r0 = m0 + w0 + rf * kFrag;
+          auto keys = [&](int r, int& lo, int& hi) {
+            const int64_t b = mask.col_begin(r0 + r) - n0, e = mask.col_end(r0 + r) - n0;
+            lo = int(b < 0 ? 0 : b > kBlockN ? kBlockN : b);
+            hi = int(e < 0 ? 0 : e > kBlockN ? kBlockN : e);
+          };
+          auto shown = [&](int r, int c) {
+            const int64_t row = r0 + r;
+            return bm.dense() || bm.visible(row < seqlen_q ? row : seqlen_q - 1, n0 + c);
+          };
+          accumulate_pv_visible<Tr>(sS, pa[rf], sVn, acc_o[rf], keys, shown);
         }
+      } else {
+#pragma unroll
+        for (int kf = 0; kf < kFragsN; ++kf)
+#pragma unroll
+          for (int df = 0; df < kFragsD; ++df) {
+            FragB<T> b;
+            load_frag(b, sVn + kf * kFrag * kLd + df * kFrag, kLd);
+#pragma unroll
+            for (int rf = 0; rf < R; ++rf)
+              wmma::mma_sync(acc_o[rf][df], pa[rf][kf], b, acc_o[rf][df]);
+          }
+      }
       n = next;
     }
   };

@@ -7,6 +7,7 @@
 #include <cuda_pipeline.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "fragment.cuh"
 
@@ -71,6 +72,31 @@ __device__ __forceinline__ void load_tile_rows(T* s, int ld_s, const T* g, int64
     if (kN % kThreads != 0 && r >= kTileRows) break;
     load_chunk(s + r * ld_s + c, g + r * g_stride + c, r, rows, vec, keep);
   }
+}
+
+// Whether this thread's share of a (tile_rows x kHeadDim) tile of 16-bit floats in shared memory
+// (row stride ld elements, 16-byte aligned rows) holds a NaN or Inf: all-ones exponent bits, kExp
+// (0x7c00 for float16, 0x7f80 for bfloat16), tested two elements per 32-bit word. Callers OR it
+// over the block (__syncthreads_or) to choose the slow path of a masked block; per thread it is
+// tile_rows * kHeadDim / (8 kThreads) 16-byte loads and 4 AND-XOR-test triples per load.
+template <int kHeadDim, int kThreads, typename T>
+__device__ __forceinline__ bool tile_has_nonfinite(const T* s, int ld, int tile_rows) {
+  static_assert(sizeof(T) == 2 && kHeadDim % 8 == 0, "16-byte chunks of 8 16-bit floats");
+  constexpr unsigned kExp = std::is_same<T, __half>::value ? 0x7c00u : 0x7f80u;
+  constexpr unsigned kExp2 = kExp | (kExp << 16);
+  constexpr int kChunks = kHeadDim / 8;
+  const int kN = tile_rows * kChunks;
+  unsigned hit = 0u;  // some 16-bit half of some word had every exponent bit set
+  for (int idx = threadIdx.x; idx < kN; idx += kThreads) {
+    const uint4 u = *reinterpret_cast<const uint4*>(s + (idx / kChunks) * ld + (idx % kChunks) * 8);
+    const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const unsigned x = (w[q] & kExp2) ^ kExp2;  // a zero half: that element is NaN or Inf
+      hit |= unsigned((x & 0xffffu) == 0u) | unsigned((x >> 16) == 0u);
+    }
+  }
+  return hit != 0u;
 }
 
 // Converts 8 floats to T and writes them to dst (16 bytes at once with vec).

@@ -175,6 +175,7 @@ struct Scheduler {
   unsigned char* smem = nullptr;
   std::size_t smem_bytes = 0;
   int live = 0, at_barrier = 0;
+  int bar_or = 0, bar_or_result = 0;  // __syncthreads_or: this barrier's OR, the last released one's
   std::vector<WarpState> warps;
 
   ~Scheduler() {
@@ -260,6 +261,8 @@ void release_barrier_if_complete(Scheduler& s) {
   for (Fiber& f : s.fibers)
     if (f.state == State::barrier) f.state = State::runnable;
   s.at_barrier = 0;
+  s.bar_or_result = s.bar_or;  // read by every thread it releases before any reaches the next
+  s.bar_or = 0;
 }
 
 void fiber_entry() {
@@ -313,6 +316,7 @@ void run_block(Scheduler& s, uint3 block, std::mt19937_64* rng) {
   s.block = block;
   s.live = n;
   s.at_barrier = 0;
+  s.bar_or = s.bar_or_result = 0;
   s.fibers.resize(static_cast<std::size_t>(n));
   s.warps.assign(static_cast<std::size_t>((n + 31) / 32), WarpState{});
   // Uninitialised shared memory reads as NaN in every float type.
@@ -361,6 +365,12 @@ dim3 block_dim() { return sched->launch->cfg.block; }
 dim3 grid_dim() { return sched->launch->cfg.grid; }
 unsigned char* dynamic_smem() { return sched->smem; }
 void fail(const char* what) { fail_here(what); }
+
+int syncthreads_or(int pred) {
+  if (pred) sched->bar_or = 1;
+  syncthreads();
+  return sched->bar_or_result;
+}
 
 void syncthreads() {
   Scheduler& s = *sched;

@@ -117,6 +117,15 @@ void block_sum_kernel(const int* in, int* out) {
   if (threadIdx.x == 0) out[blockIdx.x] = part[0];
 }
 
+// __syncthreads_or over rounds: round k has thread k * 37 % 160 (k < 3) vote 1, round 3 none; a
+// round's answer must not leak into the next.
+void barrier_or_kernel(int* out) {
+  int bits = 0;
+  for (int k = 0; k < 4; ++k)
+    bits |= __syncthreads_or(k < 3 && int(threadIdx.x) == k * 37 % 160) << k;
+  out[blockIdx.x * blockDim.x + threadIdx.x] = bits;
+}
+
 void cp_async_kernel(const float* src, float* before, float* after) {
   unsigned char* smem = ::flashdl_emu::dynamic_smem();
   float* tile = reinterpret_cast<float*>(smem);
@@ -145,6 +154,14 @@ void check_threads() {
          "__syncthreads: a shared-memory tree sum over 256 threads, 3 blocks");
   cudaFree(in);
   cudaFree(sums);
+
+  int* ors;
+  cudaMalloc(reinterpret_cast<void**>(&ors), 2 * 160 * sizeof(int));
+  FLASHDL_EMU_LAUNCH(2, 160, 0, nullptr, barrier_or_kernel)(ors);
+  ok = true;
+  for (int i = 0; i < 2 * 160; ++i) ok = ok && ors[i] == 7;
+  expect(ok, "__syncthreads_or: every thread gets the OR of its round, rounds do not mix");
+  cudaFree(ors);
 
   float *src, *before, *after;
   cudaMalloc(reinterpret_cast<void**>(&src), 128 * sizeof(float));

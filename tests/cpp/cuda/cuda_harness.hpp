@@ -303,6 +303,67 @@ struct Shape {
   }
 };
 
+// ---- NaN and Inf at keys a row cannot see (what a row cannot see never reaches it) ----------------
+// Plants non-finite values in k and v (logical (b, sk, hk, d)) at each key of `keys`, in every
+// batch entry and kv head: V gets NaN (first key, column 0), +Inf and -Inf (second, columns 1 and
+// d - 1), ...; K gets +Inf, NaN, -Inf in turn (column key % d). Keys that a row of the same tile
+// sees and another does not are the ones that test the masked products.
+inline void plant_nonfinite(const Shape& s, const std::vector<int64_t>& keys, std::vector<float>& k,
+                            std::vector<float>& v) {
+  const float kinds[3] = {INFINITY, NAN, -INFINITY};
+  for (size_t n = 0; n < keys.size(); ++n)
+    for (int64_t b = 0; b < s.b; ++b)
+      for (int64_t h = 0; h < s.hk; ++h) {
+        const size_t row = size_t(((b * s.sk + keys[n]) * s.hk + h) * s.d);
+        if (n % 2 == 0) {
+          v[row] = NAN;
+        } else {
+          v[row + 1] = INFINITY;
+          v[row + size_t(s.d - 1)] = -INFINITY;
+        }
+        k[row + size_t(keys[n] % s.d)] = kinds[n % 3];
+      }
+}
+
+// Per query row i (of every batch entry and head): whether it sees none of `keys`, so that its
+// output, lse and gradients must be those of the clean inputs. visible(i, j): the row's mask.
+template <typename Visible>
+std::vector<char> rows_blind_to(int64_t sq, const std::vector<int64_t>& keys, const Visible& visible) {
+  std::vector<char> blind(size_t(sq), 1);
+  for (int64_t i = 0; i < sq; ++i)
+    for (const int64_t j : keys) blind[size_t(i)] &= !visible(i, j);
+  return blind;
+}
+
+// max |a - b| over the rows (logical (b, rows, h, d)) that `keep` marks.
+inline double max_abs_diff_rows(const std::vector<double>& a, const std::vector<double>& b,
+                                int64_t batch, int64_t rows, int64_t h, int64_t d,
+                                const std::vector<char>& keep) {
+  double m = 0.0;
+  for (int64_t x = 0; x < batch; ++x)
+    for (int64_t i = 0; i < rows; ++i) {
+      if (!keep[size_t(i)]) continue;
+      const size_t o = size_t((x * rows + i) * h * d);
+      const std::vector<double> ra(a.begin() + o, a.begin() + o + h * d);
+      const std::vector<double> rb(b.begin() + o, b.begin() + o + h * d);
+      m = std::fmax(m, max_abs_diff(ra, rb));
+    }
+  return m;
+}
+
+// The rows (index along n of a logical (batch, n, heads, d) array) that `keep` marks, in order.
+inline std::vector<double> select_rows(const std::vector<double>& x, int64_t batch, int64_t n,
+                                       int64_t heads, int64_t d, const std::vector<char>& keep) {
+  std::vector<double> r;
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t i = 0; i < n; ++i)
+      if (keep[size_t(i)]) {
+        const auto o = x.begin() + (b * n + i) * heads * d;
+        r.insert(r.end(), o, o + heads * d);
+      }
+  return r;
+}
+
 // The score modifiers as the naive algorithms apply them, in float and the natural-log domain, in
 // flash-attn's order: s = scale q.k; s = softcap tanh(s / softcap); s -= slope |i + sk - sq - j|.
 // Written from the definition, independently of the library's detail/score_mod.hpp.

@@ -261,6 +261,85 @@ int run_accuracy(const Target& t, const Cli& cli) {
   return failures;
 }
 
+// ---- NaN and Inf at keys a row cannot see ---------------------------------------------------------
+// K and V hold NaN / +-Inf at a few keys that some rows of their block see and others do not. The
+// rows that see none of them must get the dq of the clean inputs, and the keys that only such rows
+// see (none of them planted) the dk and dv of the clean inputs, under the accuracy rule; a 0 * NaN
+// from a masked column of dQ += dS K (or of dS = P (dP - D)) makes them NaN. The saved out and lse
+// are the clean forward's (the rows compared only read their own). Every variant.
+struct PlantPlan {
+  Case c;
+  std::vector<int64_t> keys;
+  std::vector<int> dims;
+};
+
+int run_planted(const Target& t, const Cli& cli) {
+  std::vector<PlantPlan> ps{
+      // causal: keys 70 and 97 share the block of rows 64..127, rows 64..69 and 70..96 are blind
+      {{1, 100, 100, 2, 1, true, -1, -1, Kind::contiguous, Kind::contiguous, false}, {70, 97}, {64}},
+      // a window (row i sees keys i + 79 .. i + 103): key 82 is seen by rows 0..3, 139 by 36..44;
+      // keys 107..114 only by the blind rows 4..35 (causal leaves no such key: row 99 sees all)
+      {{2, 45, 140, 2, 1, false, 16, 8, Kind::padded, Kind::odd, false}, {82, 139}, {128}},
+  };
+  if (!cli.quick) {
+    const std::vector<int> all_dims(std::begin(kHeadDims), std::end(kHeadDims));
+    ps[0].dims = ps[1].dims = all_dims;
+    ps.push_back({{2, 300, 200, 4, 2, true, -1, -1, Kind::odd, Kind::padded, true},
+                  {150, 198, 199},
+                  {64, 256}});
+    ps.push_back({{1, 257, 257, 2, 2, false, 32, 8, Kind::transposed, Kind::contiguous, false},
+                  {0, 40, 129, 256},
+                  {96, 192}});
+  }
+  int failures = 0;
+  for (size_t pi = 0; pi < ps.size(); ++pi)
+    for (const int d : ps[pi].dims) {
+      const Case& c = ps[pi].c;
+      const Shape s = shape_of(c, d);
+      std::mt19937 rng(uint32_t(31337 * (pi + 1) + size_t(d)));
+      const BwdInputs in = random_inputs(s, rng);
+      const BwdOracle ref = reference_backward(s, options_of(c), in, true);
+      auto vis = [&](int64_t i, int64_t j) { return s.visible(i, j); };
+      const std::vector<char> blind = rows_blind_to(s.sq, ps[pi].keys, vis);
+      std::vector<char> clean_keys(size_t(s.sk), 1);  // keys only blind rows see, none planted
+      for (int64_t j = 0; j < s.sk; ++j)
+        for (int64_t i = 0; i < s.sq; ++i) clean_keys[size_t(j)] &= blind[size_t(i)] || !vis(i, j);
+      for (const int64_t j : ps[pi].keys) clean_keys[size_t(j)] = 0;
+      BwdInputs planted = in;
+      plant_nonfinite(s, ps[pi].keys, planted.k, planted.v);
+      for (const DType dt : {DType::float16, DType::bfloat16}) {
+        const std::vector<float> out_r = rounded(ref.out, dt);
+        const Grads lowp = naive_lowp_backward(s, in, out_r, dt);
+        const Saved saved(t, c, s, dt, planted, out_r, ref.lse);
+        for (const Variant& var : kVariants) {
+          const std::string label = "masked NaN/Inf " + label_of(c, d, dt, var.name);
+          if (!cli.selected(label)) continue;
+          failures += run_case(label, [&] {
+            const BwdResult r = run_backward(t, c, s, dt, saved, var);
+            auto err = [&](const std::vector<double>& got, const std::vector<double>& want,
+                           const std::vector<double>& low, int64_t n, int64_t heads,
+                           const std::vector<char>& keep) {
+              return grad_error(select_rows(got, s.b, n, heads, s.d, keep),
+                                select_rows(want, s.b, n, heads, s.d, keep),
+                                select_rows(low, s.b, n, heads, s.d, keep), dt);
+            };
+            const GradError eq = err(r.g.dq, ref.dq, lowp.dq, s.sq, s.h, blind);
+            const GradError ek = err(r.g.dk, ref.dk, lowp.dk, s.sk, s.hk, clean_keys);
+            const GradError ev = err(r.g.dv, ref.dv, lowp.dv, s.sk, s.hk, clean_keys);
+            const bool seen = any_nan(r.g.dq);  // the rows that see a planted NaN do get it
+            const bool ok = eq.ok() && ek.ok() && ev.ok() && seen && r.gaps_untouched &&
+                            saved.unchanged();
+            std::printf("%s %s | blind rows dq %.2e/%.2e, their keys dk %.2e/%.2e dv %.2e/%.2e%s\n",
+                        ok ? "ok  " : "FAIL", label.c_str(), eq.err, eq.tol, ek.err, ek.tol, ev.err,
+                        ev.tol, seen ? "" : " [no row saw the planted values]");
+            return ok;
+          });
+        }
+      }
+    }
+  return failures;
+}
+
 bool bitwise_equal(const std::vector<double>& a, const std::vector<double>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(double)) == 0;
 }
@@ -414,6 +493,7 @@ int main(int argc, char** argv) {
     failures += run_accuracy(t, cli);
     failures += dropout::run_backward_accuracy(t, cli);
     failures += run_score_mods(t, cli);
+    failures += run_planted(t, cli);
     if (cli.repeats()) {
       failures += run_repeats(t, cli);
       failures += dropout::run_backward_repeats(t, cli);

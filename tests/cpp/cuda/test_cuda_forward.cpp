@@ -275,6 +275,92 @@ int run_race(const Target& t, const Cli& cli) {
   return failures;
 }
 
+// ---- NaN and Inf at keys a row cannot see ---------------------------------------------------------
+// K and V hold NaN / +-Inf at a few keys that some rows of their tile see and others do not (causal,
+// window, seqlen_q > seqlen_k). Every row that sees none of them must match the oracle of the clean
+// inputs (out within the accuracy rule, lse as there); a 0 * NaN from the masked columns of the
+// block's P V product makes them NaN. Both schedules; the shared-memory softmax through ctest's
+// FLASHDL_CUDA_FA2_SMEM_SOFTMAX run.
+struct PlantPlan {
+  Case c;
+  std::vector<int64_t> keys;
+  std::vector<int> dims;
+};
+
+std::vector<PlantPlan> plant_plans(const Cli& cli) {
+  std::vector<PlantPlan> v{
+      // causal: keys 70 and 97 share the block of rows 64..127, rows 64..69 and 70..96 are blind
+      {{1, 100, 100, 2, 1, true, -1, -1, Kind::contiguous, false, true}, {70, 97}, {64}},
+      // a window (row i sees keys i + 79 .. i + 103): key 82 is seen by rows 0..3, 130 by 27..44
+      {{2, 45, 140, 2, 1, false, 16, 8, Kind::padded, false, false}, {82, 130}, {128}},
+  };
+  if (cli.quick) return v;
+  const std::vector<int> all_dims(std::begin(kHeadDims), std::end(kHeadDims));
+  v[0].dims = all_dims;
+  v[1].dims = all_dims;
+  // seqlen_q > seqlen_k, causal: the last keys are seen by the last rows only; odd strides
+  v.push_back({{2, 300, 200, 4, 2, true, -1, -1, Kind::odd, true, false}, {150, 198, 199}, {64, 256}});
+  // both window sides, many blocks, transposed storage
+  v.push_back({{1, 257, 257, 2, 2, false, 32, 8, Kind::transposed, false, true},
+               {0, 40, 129, 256},
+               {96, 192}});
+  return v;
+}
+
+int run_planted(const Target& t, const Cli& cli) {
+  int failures = 0;
+  const std::vector<PlantPlan> ps = plant_plans(cli);
+  for (size_t pi = 0; pi < ps.size(); ++pi)
+    for (const int d : ps[pi].dims) {
+      const Case& c = ps[pi].c;
+      const Shape s = shape_of(c, d);
+      std::mt19937 rng(uint32_t(31337 * (pi + 1) + size_t(d)));
+      const auto hq = random_values(s.b * s.sq * s.h * d, rng);
+      auto hk = random_values(s.b * s.sk * s.hk * d, rng);
+      auto hv = random_values(s.b * s.sk * s.hk * d, rng);
+      const Oracle ref = reference(c, s, hq, hk, hv);
+      const std::vector<char> blind =
+          rows_blind_to(s.sq, ps[pi].keys, [&](int64_t i, int64_t j) { return s.visible(i, j); });
+      size_t n_blind = 0;
+      for (char b : blind) n_blind += size_t(b);
+      std::vector<float> pk = hk, pv = hv;
+      plant_nonfinite(s, ps[pi].keys, pk, pv);
+      for (const DType dt : kDtypes) {
+        std::vector<double> lowp;
+        naive_lowp(s, hq, hk, hv, dt, lowp);
+        const GpuInputs in(t, c, s, dt, hq, pk, pv);
+        for (const auto& [sched, sram] : variants(c)) {
+          const std::string label = "masked NaN/Inf " + label_of(c, d, dt, sched, sram);
+          if (!cli.selected(label)) continue;
+          failures += run_case(label, [&, sched = sched, sram = sram] {
+            const GpuResult g = run_gpu(t, c, s, dt, in, sched, sram);
+            const double eps = dt == DType::float16 ? 1e-3 : 8e-3;
+            const double tol = 2.0 * max_abs_diff(lowp, ref.out) + eps;
+            const double err = max_abs_diff_rows(g.out, ref.out, s.b, s.sq, s.h, d, blind);
+            bool lse_ok = true;
+            for (int64_t x = 0; x < s.b * s.h; ++x)
+              for (int64_t i = 0; i < s.sq; ++i) {
+                if (!blind[size_t(i)]) continue;
+                const float want = ref.lse[size_t(x * s.sq + i)], got = g.lse[size_t(x * s.sq + i)];
+                lse_ok &= std::isinf(want) ? got == want
+                                           : std::fabs(double(got) - want) <=
+                                                 1e-3 + 1e-4 * std::fabs(want);
+              }
+            // The planted values do reach the rows that see them (the test plants what it says).
+            const bool seen = any_nan(g.out) || max_abs(g.out) == INFINITY;
+            const bool ok = err <= tol && lse_ok && g.gaps_untouched && seen && n_blind > 0 &&
+                            n_blind < blind.size();
+            std::printf("%s %s | %zu of %zu rows blind, err %.2e tol %.2e%s%s\n",
+                        ok ? "ok  " : "FAIL", label.c_str(), n_blind, blind.size(), err, tol,
+                        lse_ok ? "" : " [lse]", seen ? "" : " [no row saw the planted values]");
+            return ok;
+          });
+        }
+      }
+    }
+  return failures;
+}
+
 // ---- score modifiers ----------------------------------------------------------------------------
 // A case, its modifiers and the head dims it runs (both dtypes, the schedules of variants()).
 struct ModPlan {
@@ -365,6 +451,7 @@ int main(int argc, char** argv) {
     failures += dropout::run_mask_tests(t, cli);
     failures += dropout::run_forward_accuracy(t, cli);
     failures += run_score_mods(t, cli);
+    failures += run_planted(t, cli);
     return failures;
   });
 }

@@ -146,6 +146,7 @@ unsigned char* dynamic_smem();
 [[noreturn]] void fail(const char* what);  // reports the block and thread, then aborts
 
 void syncthreads();
+int syncthreads_or(int pred);  // a block barrier that returns whether any thread's pred was nonzero
 // A warp collective: every lane in `mask` calls it with the same `kind`; the last to arrive runs
 // op(slots), slots[l] being lane l's `mine` (nullptr for lanes outside the mask), and then all of
 // them go on.
@@ -237,6 +238,7 @@ inline unsigned ballot(unsigned mask, int pred) {
 constexpr int warpSize = 32;
 
 inline void __syncthreads() { ::flashdl_emu::syncthreads(); }
+inline int __syncthreads_or(int pred) { return ::flashdl_emu::syncthreads_or(pred); }
 inline void __syncwarp(unsigned mask = 0xffffffffu) {
   ::flashdl_emu::warp_collective(mask, ::flashdl_emu::kSyncwarp, &mask,
                                  [](void* const*, void*) {}, nullptr);
