@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,30 @@ struct KvAppend {
   const int32_t* cache_seqlens = nullptr;
 };
 
+// The keys and values a paged (or seqused_k) varlen call reads (src/varlen.cpp checked the tables
+// on the host and built these), to be gathered into contiguous (total, nheads_kv, headdim)
+// buffers: key j of sequence b (cu_k[b] <= cu_k[b] + j < cu_k[b + 1]) is row j % page_size of
+// page table[b * pages + j / page_size] of k (num_pages, page_size, nheads_kv, headdim), or, with
+// page_size 0, row table[b] + j of k (total_k, nheads_kv, headdim). Likewise v.
+struct KvGather {
+  TensorView k, v;
+  int64_t page_size = 0;       // 0: not paged
+  int64_t pages = 0;           // a row of table (paged): the most pages any sequence reads
+  std::vector<int32_t> table;  // (batch, pages) page ids, or (batch,) first rows
+  std::vector<int32_t> cu_k;   // (batch + 1,) offsets of the gathered rows
+  void* stream = nullptr;      // cudaStream_t
+};
+
+// Gathered keys and values in device memory, ordered on the call's stream: release() frees them
+// on the stream behind the work queued so far (the destructor does on an error path).
+class GatheredKv {
+ public:
+  virtual ~GatheredKv() = default;
+  virtual void release() = 0;
+  void* k = nullptr;
+  void* v = nullptr;
+};
+
 namespace cpu {
 void forward(const Params& params);
 void backward(const Params& params);
@@ -55,6 +80,8 @@ void backward(const Params& params);
 // append and the attention on the device of q, on params.stream. Plans (and refuses) before it
 // writes the cache.
 void forward_kvcache(const Params& params, const KvAppend& append);
+// The gather of a paged varlen call (KvGather) on the device of k, on g.stream.
+std::unique_ptr<GatheredKv> gather_kv(const KvGather& g);
 // merge_states (src/merge.cpp, validated there) on the arrays' device, on `stream`.
 void merge_states(const std::vector<TensorView>& outs, const std::vector<TensorView>& lses,
                   const TensorView& out, const TensorView& lse, void* stream);

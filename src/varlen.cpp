@@ -203,26 +203,39 @@ void check_host_i32(const char* name, const TensorView& t, int rank, const char*
 }
 
 // Keys and values gathered from the pages (or rows) a paged / seqused_k call reads: contiguous
-// (total, nheads_kv, headdim) buffers and their offsets, for the contiguous path.
+// (total, nheads_kv, headdim) buffers (host memory, or the CUDA backend's stream-ordered device
+// buffers) and their offsets, for the contiguous path.
 struct Gathered {
   std::unique_ptr<unsigned char[]> k, v;  // not value-initialised: every byte is copied over
+  std::unique_ptr<GatheredKv> device;     // CUDA
   std::vector<int32_t> cu_k;
   TensorView kt, vt, cut;
 };
 
-// The paged (or seqused_k) form of forward_varlen, checked and gathered. Returns false for
-// validate_only (the layout checked, nothing read).
+// The (total, nheads_kv, headdim) contiguous view of a gathered buffer.
+TensorView gathered_view(const TensorView& src, void* data, int64_t total, int64_t hk, int64_t d) {
+  TensorView t = src;
+  t.data = data;
+  t.rank = 3;
+  t.shape = {total, hk, d, 0};
+  t.strides = {hk * d, d, 1, 0};
+  return t;
+}
+
+// The paged (or seqused_k) form of forward_varlen, checked and gathered: by memcpy on the CPU,
+// by the CUDA backend's gather kernel (src/cuda/gather.cu) on the call's stream for CUDA arrays,
+// after the same checks of the same host tables. Returns false for validate_only (the layout
+// checked, nothing read).
 bool gather_paged(const TensorView& q, const TensorView& k, const TensorView& v,
                   const TensorView& cu_seqlens_q, const TensorView& cu_seqlens_k,
                   const TensorView& out, const TensorView& lse, const PagedKv& pk,
                   const Options& options, Gathered& g) {
   const bool paged = pk.block_table.defined();
-  if (q.device.type != DeviceType::cpu)
-    fail(ErrorKind::unsupported, std::string(paged ? "block_table" : "seqused_k") +
-                                     ": not implemented for CUDA arrays yet (CPU only); "
-                                     "expected None");
   check_rank("q", q, 3, "(total_q, nheads, headdim)");
   check_rank("cu_seqlens_q", cu_seqlens_q, 1, "(batch + 1,)");
+  if (cu_seqlens_q.shape[0] < 1)
+    fail(ErrorKind::value, "cu_seqlens_q: expected shape (batch + 1,) with cu[0] == 0, got an "
+                           "empty array");
   const int64_t batch = cu_seqlens_q.shape[0] - 1;
   const char* klay = paged ? "(num_pages, page_size, nheads_kv, headdim) (paged)"
                            : "(total_k, nheads_kv, headdim)";
@@ -264,6 +277,12 @@ bool gather_paged(const TensorView& q, const TensorView& k, const TensorView& v,
   }
   check_host_i32("cu_seqlens_k", cu_seqlens_k, 1, "(batch + 1,)");
   check_shape("cu_seqlens_k", cu_seqlens_k, {batch + 1}, "(batch + 1, as cu_seqlens_q)");
+  // The gathered offsets are a host array, and cu_seqlens_q must sit with them (for CUDA q too).
+  if (cu_seqlens_q.device.type != DeviceType::cpu)
+    fail(ErrorKind::value, "cu_seqlens_q: expected an array on the CPU (host memory) with " +
+                               std::string(paged ? "block_table" : "seqused_k") + ", got " +
+                               device_name(cu_seqlens_q.device.type) + ":" +
+                               std::to_string(cu_seqlens_q.device.id));
   if (options.validate_only) return false;
 
   // Keys of each sequence: its length in cu_seqlens_k, or seqused_k.
@@ -316,6 +335,34 @@ bool gather_paged(const TensorView& q, const TensorView& k, const TensorView& v,
   g.cu_k.assign(static_cast<size_t>(batch + 1), 0);
   for (int64_t b = 0; b < batch; ++b) g.cu_k[b + 1] = static_cast<int32_t>(g.cu_k[b] + keys[b]);
   const int64_t total = g.cu_k[batch];
+  g.cut = cu_seqlens_k;
+  g.cut.data = g.cu_k.data();
+  g.cut.strides = {1, 0, 0, 0};
+  if (q.device.type != DeviceType::cpu) {
+    // CUDA: the pages each sequence reads (or its first row) to the backend, which gathers on
+    // the device, on the call's stream.
+    KvGather kg;
+    kg.k = k;
+    kg.v = v;
+    kg.stream = options.stream;
+    kg.cu_k = g.cu_k;
+    if (paged) {
+      kg.page_size = page_size;
+      for (int64_t b = 0; b < batch; ++b)
+        kg.pages = std::max(kg.pages, (keys[b] + page_size - 1) / page_size);
+      kg.table.assign(static_cast<size_t>(batch * kg.pages), 0);
+      for (int64_t b = 0; b < batch; ++b)
+        for (int64_t page = 0; page * page_size < keys[b]; ++page)
+          kg.table[b * kg.pages + page] = static_cast<int32_t>(host_i32(pk.block_table, b, page));
+    } else {
+      for (int64_t b = 0; b < batch; ++b)
+        kg.table.push_back(static_cast<int32_t>(host_i32(cu_seqlens_k, b)));
+    }
+    g.device = cuda::gather_kv(kg);
+    g.kt = gathered_view(k, g.device->k, total, hk, d);
+    g.vt = gathered_view(v, g.device->v, total, hk, d);
+    return true;
+  }
   const int threads = options.num_threads > 0 ? options.num_threads : cpu::num_threads();
   struct Copy {
     int64_t dst, src, bytes;  // byte offsets into the buffer and the source
@@ -353,16 +400,8 @@ bool gather_paged(const TensorView& q, const TensorView& k, const TensorView& v,
                           std::memcpy(to + copies[c].dst, from + copies[c].src,
                                       static_cast<size_t>(copies[c].bytes));
                       });
-    TensorView t = *src;
-    t.data = buf->get();
-    t.rank = 3;
-    t.shape = {total, hk, d, 0};
-    t.strides = {hk * d, d, 1, 0};
-    *view = t;
+    *view = gathered_view(*src, buf->get(), total, hk, d);
   }
-  g.cut = cu_seqlens_k;
-  g.cut.data = g.cu_k.data();
-  g.cut.strides = {1, 0, 0, 0};
   return true;
 }
 
@@ -380,8 +419,10 @@ void forward_varlen(const TensorView& q, const TensorView& k, const TensorView& 
       check_rank("out", out, 3, "(total_q, nheads, headdim)");
       return;
     }
-    return forward_varlen(q, g.kt, g.vt, cu_seqlens_q, g.cut, max_seqlen_q, max_seqlen_k, out,
-                          lse, options);
+    forward_varlen(q, g.kt, g.vt, cu_seqlens_q, g.cut, max_seqlen_q, max_seqlen_k, out, lse,
+                   options);
+    if (g.device) g.device->release();  // on the stream, behind the forward
+    return;
   }
   const VarlenBatch vb = check_varlen_layout(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                              max_seqlen_q, max_seqlen_k,

@@ -64,9 +64,11 @@ void backward(const TensorView& dout, const TensorView& q, const TensorView& k,
 // cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys (or seqused_k[b]), which must fit its pages, and
 // total_k (cu_seqlens_k[batch]) is not tied to k's first axis. Chunked prefill: the new query
 // rows of a sequence against every key in its pages, causal aligned bottom-right. Host arrays
-// (as cu_seqlens), checked; the pages a sequence reads are gathered into one contiguous buffer
-// first, so the result equals, bit for bit, that of the same call on contiguous k, v. CPU only
-// for now: CUDA arrays with either are refused (ErrorKind::unsupported, naming the argument).
+// (as cu_seqlens, which must then be host arrays too), checked; the pages a sequence reads are
+// gathered into one contiguous buffer first, so the result equals, bit for bit, that of the same
+// call on contiguous k, v. CUDA arrays: the same checks on the host, then the gather on the device
+// of q, on options.stream, into stream-ordered buffers (2 * keys used * nheads_kv * headdim
+// elements) freed behind the call (written, passes on the CUDA emulator, not yet run on a GPU).
 struct PagedKv {
   TensorView block_table{};
   TensorView seqused_k{};

@@ -890,7 +890,11 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
         must hold. Chunked prefill: the new query rows of each sequence against every key its
         pages hold so far, causal aligned bottom-right. The pages are gathered into contiguous
         buffers first, so the result equals, bit for bit, that of the same call on contiguous
-        k, v. A host array (as ``cu_seqlens`` on the CPU), ``layout="thd"`` only.
+        k, v. A host array, checked there, as ``cu_seqlens_q`` and ``cu_seqlens_k`` must then be
+        (also for CUDA q); ``layout="thd"`` only. CUDA arrays: the used pages are gathered on the
+        device, on the call's stream, into stream-ordered buffers of
+        ``2 * sum(keys used) * nheads_kv * headdim`` elements, freed behind the call (written,
+        passes on flashdl's CUDA emulator, not yet run on a GPU).
     seqused_k : int32 array (batch,), optional
         Sequence ``b`` uses only its first ``seqused_k[b]`` keys (<= its length in
         ``cu_seqlens_k``); causal and windows align to that count. A host array.
@@ -907,8 +911,6 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
     ValueError
         Bad shapes, offsets (host arrays), lengths above ``max_seqlen``, or options; the message
         names the argument.
-    NotImplementedError
-        ``block_table`` or ``seqused_k`` with CUDA arrays (CPU only yet).
     TypeError
         An argument of the wrong type (e.g. ``cu_seqlens`` not an array).
 
@@ -935,10 +937,6 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                           "flashdl.torch.attention_varlen")
     paged = {}
     if block_table is not None or seqused_k is not None:
-        if frame.kind == "cupy" or (frame.kind == "torch" and q.device.type != "cpu"):
-            name = "block_table" if block_table is not None else "seqused_k"
-            raise NotImplementedError(f"{name}: not implemented for CUDA arrays yet (CPU only); "
-                                      f"use {name}=None")
         if heads_first:
             raise ValueError(f"layout: {layout!r} is not supported with block_table or "
                              "seqused_k; expected 'thd'")

@@ -11,7 +11,9 @@ docs/flash_attn_tests.md. Differences from flash-attn (also in docs/migrating.md
 flash-attn"):
 
 - block_table (paged KV) and seqused_k in flash_attn_varlen_func: forward only (as
-  flash-attn), CPU tensors only yet (NotImplementedError naming the argument on CUDA).
+  flash-attn). On a GPU, block_table, seqused_k and both cu_seqlens are copied to the host first
+  (flashdl checks the tables there: a synchronisation); the pages are then gathered on the device
+  (written, passes on flashdl's CUDA emulator, not yet run on a GPU).
   flash_attn_with_kvcache is flashdl.attention_with_kvcache: block_table (any page size),
   cache_seqlens (an int, a CPU int32 tensor or None), k/v appended in place, num_splits,
   softcap, alibi_slopes, rotary_cos/rotary_sin, cache_batch_idx and cache_leftpad.
@@ -260,9 +262,11 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     seed = _seed(q, dropout_p, return_attn_probs)
     paged = {}
     if block_table is not None or seqused_k is not None:
-        # flash-attn takes these on the GPU; flashdl reads them on the host (CPU only yet).
+        # flash-attn takes these on the GPU; flashdl checks them on the host, with the offsets.
         paged = {n: x.cpu() if isinstance(x, torch.Tensor) else x
                  for n, x in (("block_table", block_table), ("seqused_k", seqused_k))}
+        cu_seqlens_q, cu_seqlens_k = (c.cpu() if isinstance(c, torch.Tensor) else c
+                                      for c in (cu_seqlens_q, cu_seqlens_k))
         if return_attn_probs and dropout_p > 0:
             raise NotImplementedError("block_table: return_attn_probs with dropout and paged "
                                       "keys is not implemented (use return_attn_probs=False)")
@@ -567,7 +571,9 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     block_table : int32 tensor (batch, max_num_blocks_per_seq), optional
         Paged k, v (num_blocks, page_block_size, nheads_k, headdim), any page size: chunked
         prefill over a paged KV cache (flashdl.attention_varlen's ``block_table``). Forward only,
-        as in flash-attn; CPU tensors only yet (a GPU table is copied to the host).
+        as in flash-attn. A GPU table is copied to the host (with seqused_k and both cu_seqlens);
+        on CUDA the used pages are gathered into stream-ordered buffers (written, passes on the
+        CUDA emulator, not yet run on a GPU).
     seqused_k : int32 tensor (batch,), optional
         Keys each sequence uses (flash-attn's private varlen forward's argument; a flashdl
         extension here).
@@ -581,7 +587,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Raises
     ------
     NotImplementedError
-        ``block_table`` or ``seqused_k`` with CUDA tensors; their backward.
+        The backward of a call with ``block_table`` or ``seqused_k``.
     ArgumentError
         An invalid argument value (a ``ValueError`` and a ``RuntimeError``).
     TypeError

@@ -611,8 +611,11 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         that layout.
     block_table, seqused_k : int32 tensor, optional
         Paged keys and values, and the keys each sequence uses, as in
-        :func:`flashdl.attention_varlen` (CPU tensors). Forward only, as in flash-attn: the call is
-        not a custom op then, and a backward through its output raises NotImplementedError.
+        :func:`flashdl.attention_varlen`: CPU tensors (or NumPy arrays), with ``cu_seqlens_q`` and
+        ``cu_seqlens_k`` on the CPU too, also for CUDA q (the pages are then gathered on the
+        device, on the current stream; written, passes on the CUDA emulator, not yet run on a GPU).
+        Forward only, as in flash-attn: the call is not a custom op then, and a backward through
+        its output raises NotImplementedError.
 
     Returns
     -------
@@ -625,7 +628,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ValueError
         Bad shapes, offsets or options (the message names the argument).
     NotImplementedError
-        ``block_table`` or ``seqused_k`` with CUDA tensors, and the backward of such a call.
+        The backward of a call with ``block_table`` or ``seqused_k``.
     TypeError
         An argument of the wrong type.
 

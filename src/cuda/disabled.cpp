@@ -22,6 +22,7 @@ int device_count(std::string* status) {
 void forward(const Params&) { not_built(); }
 void backward(const Params&) { not_built(); }
 void forward_kvcache(const Params&, const KvAppend&) { not_built(); }
+std::unique_ptr<GatheredKv> gather_kv(const KvGather&) { not_built(); }
 void merge_states(const std::vector<TensorView>&, const std::vector<TensorView>&,
                   const TensorView&, const TensorView&, void*) {
   throw Error(ErrorKind::unsupported, "out: CUDA arrays were given but flashdl was built without "

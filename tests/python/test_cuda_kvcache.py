@@ -1,4 +1,5 @@
-"""flashdl.attention_with_kvcache and flashdl.merge_states on torch CUDA tensors.
+"""flashdl.attention_with_kvcache, paged flashdl.attention_varlen and flashdl.merge_states on torch
+CUDA tensors.
 
 - The decode kernel against the float64 oracle by flash-attn's rule (test_kvcache's Case and
   oracle: caches whose unused rows, pages and block_table entries are poison), contiguous and
@@ -12,6 +13,8 @@
   raises before it writes anything.
 - merge_states on CUDA arrays of every dtype equals the CPU's merge of copies (to a rounding),
   with chained launches (more than 8 parts) and partials with lse -inf holding NaN.
+- Paged varlen (chunked prefill, block_table and seqused_k): bitwise the contiguous call on the
+  keys used, close to the CPU's paged call, sensitive to the page mapping; the drop-in too.
 Skipped unless flashdl sees a CUDA device and torch.cuda is usable."""
 
 from __future__ import annotations
@@ -258,3 +261,58 @@ def test_rotary_batch_idx_leftpad_on_the_device_equal_the_cpu(dtype, paged):
     err = np.abs(to_host(out_d, dtype).astype(np.float64) - out_h.astype(np.float64)).max()
     assert err <= (4e-3 if dtype == "float16" else 3e-2)
     assert np.allclose(lse_d.cpu().numpy(), lse_h, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_varlen_on_the_device_equals_contiguous_and_the_cpu(dtype):
+    """Chunked prefill over a paged pool on CUDA tensors (pages shuffled, spare pages and unused
+    rows NaN, table entries past the used pages no page's id; block_table, seqused_k and the
+    offsets host arrays): out and lse bitwise those of the contiguous CUDA call on the keys each
+    sequence uses, close to the CPU backend's paged call; a page swap between two sequences
+    changes out; the drop-in, with every index tensor on the GPU, gives the same bits."""
+    import flashdl.flash_attn as fa
+    from test_kvcache_serving import cu, paged_pool
+
+    rng = np.random.default_rng(seed_of("paged varlen", dtype))
+    lens_k, lens_q, used = [70, 9, 33, 0], [20, 0, 33, 2], [70, 5, 33, 0]
+    h, hk, d, ps = 4, 2, 64, 16
+    kp, vp, table, ks, vs = paged_pool(rng, lens_k, ps, hk, d, dtype)
+    q = make(rng, (sum(lens_q), h, d), dtype)
+    cq, ck, seqused = cu(lens_q), cu(lens_k), np.array(used, np.int32)
+    max_q, max_k = max(lens_q), max(lens_k)
+    kw = dict(causal=True, return_lse=True)
+    qd, kpd, vpd = to_cuda(q), to_cuda(kp), to_cuda(vp)
+
+    def paged(tab):
+        return flashdl.attention_varlen(qd, kpd, vpd, cq, ck, max_q, max_k, block_table=tab,
+                                        seqused_k=seqused, **kw)
+
+    out_d, lse_d = paged(table)
+    kc = np.concatenate([k[:u] for k, u in zip(ks, used)])
+    vc = np.concatenate([v[:u] for v, u in zip(vs, used)])
+    out_c, lse_c = flashdl.attention_varlen(qd, to_cuda(kc), to_cuda(vc), cq, cu(used), max_q,
+                                            max_k, **kw)
+    torch.cuda.synchronize()
+    got = to_host(out_d, dtype)
+    assert same_bits(got, to_host(out_c, dtype))
+    assert np.array_equal(lse_d.cpu().numpy(), lse_c.cpu().numpy())
+
+    out_h, lse_h = flashdl.attention_varlen(q, kp, vp, cq, ck, max_q, max_k, block_table=table,
+                                            seqused_k=seqused, **kw)
+    err = np.abs(got.astype(np.float64) - out_h.astype(np.float64)).max()
+    assert err <= (4e-3 if dtype == "float16" else 3e-2)
+    assert np.array_equal(np.isneginf(lse_d.cpu().numpy()), np.isneginf(lse_h))
+    fin = np.isfinite(lse_h)
+    np.testing.assert_allclose(lse_d.cpu().numpy()[fin], lse_h[fin], atol=1e-3)
+
+    swapped = table.copy()
+    swapped[0, 0], swapped[2, 0] = table[2, 0], table[0, 0]
+    out_s, _ = paged(swapped)
+    torch.cuda.synchronize()
+    assert not same_bits(to_host(out_s, dtype), got)
+
+    gpu = lambda x: torch.from_numpy(x).cuda()  # noqa: E731
+    out_f = fa.flash_attn_varlen_func(qd, kpd, vpd, gpu(cq), gpu(ck), max_q, max_k, causal=True,
+                                      block_table=gpu(table), seqused_k=gpu(seqused))
+    torch.cuda.synchronize()
+    assert same_bits(to_host(out_f, dtype), got)

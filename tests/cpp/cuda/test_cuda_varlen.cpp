@@ -9,9 +9,11 @@
 // Command line (cli.hpp): --quick (for compute-sanitizer), --filter SUBSTR, --no-race, --cpu.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -263,6 +265,233 @@ int run_case_set(const Target& t, const Cli& cli, DType dt, int64_t d, const Mas
   return failures;
 }
 
+// ---- paged varlen (block_table, seqused_k; forward only) -----------------------------------------
+// Keys and values in a shuffled page pool whose unused slots are NaN; the paged call must equal,
+// bit for bit, the contiguous call on the keys each sequence uses (out and lse), leave the pool
+// as it was, and (on CUDA) agree with the CPU backend's paged call. A page table with two pages swapped between sequences
+// must change the result: the comparison sees the page mapping.
+struct PagedCase {
+  const char* name;
+  DType dt;
+  int64_t d;
+  std::vector<int32_t> lens_q, lens_k, used;  // used empty: no seqused_k
+  int64_t page_size;                          // 0: contiguous k, v with seqused_k
+  bool causal;
+  int64_t window_left;
+  Schedule schedule;
+  int64_t pad;  // extra elements after each head row of the pool (3: misaligned rows)
+};
+
+int run_paged_case(const Target& t, const Cli& cli, const PagedCase& c, std::mt19937& rng) {
+  const std::string label = std::string("paged varlen ") + c.name;
+  if (!cli.selected(label)) return 0;
+  return run_case(label, [&] {
+    const bool host = t.host, paged = c.page_size > 0;
+    const int64_t batch = int64_t(c.lens_q.size()), d = c.d, hk = kHeadsKv, h = kHeads;
+    const std::vector<int32_t> keys = c.used.empty() ? c.lens_k : c.used;
+    const std::vector<int32_t> cu_q = offsets(c.lens_q), cu_k = offsets(c.lens_k),
+                               cu_used = offsets(keys);
+    const int64_t total_q = cu_q.back(), total_k = cu_k.back(), total_used = cu_used.back();
+    int64_t max_q = 0, max_k = 0;
+    for (int64_t b = 0; b < batch; ++b) {
+      max_q = std::max<int64_t>(max_q, c.lens_q[size_t(b)]);
+      max_k = std::max<int64_t>(max_k, c.lens_k[size_t(b)]);
+    }
+    // The keys and values of every sequence (lens_k rows each), and those it uses, packed.
+    const std::vector<uint16_t> q = bits_of(random_values(total_q * h * d, rng), c.dt),
+                                kall = bits_of(random_values(total_k * hk * d, rng), c.dt),
+                                vall = bits_of(random_values(total_k * hk * d, rng), c.dt);
+    std::vector<uint16_t> kc, vc;
+    for (int64_t b = 0; b < batch; ++b) {
+      const auto from = size_t(cu_k[size_t(b)] * hk * d), n = size_t(keys[size_t(b)] * hk * d);
+      kc.insert(kc.end(), kall.begin() + long(from), kall.begin() + long(from + n));
+      vc.insert(vc.end(), vall.begin() + long(from), vall.begin() + long(from + n));
+    }
+    // The pool: pages of page_size rows (head rows d + pad apart), ids shuffled, two spare pages,
+    // NaN wherever no key is; table columns past a sequence's pages hold an id no page has.
+    const int64_t ps = paged ? c.page_size : 1, hs = d + c.pad;
+    std::vector<int64_t> npages(static_cast<size_t>(batch));
+    int64_t num_pages = 2, max_pages = 1;
+    for (int64_t b = 0; b < batch; ++b) {
+      npages[size_t(b)] = (c.lens_k[size_t(b)] + ps - 1) / ps;
+      num_pages += npages[size_t(b)];
+      max_pages = std::max(max_pages, npages[size_t(b)] + 1);
+    }
+    std::vector<int32_t> ids(static_cast<size_t>(num_pages));
+    for (int64_t i = 0; i < num_pages; ++i) ids[size_t(i)] = int32_t(i);
+    std::shuffle(ids.begin(), ids.end(), rng);
+    std::vector<int32_t> table(size_t(batch * max_pages), int32_t(num_pages + 5));
+    const int64_t rows = paged ? num_pages * ps : total_k;
+    std::vector<uint16_t> kp(size_t(rows * hk * hs), 0xffff), vp(kp);
+    int64_t next = 0;
+    for (int64_t b = 0; b < batch; ++b) {
+      for (int64_t pg = 0; pg < npages[size_t(b)]; ++pg)
+        table[size_t(b * max_pages + pg)] = ids[size_t(next++)];
+      for (int64_t j = 0; j < c.lens_k[size_t(b)]; ++j) {
+        const int64_t row = paged ? table[size_t(b * max_pages + j / ps)] * ps + j % ps
+                                  : cu_k[size_t(b)] + j;
+        for (int64_t hh = 0; hh < hk; ++hh)
+          for (int64_t e = 0; e < d; ++e) {
+            const size_t src = size_t(((cu_k[size_t(b)] + j) * hk + hh) * d + e);
+            kp[size_t((row * hk + hh) * hs + e)] = kall[src];
+            vp[size_t((row * hk + hh) * hs + e)] = vall[src];
+          }
+      }
+    }
+    flashdl::Options o;
+    o.causal = c.causal;
+    o.window_left = c.window_left;
+    o.schedule = c.schedule;
+
+    // One forward_varlen call on `on_host` (or the target), paged or on the used keys packed.
+    struct Result {
+      std::vector<uint16_t> out;
+      std::vector<float> lse;
+    };
+    auto call = [&](bool on_host, bool use_pages, const std::vector<int32_t>& tab) {
+      Buffer bq(q.size() * 2, on_host), bo(q.size() * 2 + 2, on_host),
+          bl(size_t(h * total_q) * 4 + 4, on_host);
+      const std::vector<uint16_t>& ks = use_pages ? kp : kc;
+      const std::vector<uint16_t>& vs = use_pages ? vp : vc;
+      Buffer bk(ks.size() * 2 + 2, on_host), bv(vs.size() * 2 + 2, on_host);
+      bq.upload(q);
+      bk.upload(ks);
+      bv.upload(vs);
+      bo.poison();
+      bl.poison();
+      flashdl::Options oo = o;
+      oo.stream = on_host ? nullptr : t.stream;
+      std::vector<int32_t> cq = cu_q, ck = use_pages ? cu_k : cu_used, used = c.used, tb = tab;
+      const auto ln = int64_t(cq.size());
+      const auto qv = packed_view(bq, c.dt, total_q, h, d);
+      const auto ov = packed_view(bo, c.dt, total_q, h, d);
+      const auto lv = flashdl::TensorView{bl.ptr, DType::float32, bl.device(), 2, {h, total_q},
+                                          {total_q, 1}};
+      const auto cqv = flashdl::make_view(cq.data(), DType::int32, {ln});
+      const auto ckv = flashdl::make_view(ck.data(), DType::int32, {ln});
+      flashdl::PagedKv pk;
+      flashdl::TensorView kv, vv;
+      if (use_pages) {
+        const int64_t d0 = paged ? num_pages : total_k;
+        kv = paged ? flashdl::TensorView{bk.ptr, c.dt, bk.device(), 4, {num_pages, ps, hk, d},
+                                         {ps * hk * hs, hk * hs, hs, 1}}
+                   : flashdl::TensorView{bk.ptr, c.dt, bk.device(), 3, {d0, hk, d}, {hk * hs, hs, 1}};
+        vv = kv;
+        vv.data = bv.ptr;
+        if (paged) pk.block_table = flashdl::make_view(tb.data(), DType::int32, {batch, max_pages});
+        if (!used.empty()) pk.seqused_k = flashdl::make_view(used.data(), DType::int32, {batch});
+      } else {
+        kv = packed_view(bk, c.dt, total_used, hk, d);
+        vv = packed_view(bv, c.dt, total_used, hk, d);
+      }
+      flashdl::forward_varlen(qv, kv, vv, cqv, ckv, max_q, max_k, ov, lv, oo, pk);
+      if (!on_host) t.sync();
+      // The pool (or k, v) as it was: the call only reads it.
+      for (auto [buf, want] : {std::pair{&bk, &ks}, {&bv, &vs}}) {
+        const std::vector<uint16_t> now = buf->download<uint16_t>();
+        if (std::memcmp(now.data(), want->data(), want->size() * 2) != 0)
+          throw std::runtime_error("the call changed k or v");
+      }
+      Result r{bo.download<uint16_t>(), bl.download<float>()};
+      // The spare element after out and lse: never written.
+      if (r.out.back() != 0xffff || float_to_bits(r.lse.back()) != 0xffffffffu)
+        throw std::runtime_error("wrote past out or lse");
+      return r;
+    };
+    const Result pag = call(host, true, table), con = call(host, false, table);
+    bool ok = true;
+    std::string why;
+    if (std::memcmp(pag.out.data(), con.out.data(), pag.out.size() * 2) != 0)
+      ok = false, why += " [out differs from the contiguous call]";
+    if (std::memcmp(pag.lse.data(), con.lse.data(), pag.lse.size() * 4) != 0)
+      ok = false, why += " [lse differs from the contiguous call]";
+    double worst = 0.0;
+    if (!host) {  // the CPU backend's paged call on the same inputs
+      const Result cpu = call(true, true, table);
+      const double eps = c.dt == DType::float16 ? 2e-3 : 1.6e-2;
+      for (size_t i = 0; i + 1 < cpu.out.size(); ++i) {
+        const double a = from_bits(pag.out[i], c.dt), b = from_bits(cpu.out[i], c.dt);
+        const double err = std::fabs(a - b);
+        worst = std::max(worst, err);
+        if (!(err <= eps * (1.0 + std::fabs(b)))) {
+          ok = false, why += " [out differs from the CPU backend at " + std::to_string(i) + "]";
+          break;
+        }
+      }
+      for (size_t i = 0; i + 1 < cpu.lse.size(); ++i) {
+        const float a = pag.lse[i], b = cpu.lse[i];
+        const bool good = std::isinf(b) ? a == b : std::fabs(double(a) - b) <= 1e-3 + 1e-4 * std::fabs(b);
+        if (!good) {
+          ok = false, why += " [lse differs from the CPU backend at " + std::to_string(i) + "]";
+          break;
+        }
+      }
+    }
+    // Two sequences with query rows trade their last pages: the result must change.
+    if (paged) {
+      int64_t a = -1, b2 = -1;
+      for (int64_t b = 0; b < batch; ++b)
+        if (c.lens_q[size_t(b)] > 0 && keys[size_t(b)] > 0) (a < 0 ? a : b2) = b;
+      if (a >= 0 && b2 >= 0) {
+        std::vector<int32_t> swapped = table;
+        std::swap(swapped[size_t(a * max_pages + (keys[size_t(a)] - 1) / ps)],
+                  swapped[size_t(b2 * max_pages + (keys[size_t(b2)] - 1) / ps)]);
+        const Result wrong = call(host, true, swapped);
+        if (std::memcmp(wrong.out.data(), con.out.data(), wrong.out.size() * 2) == 0)
+          ok = false, why += " [swapped pages gave the same out: the check is blind]";
+      } else {
+        ok = false, why += " [case needs two sequences with queries and keys]";
+      }
+    }
+    std::printf("%s %s | vs CPU max err %.2e%s\n", ok ? "ok  " : "FAIL", label.c_str(), worst,
+                why.c_str());
+    return ok;
+  });
+}
+
+// Device tables are refused by name (the tables are read on the host, as the KV cache's are).
+int run_paged_refusals(const Target& t, const Cli& cli) {
+  const std::string label = "paged varlen refuses device tables";
+  if (t.host || !cli.selected(label)) return 0;
+  return run_case(label, [&] {
+    const int64_t d = 64;
+    Buffer bq(4 * kHeads * d * 2, false), bk(2 * 4 * kHeadsKv * d * 2, false),
+        bo(4 * kHeads * d * 2, false), bl(kHeads * 4 * 4, false), bt(8, false), bcu(8, false);
+    std::vector<int32_t> cu = {0, 4}, tab = {0}, used = {4};
+    bt.upload(tab);
+    bcu.upload(cu);
+    const auto qv = packed_view(bq, DType::float16, 4, kHeads, d);
+    const flashdl::TensorView kv{bk.ptr, DType::float16, bk.device(), 4, {2, 4, kHeadsKv, d},
+                                 {4 * kHeadsKv * d, kHeadsKv * d, d, 1}};
+    const auto ov = packed_view(bo, DType::float16, 4, kHeads, d);
+    const flashdl::TensorView lv{bl.ptr, DType::float32, bl.device(), 2, {kHeads, 4}, {4, 1}};
+    const auto host_cu = flashdl::make_view(cu.data(), DType::int32, {2});
+    const flashdl::TensorView dev_cu{bcu.ptr, DType::int32, bcu.device(), 1, {2}, {1}};
+    flashdl::Options o;
+    o.stream = t.stream;
+    auto refused = [&](const flashdl::TensorView& cq, const flashdl::PagedKv& pk,
+                       const char* name) {
+      try {
+        flashdl::forward_varlen(qv, kv, kv, cq, host_cu, 4, 4, ov, lv, o, pk);
+      } catch (const flashdl::Error& e) {
+        const bool good = e.kind() == flashdl::ErrorKind::value &&
+                          std::string(e.what()).rfind(name, 0) == 0;
+        if (!good) std::printf("     unexpected error: %s\n", e.what());
+        return good;
+      }
+      std::printf("     %s on the device was accepted\n", name);
+      return false;
+    };
+    flashdl::PagedKv dev_table, host_table;
+    dev_table.block_table = flashdl::TensorView{bt.ptr, DType::int32, bt.device(), 2, {1, 1}, {1, 1}};
+    host_table.block_table = flashdl::make_view(tab.data(), DType::int32, {1, 1});
+    const bool ok = refused(host_cu, dev_table, "block_table") &&
+                    refused(dev_cu, host_table, "cu_seqlens_q");
+    std::printf("%s %s\n", ok ? "ok  " : "FAIL", label.c_str());
+    return ok;
+  });
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -275,6 +504,25 @@ int main(int argc, char** argv) {
           if (cli.quick && (d != 64 || (dt == DType::bfloat16 && !m.causal))) continue;
           failures += run_case_set(t, cli, dt, d, m, rng);
         }
+    const Schedule fa2 = Schedule::fa2, fa1 = Schedule::fa1;
+    const DType f16 = DType::float16, bf16 = DType::bfloat16;
+    // Chunked prefill: new rows against the keys already in the pages, causal bottom-right; an
+    // empty query sequence, one with no keys, pages smaller than a key tile.
+    const PagedCase quick{"float16 d=64 pages of 16 causal", f16, 64, {17, 0, 30, 1},
+                          {40, 9, 70, 0}, {}, 16, true, -1, fa2, 0};
+    std::vector<PagedCase> paged_cases{quick};
+    if (!cli.quick) {
+      paged_cases.push_back({"bfloat16 d=128 pages of 256 full", bf16, 128, {64, 3, 100},
+                             {300, 600, 100}, {}, 256, false, -1, fa2, 0});
+      paged_cases.push_back({"float16 d=64 pages of 1 window(24,0) fa1", f16, 64, {20, 5},
+                             {50, 7}, {}, 1, true, 24, fa1, 0});
+      paged_cases.push_back({"bfloat16 d=64 pages of 48 seqused_k causal misaligned", bf16, 64,
+                             {30, 10, 4}, {200, 60, 96}, {150, 0, 96}, 48, true, -1, fa2, 3});
+      paged_cases.push_back({"float16 d=128 seqused_k only causal", f16, 128, {12, 40, 2},
+                             {90, 45, 0}, {70, 45, 0}, 0, true, -1, fa2, 0});
+    }
+    for (const PagedCase& c : paged_cases) failures += run_paged_case(t, cli, c, rng);
+    failures += run_paged_refusals(t, cli);
     return failures;
   });
 }
