@@ -37,20 +37,6 @@ std::string at(const char* name, int64_t i) {
   return std::string(name) + "[" + std::to_string(i) + "]";
 }
 
-// A host int32 array's element i (any stride).
-int64_t read_i32(const TensorView& t, int64_t i, int64_t j = 0) {
-  const auto* base = static_cast<const int32_t*>(t.data);
-  return base[i * t.strides[0] + (t.rank > 1 ? j * t.strides[1] : 0)];
-}
-
-void check_host_int32(const char* name, const TensorView& t, int rank, const char* layout) {
-  check_rank(name, t, rank, layout);
-  check_dtype(name, t, DType::int32, "indices and lengths are int32");
-  if (t.device.type != DeviceType::cpu)
-    fail(ErrorKind::value, std::string(name) + ": expected an array on the CPU (host memory), got " +
-                               device_name(t.device.type) + ":" + std::to_string(t.device.id));
-}
-
 void check_no_collision(const Cache& c, const TensorView& block_table);
 
 // The layout checks of the cache and the new keys, the lengths and the page table; returns the
@@ -143,7 +129,7 @@ Cache check_cache(const TensorView& q, const TensorView& k_cache, const TensorVi
   c.used.resize(static_cast<size_t>(batch));
   c.seqlens.resize(static_cast<size_t>(batch));
   for (int64_t b = 0; b < batch; ++b) {
-    const int64_t len = read_i32(cache_seqlens, b);
+    const int64_t len = host_int32(cache_seqlens, b);
     c.seqlens[b] = static_cast<int32_t>(len);
     if (len < 0)
       fail(ErrorKind::value, "cache_seqlens: expected lengths >= 0, got " +
@@ -158,7 +144,7 @@ Cache check_cache(const TensorView& q, const TensorView& k_cache, const TensorVi
                "; nothing was written");
     c.used[b] = static_cast<int32_t>(len + c.seqlen_new);
     if (x.cache_leftpad.defined()) {
-      const int64_t pad = read_i32(x.cache_leftpad, b);
+      const int64_t pad = host_int32(x.cache_leftpad, b);
       if (pad < 0 || pad > len)
         fail(ErrorKind::value, "cache_leftpad: expected 0 <= " + at("cache_leftpad", b) +
                                    " <= cache_seqlens[" + std::to_string(b) + "] = " +
@@ -167,7 +153,7 @@ Cache check_cache(const TensorView& q, const TensorView& k_cache, const TensorVi
       c.leftpad.push_back(static_cast<int32_t>(pad));
     }
     if (x.cache_batch_idx.defined()) {
-      const int64_t row = read_i32(x.cache_batch_idx, b);
+      const int64_t row = host_int32(x.cache_batch_idx, b);
       if (row < 0 || row >= k_cache.shape[0])
         fail(ErrorKind::value, "cache_batch_idx: " + at("cache_batch_idx", b) + " = " +
                                    std::to_string(row) + " is not a row of k_cache (0.." +
@@ -177,7 +163,7 @@ Cache check_cache(const TensorView& q, const TensorView& k_cache, const TensorVi
     }
     if (!c.paged) continue;
     for (int64_t page = 0; page * c.page_size < c.used[b]; ++page) {
-      const int64_t id = read_i32(block_table, b, page);
+      const int64_t id = host_int32(block_table, b, page);
       if (id < 0 || id >= c.num_pages)
         fail(ErrorKind::value, "block_table: block_table[" + std::to_string(b) + ", " +
                                    std::to_string(page) + "] = " + std::to_string(id) +
@@ -214,7 +200,7 @@ void check_no_collision(const Cache& c, const TensorView& block_table) {
   std::vector<std::array<int64_t, 3>> slots;
   for (size_t b = 0; b < c.used.size(); ++b)
     for (int64_t pos = c.used[b] - c.seqlen_new; pos < c.used[b]; ++pos)
-      slots.push_back({read_i32(block_table, static_cast<int64_t>(b), pos / c.page_size),
+      slots.push_back({host_int32(block_table, static_cast<int64_t>(b), pos / c.page_size),
                        pos % c.page_size, static_cast<int64_t>(b)});
   std::sort(slots.begin(), slots.end());
   for (size_t i = 1; i < slots.size(); ++i)

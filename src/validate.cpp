@@ -105,6 +105,14 @@ void check_dtype(const char* name, const TensorView& t, DType expected, const ch
                               why + "), got " + dtype_name(t.dtype));
 }
 
+void check_host_int32(const char* name, const TensorView& t, int rank, const char* layout) {
+  check_rank(name, t, rank, layout);
+  check_dtype(name, t, DType::int32, "indices and lengths are int32");
+  if (t.device.type != DeviceType::cpu)
+    fail(ErrorKind::value, std::string(name) + ": expected an array on the CPU (host memory), got " +
+                               device_name(t.device.type) + ":" + std::to_string(t.device.id));
+}
+
 void check_device(const char* name, const TensorView& t, Device expected) {
   if (t.device != expected)
     fail(ErrorKind::value, std::string(name) + ": expected an array on " +

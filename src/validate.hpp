@@ -26,6 +26,13 @@ void check_rank(const char* name, const TensorView& t, int rank, const char* lay
 void check_shape(const char* name, const TensorView& t, std::initializer_list<int64_t> shape,
                  const char* layout);
 void check_dtype(const char* name, const TensorView& t, DType expected, const char* why);
+// An int32 index table in host memory (block tables, cache lengths, batch indices): its rank,
+// dtype and device, named `name` in errors; and its element (i, j), any strides.
+void check_host_int32(const char* name, const TensorView& t, int rank, const char* layout);
+inline int64_t host_int32(const TensorView& t, int64_t i, int64_t j = 0) {
+  const auto* base = static_cast<const int32_t*>(t.data);
+  return base[i * t.strides[0] + (t.rank > 1 ? j * t.strides[1] : 0)];
+}
 void check_device(const char* name, const TensorView& t, Device expected);
 void check_last_dim_contiguous(const char* name, const TensorView& t);
 // out (written) and in share no byte: their memory spans are disjoint, or they are views of the

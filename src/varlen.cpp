@@ -188,20 +188,6 @@ void set_offsets(Params& p, const TensorView& cu_q, const TensorView& cu_k, int6
   p.total_k = total_k;
 }
 
-// A host int32 array's element i (any stride).
-int64_t host_i32(const TensorView& t, int64_t i, int64_t j = 0) {
-  const auto* base = static_cast<const int32_t*>(t.data);
-  return base[i * t.strides[0] + (t.rank > 1 ? j * t.strides[1] : 0)];
-}
-
-void check_host_i32(const char* name, const TensorView& t, int rank, const char* layout) {
-  check_rank(name, t, rank, layout);
-  check_dtype(name, t, DType::int32, "indices and lengths are int32");
-  if (t.device.type != DeviceType::cpu)
-    fail(ErrorKind::value, std::string(name) + ": expected an array on the CPU (host memory), got " +
-                               device_name(t.device.type) + ":" + std::to_string(t.device.id));
-}
-
 // Keys and values gathered from the pages (or rows) a paged / seqused_k call reads: contiguous
 // (total, nheads_kv, headdim) buffers (host memory, or the CUDA backend's stream-ordered device
 // buffers) and their offsets, for the contiguous path.
@@ -261,7 +247,7 @@ bool gather_paged(const TensorView& q, const TensorView& k, const TensorView& v,
   }
   int64_t page_size = 0, max_pages = 0;
   if (paged) {
-    check_host_i32("block_table", pk.block_table, 2, "(batch, max_pages_per_sequence)");
+    check_host_int32("block_table", pk.block_table, 2, "(batch, max_pages_per_sequence)");
     if (pk.block_table.shape[0] != batch)
       fail(ErrorKind::value, "block_table: expected " + std::to_string(batch) +
                                  " rows (the batch of cu_seqlens_q), got shape " +
@@ -272,10 +258,10 @@ bool gather_paged(const TensorView& q, const TensorView& k, const TensorView& v,
       fail(ErrorKind::value, "k: expected pages of at least one row, got shape " + shape_str(k));
   }
   if (pk.seqused_k.defined()) {
-    check_host_i32("seqused_k", pk.seqused_k, 1, "(batch,)");
+    check_host_int32("seqused_k", pk.seqused_k, 1, "(batch,)");
     check_shape("seqused_k", pk.seqused_k, {batch}, "(batch,): the keys each sequence uses");
   }
-  check_host_i32("cu_seqlens_k", cu_seqlens_k, 1, "(batch + 1,)");
+  check_host_int32("cu_seqlens_k", cu_seqlens_k, 1, "(batch + 1,)");
   check_shape("cu_seqlens_k", cu_seqlens_k, {batch + 1}, "(batch + 1, as cu_seqlens_q)");
   // The gathered offsets are a host array, and cu_seqlens_q must sit with them (for CUDA q too).
   if (cu_seqlens_q.device.type != DeviceType::cpu)
@@ -287,18 +273,18 @@ bool gather_paged(const TensorView& q, const TensorView& k, const TensorView& v,
 
   // Keys of each sequence: its length in cu_seqlens_k, or seqused_k.
   std::vector<int64_t> keys(static_cast<size_t>(batch));
-  if (host_i32(cu_seqlens_k, 0) != 0)
+  if (host_int32(cu_seqlens_k, 0) != 0)
     fail(ErrorKind::value, "cu_seqlens_k: expected cu_seqlens_k[0] == 0, got " +
-                               std::to_string(host_i32(cu_seqlens_k, 0)));
+                               std::to_string(host_int32(cu_seqlens_k, 0)));
   for (int64_t b = 0; b < batch; ++b) {
-    const int64_t len = host_i32(cu_seqlens_k, b + 1) - host_i32(cu_seqlens_k, b);
+    const int64_t len = host_int32(cu_seqlens_k, b + 1) - host_int32(cu_seqlens_k, b);
     if (len < 0)
       fail(ErrorKind::value, "cu_seqlens_k: expected non-decreasing offsets, got cu_seqlens_k[" +
                                  std::to_string(b + 1) + "] < cu_seqlens_k[" +
                                  std::to_string(b) + "]");
     keys[b] = len;
     if (pk.seqused_k.defined()) {
-      const int64_t used = host_i32(pk.seqused_k, b);
+      const int64_t used = host_int32(pk.seqused_k, b);
       if (used < 0 || used > len)
         fail(ErrorKind::value, "seqused_k: expected 0 <= seqused_k[" + std::to_string(b) +
                                    "] <= " + std::to_string(len) + " (the length of sequence " +
@@ -313,14 +299,14 @@ bool gather_paged(const TensorView& q, const TensorView& k, const TensorView& v,
                                    std::to_string(max_pages) + " pages of " +
                                    std::to_string(page_size) + " rows hold");
       for (int64_t page = 0; page * page_size < keys[b]; ++page) {
-        const int64_t id = host_i32(pk.block_table, b, page);
+        const int64_t id = host_int32(pk.block_table, b, page);
         if (id < 0 || id >= k.shape[0])
           fail(ErrorKind::value, "block_table: block_table[" + std::to_string(b) + ", " +
                                      std::to_string(page) + "] = " + std::to_string(id) +
                                      " is not a page of k (0.." + std::to_string(k.shape[0] - 1) +
                                      ")");
       }
-    } else if (host_i32(cu_seqlens_k, b) + keys[b] > k.shape[0]) {
+    } else if (host_int32(cu_seqlens_k, b) + keys[b] > k.shape[0]) {
       fail(ErrorKind::value, "cu_seqlens_k: sequence " + std::to_string(b) + " ends past the " +
                                  std::to_string(k.shape[0]) + " rows of k");
     }
@@ -353,10 +339,10 @@ bool gather_paged(const TensorView& q, const TensorView& k, const TensorView& v,
       kg.table.assign(static_cast<size_t>(batch * kg.pages), 0);
       for (int64_t b = 0; b < batch; ++b)
         for (int64_t page = 0; page * page_size < keys[b]; ++page)
-          kg.table[b * kg.pages + page] = static_cast<int32_t>(host_i32(pk.block_table, b, page));
+          kg.table[b * kg.pages + page] = static_cast<int32_t>(host_int32(pk.block_table, b, page));
     } else {
       for (int64_t b = 0; b < batch; ++b)
-        kg.table.push_back(static_cast<int32_t>(host_i32(cu_seqlens_k, b)));
+        kg.table.push_back(static_cast<int32_t>(host_int32(cu_seqlens_k, b)));
     }
     g.device = cuda::gather_kv(kg);
     g.kt = gathered_view(k, g.device->k, total, hk, d);
@@ -379,11 +365,11 @@ bool gather_paged(const TensorView& q, const TensorView& k, const TensorView& v,
       for (int64_t j = 0; j < keys[b];) {
         int64_t off = 0, run = 1;
         if (paged) {
-          const int64_t page = host_i32(pk.block_table, b, j / page_size);
+          const int64_t page = host_int32(pk.block_table, b, j / page_size);
           off = page * src->strides[0] + (j % page_size) * row_stride;
           if (runs) run = std::min(keys[b] - j, page_size - j % page_size);
         } else {
-          off = (host_i32(cu_seqlens_k, b) + j) * row_stride;
+          off = (host_int32(cu_seqlens_k, b) + j) * row_stride;
           if (runs) run = keys[b] - j;
         }
         const int64_t dst = (g.cu_k[b] + j) * hk * d * es;
