@@ -400,6 +400,25 @@ struct KvRowsInPlace {
                          count, d, O + r * dp, dp, dp);
       }
   }
+  // O row r += P V over the tile's keys [l, h) alone: the value rows of the keys row r does not
+  // see are the zero row, selected here, so NaN or Inf in them cannot reach it as 0 * NaN would
+  // through accumulate(). The same kernel on the same words as accumulate() gives row r, so the
+  // result is accumulate()'s bits wherever the unseen values are finite (zeros' signs aside).
+  void accumulate_seen(const Params& p, const KvTile& t, float* P, int64_t ld, int64_t r,
+                       int64_t l, int64_t h, float* o) {
+    const int64_t steps = detail::ceil_div(t.cols, int64_t{K::kKeysPerStep});
+    const int64_t hk = (t.r0 + r) / t.rows_per_kv;
+    int64_t ldw = 0;
+    const Word* W = K::weights(P + r * ld, ld, 1, t.n, steps, pbuf, &ldw);
+    constexpr int64_t kGroup = 16 / K::kKeysPerStep;
+    for (int64_t g0 = 0; g0 < steps; g0 += kGroup) {
+      const int64_t count = std::min(kGroup, steps - g0), j0 = K::kKeysPerStep * g0;
+      cache_rows(p, t, true, hk, j0, K::kKeysPerStep * count);
+      for (int64_t j = 0; j < K::kKeysPerStep * count; ++j)
+        if (j0 + j < l || j0 + j >= h) rows_of[j] = zero_row;
+      kv_accumulate<K>(W + g0, ldw, 1, rows_of, count, d, o, dp, dp);
+    }
+  }
   void finish_row(float* o) const { K::finish_row(o, dp); }
 };
 #endif
@@ -508,16 +527,26 @@ void kvcache_forward_impl(const Params& p, int threads) {
         }
         // A key some row of the tile cannot see has weight 0 for it, but 0 * NaN (or Inf) in
         // its value would still reach the row: rows that come out non-finite are recomputed
-        // from the keys they see (blocks.inl: redo_nonfinite_rows). bfloat16 products keep O's
-        // columns permuted until finish_row and are not checked (docs/concepts/semantics.md).
+        // from the keys they see (blocks.inl: redo_nonfinite_rows). Products that keep O's
+        // columns permuted until finish_row (bfloat16's) redo such a row with their own kernel,
+        // the unseen keys' value rows selected away (accumulate_seen). The cost on finite
+        // values: a copy of O and a scan of it on tiles that cut some row's keys (with one query
+        // row, none do).
         bool cut = false;
         for (int64_t r = 0; r < rows && !cut; ++r) cut = lo[r] > t0 || hi[r] < t0 + cols;
-        if constexpr (Rows::kNaturalO) {
-          if (cut) std::copy(O, O + rows * dp, O0);
-        }
+        if (cut) std::copy(O, O + rows * dp, O0);
         products.accumulate(p, tile, Sc, Bt, O);  // O += P V
         if constexpr (Rows::kNaturalO) {
           if (cut) redo_cut_rows(p, b, sq, group, r0, rows, t0, cols, lo, hi, Sc, Bt, O0, O, dp, xrow);
+        } else {
+          for (int64_t r = 0; cut && r < rows; ++r) {
+            T* o = O + r * dp;
+            T sum = T(0);
+            for (int64_t e = 0; e < dp; ++e) sum += o[e] * T(0);  // NaN iff some o[e] is not finite
+            if (sum == T(0)) continue;
+            std::copy(O0 + r * dp, O0 + (r + 1) * dp, o);
+            products.accumulate_seen(p, tile, Sc, Bt, r, lo[r] - t0, std::min(hi[r] - t0, cols), o);
+          }
         }
       }
 

@@ -359,6 +359,27 @@ def test_masked_nonfinite_keys_kvcache_and_varlen(bad):
     np.testing.assert_array_equal(b[30:], a[30:])  # rows of sequence 1 that cannot see it
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_masked_nonfinite_keys_kvcache_every_dtype(dtype, bad):
+    """The cache's products for every dtype (bfloat16 ones keep O's columns permuted until the
+    end): rows of a GQA group with different windows, a key seen by some rows of a tile and not
+    by others, NaN or Inf there and past cache_seqlens."""
+    from attn_oracle import np_dtype
+    dt = np_dtype(dtype)
+    q, k, v = (x.astype(dt) for x in qkv(b=2, sq=5, sk=150, h=4, hk=2, d=72))
+    k_bad, v_bad = k.copy(), v.copy()
+    k_bad[0, 94] = v_bad[0, 94] = bad  # batch 0: key 94 is query 4's alone (queries at 90..94)
+    k_bad[1, 120:] = v_bad[1, 120:] = bad  # batch 1: past its 120 keys
+    for opts in [dict(window_size=(2, 0)), dict(causal=True)]:
+        cache = dict(cache_seqlens=[95, 120], **opts)
+        ref = flashdl.attention_with_kvcache(q, k, v, **cache)
+        got = flashdl.attention_with_kvcache(q, k_bad, v_bad, **cache)
+        np.testing.assert_array_equal(got[:, :4], ref[:, :4])
+        np.testing.assert_array_equal(got[1], ref[1])
+        assert not np.isfinite(got[0, 4].astype(np.float32)).all()  # the row that sees it
+
+
 def test_shard_helpers_refuse_ranks_and_world_sizes_out_of_range():
     torch = pytest.importorskip("torch")
     import flashdl.torch as ft
