@@ -26,6 +26,7 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "check.hpp"
 #include "decode_launch.hpp"
@@ -146,6 +147,72 @@ __device__ __forceinline__ void load_q(typename Tr::T* sQ, const Params& p, int6
       for (int e = 0; e < 8; ++e) dst[e] = src[e];
     }
   }
+}
+
+// The column of each accumulator element this lane holds, learnt as accumulator_rows learns rows
+// (scratch: 16 x ld floats of this warp's shared memory).
+__device__ __forceinline__ FragRows accumulator_cols(float* scratch, int ld) {
+  const int lane = threadIdx.x % 32;
+  for (int e = lane; e < kFrag * kFrag; e += 32)
+    scratch[(e / kFrag) * ld + e % kFrag] = float(e % kFrag);
+  __syncwarp();
+  FragAcc f;
+  wmma::load_matrix_sync(f, scratch, ld, wmma::mem_row_major);
+  FragRows cols;
+#pragma unroll
+  for (int i = 0; i < FragAcc::num_elements; ++i) cols.r[i] = static_cast<int>(f.x[i]);
+  __syncwarp();  // the scratch is reused by the caller
+  return cols;
+}
+
+// Whether the warp's 16 value rows (row stride ld) hold a NaN or Inf: tile_has_nonfinite's test
+// on the lanes of one warp, the same answer in every lane.
+template <typename Tr>
+__device__ __forceinline__ bool warp_rows_nonfinite(const typename Tr::T* s) {
+  constexpr unsigned kExp = std::is_same<typename Tr::T, __half>::value ? 0x7c00u : 0x7f80u;
+  constexpr unsigned kExp2 = kExp | (kExp << 16);
+  constexpr int kChunks = Tr::kHeadDim / 8;
+  unsigned hit = 0u;
+  for (int idx = threadIdx.x % 32; idx < kFrag * kChunks; idx += 32) {
+    const uint4 u =
+        *reinterpret_cast<const uint4*>(s + (idx / kChunks) * Tr::kLdQKV + (idx % kChunks) * 8);
+    const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const unsigned x = (w[q] & kExp2) ^ kExp2;  // a zero half: that element is NaN or Inf
+      hit |= unsigned((x & 0xffffu) == 0u) | unsigned((x >> 16) == 0u);
+    }
+  }
+  return __any_sync(kFullMask, hit != 0u);
+}
+
+// The slow path of a warp's 16 keys that some of its rows do not all see, when their values hold
+// a NaN or Inf: O += P V by scalar FMAs over the keys each row sees (the tensor-core product adds
+// 0 * NaN = NaN to rows that cannot see such a key). sP: the warp's P (T, ld kLdP); sV: its 16
+// value rows; lo, hi: this lane pair's row's visible keys relative to the warp's first, clamped
+// to [0, 16]; rows, cols: the accumulator's element map. Per lane 16 x (kFragsD * 8) FMAs.
+template <typename Tr>
+__device__ __forceinline__ void accumulate_pv_seen(const typename Tr::T* sP,
+                                                const typename Tr::T* sV, int lo, int hi,
+                                                const FragRows& rows, const FragRows& cols,
+                                                FragAcc (&acc)[Tr::kFragsD]) {
+  int lo_i[FragAcc::num_elements], hi_i[FragAcc::num_elements];
+#pragma unroll
+  for (int i = 0; i < FragAcc::num_elements; ++i) {
+    lo_i[i] = __shfl_sync(kFullMask, lo, 2 * rows.r[i]);
+    hi_i[i] = __shfl_sync(kFullMask, hi, 2 * rows.r[i]);
+  }
+#pragma unroll 1
+  for (int c = 0; c < kFrag; ++c)
+#pragma unroll
+    for (int i = 0; i < FragAcc::num_elements; ++i) {
+      if (c < lo_i[i] || c >= hi_i[i]) continue;  // a select: 0 * NaN is never formed
+      const float pk = to_float(sP[rows.r[i] * Tr::kLdP + c]);
+#pragma unroll
+      for (int df = 0; df < Tr::kFragsD; ++df)
+        acc[df].x[i] =
+            fmaf(pk, to_float(sV[c * Tr::kLdQKV + df * kFrag + cols.r[i]]), acc[df].x[i]);
+    }
 }
 
 __device__ __forceinline__ int64_t warp_min(int64_t x) {
@@ -286,6 +353,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
   __pipeline_commit();
 
   const FragRows frag_rows = accumulator_rows(sS, Tr::kLdS);
+  const FragRows frag_cols = decode::accumulator_cols(sS, Tr::kLdS);
   const detail::BlockMask dense{};
   const detail::Dropout no_dropout{};
   detail::OnlineSoftmax<float> softmax;
@@ -313,7 +381,23 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
       const float alpha = fa2::softmax_step<Tr, true>(sS, softmax, scale_log2, n0, col_lo, col_hi,
                                                       dense, 0, no_dropout, 0);
       fa2::scale_rows(acc_o, frag_rows, alpha);
-      fa2::accumulate_pv<Tr>(reinterpret_cast<const T*>(sS), sVn + warp * kFrag * kLd, acc_o);
+      // Keys some row of the CTA cannot see (padding rows aside) whose values hold a NaN or Inf
+      // take the scalar P V over each row's visible keys; the vote is the warp's own (warps
+      // split the keys), no barrier. Cost on finite values: a scan of the warp's 16 value rows
+      // where its keys cut some row's range (with one query row, only the warp holding the
+      // split's last keys), and 8 registers for the column map (ptxas sm_80 float16 d 128:
+      // 146 -> 154, bfloat16 d 256: 254 -> 255, no spill).
+      const int64_t lo_rel = col_lo - n0, hi_rel = col_hi - n0;
+      const bool cut = __any_sync(kFullMask, r < rows && (lo_rel > 0 || hi_rel < kFrag));
+      const T* sVw = sVn + warp * kFrag * kLd;
+      if (cut && decode::warp_rows_nonfinite<Tr>(sVw)) {
+        const int lo = r < rows ? int(lo_rel < 0 ? 0 : lo_rel > kFrag ? kFrag : lo_rel) : 0;
+        const int hi = r < rows ? int(hi_rel < 0 ? 0 : hi_rel > kFrag ? kFrag : hi_rel) : 0;
+        decode::accumulate_pv_seen<Tr>(reinterpret_cast<const T*>(sS), sVw, lo, hi, frag_rows,
+                                       frag_cols, acc_o);
+      } else {
+        fa2::accumulate_pv<Tr>(reinterpret_cast<const T*>(sS), sVw, acc_o);
+      }
     }
     // Stage's offset slots were read by the load of tile n (before this iteration's barrier):
     // they take tile n + 2's now, visible after the barrier that also frees the stage's buffers.
