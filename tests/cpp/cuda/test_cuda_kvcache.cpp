@@ -215,7 +215,7 @@ int run_nonfinite(const Target& t, const Cli& cli) {
   };
   for (size_t ci = 0; ci < cs.size(); ++ci) {
     const KvCase& c = cs[ci];
-    for (const int d : {64, 128}) {
+    for (const int d : {64, 128, 256}) {  // 256: the 2-warp kernel with the 99 KiB limit
       std::mt19937 rng(uint32_t(977 * ci + size_t(d)));
       const KvValues clean(c, d, rng);
       const CacheLayout cl(c, d, rng);
