@@ -574,12 +574,19 @@ void check_extras(const Options& o, const Shapes& s, Device device,
   }
 }
 
-void zero_extra_grads(const Options& o) {
+bool dbias_written_by_kernels(const Params& p) {
+  return p.device.type == DeviceType::cpu && p.dbias_ptr != nullptr &&
+         p.schedule != Schedule::reference && p.bias_batch == p.batch &&
+         p.bias_heads == p.nheads && p.bias_rows == p.seqlen_q && p.window_left < 0 &&
+         p.window_right < 0 && p.block_mask_ptr == nullptr && p.mask_ptr == nullptr;
+}
+
+void zero_extra_grads(const Options& o, bool zero_dbias) {
   if (o.dsinks.defined() && o.dsinks.device.type == DeviceType::cpu)
     for (int64_t h = 0; h < o.dsinks.shape[0]; ++h)
       static_cast<float*>(o.dsinks.data)[h * o.dsinks.strides[0]] = 0.0f;
   const TensorView& d = o.dbias;
-  if (d.defined() && d.device.type == DeviceType::cpu && d.numel() > 0) {
+  if (zero_dbias && d.defined() && d.device.type == DeviceType::cpu && d.numel() > 0) {
     // Every float dtype's +0 is all zero bits. Rank 3 (varlen) or 4, any strides.
     const auto es = static_cast<int64_t>(dtype_size(d.dtype));
     int64_t n[4] = {1, 1, 1, 1}, st[4] = {0, 0, 0, 0};
