@@ -54,7 +54,9 @@ void backward(const TensorView& dout, const TensorView& q, const TensorView& k,
   if (options.validate_only) return;
   if (s.batch == 0 || s.nheads == 0) return zero_extra_grads(options);
   const Params p = make_backward_params(dout, q, k, v, out, lse, dq, dk, dv, options, s);
-  zero_extra_grads(options, !dbias_written_by_kernels(p));
+  const bool dbias_written = dbias_written_by_kernels(p);
+  if (dbias_written) advise_huge_pages(options.dbias);
+  zero_extra_grads(options, !dbias_written);
   dispatch_backward(p);
 }
 

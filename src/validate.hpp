@@ -76,6 +76,12 @@ void zero_extra_grads(const Options& o, bool zero_dbias = true);
 // large as the problem (stored directly, one element per score) and no window, causal, block
 // or boolean mask (no tile pair skipped). The reference schedule stores only where P != 0.
 bool dbias_written_by_kernels(const Params& p);
+// Asks Linux for transparent huge pages on the 2 MiB-aligned interior of a contiguous CPU output
+// of at least 4 MiB before its first write (advice only: contents are untouched; elsewhere a
+// no-op). For a full-size dBias left unzeroed (dbias_written_by_kernels) the kernels' stores
+// then fault 2 MiB pages, not 4 KiB ones, and its rows (one page each at 4 KiB) stop missing the
+// TLB.
+void advise_huge_pages(const TensorView& t);
 // NotImplementedError naming the first of bias, mask, sinks given to an entry `path` that does not run them
 // yet (the KV cache).
 void refuse_extras(const Options& o, const char* path);
