@@ -112,10 +112,6 @@ void fa2_forward_impl(const Params& p, int threads) {
           prod.start(p, g, b, h, hk, i0, rows);
           q_loaded = true;
         }
-        prefetch_extras_tile(mods.extras(), p, b, h, t.i0, t.rows, t.j0, t.cols, false);
-        if (kt + 1 < g.nkb)  // and the next pair's, a step ahead
-          prefetch_extras_tile(mods.extras(), p, b, h, t.i0, t.rows, g.kt.start(kt + 1),
-                               g.kt.size(kt + 1), false);
         prod.scores(p, g, kt, t, S);
         mask_scores(g, mask, S, t, row_max, mods.get(), static_cast<T*>(nullptr), mods.extras());
         for (int64_t r = 0; r < rows; ++r) {
