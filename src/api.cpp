@@ -52,9 +52,12 @@ void backward(const TensorView& dout, const TensorView& q, const TensorView& k,
   check_score_mods(options, s, q.device, {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}});
   check_extras(options, s, q.device, {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}});
   if (options.validate_only) return;
-  zero_extra_grads(options);
-  if (s.batch == 0 || s.nheads == 0) return;
-  dispatch_backward(make_backward_params(dout, q, k, v, out, lse, dq, dk, dv, options, s));
+  if (s.batch == 0 || s.nheads == 0) return zero_extra_grads(options);
+  const Params p = make_backward_params(dout, q, k, v, out, lse, dq, dk, dv, options, s);
+  const bool dbias_written = dbias_written_by_kernels(p);
+  if (dbias_written) advise_huge_pages(options.dbias);
+  zero_extra_grads(options, !dbias_written);
+  dispatch_backward(p);
 }
 
 void dropout_mask(const TensorView& mask_out, double p, uint64_t seed, uint64_t offset) {

@@ -7,6 +7,9 @@
 #include <cstring>
 #include <sstream>
 #include <string>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include "backend.hpp"
 
@@ -574,12 +577,40 @@ void check_extras(const Options& o, const Shapes& s, Device device,
   }
 }
 
-void zero_extra_grads(const Options& o) {
+bool dbias_written_by_kernels(const Params& p) {
+  return p.device.type == DeviceType::cpu && p.dbias_ptr != nullptr &&
+         p.schedule != Schedule::reference && p.bias_batch == p.batch &&
+         p.bias_heads == p.nheads && p.bias_rows == p.seqlen_q && p.window_left < 0 &&
+         p.window_right < 0 && p.block_mask_ptr == nullptr && p.mask_ptr == nullptr;
+}
+
+void advise_huge_pages(const TensorView& t) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  if (!t.defined() || t.device.type != DeviceType::cpu || t.data == nullptr) return;
+  const auto es = static_cast<int64_t>(dtype_size(t.dtype));
+  int64_t expect = 1;
+  for (int a = t.rank - 1; a >= 0; --a) {  // row-major contiguous only
+    if (t.shape[a] != 1 && t.strides[a] != expect) return;
+    expect *= t.shape[a];
+  }
+  const int64_t bytes = expect * es;
+  constexpr uintptr_t kHuge = uintptr_t{1} << 21;
+  if (bytes < int64_t{4} << 20) return;
+  const auto begin = reinterpret_cast<uintptr_t>(t.data);
+  const uintptr_t lo = (begin + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t hi = (begin + static_cast<uintptr_t>(bytes)) & ~(kHuge - 1);
+  if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);  // advice: errors ignored
+#else
+  (void)t;
+#endif
+}
+
+void zero_extra_grads(const Options& o, bool zero_dbias) {
   if (o.dsinks.defined() && o.dsinks.device.type == DeviceType::cpu)
     for (int64_t h = 0; h < o.dsinks.shape[0]; ++h)
       static_cast<float*>(o.dsinks.data)[h * o.dsinks.strides[0]] = 0.0f;
   const TensorView& d = o.dbias;
-  if (d.defined() && d.device.type == DeviceType::cpu && d.numel() > 0) {
+  if (zero_dbias && d.defined() && d.device.type == DeviceType::cpu && d.numel() > 0) {
     // Every float dtype's +0 is all zero bits. Rank 3 (varlen) or 4, any strides.
     const auto es = static_cast<int64_t>(dtype_size(d.dtype));
     int64_t n[4] = {1, 1, 1, 1}, st[4] = {0, 0, 0, 0};

@@ -67,7 +67,21 @@ void check_extras(const Options& o, const Shapes& s, Device device,
                   std::initializer_list<NamedView> outputs, int64_t varlen_total_q = -1);
 // The gradients of the extras (dbias, dsinks) zeroed: before the kernels, which add into dbias
 // only where some row sees the key, and for calls with nothing to compute.
-void zero_extra_grads(const Options& o);
+// With zero_dbias false, dbias is left as it is (dbias_written_by_kernels said the kernels store
+// every element of it).
+void zero_extra_grads(const Options& o, bool zero_dbias = true);
+// Whether the CPU backward of p stores every element of dbias itself, so that zeroing it first
+// is wasted (for a (1, 8, 2048, 2048) float32 bias the zeroing was 128 MiB of single-threaded
+// page faults and stores, benchmarks/results/bias_mask_sinks_cpu.md): fa1 or fa2 with dbias as
+// large as the problem (stored directly, one element per score) and no window, causal, block
+// or boolean mask (no tile pair skipped). The reference schedule stores only where P != 0.
+bool dbias_written_by_kernels(const Params& p);
+// Asks Linux for transparent huge pages on the 2 MiB-aligned interior of a contiguous CPU output
+// of at least 4 MiB before its first write (advice only: contents are untouched; elsewhere a
+// no-op). For a full-size dBias left unzeroed (dbias_written_by_kernels) the kernels' stores
+// then fault 2 MiB pages, not 4 KiB ones, and its rows (one page each at 4 KiB) stop missing the
+// TLB.
+void advise_huge_pages(const TensorView& t);
 // NotImplementedError naming the first of bias, mask, sinks given to an entry `path` that does not run them
 // yet (the KV cache).
 void refuse_extras(const Options& o, const char* path);

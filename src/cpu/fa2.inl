@@ -267,6 +267,9 @@ void fa2_backward_by_keys(const Params& p, const Geometry<T>& g, const Mask& mas
           }
           const TilePair tp = tile_pair(g, qt, kt);
           const int64_t t0 = tile_row(g, qt);
+          if (qt + 1 < g.nqb)  // the next pair's bias (and dBias) rows, a step ahead
+            prefetch_extras_tile(&ex, p, b, h, g.qt.start(qt + 1), g.qt.size(qt + 1), j0, cols,
+                                 scratch.dbias == nullptr);
 #if FLASHDL_HAVE_BF16_DOT
           if constexpr (std::is_same_v<T, float>) {
             if (bf16) {
@@ -383,6 +386,9 @@ void fa2_backward_by_queries(const Params& p, const Geometry<T>& g, const Mask& 
         }
         T* dK = dK_head + kt * g.Bcp * g.dp;
         T* dV = dV_head + kt * g.Bcp * g.dp;
+        if (kt + 1 < g.nkb)  // the next pair's bias (and dBias) rows, a step ahead
+          prefetch_extras_tile(&ex, p, b, h, tp.i0, tp.rows, g.kt.start(kt + 1),
+                               g.kt.size(kt + 1), scratch.dbias == nullptr);
 #if FLASHDL_HAVE_BF16_DOT
         if constexpr (std::is_same_v<T, float>) {
           if (bf16) {

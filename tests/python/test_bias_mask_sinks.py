@@ -259,6 +259,49 @@ def test_dbias_is_deterministic_for_a_thread_count():
         assert np.array_equal(first[5], again[5]) and np.array_equal(first[6], again[6])
 
 
+@pytest.mark.parametrize("schedule", ["fa2", "fa1"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("kw", [{}, {"causal": True}, {"window_size": (5, 3)},
+                                {"softcap": 5.0}, {"dropout_p": 0.2, "seed": 3},
+                                {"mask": "random"}, {"broadcast": True}],
+                         ids=["dense", "causal", "window", "softcap", "dropout", "mask",
+                              "broadcast"])
+def test_dbias_output_is_fully_written_over_a_poisoned_buffer(monkeypatch, schedule, dtype, kw):
+    """The dense (no mask, full-size bias) backward no longer zeroes dbias first (the kernels
+    store every element): a dbias buffer of NaN must come back equal to a zeroed one's."""
+    from flashdl import _frameworks
+    rng = np.random.default_rng(11)
+    kw = dict(kw)
+    q, k, v = make_qkv(rng, 2, 150, 330, 4, 2, 16, dtype=dtype)
+    dout = make(rng, q.shape, dtype)
+    rows = 1 if kw.pop("broadcast", False) else 150
+    bias = make(rng, (2, 4, rows, 330), dtype)
+    if kw.get("mask") == "random":
+        kw["mask"] = rng.random((2, 1, 150, 330)) < 0.5
+    fwd = {n: x for n, x in kw.items() if n != "seed"}
+    out, lse, *seed = flashdl.attention(q, k, v, bias=bias, schedule=schedule, return_lse=True,
+                                        return_seed="dropout_p" in kw, **fwd)
+    if seed:
+        kw["seed"] = seed[0]
+    real_empty = _frameworks.Frame.empty
+
+    def results(fill):
+        def empty(self, shape, dt):
+            x = real_empty(self, shape, dt)
+            x.fill(fill)
+            return x
+        monkeypatch.setattr(_frameworks.Frame, "empty", empty)
+        try:
+            return flashdl.attention_backward(dout, q, k, v, out, lse, bias=bias,
+                                              schedule=schedule, **kw)
+        finally:
+            monkeypatch.setattr(_frameworks.Frame, "empty", real_empty)
+    poisoned, zeroed = results(np.nan), results(0)
+    for a, b in zip(poisoned, zeroed):
+        a, b = np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8)
+        assert np.array_equal(a, b)
+
+
 broadcasts = st.tuples(st.sampled_from(["b", "1", "0"]), st.sampled_from(["h", "1", "0"]),
                        st.sampled_from(["q", "1", "0"]))
 
