@@ -149,22 +149,6 @@ __device__ __forceinline__ void load_q(typename Tr::T* sQ, const Params& p, int6
   }
 }
 
-// The column of each accumulator element this lane holds, learnt as accumulator_rows learns rows
-// (scratch: 16 x ld floats of this warp's shared memory).
-__device__ __forceinline__ FragRows accumulator_cols(float* scratch, int ld) {
-  const int lane = threadIdx.x % 32;
-  for (int e = lane; e < kFrag * kFrag; e += 32)
-    scratch[(e / kFrag) * ld + e % kFrag] = float(e % kFrag);
-  __syncwarp();
-  FragAcc f;
-  wmma::load_matrix_sync(f, scratch, ld, wmma::mem_row_major);
-  FragRows cols;
-#pragma unroll
-  for (int i = 0; i < FragAcc::num_elements; ++i) cols.r[i] = static_cast<int>(f.x[i]);
-  __syncwarp();  // the scratch is reused by the caller
-  return cols;
-}
-
 // Whether the warp's 16 value rows (row stride ld) hold a NaN or Inf: tile_has_nonfinite's test
 // on the lanes of one warp, the same answer in every lane.
 template <typename Tr>
@@ -353,7 +337,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
   __pipeline_commit();
 
   const FragRows frag_rows = accumulator_rows(sS, Tr::kLdS);
-  const FragRows frag_cols = decode::accumulator_cols(sS, Tr::kLdS);
+  const FragRows frag_cols = accumulator_cols(sS, Tr::kLdS);
   const detail::BlockMask dense{};
   const detail::Dropout no_dropout{};
   detail::OnlineSoftmax<float> softmax;

@@ -158,17 +158,25 @@ struct FragRows {
 };
 
 // scratch: 16 x ld floats of this warp's shared memory, 32-byte aligned, ld a multiple of 4.
-__device__ __forceinline__ FragRows accumulator_rows(float* scratch, int ld) {
+// cols: the column instead of the row (the decode kernel's per-row slow path needs both).
+__device__ __forceinline__ FragRows accumulator_index(float* scratch, int ld, bool cols) {
   const int lane = threadIdx.x % 32;
-  for (int e = lane; e < kFrag * kFrag; e += 32) scratch[(e / kFrag) * ld + e % kFrag] = float(e / kFrag);
+  for (int e = lane; e < kFrag * kFrag; e += 32)
+    scratch[(e / kFrag) * ld + e % kFrag] = float(cols ? e % kFrag : e / kFrag);
   __syncwarp();
   FragAcc f;
   wmma::load_matrix_sync(f, scratch, ld, wmma::mem_row_major);
-  FragRows rows;
+  FragRows index;
 #pragma unroll
-  for (int i = 0; i < FragAcc::num_elements; ++i) rows.r[i] = static_cast<int>(f.x[i]);
+  for (int i = 0; i < FragAcc::num_elements; ++i) index.r[i] = static_cast<int>(f.x[i]);
   __syncwarp();  // the scratch is reused by the caller
-  return rows;
+  return index;
+}
+__device__ __forceinline__ FragRows accumulator_rows(float* scratch, int ld) {
+  return accumulator_index(scratch, ld, false);
+}
+__device__ __forceinline__ FragRows accumulator_cols(float* scratch, int ld) {
+  return accumulator_index(scratch, ld, true);
 }
 
 // The register layout of the 16 x 16 fragments that the tensor cores' m16n8k16 instruction gives
