@@ -5,7 +5,6 @@
 #include <charconv>
 #include <cmath>
 #include <cstring>
-#include <sstream>
 #include <string>
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -43,12 +42,14 @@ bool is_float_storage(DType d) {
 
 }  // namespace
 
+// Plain string arithmetic, no iostreams: with an ostringstream here, every error message that
+// printed a shape killed the Python process (SIGSEGV) on the H100 machine, in pytest workers that
+// had also loaded torch, CuPy and JAX.
 std::string shape_str(const TensorView& t) {
-  std::ostringstream s;
-  s << "(";
-  for (int i = 0; i < t.rank; ++i) s << (i ? ", " : "") << t.shape[i];
-  s << (t.rank == 1 ? ",)" : ")");
-  return s.str();
+  std::string s = "(";
+  for (int i = 0; i < t.rank; ++i) s += (i ? ", " : "") + std::to_string(t.shape[i]);
+  s += t.rank == 1 ? ",)" : ")";
+  return s;
 }
 
 std::string shape_str(std::initializer_list<int64_t> shape) {

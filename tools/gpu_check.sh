@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The first command to run on a machine with a GPU: environment, build for sm_90, the CUDA C++
-# tests (in full, then the small-tile fallback kernels and the fa2 forward's shared-memory softmax),
-# the CUDA pytest files, compute-sanitizer, the quick CUDA benchmark, and the forward's HBM bytes
-# under Nsight Compute (bench_io, where ncu is on PATH).
+# The first command to run on a machine with a GPU: environment, build for sm_90, one quick case
+# of every CUDA kernel family (forward and backward of fa1 and fa2 in both dtypes, the register and
+# shared-memory softmax, the small-tile fallbacks, decode/KV cache, varlen, block-sparse, dropout),
+# compute-sanitizer (memcheck, racecheck, synccheck) per family, the CUDA benchmark against torch
+# SDPA, the CUDA pytest files, the full CUDA C++ suites, and the forward's HBM bytes under Nsight
+# Compute (bench_io, where ncu is on PATH), in that order.
 #
 #   bash tools/gpu_check.sh OUTDIR [STEP ...]     (from any directory)
 #   bash tools/gpu_check.sh --list                (the step names, in order)
@@ -15,7 +17,17 @@
 # run ends well inside ten minutes). A step the budget no longer covers is SKIPPED (time budget)
 # and the closing `rerun:` line names it: a first run on a fresh machine also builds, so a second
 # run may be needed to finish the list.
-# Naming steps runs only those (build is added when build/gpu or the installed flashdl is missing).
+# Naming steps runs only those (build is added when the C++ tests or the installed flashdl are
+# missing).
+#
+# Two settings make the most of a short lease (both off by default):
+#   GPU_CHECK_JOBS=N      run up to N steps at once (the correctness steps share the GPU); the
+#                         benchmarks (bench, bench_io) always run alone, nothing beside them
+#   GPU_CHECK_CPP_DIR=D   the CUDA C++ test executables were built elsewhere for this GPU (e.g.
+#                         `cmake -B build/gpu-pre -DFLASHDL_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90
+#                         -DFLASHDL_BUILD_PYTHON=OFF` on a machine without a GPU, then carried):
+#                         the C++ steps run D's tests, and the build step builds only the Python
+#                         module, beside the C++ steps when GPU_CHECK_JOBS > 1
 # After every step OUTDIR/gpu_check.tar.gz is rewritten with all of OUTDIR, so two files
 # (summary.txt and that archive) carry the whole run off the machine.
 #
@@ -24,11 +36,15 @@
 # nothing is built, and the exit status is 0. The exit status is 1 iff some step FAILED.
 set -uo pipefail
 
-STEPS=(env build cpp_forward cpp_backward cpp_block_sparse cpp_kvcache cpp_varlen cpp_forward_fallback
-       cpp_backward_fallback cpp_forward_smem_softmax pytest_cuda memcheck_forward
-       memcheck_backward memcheck_block_sparse memcheck_kvcache racecheck_forward
-       racecheck_backward racecheck_block_sparse racecheck_kvcache synccheck_forward
-       synccheck_backward synccheck_block_sparse synccheck_kvcache memcheck_varlen bench bench_io)
+STEPS=(env build
+       quick_forward quick_backward quick_block_sparse quick_kvcache quick_varlen
+       cpp_forward_smem_softmax cpp_forward_fallback cpp_backward_fallback
+       memcheck_forward memcheck_backward memcheck_block_sparse memcheck_kvcache memcheck_varlen
+       racecheck_forward racecheck_backward racecheck_block_sparse racecheck_kvcache
+       synccheck_forward synccheck_backward synccheck_block_sparse synccheck_kvcache
+       bench pytest_cuda
+       cpp_forward cpp_backward cpp_block_sparse cpp_kvcache cpp_varlen
+       profile pytest_all bench_io)
 
 usage() {
   echo "usage: bash tools/gpu_check.sh OUTDIR [STEP ...] | --list | --detect" >&2
@@ -61,15 +77,22 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 PYTHON=${PYTHON:-python3}
 BUDGET=${GPU_CHECK_BUDGET_S:-480}
 MIN_STEP_S=15  # a step with less time than this left is not started: it could only time out
+JOBS=${GPU_CHECK_JOBS:-1}
+[[ "$JOBS" =~ ^[1-9][0-9]*$ ]] || { echo "GPU_CHECK_JOBS must be a positive integer" >&2; exit 2; }
 BUILD_DIR=build/gpu
+PREBUILT=""
 CUDA_TESTS=$BUILD_DIR/tests/cpp/cuda
+if [ -n "${GPU_CHECK_CPP_DIR:-}" ]; then
+  [ -d "$GPU_CHECK_CPP_DIR/tests/cpp/cuda" ] ||
+    { echo "GPU_CHECK_CPP_DIR=$GPU_CHECK_CPP_DIR has no tests/cpp/cuda" >&2; exit 2; }
+  PREBUILT=1
+  CUDA_TESTS=$(cd "$GPU_CHECK_CPP_DIR/tests/cpp/cuda" && pwd)
+fi
 # The smallest opt-in shared memory of an sm_80+ GPU (sm_86/89/120, 99 KiB): under this cap the
 # launchers pick the smaller-tile variants that an H100 (227 KiB) never does.
 SMEM_LIMIT=101376
 START=$(date +%s)
 SUMMARY=$OUTDIR/summary.txt
-FAILED=0
-BUDGET_SKIPPED=()
 
 # ---- is there a GPU? (decided before anything is built, so a machine without one is done fast) ----
 # Devices the driver library itself counts: a GPU is usable even where nvidia-smi is not installed.
@@ -144,6 +167,7 @@ done
   echo "# tools/gpu_check.sh $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')$( [ -n "$(git status --porcelain 2>/dev/null)" ] && echo ' with local changes')"
   echo "# gpu: ${GPU:-none (${NO_GPU_WHY})}"
   echo "# budget ${BUDGET} s; steps: ${SELECTED[*]:-all}${BUILD_ADDED:+ (build added: no build or install found)}"
+  echo "# ${JOBS} step(s) at once; C++ tests: ${CUDA_TESTS}${PREBUILT:+ (prebuilt: the build step builds the Python module only)}"
   printf '%-22s %-22s %6s  %-26s %s\n' "step" "status" "secs" "log" "last line of the log"
 } >"$SUMMARY"
 cat "$SUMMARY"
@@ -167,7 +191,6 @@ run_step() {
   local left=$((BUDGET - ($(date +%s) - START)))
   if [ "$left" -lt "$MIN_STEP_S" ]; then
     record "$name" "SKIPPED (time budget)" 0 "-"
-    BUDGET_SKIPPED+=("$name")
     return
   fi
   local limit=$((cap < left ? cap : left))
@@ -180,16 +203,21 @@ run_step() {
   case $rc in
     0) record "$name" "PASS" "$secs" "$log" ;;
     124|137) echo "[gpu_check] timed out after ${limit} s" >>"$OUTDIR/$log"
-             record "$name" "FAIL ($rc: timed out)" "$secs" "$log"; FAILED=1 ;;
-    *) record "$name" "FAIL ($rc)" "$secs" "$log"; FAILED=1 ;;
+             record "$name" "FAIL ($rc: timed out)" "$secs" "$log" ;;
+    *) record "$name" "FAIL ($rc)" "$secs" "$log" ;;
   esac
   archive
 }
 
-archive() {  # written beside, then moved in: tar must not see OUTDIR change while it reads it
+archive() {  # written beside, then moved in; one at a time when steps run at once
   local part
   part=$(mktemp "${TMPDIR:-/tmp}/gpu_check.XXXXXX") || return
-  tar -czf "$part" -C "$OUTDIR" --exclude=gpu_check.tar.gz . && mv -f "$part" "$OUTDIR/gpu_check.tar.gz"
+  (
+    command -v flock >/dev/null 2>&1 && flock 9
+    # A log still being written by a running step may change under tar (exit 1): keep the archive.
+    tar -czf "$part" -C "$OUTDIR" --exclude=gpu_check.tar.gz . 2>/dev/null
+    [ $? -le 1 ] && mv -f "$part" "$OUTDIR/gpu_check.tar.gz"
+  ) 9>"${TMPDIR:-/tmp}/gpu_check.$$.lock"
   rm -f "$part"
 }
 
@@ -247,11 +275,14 @@ EOF
 step_build() {
   # CUDAARCHS is what the project's CMake reads; the explicit define also wins over an architecture
   # list cached in build/gpu by an earlier configure. scikit-build-core runs `cmake --build`, which
-  # takes its job count from CMAKE_BUILD_PARALLEL_LEVEL.
+  # takes its job count from CMAKE_BUILD_PARALLEL_LEVEL. With prebuilt C++ tests only the Python
+  # module is built.
+  local tests=ON
+  [ -n "$PREBUILT" ] && tests=OFF
   CUDAARCHS=90 CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) "$PYTHON" -m pip install -v \
     --no-build-isolation --no-deps \
     -Cbuild-dir="$BUILD_DIR" \
-    -Ccmake.define.FLASHDL_BUILD_TESTS=ON \
+    -Ccmake.define.FLASHDL_BUILD_TESTS=$tests \
     -Ccmake.define.FLASHDL_CUDA=ON \
     -Ccmake.define.CMAKE_CUDA_ARCHITECTURES=90 \
     . || return
@@ -280,6 +311,12 @@ cpp_test() {  # cpp_test NAME [ARGS...]
   return $rc
 }
 
+# One quick case per kernel variant of each family first: a failure anywhere shows within minutes.
+step_quick_forward() { cpp_test test_cuda_forward --quick; }
+step_quick_backward() { cpp_test test_cuda_backward --quick; }
+step_quick_block_sparse() { cpp_test test_cuda_block_sparse --quick; }
+step_quick_kvcache() { cpp_test test_cuda_kvcache --quick; }
+step_quick_varlen() { cpp_test test_cuda_varlen --quick; }
 step_cpp_forward() { cpp_test test_cuda_forward; }
 step_cpp_backward() { cpp_test test_cuda_backward; }
 step_cpp_block_sparse() { cpp_test test_cuda_block_sparse; }
@@ -300,6 +337,8 @@ step_pytest_cuda() {
     export OMP_NUM_THREADS=$(( $(nproc) / workers > 0 ? $(nproc) / workers : 1 ))
   fi
   "$PYTHON" -c "import pytest_timeout" 2>/dev/null && args+=(--timeout 180)
+  # Each worker's JAX would otherwise take 75% of the GPU's memory when it first sees the GPU.
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false
   echo "$ $PYTHON -m pytest tests/python/test_cuda*.py tests/python/test_varlen.py ${args[*]}"
   "$PYTHON" -m pytest tests/python/test_cuda*.py tests/python/test_varlen.py "${args[@]}"
 }
@@ -332,8 +371,40 @@ step_racecheck_kvcache() { sanitize racecheck test_cuda_kvcache; }
 step_synccheck_kvcache() { sanitize synccheck test_cuda_kvcache; }
 step_memcheck_varlen() { sanitize memcheck test_cuda_varlen; }
 
+# The issue's targets first: fa2 against SDPA at head dim 128 and 64, 1k and 4k, both dtypes, fa1
+# at 1k, and the GPT-2 medium layer.
 step_bench() {
-  PYTHONUNBUFFERED=1 "$PYTHON" benchmarks/bench_cuda.py --quick --out "$OUTDIR/bench_cuda_quick.md"
+  PYTHONUNBUFFERED=1 "$PYTHON" benchmarks/bench_cuda.py --dtypes fp16,bf16 --headdims 128,64 \
+    --seqlens 4096,1024 --schedules fa2,fa1 --fa1-max-seqlen 1024 --warmup 3 --reps 10 \
+    --out "$OUTDIR/bench_cuda.md"
+}
+# Every fa2 kernel of one forward and one backward (float16, head dim 128 and 64, seqlen 4096, the
+# benchmark's shapes) under Nsight Compute: speed of light, occupancy, warp stalls, memory and
+# compute workload, per kernel; needs ncu on PATH.
+step_profile() {
+  if ! command -v "${NCU:-ncu}" >/dev/null 2>&1; then
+    echo "ncu (Nsight Compute) not on PATH: profile not run"
+    return 0
+  fi
+  "${NCU:-ncu}" --kernel-name-base function \
+    --kernel-name 'regex:forward_kernel|backward_kernel|preprocess_kernel|convert_dq_kernel' \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+    "$PYTHON" benchmarks/profile_cuda.py --headdims 128,64 --seqlens 4096
+}
+# The whole Python suite on this machine: the CPU tests too, with a GPU and its drivers present.
+# -v: every test's outcome is in the log as it finishes, so a run cut off by the budget still
+# names its failures (the junit file is written only at the end).
+step_pytest_all() {
+  local args=(-v -rfEs -p no:cacheprovider --junitxml="$OUTDIR/pytest_all.xml")
+  if "$PYTHON" -c "import xdist" 2>/dev/null; then
+    args+=(-n 8)
+    export OMP_NUM_THREADS=2 FLASHDL_NUM_THREADS=2
+  fi
+  "$PYTHON" -c "import pytest_timeout" 2>/dev/null && args+=(--timeout 240)
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false  # as in pytest_cuda: 8 workers share the GPU
+  echo "$ $PYTHON -m pytest tests/python ${args[*]}"
+  "$PYTHON" -m pytest tests/python "${args[@]}"
 }
 # HBM bytes of the forward under Nsight Compute (the paper's IO claim); needs ncu on PATH.
 step_bench_io() {
@@ -344,41 +415,90 @@ step_bench_io() {
   PYTHONUNBUFFERED=1 "$PYTHON" benchmarks/bench_cuda_io.py --ncu "${NCU:-ncu}" --out "$OUTDIR/bench_cuda_io.md"
 }
 
-export PYTHON OUTDIR BUILD_DIR CUDA_TESTS SMEM_LIMIT COMPUTE_SANITIZER
+export PYTHON OUTDIR BUILD_DIR CUDA_TESTS PREBUILT SMEM_LIMIT COMPUTE_SANITIZER
 export -f cpp_test sanitize
 for s in "${STEPS[@]}"; do export -f "step_$s"; done
 
 # ---- run them ----------------------------------------------------------------------------------------
-# name                    cap (s)  log
-run_step env                  60   env.txt                    step_env
-run_step build               420   build.log                  step_build
-run_step cpp_forward         240   cpp_forward.log            step_cpp_forward
-run_step cpp_backward        240   cpp_backward.log           step_cpp_backward
-run_step cpp_block_sparse    120   cpp_block_sparse.log       step_cpp_block_sparse
-run_step cpp_kvcache         120   cpp_kvcache.log            step_cpp_kvcache
-run_step cpp_varlen           90   cpp_varlen.log             step_cpp_varlen
-run_step cpp_forward_fallback  90  cpp_forward_fallback.log   step_cpp_forward_fallback
-run_step cpp_backward_fallback 90  cpp_backward_fallback.log  step_cpp_backward_fallback
-run_step cpp_forward_smem_softmax 90 cpp_forward_smem_softmax.log step_cpp_forward_smem_softmax
-run_step pytest_cuda         240   pytest_cuda.log            step_pytest_cuda
+# name cap (s) log flags: p = needs the Python module, x = runs alone (a benchmark), c = needs the
+# C++ tests
+TABLE=(
+  "env                       60 env.txt                      -"
+  "build                    420 build.log                    -"
+  "quick_forward            150 quick_forward.log            c"
+  "quick_backward           150 quick_backward.log           c"
+  "quick_block_sparse       120 quick_block_sparse.log       c"
+  "quick_kvcache            120 quick_kvcache.log            c"
+  "quick_varlen             120 quick_varlen.log             c"
+  "cpp_forward_smem_softmax  90 cpp_forward_smem_softmax.log c"
+  "cpp_forward_fallback      90 cpp_forward_fallback.log     c"
+  "cpp_backward_fallback     90 cpp_backward_fallback.log    c"
+)
 for tool in memcheck racecheck synccheck; do
-  for t in forward backward block_sparse kvcache; do
-    run_step "${tool}_$t"    120   "${tool}_$t.log"           "step_${tool}_$t"
+  for t in forward backward block_sparse kvcache varlen; do
+    [ "$tool/$t" = racecheck/varlen ] || [ "$tool/$t" = synccheck/varlen ] && continue
+    TABLE+=("${tool}_$t 150 ${tool}_$t.log c")
   done
 done
-run_step memcheck_varlen      90   memcheck_varlen.log        step_memcheck_varlen
-run_step bench               120   bench.log                  step_bench
-run_step bench_io            300   bench_io.log               step_bench_io
+TABLE+=(
+  "bench                    240 bench.log                    px"
+  "pytest_cuda              300 pytest_cuda.log              p"
+  "cpp_forward              300 cpp_forward.log              c"
+  "cpp_backward             300 cpp_backward.log             c"
+  "cpp_block_sparse         150 cpp_block_sparse.log         c"
+  "cpp_kvcache              150 cpp_kvcache.log              c"
+  "cpp_varlen               120 cpp_varlen.log               c"
+  "profile                  180 profile.log                  px"
+  "pytest_all               300 pytest_all.log               p"
+  "bench_io                 300 bench_io.log                 px"
+)
+
+# Steps run in background jobs, at most JOBS of them at once (the build beside them when the C++
+# tests are prebuilt); with JOBS=1 one after the other, as listed.
+BUILD_PID=""
+RUNNING=()
+reap() {  # drop finished jobs from RUNNING
+  local still=() p
+  for p in "${RUNNING[@]}"; do kill -0 "$p" 2>/dev/null && still+=("$p"); done
+  RUNNING=("${still[@]}")
+}
+wait_build() {
+  if [ -n "$BUILD_PID" ]; then wait "$BUILD_PID"; BUILD_PID=""; fi
+}
+for row in "${TABLE[@]}"; do
+  read -r name cap log flags <<<"$row"
+  [[ $flags == *p* || $flags == *c* ]] && [ -z "$PREBUILT" ] && wait_build
+  [[ $flags == *p* ]] && wait_build
+  if [[ $flags == *x* ]]; then wait_build; wait "${RUNNING[@]}" 2>/dev/null; RUNNING=(); fi
+  reap
+  while [ ${#RUNNING[@]} -ge "$JOBS" ]; do wait -n "${RUNNING[@]}" 2>/dev/null; reap; done
+  run_step "$name" "$cap" "$log" "step_$name" &
+  pid=$!
+  if [ "$name" = build ]; then
+    BUILD_PID=$pid
+  elif [ "$JOBS" -eq 1 ] || [[ $flags == *x* ]] || [ "$name" = env ]; then
+    wait "$pid"
+  else
+    RUNNING+=("$pid")
+  fi
+  [ "$name" = build ] && { [ -z "$PREBUILT" ] || [ "$JOBS" -eq 1 ]; } && wait_build
+done
+wait
 
 total=$(($(date +%s) - START))
-n_pass=$(grep -c '^[a-z_]* *PASS ' "$SUMMARY")
-n_fail=$(grep -c '^[a-z_]* *FAIL ' "$SUMMARY")
-n_skip=$(grep -c '^[a-z_]* *SKIPPED ' "$SUMMARY")
+n_pass=$(grep -c '^[a-z_0-9]* *PASS ' "$SUMMARY")
+n_fail=$(grep -c '^[a-z_0-9]* *FAIL ' "$SUMMARY")
+n_skip=$(grep -c '^[a-z_0-9]* *SKIPPED ' "$SUMMARY")
+budget_skipped=$(grep '^[a-z_0-9]* *SKIPPED (time budget)' "$SUMMARY" | awk '{print $1}' | xargs)
+failed=$(grep '^[a-z_0-9]* *FAIL ' "$SUMMARY" | awk '{print $1}' | xargs)
 {
-  if [ ${#BUDGET_SKIPPED[@]} -gt 0 ]; then
-    echo "rerun: bash tools/gpu_check.sh ${OUTDIR}_2 ${BUDGET_SKIPPED[*]}"
+  if [ -n "$budget_skipped" ]; then
+    echo "rerun: bash tools/gpu_check.sh ${OUTDIR}_2 $budget_skipped"
   fi
-  echo "overall: $([ $FAILED -eq 0 ] && echo PASS || echo FAIL), $n_pass passed, $n_fail failed, $n_skip skipped, ${total} s"
+  if [ -n "$failed" ]; then
+    echo "failed: $failed"
+  fi
+  echo "overall: $([ "$n_fail" -eq 0 ] && echo PASS || echo FAIL), $n_pass passed, $n_fail failed, $n_skip skipped, ${total} s"
 } | tee -a "$SUMMARY"
 [ -n "$GPU" ] && archive
-exit $FAILED
+[ "$n_fail" -eq 0 ]

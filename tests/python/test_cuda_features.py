@@ -66,6 +66,17 @@ def run(q, k, v, dout, schedule, deterministic=False, **opts):
     return [host(x) for x in (out, lse) + tuple(grads)]
 
 
+def assert_same_run(name, got, want, schedule, deterministic, why):
+    """Two runs on equal inputs agree bitwise, except dQ of fa2 without `deterministic`: its float
+    atomics sum in a different order every run (the C++ suite's rule: within a float16 rounding of
+    the largest entry, and no NaN)."""
+    if name == "dq" and schedule == "fa2" and not deterministic:
+        assert not np.isnan(got).any(), f"dq: {why}"
+        assert np.abs(got - want).max() <= 2e-3 * np.abs(want).max(), f"dq: {why}"
+    else:
+        assert np.array_equal(got, want), f"{name}: {why}"
+
+
 def identity_problem(b, sq, sk, h, hk, d, dtype):
     """q = k = 0, v[b, j, :, c] = (j == c) and dout[b, i, :, c] = (i == c), on the GPU."""
     tdt = getattr(torch, dtype)
@@ -362,7 +373,7 @@ def test_zero_blocks_are_never_read(poisoned, block, variant):
         vp[:, dead_k] = float("nan")
     dirty = run(qp, kp, vp, dout, schedule, det, **opts)
     for name, a, c in zip(("out", "lse", "dq", "dk", "dv"), dirty, clean):
-        assert np.array_equal(a, c), f"{name}: a zero block was read (NaN in {poisoned})"
+        assert_same_run(name, a, c, schedule, det, f"a zero block was read (NaN in {poisoned})")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -542,7 +553,7 @@ def test_zero_slopes_and_no_cap_change_nothing(variant):
     zeros = torch.zeros(b, h, device="cuda", dtype=torch.float32)
     for a, c, name in zip(run(*arrays, schedule, det, alibi_slopes=zeros, softcap=0.0, **opts),
                           plain, ("out", "lse", "dq", "dk", "dv")):
-        assert np.array_equal(a, c), f"{name}: zero slopes changed the result"
+        assert_same_run(name, a, c, schedule, det, "zero slopes changed the result")
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

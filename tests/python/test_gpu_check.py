@@ -38,11 +38,17 @@ def steps():
 
 
 def test_steps_are_listed():
+    """One quick case of every kernel family first, then the sanitizers per family, the benchmark,
+    the Python tests and the complete suites; the HBM-bytes measurement last."""
     names = steps()
-    assert names[:2] == ["env", "build"] and "pytest_cuda" in names
-    assert names[-2:] == ["bench", "bench_io"]
+    assert names[:2] == ["env", "build"] and "pytest_cuda" in names and "pytest_all" in names
+    assert names[-1] == "bench_io"
+    families = ("forward", "backward", "block_sparse", "kvcache", "varlen")
+    quick = [names.index(f"quick_{f}") for f in families]
     for tool in ("memcheck", "racecheck", "synccheck"):
         assert f"{tool}_forward" in names and f"{tool}_backward" in names
+        assert max(quick) < names.index(f"{tool}_forward")
+    assert names.index("synccheck_kvcache") < names.index("bench") < names.index("cpp_forward")
 
 
 @needs_no_gpu

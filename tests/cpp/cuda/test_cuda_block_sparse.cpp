@@ -179,6 +179,49 @@ Result run(const Target& t, const Case& c, const Shape& s, DType dt, const Array
 
 const char* flag(bool bad, const char* what) { return bad ? what : ""; }
 
+// A failed forward: how many (batch, row, head) rows of out are off, and the first few of them
+// with their lse, so that a failure on a GPU says where the kernel went wrong.
+void report_bad_rows(const Shape& s, const BwdOracle& ref, const Result& r, double tol) {
+  int64_t bad = 0;
+  for (int64_t b = 0; b < s.b; ++b)
+    for (int64_t i = 0; i < s.sq; ++i)
+      for (int64_t h = 0; h < s.h; ++h) {
+        double e = 0.0;
+        for (int64_t c = 0; c < s.d; ++c) {
+          const size_t at = size_t(((b * s.sq + i) * s.h + h) * s.d + c);
+          e = std::max(e, std::fabs(r.out[at] - ref.out[at]));
+        }
+        const size_t li = size_t((b * s.h + h) * s.sq + i);
+        const float want = ref.lse[li], got = r.lse[li];
+        const bool lse_bad = std::isinf(want) ? got != want
+                                              : !(std::fabs(double(got) - want) <=
+                                                  1e-3 + 1e-4 * std::fabs(want));
+        if (!(e <= tol) || lse_bad) {
+          if (bad < 8)
+            std::printf("     bad row b=%lld i=%lld h=%lld: out err %.3e, lse %.6g want %.6g\n",
+                        (long long)b, (long long)i, (long long)h, e, double(got), double(want));
+          if (bad == 0) {  // the first one in full: is it zero, or another row's output?
+            const size_t at = size_t(((b * s.sq + i) * s.h + h) * s.d);
+            int64_t best = -1;
+            double best_e = 1e300;
+            for (int64_t i2 = 0; i2 < s.sq; ++i2) {
+              double e2 = 0.0;
+              const size_t at2 = size_t(((b * s.sq + i2) * s.h + h) * s.d);
+              for (int64_t c = 0; c < s.d; ++c)
+                e2 = std::max(e2, std::fabs(r.out[at + c] - ref.out[at2 + c]));
+              if (e2 < best_e) best_e = e2, best = i2;
+            }
+            std::printf("     out[:4] %.4g %.4g %.4g %.4g want %.4g %.4g %.4g %.4g; closest "
+                        "reference row i=%lld (max diff %.3e)\n",
+                        r.out[at], r.out[at + 1], r.out[at + 2], r.out[at + 3], ref.out[at],
+                        ref.out[at + 1], ref.out[at + 2], ref.out[at + 3], (long long)best, best_e);
+          }
+          ++bad;
+        }
+      }
+  std::printf("     %lld of %lld rows off\n", (long long)bad, (long long)(s.b * s.sq * s.h));
+}
+
 // The rule on out (2x) and lse; out exactly 0 and lse -inf exactly where a row sees nothing.
 bool check_forward(const std::string& label, const Shape& s, const BwdOracle& ref,
                    const std::vector<double>& lowp, const Dead& dead, const Result& r, DType dt) {
@@ -195,6 +238,7 @@ bool check_forward(const std::string& label, const Shape& s, const BwdOracle& re
   std::printf("%s %s | err %.2e tol %.2e%s%s%s\n", ok ? "ok  " : "FAIL", label.c_str(), err, tol,
               flag(!lse_ok, " [lse]"), flag(dead_out != 0, " [out of empty rows not 0]"),
               flag(!r.gaps_untouched, " [wrote outside out]"));
+  if (!ok) report_bad_rows(s, ref, r, tol);
   return ok;
 }
 
@@ -396,16 +440,28 @@ int run_score_mods(const Target& t, const Cli& cli) {
   struct ModCase {
     Case c;
     ModSpec m;
+    size_t seed;  // of the mask and inputs: equal seeds, equal masks and inputs
   };
   const std::vector<ModCase> cases =
-      cli.quick ? std::vector<ModCase>{{kQuick, {2.0, Alibi::batch_heads}}}
+      cli.quick ? std::vector<ModCase>{{kQuick, {2.0, Alibi::batch_heads}, 0}}
                 : std::vector<ModCase>{
                       {{"softcap+alibi, zero blocks", 2, 230, 260, 4, 2, true, 100, 64,
                         MaskKind::full, 0.7, 0, 3, Kind::contiguous},
-                       {2.0, Alibi::batch_heads}},
+                       {2.0, Alibi::batch_heads},
+                       0},
+                      // the same mask and inputs with each modifier alone
+                      {{"softcap, zero blocks", 2, 230, 260, 4, 2, true, 100, 64, MaskKind::full,
+                        0.7, 0, 3, Kind::contiguous},
+                       {2.0, Alibi::none},
+                       0},
+                      {{"alibi, zero blocks", 2, 230, 260, 4, 2, true, 100, 64, MaskKind::full,
+                        0.7, 0, 3, Kind::contiguous},
+                       {0.0, Alibi::batch_heads},
+                       0},
                       {{"blocks = the fa2 tile, softcap+alibi", 2, 200, 260, 4, 2, false, 64, 64,
                         MaskKind::heads, 0.5, -1, -1, Kind::padded},
-                       {5.0, Alibi::heads}},
+                       {5.0, Alibi::heads},
+                       1},
                   };
   int failures = 0;
   for (size_t ci = 0; ci < cases.size(); ++ci)
@@ -420,10 +476,11 @@ int run_score_mods(const Target& t, const Cli& cli) {
             any |= cli.selected(label_of(c, d, dt, var.name, pass) + mods);
       if (!any) continue;
       const Shape s = shape_of(c, d);
-      const HostMask m = mask_of(c, 104729 * ci + 3);
+      const size_t seed = cases[ci].seed;
+      const HostMask m = mask_of(c, 104729 * seed + 3);
       const Visibility vis{s, m};
       const Dead dead = dead_of(s, vis);
-      const BwdInputs in = random_inputs(s, uint32_t(104729 * ci + size_t(d)));
+      const BwdInputs in = random_inputs(s, uint32_t(104729 * seed + size_t(d)));
       const ModArgs mod(t.host, cases[ci].m, s.b, s.h);
       const flashdl::TensorView host_mask =
           m.view(const_cast<uint8_t*>(m.bytes.data()), flashdl::Device{});
