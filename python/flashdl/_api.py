@@ -468,6 +468,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
     alibi_slopes : float32 array (nheads,) or (batch, nheads), optional
         ALiBi (BLOOM, MPT): adds ``-slope[h] * |i + seqlen_k - seqlen_q - j|`` to the score of query
         ``i`` at key ``j``, bottom-right aligned like causal. On the device of q; no gradient.
+        Known bug: on CUDA (an H100) the fa2 forward with slopes and a ``block_mask`` gives wrong
+        rows for steep slopes; use ``schedule="fa1"`` there until it is fixed (docs/cuda.md).
     softcap : float, default 0.0
         When > 0, each scaled score ``s`` becomes ``softcap * tanh(s / softcap)`` (Gemma 2, Grok);
         0 is off. Modifiers apply in flash-attn's order: scale, cap, bias, mask.
@@ -893,8 +895,8 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
         k, v. A host array, checked there, as ``cu_seqlens_q`` and ``cu_seqlens_k`` must then be
         (also for CUDA q); ``layout="thd"`` only. CUDA arrays: the used pages are gathered on the
         device, on the call's stream, into stream-ordered buffers of
-        ``2 * sum(keys used) * nheads_kv * headdim`` elements, freed behind the call (written,
-        passes on flashdl's CUDA emulator, not yet run on a GPU).
+        ``2 * sum(keys used) * nheads_kv * headdim`` elements, freed behind the call (tests pass
+        on an H100).
     seqused_k : int32 array (batch,), optional
         Sequence ``b`` uses only its first ``seqused_k[b]`` keys (<= its length in
         ``cu_seqlens_k``); causal and windows align to that count. A host array.

@@ -613,7 +613,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         Paged keys and values, and the keys each sequence uses, as in
         :func:`flashdl.attention_varlen`: CPU tensors (or NumPy arrays), with ``cu_seqlens_q`` and
         ``cu_seqlens_k`` on the CPU too, also for CUDA q (the pages are then gathered on the
-        device, on the current stream; written, passes on the CUDA emulator, not yet run on a GPU).
+        device, on the current stream, as in :func:`flashdl.attention_varlen`).
         Forward only, as in flash-attn: the call is not a custom op then, and a backward through
         its output raises NotImplementedError.
 
@@ -807,8 +807,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         (batch, seqlen_cache, nheads_kv, headdim), or paged (num_pages, page_size, nheads_kv,
         headdim) with ``block_table``.
     cache_seqlens : int32 tensor (batch,)
-        A CPU tensor (or NumPy array), also for CUDA q (copied to the device on the current stream;
-        the CUDA path is written, not yet run on a GPU).
+        A CPU tensor (or NumPy array), also for CUDA q (copied to the device on the current
+        stream).
     k, v, block_table, causal, softmax_scale, window_size, num_splits, return_lse, alibi_slopes, softcap : optional
         As in :func:`flashdl.attention_with_kvcache` (``block_table`` a CPU int32 tensor or NumPy
         array).
