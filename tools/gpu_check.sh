@@ -23,11 +23,11 @@
 # Two settings make the most of a short lease (both off by default):
 #   GPU_CHECK_JOBS=N      run up to N steps at once (the correctness steps share the GPU); the
 #                         benchmarks (bench, bench_io) always run alone, nothing beside them
-#   GPU_CHECK_CPP_DIR=D   the CUDA C++ test executables were built elsewhere for this GPU (e.g.
-#                         `cmake -B build/gpu-pre -DFLASHDL_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90
-#                         -DFLASHDL_BUILD_PYTHON=OFF` on a machine without a GPU, then carried):
-#                         the C++ steps run D's tests, and the build step builds only the Python
-#                         module, beside the C++ steps when GPU_CHECK_JOBS > 1
+#   GPU_CHECK_CPP_DIR=D   the CUDA C++ test executables were built elsewhere for this GPU: D is
+#                         the archive tools/gpu_prebuild.sh makes on a machine with nvcc and no
+#                         GPU, or a build tree holding tests/cpp/cuda: the C++ steps run those
+#                         tests, and the build step builds only the Python module, beside the
+#                         C++ steps when GPU_CHECK_JOBS > 1
 # After every step OUTDIR/gpu_check.tar.gz is rewritten with all of OUTDIR, so two files
 # (summary.txt and that archive) carry the whole run off the machine.
 #
@@ -83,10 +83,17 @@ BUILD_DIR=build/gpu
 PREBUILT=""
 CUDA_TESTS=$BUILD_DIR/tests/cpp/cuda
 if [ -n "${GPU_CHECK_CPP_DIR:-}" ]; then
-  [ -d "$GPU_CHECK_CPP_DIR/tests/cpp/cuda" ] ||
+  PREBUILT_DIR=$GPU_CHECK_CPP_DIR
+  if [ -f "$GPU_CHECK_CPP_DIR" ]; then  # an archive made by tools/gpu_prebuild.sh
+    PREBUILT_DIR=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_tests.XXXXXX") &&
+      tar -C "$PREBUILT_DIR" -xJf "$GPU_CHECK_CPP_DIR" ||
+      { echo "GPU_CHECK_CPP_DIR=$GPU_CHECK_CPP_DIR: not an archive tar -xJ can unpack" >&2; exit 2; }
+    trap 'rm -rf "$PREBUILT_DIR"' EXIT  # every step has ended by then (the script waits)
+  fi
+  [ -d "$PREBUILT_DIR/tests/cpp/cuda" ] ||
     { echo "GPU_CHECK_CPP_DIR=$GPU_CHECK_CPP_DIR has no tests/cpp/cuda" >&2; exit 2; }
   PREBUILT=1
-  CUDA_TESTS=$(cd "$GPU_CHECK_CPP_DIR/tests/cpp/cuda" && pwd)
+  CUDA_TESTS=$(cd "$PREBUILT_DIR/tests/cpp/cuda" && pwd)
 fi
 # The smallest opt-in shared memory of an sm_80+ GPU (sm_86/89/120, 99 KiB): under this cap the
 # launchers pick the smaller-tile variants that an H100 (227 KiB) never does.
