@@ -97,6 +97,7 @@ inline void pair_rows(const float* X, int64_t ldx, int64_t rows, int64_t pairs, 
 // and dS rounded to bfloat16, as GPU kernels do. keys() converts a key tile once, queries() the
 // query rows of each step.
 struct Bf16BackwardProducts {
+  static constexpr bool kBf16Pairs = true;  // for redo_nonfinite_rows (blocks.inl)
   mutable Buffer<uint32_t> ktw, vtw, ki, qw, dow, qi, doi, a;
   int64_t kd = 0, dw = 0;
 
@@ -151,6 +152,7 @@ struct Bf16BackwardProducts {
 // tile as PackedKV does, K^T as pairs along the head dim (kd = ceil(d / 2) rows of Bcp words) and
 // V as pairs of keys (Bcp / 2 rows of dp words); zeros in every padding.
 struct Bf16Products {
+  static constexpr bool kBf16Pairs = true;  // for redo_nonfinite_rows (blocks.inl)
   Buffer<uint32_t> qw, ktw, vw, pw, scratch;
   std::vector<char> packed;
   int64_t key = -1, b = 0, hk = 0;

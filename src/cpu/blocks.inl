@@ -302,12 +302,16 @@ inline void prefetch_extras_tile(const detail::HeadExtras* ex, const Params& p, 
 // (mod non-null) they are applied before the mask, and grad (non-null: the backward) receives
 // d score / d (scale q.k) for every element of the mp x np tile (0 in padding rows).
 // With a bias or mask (ex non-null) they follow the modifiers (apply_extras_row).
+// Returns whether the boolean mask hides some element of the tile pair (its rows and keys that
+// exist): such pairs need the callers' care for NaN and Inf at hidden keys (pair_masked).
 template <typename T>
-void mask_scores(const Geometry<T>& g, const Mask& mask, T* S, const TilePair& t, T* row_max,
+bool mask_scores(const Geometry<T>& g, const Mask& mask, T* S, const TilePair& t, T* row_max,
                  const detail::ScoreMod<T>* mod = nullptr, T* grad = nullptr,
                  const detail::HeadExtras* ex = nullptr) {
   detail::HeadExtras kept_all;
-  if (ex != nullptr && ex->keep != nullptr && mask_tile_full(ex, t.i0, t.rows, t.j0, t.cols)) {
+  const bool hidden = ex != nullptr && ex->keep != nullptr &&
+                      !mask_tile_full(ex, t.i0, t.rows, t.j0, t.cols);
+  if (ex != nullptr && ex->keep != nullptr && !hidden) {
     kept_all = *ex;
     kept_all.keep = nullptr;
     ex = kept_all.bias != nullptr ? &kept_all : nullptr;  // without a bias: the plain path
@@ -329,7 +333,7 @@ void mask_scores(const Geometry<T>& g, const Mask& mask, T* S, const TilePair& t
       if (ex != nullptr)
         row_max[r] = apply_extras_row(s, *ex, i, t.j0, std::max<int64_t>(lo, 0), hi);
     }
-    return;
+    return hidden;
   }
   const bool full = t.rows == t.mp && t.cols == t.np &&
                     mask.block_fully_visible(t.i0, t.i0 + t.rows, t.j0, t.j0 + t.cols);
@@ -346,15 +350,16 @@ void mask_scores(const Geometry<T>& g, const Mask& mask, T* S, const TilePair& t
     if (ex != nullptr)
       row_max[r] = apply_extras_row(s, *ex, t.i0 + r, t.j0, std::max<int64_t>(lo, 0), hi);
   }
+  return hidden;
 }
 
-// S = Q K^T for the tile pair, then mask_scores.
+// S = Q K^T for the tile pair, then mask_scores (whose result it returns).
 template <typename T>
-void masked_scores(const Geometry<T>& g, const Mask& mask, const T* Q, const T* Kt, int64_t ldkt,
+bool masked_scores(const Geometry<T>& g, const Mask& mask, const T* Q, const T* Kt, int64_t ldkt,
                    T* S, const TilePair& t, T* row_max, const detail::ScoreMod<T>* mod = nullptr,
                    T* grad = nullptr, const detail::HeadExtras* ex = nullptr) {
   gemm<T, false, false>(t.mp, t.np, g.d, Q, g.dp, Kt, ldkt, S, g.Bcp);
-  mask_scores(g, mask, S, t, row_max, mod, grad, ex);
+  return mask_scores(g, mask, S, t, row_max, mod, grad, ex);
 }
 
 // Z: the dropout multipliers (0 or 1 / (1 - p)) of the tile pair, from the counter-based
@@ -415,43 +420,75 @@ inline float& lse_at(const Params& p, int64_t b, int64_t h, int64_t i) {
 }
 
 // Whether some row of the tile pair cannot see some of its keys (a causal, window or sequence
-// edge inside it). Only such pairs can carry a key a row cannot see into that row's products.
-inline bool pair_masked(const Mask& mask, const TilePair& t) {
-  return !mask.block_fully_visible(t.i0, t.i0 + t.rows, t.j0, t.j0 + t.cols);
+// edge inside it, or, hidden: mask_scores's result, the boolean mask). Only such pairs can carry
+// a key a row cannot see into that row's products.
+inline bool pair_masked(const Mask& mask, const TilePair& t, bool hidden) {
+  return hidden || !mask.block_fully_visible(t.i0, t.i0 + t.rows, t.j0, t.j0 + t.cols);
 }
 
 // Keys a row cannot see never reach it: in a masked tile pair their weight is exactly 0, but a
 // product of the whole tile still adds 0 * x for them, NaN when x (a key or value of the caller,
 // read as it is) is NaN or Inf. After such a product C (rows of ld g.dp) is checked, and each row
 // that came out non-finite is recomputed from its value before the product (C0; null: zero) and
-// the keys it sees alone: C[r] = C0[r] + sum over visible j of A[r][j] * X[j], X read from the
-// caller's array (src: the tile's first key, row_stride apart). Rows that are finite keep the
+// the keys it sees alone: C[r] = C0[r] + (sum over visible j of A[r][j] * X[j]), X read from the
+// caller's array (src: the tile's first key, row_stride apart), the sum formed first from zero
+// in key order and added last, as gemm's micro-kernel does, so that a row comes out bitwise as
+// the product gives it on the same data with finite values at the keys it cannot see (whose
+// terms are +-0 there). pairs (the bfloat16 products of bf16dot.inl): A rounded to bfloat16 and
+// each pair of keys summed odd key first, as vdpbf16ps does. Rows that are finite keep the
 // product as it was, so the unmasked bulk and masked pairs of finite data pay only the check.
+// keep (non-null where the boolean mask hides some element of the pair: mask_scores): keys it
+// hides are left out of the sum as well. A pair the boolean mask alone makes masked costs the
+// copy of C0 (rows x d) and this check (rows x d), against the product's rows x cols x d.
 template <typename T>
 void redo_nonfinite_rows(const Geometry<T>& g, const Mask& mask, const TilePair& t, const T* A,
                          const T* C0, T* C, const void* src, DType dt, int64_t row_stride,
-                         Buffer<T>& xrow) {
+                         Buffer<T>& xrow, const detail::HeadExtras* keep = nullptr,
+                         bool pairs = false) {
   T* x = nullptr;
+  T* sum_row = nullptr;
   for (int64_t r = 0; r < t.rows; ++r) {
     T* c = C + r * g.dp;
     T sum = T(0);
     for (int64_t e = 0; e < g.d; ++e) sum += c[e] * T(0);  // NaN iff some c[e] is NaN or Inf
     if (sum == T(0)) continue;
-    if (x == nullptr) x = xrow.get(g.dp);
-    if (C0 != nullptr)
-      std::copy(C0 + r * g.dp, C0 + (r + 1) * g.dp, c);
-    else
-      std::fill(c, c + g.dp, T(0));
+    if (x == nullptr) {
+      x = xrow.get(2 * g.dp);
+      sum_row = x + g.dp;
+    }
+    std::fill(sum_row, sum_row + g.dp, T(0));
     const int64_t i = t.i0 + r;
     const int64_t lo = std::max<int64_t>(mask.col_begin(i) - t.j0, 0);
     const int64_t hi = std::min(mask.col_end(i) - t.j0, t.cols);
-    for (int64_t j = lo; j < hi; ++j) {
-      const T a = A[r * g.Bcp + j];
+    auto add = [&](int64_t j) {
+      if (j < lo || j >= hi || (keep != nullptr && !keep->kept(i, t.j0 + j))) return;
+      T a = A[r * g.Bcp + j];
+      if constexpr (std::is_same_v<T, float>)
+        if (pairs) a = bf16_to_float(float_to_bf16(a));
       convert_row_in(element(src, dt, j * row_stride), dt, g.d, x);
-      for (int64_t e = 0; e < g.d; ++e) c[e] += a * x[e];
+      for (int64_t e = 0; e < g.d; ++e) sum_row[e] += a * x[e];
+    };
+    if (pairs) {
+      for (int64_t j = lo & ~int64_t{1}; j < hi; j += 2) {
+        add(j + 1);
+        add(j);
+      }
+    } else {
+      for (int64_t j = lo; j < hi; ++j) add(j);
     }
+    if (C0 != nullptr)
+      for (int64_t e = 0; e < g.dp; ++e) c[e] = C0[r * g.dp + e] + sum_row[e];
+    else
+      std::copy(sum_row, sum_row + g.dp, c);
   }
 }
+
+// Whether Prod (a set of products: BackwardProducts, Products in fa2.inl, the bfloat16 ones of
+// bf16dot.inl) multiplies on bfloat16 pairs (its kBf16Pairs), for redo_nonfinite_rows.
+template <typename P, typename = void>
+struct PairProducts : std::false_type {};
+template <typename P>
+struct PairProducts<P, std::void_t<decltype(P::kBf16Pairs)>> : std::bool_constant<P::kBf16Pairs> {};
 
 // dBias of a backward: where the bias is as large as the problem (no broadcast axis), every
 // score's gradient is its own element, computed in exactly one tile pair: stored straight into
@@ -618,14 +655,17 @@ void backward_block(const Geometry<T>& g, const Params& p, const Mask& mask, int
   prefetch_extras_tile(mods.extras(), p, b, h, t.i0, t.rows, t.j0, t.cols,
                        scratch.dbias == nullptr);
   prod.scores(g, t, S);
-  mask_scores(g, mask, S, t, row_max, mods.get(), G, mods.extras());
+  const bool hidden = mask_scores(g, mask, S, t, row_max, mods.get(), G, mods.extras());
   // P = exp2(t - lse2); masked entries give exactly 0. lse comes as float32: where |lse2| is
   // huge (|softmax_scale * q.k| near 1e30) its rounding alone exceeds exp2's range, and a lse2
   // rounded below the row's largest score made P = inf and the gradients NaN. P <= 1 holds
   // exactly with the tile's row max as a floor (lse2 >= every score of the row): one max a row.
+  // A NaN lse2 (a row that sees a NaN or Inf key; with sinks the forward gives NaN there) takes
+  // the floor too: exp2(-inf - NaN) would be NaN at the keys the row cannot see, and P^T dO
+  // carried it into dv of keys that only other rows see.
   for (int64_t r = 0; r < t.mp; ++r)
     row_exp2_sum(S + r * g.Bcp, t.np,
-                 detail::softmax_reference_point(L2[r] < row_max[r] ? row_max[r] : L2[r]));
+                 detail::softmax_reference_point(L2[r] >= row_max[r] ? L2[r] : row_max[r]));
 
   const bool dropout = p.p_dropout > 0.0f;
   T* Pd = S;
@@ -659,7 +699,8 @@ void backward_block(const Geometry<T>& g, const Params& p, const Mask& mask, int
     for (int64_t r = 0; r < t.mp; ++r)
       for (int64_t j = r * g.Bcp; j < r * g.Bcp + t.np; j += W)
         vstore(dS + j, vload(dS + j) * vload(G + j));
-  const bool masked = pair_masked(mask, t);
+  const bool masked = pair_masked(mask, t, hidden);
+  const detail::HeadExtras* keep = hidden ? mods.extras() : nullptr;
   if (masked) {
     // dS of keys a row cannot see is 0 * (dP - D): NaN where dP read a NaN or Inf value there.
     for (int64_t r = 0; r < t.mp; ++r) {
@@ -673,6 +714,11 @@ void backward_block(const Geometry<T>& g, const Params& p, const Mask& mask, int
       }
       std::fill(ds, ds + lo, T(0));
       std::fill(ds + hi, ds + t.np, T(0));
+      if (keep == nullptr) continue;
+      // Keys the boolean mask hides (a select, never 0 * x: rows x cols bytes of the mask read
+      // again, only in pairs where it hides something).
+      const uint8_t* k = keep->keep + i * keep->mask_row + t.j0 * keep->mask_col;
+      for (int64_t j = lo; j < hi; ++j) ds[j] = k[j * keep->mask_col] != 0 ? ds[j] : T(0);
     }
   }
   zero_tail(dS);
@@ -683,7 +729,7 @@ void backward_block(const Geometry<T>& g, const Params& p, const Mask& mask, int
   prod.dq(g, t, dS, dQ);
   redo_nonfinite_rows(g, mask, t, dS, dQ0, dQ,
                       element(p.k_ptr, p.dtype, k_offset(p, b, t.j0, h / p.h_h_k_ratio)),
-                      p.dtype, p.k_row_stride, scratch.xrow);
+                      p.dtype, p.k_row_stride, scratch.xrow, keep, PairProducts<Prod>::value);
 }
 
 // The same step with the products in T on Q, dO (t.mp rows of dp), K (Bcp x dp), Kt, Vt (d x Bcp).

@@ -62,8 +62,8 @@ void fa1_forward_impl(const Params& p, int threads, int64_t sram_bytes) {
           load_rows(element(p.q_ptr, p.dtype, q_offset(p, b, i0, h)), p.dtype, p.q_row_stride,
                     rows, g.d, Q, g.dp, g.Brp);
           // Lines 9-10: S = tau Q K^T (masked), m~ = rowmax, P~ = exp(S - m~), l~ = rowsum.
-          masked_scores(g, mask, Q, Kt, g.Bcp, S, t, m_tilde, mods.get(), static_cast<T*>(nullptr),
-                        mods.extras());
+          const bool hidden = masked_scores(g, mask, Q, Kt, g.Bcp, S, t, m_tilde, mods.get(),
+                                            static_cast<T*>(nullptr), mods.extras());
           for (int64_t r = 0; r < t.mp; ++r) {
             T* s = S + r * g.Bcp;
             if (r < rows)
@@ -73,10 +73,10 @@ void fa1_forward_impl(const Params& p, int threads, int64_t sram_bytes) {
           }
           if (p.p_dropout > 0.0f) apply_dropout(g, p, b, h, t, S);
           gemm<T, false, false>(t.mp, g.dp, t.np, S, g.Bcp, V, g.dp, PV, g.dp);
-          if (pair_masked(mask, t))
+          if (pair_masked(mask, t, hidden))
             redo_nonfinite_rows(g, mask, t, S, static_cast<const T*>(nullptr), PV,
                                 element(p.v_ptr, p.dtype, v_offset(p, b, j0, hk)), p.dtype,
-                                p.v_row_stride, xrow);
+                                p.v_row_stride, xrow, hidden ? mods.extras() : nullptr);
           // Lines 11-13: m_new, l_new, O_i = diag(l_new)^-1 (diag(l_i) e^(m_i - m_new) O_i
           //                                                  + e^(m~ - m_new) P~ V_j).
           for (int64_t r = 0; r < rows; ++r) {

@@ -113,7 +113,8 @@ void fa2_forward_impl(const Params& p, int threads) {
           q_loaded = true;
         }
         prod.scores(p, g, kt, t, S);
-        mask_scores(g, mask, S, t, row_max, mods.get(), static_cast<T*>(nullptr), mods.extras());
+        const bool hidden = mask_scores(g, mask, S, t, row_max, mods.get(),
+                                        static_cast<T*>(nullptr), mods.extras());
         for (int64_t r = 0; r < rows; ++r) {
           const T alpha = sm[r].rescale_factor(row_max[r]);
           sm[r].accumulate(alpha, row_exp2_sum(S + r * g.Bcp, t.np, sm[r].reference()));
@@ -121,7 +122,7 @@ void fa2_forward_impl(const Params& p, int threads) {
         }
         for (int64_t r = rows; r < t.mp; ++r) std::fill(S + r * g.Bcp, S + r * g.Bcp + t.np, T(0));
         if (p.p_dropout > 0.0f) apply_dropout(g, p, b, h, t, S);
-        if (!pair_masked(mask, t)) {
+        if (!pair_masked(mask, t, hidden)) {
           prod.accumulate(g, t, S, O);
           continue;
         }
@@ -129,7 +130,8 @@ void fa2_forward_impl(const Params& p, int threads) {
         prod.accumulate(g, t, S, O);
         redo_nonfinite_rows(g, mask, t, S, O0, O,
                             element(p.v_ptr, p.dtype, v_offset(p, b, t.j0, hk)), p.dtype,
-                            p.v_row_stride, xrow);
+                            p.v_row_stride, xrow, hidden ? mods.extras() : nullptr,
+                            PairProducts<Prod>::value);
       }
       for (int64_t r = 0; r < rows; ++r) {
         T o_scale = sm[r].inv_l(), lse = sm[r].lse();

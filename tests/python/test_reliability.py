@@ -332,6 +332,151 @@ def test_masked_nonfinite_keys_never_reach_a_row(schedule, opts, bad):
         np.testing.assert_array_equal(g_b[:, clean], g[:, clean])
 
 
+def _bool_mask_with_bad_keys(sq, sk, seed):
+    """A boolean mask (sq, sk) and keys at which K and V go bad: key 20 seen by rows 5 and 77,
+    key 100 by row 90 alone (each of those rows sees only keys within 2 of it), key 60 by no row;
+    every other row sees a random 70% of the other keys. Returns (mask, bad keys, rows that see
+    a bad key, keys that no such row sees)."""
+    rng = np.random.default_rng(seed)
+    mask = rng.random((sq, sk)) > 0.3
+    bad_keys = [20, 60, 100]
+    mask[:, bad_keys] = False
+    seers = {20: [5, 77], 100: [90]}
+    for key, rows in seers.items():
+        for i in rows:
+            mask[i] = False
+            mask[i, key - 2:key + 3] = True
+    bad_rows = np.zeros(sq, bool)
+    bad_rows[[i for rows in seers.values() for i in rows]] = True
+    clean_keys = ~mask[bad_rows].any(axis=0)
+    return mask, bad_keys, bad_rows, clean_keys
+
+
+def _same_nonfinite(got, want, what):
+    """got (any dtype) non-finite exactly where the float64 want is, NaN where it is NaN, and
+    close to it elsewhere."""
+    got = np.asarray(got).astype(np.float64)
+    assert np.array_equal(np.isnan(got), np.isnan(want)), f"{what}: NaN pattern"
+    assert np.array_equal(np.isfinite(got), np.isfinite(want)), f"{what}: Inf pattern"
+    fin = np.isfinite(want)
+    np.testing.assert_allclose(got[fin], want[fin], rtol=2e-2, atol=2e-2, err_msg=what)
+
+
+@pytest.mark.parametrize("schedule", ["fa1", "fa2", "reference"])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_nonfinite_keys_hidden_by_a_bool_mask_never_reach_a_row(schedule, dtype, bad):
+    """NaN or Inf in K and V at keys the boolean mask alone hides from a row (no causal mask or
+    window; the keys share their tiles with keys the row sees) leaves that row's out, lse and dq,
+    and dk, dv of the keys no row seeing a bad key sees, as they are with clean inputs; rows that
+    see a bad key follow the float64 reference, NaN where it is NaN."""
+    from attn_oracle import np_dtype
+    dt = np_dtype(dtype)
+    sq, sk = 97, 130
+    q, k, v = (x.astype(dt) for x in qkv(b=2, sq=sq, sk=sk, h=2, hk=1, d=24))
+    mask, bad_keys, bad_rows, clean_keys = _bool_mask_with_bad_keys(sq, sk, 1)
+    k_bad, v_bad = k.copy(), v.copy()
+    k_bad[:, bad_keys] = bad
+    v_bad[:, bad_keys] = bad
+    dout = RNG.standard_normal(q.shape).astype(dt)
+    kw = dict(schedule=schedule, mask=mask)
+    out, lse = flashdl.attention(q, k, v, return_lse=True, **kw)
+    out_b, lse_b = flashdl.attention(q, k_bad, v_bad, return_lse=True, **kw)
+    ok = ~bad_rows
+    np.testing.assert_array_equal(out_b[:, ok], out[:, ok])
+    np.testing.assert_array_equal(lse_b[:, :, ok], lse[:, :, ok])
+    grads = flashdl.attention_backward(dout, q, k, v, out, lse, **kw)
+    grads_b = flashdl.attention_backward(dout, q, k_bad, v_bad, out_b, lse_b, **kw)
+    np.testing.assert_array_equal(grads_b[0][:, ok], grads[0][:, ok])  # dq
+    for g, g_b in zip(grads[1:], grads_b[1:]):  # dk, dv
+        np.testing.assert_array_equal(g_b[:, clean_keys], g[:, clean_keys])
+    # The rows that see a bad key, and every key they see: the float64 reference's out, dq and
+    # dk. (A row with a NaN score gets lse NaN there but -inf from fa1 and fa2, and dv NaN at
+    # every key it sees there but only at the bad keys from fa1 and fa2, with any mask: both
+    # non-finite, which is all that is asked of lse; dv of such keys is left out.)
+    q64, k64, v64, do64 = (x.astype(np.float64) for x in (q, k_bad, v_bad, dout))
+    kw64 = dict(schedule="reference", mask=mask)
+    out64, lse64 = flashdl.attention(q64, k64, v64, return_lse=True, **kw64)
+    assert not np.isfinite(out64[:, bad_rows]).all()
+    _same_nonfinite(out_b[:, bad_rows], out64[:, bad_rows], "out")
+    assert np.array_equal(np.isfinite(lse_b[:, :, bad_rows]), np.isfinite(lse64[:, :, bad_rows]))
+    grads64 = flashdl.attention_backward(do64, q64, k64, v64, out64, lse64, **kw64)
+    _same_nonfinite(grads_b[0][:, bad_rows], grads64[0][:, bad_rows], "dq")
+    _same_nonfinite(grads_b[1][:, ~clean_keys], grads64[1][:, ~clean_keys], "dk")
+
+
+@pytest.mark.parametrize("schedule", ["fa1", "fa2", "reference"])
+@pytest.mark.parametrize("bias_shape", [(2, 2, 97, 130), (1, 1, 97, 130)])
+def test_nonfinite_keys_hidden_by_a_bool_mask_with_bias_and_sinks(schedule, bias_shape):
+    """With a bias (dbias stored per element, or summed over broadcast axes) and sinks: rows
+    that see no bad key keep out, lse, dq and their dbias rows; dbias of a broadcast bias sums
+    over every row, so it is not finite where a row sees a bad key, as the reference's."""
+    sq, sk = 97, 130
+    q, k, v = qkv(b=2, sq=sq, sk=sk, h=2, hk=2, d=16)
+    mask, bad_keys, bad_rows, clean_keys = _bool_mask_with_bad_keys(sq, sk, 3)
+    bias = RNG.standard_normal(bias_shape).astype(np.float32)
+    sinks = RNG.standard_normal(2).astype(np.float32)
+    k_bad, v_bad = k.copy(), v.copy()
+    k_bad[:, bad_keys] = np.nan
+    v_bad[:, bad_keys] = np.inf
+    dout = RNG.standard_normal(q.shape).astype(np.float32)
+    kw = dict(schedule=schedule, mask=mask, bias=bias, sinks=sinks)
+    out, lse = flashdl.attention(q, k, v, return_lse=True, **kw)
+    out_b, lse_b = flashdl.attention(q, k_bad, v_bad, return_lse=True, **kw)
+    ok = ~bad_rows
+    np.testing.assert_array_equal(out_b[:, ok], out[:, ok])
+    np.testing.assert_array_equal(lse_b[:, :, ok], lse[:, :, ok])
+    grads = flashdl.attention_backward(dout, q, k, v, out, lse, **kw)
+    grads_b = flashdl.attention_backward(dout, q, k_bad, v_bad, out_b, lse_b, **kw)
+    np.testing.assert_array_equal(grads_b[0][:, ok], grads[0][:, ok])  # dq
+    for g, g_b in zip(grads[1:3], grads_b[1:3]):  # dk, dv
+        np.testing.assert_array_equal(g_b[:, clean_keys], g[:, clean_keys])
+    dbias, dbias_b = grads[3], grads_b[3]
+    if bias_shape[0] == 2:
+        np.testing.assert_array_equal(dbias_b[:, :, ok], dbias[:, :, ok])
+        assert np.isfinite(dbias_b[:, :, ok]).all()
+    else:
+        assert not np.isfinite(dbias_b).all()
+    # dsinks leaves out rows whose lse is not finite (sinks.cpp), as those that see a bad key
+    # have: finite, the sum over the other rows.
+    assert np.isfinite(grads_b[4]).all()
+
+
+@pytest.mark.parametrize("schedule", ["fa1", "fa2", "reference"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_nonfinite_keys_hidden_by_a_bool_mask_varlen(schedule, bad):
+    """The same in a varlen batch (mask (nheads, total_q, max_seqlen_k)), with a causal mask as
+    well: sequence 1's bad keys reach only the rows its mask lets see them."""
+    lens = [40, 130]
+    cu = np.array([0, 40, 170], np.int32)
+    sq = 130
+    q, k, v = (x[0] for x in qkv(sq=170, sk=170, h=2, hk=2, d=16))
+    mask1, bad_keys, bad_rows, clean_keys = _bool_mask_with_bad_keys(sq, sq, 2)
+    mask1 |= np.tril(np.ones((sq, sq), bool), -3) & ~bad_rows[:, None]  # more to see, not bad
+    mask1[:, bad_keys] &= bad_rows[:, None]
+    mask = np.ones((2, 170, 130), bool)
+    mask[:, 40:] = mask1
+    kb, vb = k.copy(), v.copy()
+    kb[40 + np.array(bad_keys)] = bad
+    vb[40 + np.array(bad_keys)] = bad
+    dout = RNG.standard_normal(q.shape).astype(np.float32)
+    kw = dict(schedule=schedule, mask=mask, causal=True)
+    args = (cu, cu, max(lens), max(lens))
+    out, lse = flashdl.attention_varlen(q, k, v, *args, return_lse=True, **kw)
+    out_b, lse_b = flashdl.attention_varlen(q, kb, vb, *args, return_lse=True, **kw)
+    ok = np.concatenate([np.ones(40, bool), ~bad_rows])
+    causal_bad = np.tril(np.ones((sq, sq), bool))[bad_rows][:, bad_keys].any()
+    assert causal_bad  # some row sees a bad key, through both masks
+    np.testing.assert_array_equal(out_b[ok], out[ok])
+    np.testing.assert_array_equal(lse_b[:, ok], lse[:, ok])
+    grads = flashdl.attention_varlen_backward(dout, q, k, v, out, lse, *args, **kw)
+    grads_b = flashdl.attention_varlen_backward(dout, q, kb, vb, out_b, lse_b, *args, **kw)
+    np.testing.assert_array_equal(grads_b[0][ok], grads[0][ok])
+    keys_ok = np.concatenate([np.ones(40, bool), clean_keys])
+    for g, g_b in zip(grads[1:], grads_b[1:]):
+        np.testing.assert_array_equal(g_b[keys_ok], g[keys_ok])
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_masked_nonfinite_keys_kvcache_and_varlen(bad):
     q, k, v = qkv(sq=1, sk=40, d=16)
