@@ -176,10 +176,27 @@ uint64_t seed_of(const Frame& f, int64_t i) {
   return static_cast<uint64_t>(w[0]) | (static_cast<uint64_t>(w[1]) << 32);
 }
 
+// Sinks (and dSinks) travel as float32 (nheads,), or as (batch, nheads) with every row equal (the
+// dense targets: one row per batch entry, so that they shard and fold with q's batch): the core
+// reads row 0 and the (nheads,) view of it is returned; `rows` gets the number of rows.
+TensorView first_row(TensorView t, int64_t& rows) {
+  rows = 1;
+  if (t.rank == 2) {
+    rows = t.shape[0];
+    t.rank = 1;
+    t.shape[0] = t.shape[1];
+    t.strides[0] = t.strides[1];
+  }
+  return t;
+}
+
 // The optional array arguments after the fixed ones, in this order when present: block_mask
-// (attribute has_block_mask), alibi_slopes (has_alibi), seed (dropout_p > 0). `first` is the
-// index of the first of them.
-void optional_args(const Frame& f, int64_t first, Options& o) {
+// (attribute has_block_mask), alibi_slopes (has_alibi), bias (has_bias), mask (has_mask), sinks
+// (has_sinks), seed (dropout_p > 0). `first` is the index of the first of them. In the backward
+// (first_ret >= 0) dbias (with has_bias) and dsinks (with has_sinks) are the results from
+// first_ret on; dsinks_rows gets the rows of the dsinks buffer (see first_row).
+void optional_args(const Frame& f, int64_t first, Options& o, int64_t first_ret = -1,
+                   int64_t* dsinks_rows = nullptr) {
   int64_t i = first;
   if (f.integer_or("has_block_mask", 0) != 0) {
     o.block_mask = f.arg(i++, "block_mask", 3);
@@ -187,9 +204,31 @@ void optional_args(const Frame& f, int64_t first, Options& o) {
     o.block_size_k = f.integer("block_size_k");
   }
   if (f.integer_or("has_alibi", 0) != 0) o.alibi_slopes = f.arg(i++, "alibi_slopes", 1);
+  const bool has_bias = f.integer_or("has_bias", 0) != 0;
+  const bool has_sinks = f.integer_or("has_sinks", 0) != 0;
+  if (has_bias) o.bias = f.arg(i++, "bias", 3);
+  if (f.integer_or("has_mask", 0) != 0) o.mask = f.arg(i++, "mask", 3);
+  int64_t rows = 1;
+  if (has_sinks) o.sinks = first_row(f.arg(i++, "sinks", 1), rows);
+  if (first_ret >= 0) {
+    int64_t r = first_ret;
+    if (has_bias) o.dbias = f.ret(r++, "dbias", 3);
+    if (has_sinks) o.dsinks = first_row(f.ret(r++, "dsinks", 1), rows);
+    if (dsinks_rows != nullptr) *dsinks_rows = has_sinks ? rows : 0;
+  }
   o.dropout_p = static_cast<float>(f.real_or("dropout_p", 0.0));
   o.offset = static_cast<uint64_t>(f.integer_or("offset", 0));
   if (o.dropout_p != 0.0f) o.seed = seed_of(f, i++);
+}
+
+// After a backward that wrote dsinks into row 0 of a (rows, nheads) buffer: the other rows get
+// zeros, so that the sum over the rows (the transpose of the broadcast) is dSinks. Only the CPU
+// runs sinks (the core refuses them on CUDA before anything is written).
+void zero_other_rows(const Frame& f, const Options& o, int64_t rows) {
+  if (rows <= 1 || f.on_cuda()) return;
+  const int64_t h = o.dsinks.shape[0];
+  std::memset(static_cast<float*>(o.dsinks.data) + h, 0,
+              static_cast<size_t>((rows - 1) * h) * sizeof(float));
 }
 
 Options options_of(const Frame& f, bool backward) {
@@ -214,10 +253,12 @@ void attention_fwd(const Frame& f) {
 
 void attention_bwd(const Frame& f) {
   Options o = options_of(f, true);
-  optional_args(f, 6, o);
+  int64_t rows = 0;
+  optional_args(f, 6, o, 3, &rows);
   flashdl::backward(f.arg(0, "dout", 3), f.arg(1, "q", 3), f.arg(2, "k", 3), f.arg(3, "v", 3),
                     f.arg(4, "out", 3), f.arg(5, "lse", 2), f.ret(0, "dq", 3),
                     f.ret(1, "dk", 3), f.ret(2, "dv", 3), o);
+  zero_other_rows(f, o, rows);
 }
 
 // Attention over a KV cache. Arguments q, k_cache, v_cache, cache_seqlens, then k_new, v_new
@@ -280,7 +321,7 @@ void varlen_fwd(const Frame& f) {
 
 void varlen_bwd(const Frame& f) {
   Options o = options_of(f, true);
-  optional_args(f, 8, o);
+  optional_args(f, 8, o, 3);
   flashdl::backward_varlen(f.arg(0, "dout"), f.arg(1, "q"), f.arg(2, "k"), f.arg(3, "v"),
                            f.arg(4, "out"), f.arg(5, "lse"), f.arg(6, "cu_seqlens_q"),
                            f.arg(7, "cu_seqlens_k"), f.integer("max_seqlen_q"),

@@ -28,18 +28,29 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 # The role of each array of a call: its factors in the sharding rule.
 _Q, _KV, _LSE, _MASK, _ALIBI = "b s h d", "b t k d", "b h s", "b h x y", "b h"
-_REPLICATED = ("s", "t", "d", "x", "y")
+# bias, mask (rows: seqlen_q or 1) and sinks, broadcast to one plane (one row) per (batch, head)
+_BIAS, _BOOL_MASK, _SINKS = "b h r c", "b h m n", "b h"
+_REPLICATED = ("s", "t", "d", "x", "y", "r", "c", "m", "n")
+
+
+def _extra_roles(cfg):
+    """(name, role) of the optional arrays of a dense call, in the handlers' order (the seed,
+    last, exists only with dropout, whose calls are not partitioned)."""
+    return [(n, r) for n, r, on in (("block_mask", _MASK, cfg.has_block_mask),
+                                    ("alibi_slopes", _ALIBI, cfg.has_alibi),
+                                    ("bias", _BIAS, cfg.has_bias),
+                                    ("mask", _BOOL_MASK, cfg.has_mask),
+                                    ("sinks", _SINKS, cfg.has_sinks)) if on]
 
 
 def _roles(kind, cfg):
-    extras = ([_MASK] if cfg.has_block_mask else []) + ([_ALIBI] if cfg.has_alibi else [])
+    extra_names = [n for n, _ in _extra_roles(cfg)]
+    extras = [r for _, r in _extra_roles(cfg)]
     if kind == "fwd":
-        names = ["q", "k", "v"] + (["block_mask"] if cfg.has_block_mask else []) + \
-            (["alibi_slopes"] if cfg.has_alibi else [])
-        return names, [_Q, _KV, _KV] + extras, [_Q, _LSE]
-    names = ["dout", "q", "k", "v", "out", "lse"] + (["block_mask"] if cfg.has_block_mask else []) \
-        + (["alibi_slopes"] if cfg.has_alibi else [])
-    return names, [_Q, _Q, _KV, _KV, _Q, _LSE] + extras, [_Q, _KV, _KV]
+        return ["q", "k", "v"] + extra_names, [_Q, _KV, _KV] + extras, [_Q, _LSE]
+    grads = ([_BIAS] if cfg.has_bias else []) + ([_SINKS] if cfg.has_sinks else [])
+    return (["dout", "q", "k", "v", "out", "lse"] + extra_names,
+            [_Q, _Q, _KV, _KV, _Q, _LSE] + extras, [_Q, _KV, _KV] + grads)
 
 
 def _entry(spec, i):
@@ -98,14 +109,23 @@ def _partition_rule(kind, cfg, raw):
     return partition, infer, rule
 
 
-def _fold_vmap(fn, nout):
-    """fn under jax.custom_batching.custom_vmap: a mapped axis folds into the batch axis."""
+def _fold_vmap(fn, nout, names=(), serial=False):
+    """fn under jax.custom_batching.custom_vmap: a mapped axis folds into the batch axis. Sinks
+    (one logit per head, shared by the whole batch) cannot fold: mapped sinks are refused. serial:
+    the elements run one by one (jax.lax.map) instead: the backward with sinks, whose dSinks sums
+    over the whole batch it is given, so a folded call would mix the elements' gradients."""
     f = jax.custom_batching.custom_vmap(fn)
 
     @f.def_vmap
     def rule(axis_size, in_batched, *args):
+        if "sinks" in names and in_batched[names.index("sinks")]:
+            raise ValueError("sinks: jax.vmap over sinks is not supported (the sinks are one "
+                             "logit per head, shared by every batch entry); map q, k, v (and "
+                             "bias, mask) and pass sinks unmapped (in_axes=None)")
         args = [x if b else jnp.broadcast_to(x, (axis_size,) + x.shape)
                 for x, b in zip(args, in_batched)]
+        if serial:
+            return tuple(jax.lax.map(lambda xs: f(*xs), tuple(args))), (True,) * nout
         batch = args[0].shape[1]
         outs = f(*(x.reshape((axis_size * batch,) + x.shape[2:]) for x in args))
         return tuple(o.reshape((axis_size, batch) + o.shape[1:]) for o in outs), (True,) * nout
@@ -124,4 +144,5 @@ def partitioned(kind, cfg, raw):
     replicated = tuple(sorted((f for f in _REPLICATED if f in order), key=order.index))
     cp.def_partition(partition=partition, infer_sharding_from_operands=infer,
                      sharding_rule=rule, need_replication_factors=replicated)
-    return _fold_vmap(cp, 2 if kind == "fwd" else 3)
+    names, _, out_roles = _roles(kind, cfg)
+    return _fold_vmap(cp, len(out_roles), tuple(names), kind == "bwd" and cfg.has_sinks)

@@ -29,7 +29,7 @@ import numpy as np
 
 from . import _checks, _ext
 from ._api import _block_sparse, _dropout_p, _layout, _LayoutErrors, _scalars, _score_mods
-from ._api import _unsigned
+from ._api import _full_rank, _unsigned
 from ._jax_partition import partitioned
 
 __all__ = ["attention", "attention_varlen", "attention_with_kvcache", "merge_states",
@@ -72,6 +72,9 @@ class _Config(NamedTuple):
     block_size_q: int = 128
     block_size_k: int = 128
     has_alibi: bool = False
+    has_bias: bool = False
+    has_mask: bool = False
+    has_sinks: bool = False
 
     def attrs(self, backward: bool) -> dict:
         a = dict(causal=self.causal, softmax_scale=np.float64(self.softmax_scale),
@@ -87,12 +90,15 @@ class _Config(NamedTuple):
                      block_size_k=np.int64(self.block_size_k))
         if self.has_alibi:
             a["has_alibi"] = True
+        for name in ("has_bias", "has_mask", "has_sinks"):
+            if getattr(self, name):
+                a[name] = True
         return a
 
 
 def _config(causal, softmax_scale, window_size, schedule, softcap, deterministic,
             dropout_p=0.0, offset=0, block_mask=None, block_size=128,
-            alibi_slopes=None) -> _Config:
+            alibi_slopes=None, bias=None, mask=None, sinks=None) -> _Config:
     causal, scale, schedule, (left, right) = _scalars(causal, softmax_scale, schedule,
                                                       window_size)
     cap = _score_mods(None, softcap)["softcap"]
@@ -102,7 +108,8 @@ def _config(causal, softmax_scale, window_size, schedule, softcap, deterministic
     return _Config(causal, math.nan if scale is None else scale, left, right, schedule, cap,
                    _checks.flag("deterministic", deterministic), dropout_p, offset,
                    block_mask is not None, sparse["block_size_q"], sparse["block_size_k"],
-                   alibi_slopes is not None)
+                   alibi_slopes is not None, bias is not None, mask is not None,
+                   sinks is not None)
 
 
 def _stand_in(shape, dtype, writable=False):
@@ -143,10 +150,11 @@ def _check(entry, arrays, cfg, extra=(), optional=None):
                 window_left=cfg.window_left, window_right=cfg.window_right,
                 schedule=cfg.schedule, softcap=cfg.softcap, validate_only=True,
                 dropout_p=cfg.dropout_p, offset=cfg.offset)
-    for name, x in (optional or {}).items():  # block_mask, alibi_slopes: the core checks them
+    for name, x in (optional or {}).items():  # block_mask, alibi_slopes, bias, mask, sinks
         if x is not None:
-            opts[name] = _stand_in(tuple(x.shape), jnp.dtype(x.dtype)) if x.ndim else \
-                np.zeros((), jnp.dtype(x.dtype))
+            dtype = jnp.dtype(x.dtype)
+            dtype = np.dtype(np.uint16) if dtype == jnp.bfloat16 else dtype  # as q's, above
+            opts[name] = _stand_in(tuple(x.shape), dtype) if x.ndim else np.zeros((), dtype)
     if cfg.has_block_mask:
         opts.update(block_size_q=cfg.block_size_q, block_size_k=cfg.block_size_k)
     entry(probes, opts, *extra)
@@ -180,6 +188,7 @@ def _raw_backward(cfg, vmap_method="broadcast_all"):
     def call(dout, q, k, v, out, lse, *extras):
         _register()
         shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+        shapes += _extra_grad_shapes(cfg, extras)
         fn = jax.ffi.ffi_call(_BWD, shapes, vmap_method=vmap_method)
         return tuple(fn(dout, q, k, v, out, lse, *extras, **cfg.attrs(True)))
     return call
@@ -219,8 +228,31 @@ def _attention_bwd(cfg, residuals, cotangents):
     # lse leaves attention() under stop_gradient, so its cotangent is zero: dout alone flows.
     dout, _ = cotangents
     *arrays, extras = residuals
-    dq, dk, dv = _backward(dout, *arrays, cfg, extras)
-    return dq, dk, dv, tuple(None for _ in extras)  # mask, slopes, seed: no gradient
+    dq, dk, dv, *grads = _backward(dout, *arrays, cfg, extras)
+    return dq, dk, dv, _extra_cotangents(cfg, extras, grads)
+
+
+def _extra_names(cfg):
+    """The names of a call's optional arrays, in the handlers' order (xla_ffi.cpp)."""
+    return [n for n, on in (("block_mask", cfg.has_block_mask), ("alibi_slopes", cfg.has_alibi),
+                            ("bias", cfg.has_bias), ("mask", cfg.has_mask),
+                            ("sinks", cfg.has_sinks), ("seed", cfg.dropout_p > 0)) if on]
+
+
+def _extra_grad_shapes(cfg, extras):
+    """The backward's results after dq, dk, dv: dbias (the bias's shape and dtype, as it reaches
+    the handler) with a bias, dsinks (float32, the sinks' shape) with sinks."""
+    named = dict(zip(_extra_names(cfg), extras))
+    return tuple(jax.ShapeDtypeStruct(named[n].shape, named[n].dtype if n == "bias" else
+                                      jnp.float32)
+                 for n in ("bias", "sinks") if n in named)
+
+
+def _extra_cotangents(cfg, extras, grads):
+    """The cotangents of the optional arrays: dbias and dsinks (grads, in that order) for the bias
+    and the sinks; None (no gradient) for the block mask, slopes, boolean mask and seed."""
+    grads = iter(grads)
+    return tuple(next(grads) if n in ("bias", "sinks") else None for n in _extra_names(cfg))
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -239,8 +271,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
               schedule: str = "auto", softcap: float = 0.0, deterministic: bool = False,
               return_lse: bool = False, layout: str = "bshd", dropout_p: float = 0.0,
               seed: Any = None, offset: int = 0, block_mask: Any = None,
-              block_size: Any = 128, alibi_slopes: Any = None) -> Any:
-    """:func:`flashdl.attention` for JAX programs: traceable and differentiable with respect to q, k, v.
+              block_size: Any = 128, alibi_slopes: Any = None, bias: Any = None,
+              mask: Any = None, sinks: Any = None) -> Any:
+    """:func:`flashdl.attention` for JAX programs: traceable and differentiable with respect to q,
+    k, v (and ``bias``, ``sinks``).
 
     Works under ``jax.jit``, ``jax.grad`` / ``jax.vjp`` (a ``jax.custom_vjp`` whose backward is
     flashdl's) and ``jax.vmap`` (any leading mapped axes fold into the batch: one kernel launch).
@@ -277,6 +311,18 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
         As in :func:`flashdl.attention` (traced values are fine); ``block_size`` static.
     alibi_slopes : float32 array (nheads,) or (batch, nheads), optional
         As in :func:`flashdl.attention` (traced values are fine); not differentiated.
+    bias : float array, optional
+        An additive bias broadcastable to (batch, nheads, seqlen_q, seqlen_k) (the last axis
+        seqlen_k), as in :func:`flashdl.attention`; differentiated (``jax.grad`` gives dBias in
+        its shape). CPU only: CUDA arrays raise the core's NotImplementedError (XLA's
+        ``UNIMPLEMENTED``). It reaches the kernel broadcast over batch and heads (one plane per
+        (batch, head), so it shards and folds with q): a (seqlen_q, seqlen_k) bias costs
+        batch * nheads planes of memory.
+    mask : bool array, optional
+        True = attend, the bias's shapes; not differentiated. CPU only, as ``bias``.
+    sinks : float32 array (nheads,), optional
+        Attention sinks, as in :func:`flashdl.attention`; differentiated. CPU only. Under
+        ``jax.vmap`` they must be unmapped (one array for every mapped element).
 
     Returns
     -------
@@ -313,15 +359,17 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
     return_lse = _checks.flag("return_lse", return_lse)
     bhsd = _layout(layout)
     block_mask, alibi_slopes = _optional_arrays(block_mask, alibi_slopes)
+    bias, mask, sinks = _bias_mask_sinks(bias, mask, sinks, 4)
     cfg = _config(causal, softmax_scale, window_size, schedule, softcap, deterministic,
-                  dropout_p, offset, block_mask, block_size, alibi_slopes)
+                  dropout_p, offset, block_mask, block_size, alibi_slopes, bias, mask, sinks)
     seed_arr = _seed(seed, cfg.dropout_p)
     with _LayoutErrors((q, k, v), bhsd):
         if bhsd:
             q, k, v = (_heads_second(n, x, 4) for n, x in (("q", q), ("k", k), ("v", v)))
         _check(_check_dense, {"q": q, "k": k, "v": v}, cfg,
-               optional=dict(block_mask=block_mask, alibi_slopes=alibi_slopes))
-    extras = _dense_extras(q, block_mask, alibi_slopes, seed_arr)
+               optional=dict(block_mask=block_mask, alibi_slopes=alibi_slopes, bias=bias,
+                             mask=mask, sinks=sinks))
+    extras = _dense_extras(q, block_mask, alibi_slopes, seed_arr, bias, mask, sinks)
     out, lse = _attention(q, k, v, extras, _resolved(cfg, q))
     if bhsd:
         out = jnp.swapaxes(out, 1, 2)
@@ -340,10 +388,35 @@ def _optional_arrays(block_mask, alibi_slopes):
     return out
 
 
-def _dense_extras(q, block_mask, alibi_slopes, seed):
+def _bias_mask_sinks(bias, mask, sinks, rank):
+    """bias, mask and sinks as JAX arrays, bias and mask of rank `rank` (fewer axes are leading
+    size-1 ones, as NumPy broadcasts; the core checks the rest on these shapes)."""
+    layout = ("(batch, nheads, seqlen_q, seqlen_k)" if rank == 4
+              else "(nheads, total_q, max_seqlen_k)")
+    out = []
+    for name, x, what in (("bias", bias, "a float array"), ("mask", mask, "a bool array"),
+                          ("sinks", sinks, "a float32 array of shape (nheads,)")):
+        if x is not None and not (isinstance(x, (jax.Array, np.ndarray))
+                                  or _checks.is_tracer(x)):
+            raise TypeError(f"{name}: expected None or {what}, got {_checks.describe(x)}")
+        if x is not None:
+            given = jnp.dtype(x.dtype)
+            x = jnp.asarray(x)
+            if jnp.dtype(x.dtype) != given:  # float64 without jax_enable_x64
+                raise TypeError(f"{name}: expected {what}, got {given} (JAX would convert it to "
+                                f"{jnp.dtype(x.dtype)})")
+            if name != "sinks":
+                x = _full_rank(name, x, rank, layout)
+        out.append(x)
+    return out
+
+
+def _dense_extras(q, block_mask, alibi_slopes, seed, bias=None, mask=None, sinks=None):
     """The optional arrays of a dense call, in the handlers' order, broadcast to one plane per
     (batch, head) so that they shard and fold with q's batch and heads (the core has checked
-    their shapes on the caller's arrays already)."""
+    their shapes on the caller's arrays already). Sinks become one (nheads,) row per batch entry
+    (the handler reads the first; dSinks comes back in the first row, zeros in the others, so
+    the transpose of the broadcast sums it)."""
     b, h = q.shape[0], q.shape[2]
     extras = []
     if block_mask is not None:
@@ -351,6 +424,11 @@ def _dense_extras(q, block_mask, alibi_slopes, seed):
         extras.append(jnp.broadcast_to(m, (b, h) + m.shape[2:]))
     if alibi_slopes is not None:
         extras.append(jnp.broadcast_to(alibi_slopes, (b, h)))
+    for x in (bias, mask):
+        if x is not None:
+            extras.append(jnp.broadcast_to(x, (b, h) + x.shape[2:]))
+    if sinks is not None:
+        extras.append(jnp.broadcast_to(sinks, (b, h)))
     if seed is not None:
         extras.append(seed)
     return tuple(extras)
@@ -429,11 +507,12 @@ def _attention_varlen_bwd(cfg, lens, residuals, cotangents):
     dout, _ = cotangents
     q, k, v, out, lse, cu_q, cu_k, extras = residuals
     shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+    shapes += _extra_grad_shapes(cfg, extras)
     call = jax.ffi.ffi_call(_VARLEN_BWD, shapes, vmap_method="sequential")
-    dq, dk, dv = call(dout, q, k, v, out, lse, cu_q, cu_k, *extras, **cfg.attrs(True),
-                      **lens.attrs())
-    # the offsets, mask, slopes and seed are not differentiated
-    return dq, dk, dv, None, None, tuple(None for _ in extras)
+    dq, dk, dv, *grads = call(dout, q, k, v, out, lse, cu_q, cu_k, *extras, **cfg.attrs(True),
+                              **lens.attrs())
+    # the offsets, block mask, slopes, boolean mask and seed are not differentiated
+    return dq, dk, dv, None, None, _extra_cotangents(cfg, extras, grads)
 
 
 _attention_varlen.defvjp(_attention_varlen_fwd, _attention_varlen_bwd)
@@ -455,11 +534,12 @@ def attention_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax
                      softcap: float = 0.0, deterministic: bool = False,
                      return_lse: bool = False, layout: str = "thd", dropout_p: float = 0.0,
                      seed: Any = None, offset: int = 0, block_mask: Any = None,
-                     block_size: Any = 128, alibi_slopes: Any = None) -> Any:
+                     block_size: Any = 128, alibi_slopes: Any = None, bias: Any = None,
+                     mask: Any = None, sinks: Any = None) -> Any:
     """:func:`flashdl.attention_varlen` for JAX programs (flash-attn's packed layout).
 
-    Traceable and differentiable with respect to q, k and v, like :func:`attention`. ``jax.vmap``
-    runs a batch of calls one by one.
+    Traceable and differentiable with respect to q, k and v (and bias, sinks), like
+    :func:`attention`. ``jax.vmap`` runs a batch of calls one by one.
 
     Parameters
     ----------
@@ -481,6 +561,10 @@ def attention_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax
     dropout_p, seed, offset, block_mask, block_size, alibi_slopes : optional
         As in :func:`attention` (the mask of sequence ``b`` is that of dense batch ``b``), and
         block masks and slopes as in :func:`flashdl.attention_varlen`.
+    bias, mask, sinks : optional
+        As in :func:`flashdl.attention_varlen`: bias and mask broadcastable to (nheads, total_q,
+        max_seqlen_k) (row r of the packed queries, columns counted from its sequence's first
+        key), sinks float32 (nheads,); bias and sinks are differentiated. CPU only.
 
     Returns
     -------
@@ -509,8 +593,9 @@ def attention_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax
     return_lse = _checks.flag("return_lse", return_lse)
     heads_first = _layout(layout, varlen=True)
     block_mask, alibi_slopes = _optional_arrays(block_mask, alibi_slopes)
+    bias, mask, sinks = _bias_mask_sinks(bias, mask, sinks, 3)
     cfg = _config(causal, softmax_scale, window_size, schedule, softcap, deterministic,
-                  dropout_p, offset, block_mask, block_size, alibi_slopes)
+                  dropout_p, offset, block_mask, block_size, alibi_slopes, bias, mask, sinks)
     seed_arr = _seed(seed, cfg.dropout_p)
     lens = _Varlen(_static_int("max_seqlen_q", max_seqlen_q),
                    _static_int("max_seqlen_k", max_seqlen_k))
@@ -524,8 +609,10 @@ def attention_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax
         if heads_first:
             q, k, v = (_heads_second(n, x, 3) for n, x in (("q", q), ("k", k), ("v", v)))
         _check(_check_varlen, {"q": q, "k": k, "v": v}, cfg, (lens, nseq),
-               optional=dict(block_mask=block_mask, alibi_slopes=alibi_slopes))
-    extras = tuple(x for x in (block_mask, alibi_slopes, seed_arr) if x is not None)
+               optional=dict(block_mask=block_mask, alibi_slopes=alibi_slopes, bias=bias,
+                             mask=mask, sinks=sinks))
+    extras = tuple(x for x in (block_mask, alibi_slopes, bias, mask, sinks, seed_arr)
+                   if x is not None)
     out, lse = _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, extras,
                                  _resolved(cfg, q), lens)
     if heads_first:

@@ -66,6 +66,35 @@ def test_sharded_jit_has_no_collective_and_matches(name):
         np.testing.assert_array_equal(np.asarray(g), e)
 
 
+@pytest.mark.parametrize("name", list(MESHES))
+def test_sharded_bias_mask_sinks(name):
+    """bias, mask and sinks reach each shard as its (batch, head) planes: the forward has no
+    collective and every result is the eager call's (dBias and dSinks are summed over the shards
+    by the transpose of their broadcast, so within 1e-6)."""
+    (shape, axes), spec = MESHES[name]
+    mesh = Mesh(np.array(jax.devices()).reshape(shape), axes)
+    q, k, v, dout = arrays([(4, 24, 8, 16), (4, 24, 4, 16), (4, 24, 4, 16), (4, 24, 8, 16)],
+                           seed=5)
+    rng = np.random.default_rng(6)
+    bias = rng.standard_normal((1, 8, 24, 24)).astype(np.float32)
+    mask = rng.random((4, 1, 24, 24)) < 0.7
+    sinks = rng.standard_normal((8,)).astype(np.float32)
+    kw = dict(bias=bias, mask=mask, sinks=sinks, causal=True)
+    sh = NamedSharding(mesh, spec)
+    qs, ks, vs, ds = (jax.device_put(x, sh) for x in (q, k, v, dout))
+    fwd = jax.jit(lambda q, k, v: fj.attention(q, k, v, **kw))
+    assert collectives(fwd.lower(qs, ks, vs).compile().as_text()) == []
+    e_out, e_lse = flashdl.attention(q, k, v, return_lse=True, **kw)
+    np.testing.assert_array_equal(np.asarray(fwd(qs, ks, vs)), e_out)
+
+    def loss(q, k, v, b, s, d):
+        return (fj.attention(q, k, v, bias=b, mask=mask, sinks=s, causal=True) * d).sum()
+    got = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(qs, ks, vs, bias, sinks, ds)
+    want = flashdl.attention_backward(dout, q, k, v, e_out, e_lse, **kw)
+    for i, (g, e) in enumerate(zip(got, want)):
+        np.testing.assert_allclose(np.asarray(g), e, rtol=1e-6, atol=1e-6 if i >= 3 else 0)
+
+
 def test_sharded_block_mask_and_vmap():
     mesh = Mesh(np.array(jax.devices()), ("data",))
     q, k, v = arrays([(4, 32, 2, 8)] * 3, seed=1)
