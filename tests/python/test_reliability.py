@@ -352,6 +352,23 @@ def _bool_mask_with_bad_keys(sq, sk, seed):
     return mask, bad_keys, bad_rows, clean_keys
 
 
+def _clean_rows_unchanged(q, k, v, k_bad, v_bad, dout, kw, bad_rows, clean_keys):
+    """Forward and backward with clean and with bad K/V: the rows that see no bad key keep out,
+    lse and dq bitwise, and the keys no such row sees (clean_keys) keep dk and dv. Returns
+    (out, lse, out_bad, lse_bad, grads, grads_bad)."""
+    out, lse = flashdl.attention(q, k, v, return_lse=True, **kw)
+    out_b, lse_b = flashdl.attention(q, k_bad, v_bad, return_lse=True, **kw)
+    ok = ~bad_rows
+    np.testing.assert_array_equal(out_b[:, ok], out[:, ok])
+    np.testing.assert_array_equal(lse_b[:, :, ok], lse[:, :, ok])
+    grads = flashdl.attention_backward(dout, q, k, v, out, lse, **kw)
+    grads_b = flashdl.attention_backward(dout, q, k_bad, v_bad, out_b, lse_b, **kw)
+    np.testing.assert_array_equal(grads_b[0][:, ok], grads[0][:, ok])  # dq
+    for g, g_b in zip(grads[1:3], grads_b[1:3]):  # dk, dv
+        np.testing.assert_array_equal(g_b[:, clean_keys], g[:, clean_keys])
+    return out, lse, out_b, lse_b, grads, grads_b
+
+
 def _same_nonfinite(got, want, what):
     """got (any dtype) non-finite exactly where the float64 want is, NaN where it is NaN, and
     close to it elsewhere."""
@@ -380,16 +397,8 @@ def test_nonfinite_keys_hidden_by_a_bool_mask_never_reach_a_row(schedule, dtype,
     v_bad[:, bad_keys] = bad
     dout = RNG.standard_normal(q.shape).astype(dt)
     kw = dict(schedule=schedule, mask=mask)
-    out, lse = flashdl.attention(q, k, v, return_lse=True, **kw)
-    out_b, lse_b = flashdl.attention(q, k_bad, v_bad, return_lse=True, **kw)
-    ok = ~bad_rows
-    np.testing.assert_array_equal(out_b[:, ok], out[:, ok])
-    np.testing.assert_array_equal(lse_b[:, :, ok], lse[:, :, ok])
-    grads = flashdl.attention_backward(dout, q, k, v, out, lse, **kw)
-    grads_b = flashdl.attention_backward(dout, q, k_bad, v_bad, out_b, lse_b, **kw)
-    np.testing.assert_array_equal(grads_b[0][:, ok], grads[0][:, ok])  # dq
-    for g, g_b in zip(grads[1:], grads_b[1:]):  # dk, dv
-        np.testing.assert_array_equal(g_b[:, clean_keys], g[:, clean_keys])
+    _, _, out_b, lse_b, _, grads_b = _clean_rows_unchanged(q, k, v, k_bad, v_bad, dout, kw,
+                                                           bad_rows, clean_keys)
     # The rows that see a bad key, and every key they see: the float64 reference's out, dq and
     # dk. (A row with a NaN score gets lse NaN there but -inf from fa1 and fa2, and dv NaN at
     # every key it sees there but only at the bad keys from fa1 and fa2, with any mask: both
@@ -421,16 +430,9 @@ def test_nonfinite_keys_hidden_by_a_bool_mask_with_bias_and_sinks(schedule, bias
     v_bad[:, bad_keys] = np.inf
     dout = RNG.standard_normal(q.shape).astype(np.float32)
     kw = dict(schedule=schedule, mask=mask, bias=bias, sinks=sinks)
-    out, lse = flashdl.attention(q, k, v, return_lse=True, **kw)
-    out_b, lse_b = flashdl.attention(q, k_bad, v_bad, return_lse=True, **kw)
+    out, lse, out_b, lse_b, grads, grads_b = _clean_rows_unchanged(q, k, v, k_bad, v_bad, dout, kw,
+                                                                   bad_rows, clean_keys)
     ok = ~bad_rows
-    np.testing.assert_array_equal(out_b[:, ok], out[:, ok])
-    np.testing.assert_array_equal(lse_b[:, :, ok], lse[:, :, ok])
-    grads = flashdl.attention_backward(dout, q, k, v, out, lse, **kw)
-    grads_b = flashdl.attention_backward(dout, q, k_bad, v_bad, out_b, lse_b, **kw)
-    np.testing.assert_array_equal(grads_b[0][:, ok], grads[0][:, ok])  # dq
-    for g, g_b in zip(grads[1:3], grads_b[1:3]):  # dk, dv
-        np.testing.assert_array_equal(g_b[:, clean_keys], g[:, clean_keys])
     dbias, dbias_b = grads[3], grads_b[3]
     if bias_shape[0] == 2:
         np.testing.assert_array_equal(dbias_b[:, :, ok], dbias[:, :, ok])
