@@ -44,7 +44,9 @@ fi
 pkg=$build/pkg/flashdl
 rm -rf "$build/pkg"
 mkdir -p "$pkg"
-for f in "$root"/python/flashdl/*.py "$root"/python/flashdl/py.typed; do ln -s "$f" "$pkg/"; done
+for f in "$root"/python/flashdl/*.py "$root"/python/flashdl/*.pyi "$root"/python/flashdl/py.typed; do
+  ln -s "$f" "$pkg/"
+done
 ext=$(find "$build" -maxdepth 1 -name '_ext*.so' | head -n 1)
 [ -n "$ext" ] || { echo "sanitize.sh: no _ext module in $build" >&2; exit 1; }
 ln -s "$ext" "$pkg/"
