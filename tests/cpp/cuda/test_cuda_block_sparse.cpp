@@ -13,6 +13,7 @@
 // Command line (cli.hpp): --quick (for compute-sanitizer), --filter SUBSTR, --no-race, --cpu.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -403,6 +404,110 @@ int run_nan(const Target& t, const Cli& cli) {
   return failures;
 }
 
+// NaN and Inf at keys that some rows of a kernel tile see and others do not, through the block mask
+// alone (48 x 80 mask blocks inside the kernels' 64- and 128-row tiles; no causal or window): a
+// block mask is a row's visibility too. Key block 1 is seen by the even query blocks only and holds
+// the planted keys (one of them its last, next to key block 2, which every row sees); key block 3
+// is seen by the odd (blind) query blocks only. Blind rows must get the out, lse and dq of the
+// clean inputs, and key block 3 the clean dk and dv, under the accuracy rule; the rows that see a
+// planted value must get it (the test plants what it says). The backward reads the clean
+// forward's out and lse (the rows compared only read their own).
+int run_planted(const Target& t, const Cli& cli) {
+  const Case c{"NaN/Inf at keys blind rows share a tile with", 2, 300, 330, 4, 2, false, 48, 80,
+               MaskKind::shared, 1.0, -1, -1, Kind::contiguous};
+  const HostMask m = make_mask(c.kind, c.b, c.h, c.sq, c.sk, c.bq, c.bk,
+                               [](int64_t, int64_t, int64_t qb, int64_t kb) {
+                                 return kb == 1 ? qb % 2 == 0 : kb == 3 ? qb % 2 == 1 : true;
+                               });
+  const std::vector<int64_t> keys = {100, 130, 159};
+  int failures = 0;
+  for (const int d : {64, 128}) {
+    if (cli.quick && d != 64) continue;
+    const Shape s = shape_of(c, d);
+    const Visibility vis{s, m};
+    auto row_sees = [&](int64_t i, int64_t j) { return vis(0, 0, i, j); };  // shared mask
+    const std::vector<char> blind = rows_blind_to(s.sq, keys, row_sees);
+    std::vector<char> clean_keys(size_t(s.sk), 1);  // keys only blind rows see, none planted
+    for (int64_t j = 0; j < s.sk; ++j)
+      for (int64_t i = 0; i < s.sq; ++i)
+        clean_keys[size_t(j)] &= blind[size_t(i)] || !row_sees(i, j);
+    for (const int64_t j : keys) clean_keys[size_t(j)] = 0;
+    size_t n_blind = 0, n_clean = 0;
+    for (char b : blind) n_blind += size_t(b);
+    for (char k : clean_keys) n_clean += size_t(k);
+    const BwdInputs in = random_inputs(s, uint32_t(2718 + d));
+    const BwdOracle ref = reference_backward(
+        s, options_of(c, m, m.view(const_cast<uint8_t*>(m.bytes.data()), flashdl::Device{})), in,
+        true);
+    BwdInputs planted = in;
+    plant_nonfinite(s, keys, planted.k, planted.v);
+    for (const DType dt : {DType::float16, DType::bfloat16}) {
+      std::vector<float> out_r(ref.out.size());
+      for (size_t i = 0; i < out_r.size(); ++i) out_r[i] = round_to(float(ref.out[i]), dt);
+      std::vector<double> lowp_out;
+      const Grads lowp = naive_lowp(s, vis, in, out_r, dt, lowp_out);
+      const Arrays dev(t, c, s, dt, planted, m, out_r, ref.lse);
+      for (const Variant& var : kVariants)
+        for (const bool bwd : {false, true}) {
+          if (!bwd && var.deterministic) continue;  // the same forward as fa2
+          const std::string label =
+              "masked NaN/Inf " + label_of(c, d, dt, var.name, bwd ? "bwd" : "fwd");
+          if (!cli.selected(label)) continue;
+          failures += run_case(label, [&] {
+            const Result r = run(t, c, s, dt, dev, m, var, bwd);
+            auto rows = [&](const std::vector<double>& x, int64_t n, int64_t heads,
+                            const std::vector<char>& keep) {
+              return select_rows(x, s.b, n, heads, s.d, keep);
+            };
+            bool ok = r.gaps_untouched && !keys.empty() && n_blind > 0 && n_blind < blind.size();
+            char detail[200];
+            if (!bwd) {
+              const double eps = dt == DType::float16 ? 1e-3 : 8e-3;
+              const double tol = 2.0 * max_abs_diff(lowp_out, ref.out) + eps;
+              const double err = max_abs_diff_rows(r.out, ref.out, s.b, s.sq, s.h, d, blind);
+              bool lse_ok = true;
+              for (int64_t x = 0; x < s.b * s.h; ++x)
+                for (int64_t i = 0; i < s.sq; ++i) {
+                  if (!blind[size_t(i)]) continue;
+                  const float want = ref.lse[size_t(x * s.sq + i)];
+                  const float got = r.lse[size_t(x * s.sq + i)];
+                  lse_ok &= std::isinf(want) ? got == want
+                                             : std::fabs(double(got) - want) <=
+                                                   1e-3 + 1e-4 * std::fabs(want);
+                }
+              const bool seen = any_nan(r.out) || max_abs(r.out) == INFINITY;
+              ok &= err <= tol && lse_ok && seen;
+              std::snprintf(detail, sizeof detail, "blind rows out %.2e/%.2e%s%s", err, tol,
+                            flag(!lse_ok, " [lse]"),
+                            flag(!seen, " [no row saw the planted values]"));
+            } else {
+              const GradError eq = grad_error(rows(r.dq, s.sq, s.h, blind),
+                                              rows(ref.dq, s.sq, s.h, blind),
+                                              rows(lowp.dq, s.sq, s.h, blind), dt);
+              const GradError ek = grad_error(rows(r.dk, s.sk, s.hk, clean_keys),
+                                              rows(ref.dk, s.sk, s.hk, clean_keys),
+                                              rows(lowp.dk, s.sk, s.hk, clean_keys), dt);
+              const GradError ev = grad_error(rows(r.dv, s.sk, s.hk, clean_keys),
+                                              rows(ref.dv, s.sk, s.hk, clean_keys),
+                                              rows(lowp.dv, s.sk, s.hk, clean_keys), dt);
+              const bool seen = any_nan(r.dq);
+              ok &= eq.ok() && ek.ok() && ev.ok() && seen && n_clean > 0;
+              std::snprintf(detail, sizeof detail,
+                            "blind rows dq %.2e/%.2e, their %zu keys dk %.2e/%.2e dv %.2e/%.2e%s",
+                            eq.err, eq.tol, n_clean, ek.err, ek.tol, ev.err, ev.tol,
+                            flag(!seen, " [no row saw the planted values]"));
+            }
+            std::printf("%s %s | %zu keys planted, %zu of %zu rows blind, %s%s\n",
+                        ok ? "ok  " : "FAIL", label.c_str(), keys.size(), n_blind, blind.size(),
+                        detail, flag(!r.gaps_untouched, " [wrote outside the outputs]"));
+            return ok;
+          });
+        }
+    }
+  }
+  return failures;
+}
+
 // fa1 and deterministic fa2 with a block mask: 20 calls, every result bitwise equal.
 int run_repeats(const Target& t, const Cli& cli) {
   const Case c{"repeat", 2, 1000, 1000, 4, 2, true, 48, 80, MaskKind::full, 0.5, -1, -1,
@@ -515,6 +620,7 @@ int main(int argc, char** argv) {
     int failures = 0;
     failures += run_accuracy(t, cli);
     failures += run_nan(t, cli);
+    failures += run_planted(t, cli);
     failures += run_score_mods(t, cli);
     if (cli.repeats()) failures += run_repeats(t, cli);
     return failures;

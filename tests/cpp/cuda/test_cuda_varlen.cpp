@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <random>
@@ -103,8 +104,12 @@ flashdl::TensorView packed_view(const Buffer& buf, DType dt, int64_t rows, int64
   return flashdl::TensorView{buf.ptr, dt, buf.device(), 3, {rows, heads, d}, {heads * d, d, 1}};
 }
 
+// poisoned: sequences whose keys and values are all NaN or +-Inf (plant_nonfinite at each key; a
+// packed key tile of another sequence reaches into them): every other sequence must still match
+// its oracle, the poisoned sequences' rows that see a key must get the non-finite values (the test
+// plants what it says), and their checks and the bitwise fa2 comparison are skipped.
 int run_case_set(const Target& t, const Cli& cli, DType dt, int64_t d, const Mask& mask,
-                 std::mt19937& rng) {
+                 std::mt19937& rng, const std::vector<int64_t>& poisoned = {}) {
   const std::vector<int32_t> cu_q = offsets(kLensQ), cu_k = offsets(kLensK);
   const int64_t total_q = cu_q.back(), total_k = cu_k.back(), batch = int64_t(kLensQ.size());
   int64_t max_q = 0, max_k = 0;
@@ -135,6 +140,15 @@ int run_case_set(const Target& t, const Cli& cli, DType dt, int64_t d, const Mas
         lse_saved[size_t(h * total_q + cu_q[size_t(b)] + i)] = s.ref.lse[size_t(h * s.sq + i)];
     seqs.push_back(std::move(s));
   }
+  auto is_poisoned = [&](int64_t b) {
+    return std::find(poisoned.begin(), poisoned.end(), b) != poisoned.end();
+  };
+  for (const int64_t b : poisoned) {  // every key of sequence b, in the packed k and v
+    const Shape packed{1, 1, total_k, kHeads, kHeadsKv, d, -1, -1};
+    std::vector<int64_t> keys;
+    for (int64_t j = cu_k[size_t(b)]; j < cu_k[size_t(b) + 1]; ++j) keys.push_back(j);
+    plant_nonfinite(packed, keys, k, v);
+  }
 
   const bool host = t.host;
   Buffer bq(q.size() * 2, host), bk(k.size() * 2, host), bv(v.size() * 2, host),
@@ -160,7 +174,12 @@ int run_case_set(const Target& t, const Cli& cli, DType dt, int64_t d, const Mas
                     var.name, dt == DType::float16 ? "float16" : "bfloat16", (long long)d,
                     mask.name, (long long)kHeads, (long long)kHeadsKv,
                     cu_on_device ? "device" : "host");
-      const std::string label = label_buf;
+      std::string label = label_buf;
+      if (!poisoned.empty()) {
+        label = "masked NaN/Inf in the keys of sequence";
+        for (const int64_t b : poisoned) label += " " + std::to_string(b);
+        label += std::string(" ") + label_buf;
+      }
       if (!cli.selected(label)) continue;
       if (host && cu_on_device) continue;  // the CPU backend takes host cu_seqlens only
       failures += run_case(label, [&] {
@@ -199,10 +218,15 @@ int run_case_set(const Target& t, const Cli& cli, DType dt, int64_t d, const Mas
         std::string why;
         double worst = 0.0;
         const double eps = dt == DType::float16 ? 1e-3 : 8e-3;
+        bool seen = poisoned.empty();
         for (int64_t b = 0; b < batch; ++b) {
           const Sequence& s = seqs[size_t(b)];
           const int64_t q0 = cu_q[size_t(b)], k0 = cu_k[size_t(b)];
           const std::vector<double> o_b = rows_of(out_all, q0, s.sq, kHeads, d);
+          if (is_poisoned(b)) {
+            seen |= any_nan(o_b) || max_abs(o_b) == INFINITY;
+            continue;
+          }
           const double err = max_abs_diff(o_b, s.ref.out);
           const double tol = 2.0 * max_abs_diff(s.lowp_out, s.ref.out) + eps;
           worst = std::max(worst, err);
@@ -234,7 +258,8 @@ int run_case_set(const Target& t, const Cli& cli, DType dt, int64_t d, const Mas
             ok = false, why += " [wrote past lse's rows]";
 
         // fa2 forward: each sequence bitwise equal to itself run alone.
-        if (var.schedule == Schedule::fa2 && !host) {
+        if (!seen) ok = false, why += " [no row saw the planted values]";
+        if (var.schedule == Schedule::fa2 && !host && poisoned.empty()) {
           for (int64_t b = 0; b < batch; ++b) {
             const Sequence& s = seqs[size_t(b)];
             if (s.sq == 0) continue;
@@ -504,6 +529,13 @@ int main(int argc, char** argv) {
           if (cli.quick && (d != 64 || (dt == DType::bfloat16 && !m.causal))) continue;
           failures += run_case_set(t, cli, dt, d, m, rng);
         }
+    // NaN and Inf in the keys of an empty query sequence (1) and of the one-row sequence (3), which
+    // the key tiles of sequences 0 and 2 reach into.
+    for (const DType dt : {DType::float16, DType::bfloat16})
+      for (const Mask& m : kMasks) {
+        if (cli.quick && (dt == DType::bfloat16 || !m.causal)) continue;
+        failures += run_case_set(t, cli, dt, 64, m, rng, {1, 3});
+      }
     const Schedule fa2 = Schedule::fa2, fa1 = Schedule::fa1;
     const DType f16 = DType::float16, bf16 = DType::bfloat16;
     // Chunked prefill: new rows against the keys already in the pages, causal bottom-right; an
