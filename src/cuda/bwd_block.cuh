@@ -62,7 +62,11 @@ __device__ __forceinline__ void prob_and_ds(float x, float y, float l2, float d,
   ds = 0.0f;
   if (l2 != -INFINITY && (!kMasked || (mask.visible(i, j) && bm.visible(i, j)))) {
     const float t = modded ? modified_score(mod, x, diag, j) : x * mod.qk_scale;
-    const float prob = exp2f(t - l2);
+    // P <= 1 exactly: lse is float32, and where |t| is huge (|softmax_scale * q.k| near 1e30) its
+    // rounding alone can put lse2 below the score recomputed here, and exp2 overflowed (P = inf,
+    // the gradients NaN). A NaN exponent (a NaN lse2 of a row that sees a NaN key) stays NaN.
+    const float e = t - l2;
+    const float prob = exp2f(e > 0.0f ? 0.0f : e);
     const float z = drop.on() ? drop.multiplier(i, j) : 1.0f;
     p = prob * z;
     ds = prob * (y * z - d);

@@ -485,6 +485,59 @@ int run_score_mods(const Target& t, const Cli& cli) {
   return failures;
 }
 
+// |softmax_scale| = 1e30, the largest accepted: lse is float32, and at scores near 1e30 its
+// rounding (an ulp is about 1e23) can put lse2 below the score the backward recomputes, where
+// exp2 overflowed (P = inf, gradients NaN). P <= 1 must hold exactly. bfloat16 only: at this scale
+// dS * scale reaches about 1e27 from the rounding of D alone, past float16's range (inf there is
+// the dtype's limit, not the kernel's). Every gradient must be finite, every variant, causal and
+// not, with the saved out and lse of the float64 forward.
+int run_scale_limit(const Target& t, const Cli& cli) {
+  int failures = 0;
+  for (const double scale : {1e30, -1e30})
+    for (const bool causal : {false, true}) {
+      const Case c{1, 70, 90, 2, 1, causal, -1, -1, Kind::contiguous, Kind::contiguous, false};
+      const Shape s = shape_of(c, 64);
+      std::mt19937 rng(uint32_t(causal ? 77 : 7));
+      const BwdInputs in = random_inputs(s, rng);
+      flashdl::Options o = options_of(c);
+      o.softmax_scale = scale;
+      const BwdOracle ref = reference_backward(s, o, in, true);
+      const DType dt = DType::bfloat16;
+      const Saved saved(t, c, s, dt, in, rounded(ref.out, dt), ref.lse);
+      for (const Variant& var : kVariants) {
+        const std::string label = std::string("softmax_scale ") + (scale > 0 ? "1e30 " : "-1e30 ") +
+                                  label_of(c, 64, dt, var.name);
+        if (!cli.selected(label)) continue;
+        failures += run_case(label, [&] {
+          flashdl::Options ov = o;
+          ov.schedule = var.schedule;
+          ov.sram_bytes = var.sram_bytes;
+          ov.deterministic = var.deterministic;
+          ov.stream = t.stream;
+          const Layout lq = make_layout(s.b, s.sq, s.h, s.d, c.grad);
+          const Layout lk = make_layout(s.b, s.sk, s.hk, s.d, c.grad);
+          Buffer dq(size_t(lq.span) * 2, t.host), dk(size_t(lk.span) * 2, t.host),
+              dv(size_t(lk.span) * 2, t.host);
+          flashdl::backward(view_of(saved.dout, dt, saved.lq, 4), view_of(saved.q, dt, saved.lq, 4),
+                            view_of(saved.k, dt, saved.lk, 4), view_of(saved.v, dt, saved.lk, 4),
+                            view_of(saved.out, dt, saved.lq, 4),
+                            view_of(saved.lse, DType::float32, saved.ll, 3), view_of(dq, dt, lq, 4),
+                            view_of(dk, dt, lk, 4), view_of(dv, dt, lk, 4), ov);
+          t.sync();
+          bool gaps = true;
+          int64_t bad = 0;
+          for (const Buffer* b : {&dq, &dk, &dv})
+            for (const double x : gather(b->download<uint16_t>(), b == &dq ? lq : lk, dt, gaps))
+              bad += !std::isfinite(x);
+          std::printf("%s %s | %lld non-finite gradient entries\n", bad ? "FAIL" : "ok  ",
+                      label.c_str(), (long long)bad);
+          return bad == 0;
+        });
+      }
+    }
+  return failures;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -494,6 +547,7 @@ int main(int argc, char** argv) {
     failures += dropout::run_backward_accuracy(t, cli);
     failures += run_score_mods(t, cli);
     failures += run_planted(t, cli);
+    failures += run_scale_limit(t, cli);
     if (cli.repeats()) {
       failures += run_repeats(t, cli);
       failures += dropout::run_backward_repeats(t, cli);
