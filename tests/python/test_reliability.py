@@ -399,16 +399,16 @@ def test_nonfinite_keys_hidden_by_a_bool_mask_never_reach_a_row(schedule, dtype,
     kw = dict(schedule=schedule, mask=mask)
     _, _, out_b, lse_b, _, grads_b = _clean_rows_unchanged(q, k, v, k_bad, v_bad, dout, kw,
                                                            bad_rows, clean_keys)
-    # The rows that see a bad key, and every key they see: the float64 reference's out, dq and
-    # dk. (A row with a NaN score gets lse NaN there but -inf from fa1 and fa2, and dv NaN at
-    # every key it sees there but only at the bad keys from fa1 and fa2, with any mask: both
-    # non-finite, which is all that is asked of lse; dv of such keys is left out.)
+    # The rows that see a bad key, and every key they see: the float64 reference's out, lse
+    # (NaN, never the -inf of an empty row), dq and dk. (dv is NaN at every key such a row sees
+    # in the reference but only at the bad keys from fa1 and fa2, with any mask; dv of such keys
+    # is left out.)
     q64, k64, v64, do64 = (x.astype(np.float64) for x in (q, k_bad, v_bad, dout))
     kw64 = dict(schedule="reference", mask=mask)
     out64, lse64 = flashdl.attention(q64, k64, v64, return_lse=True, **kw64)
     assert not np.isfinite(out64[:, bad_rows]).all()
     _same_nonfinite(out_b[:, bad_rows], out64[:, bad_rows], "out")
-    assert np.array_equal(np.isfinite(lse_b[:, :, bad_rows]), np.isfinite(lse64[:, :, bad_rows]))
+    _same_nonfinite(lse_b[:, :, bad_rows], lse64[:, :, bad_rows], "lse")
     grads64 = flashdl.attention_backward(do64, q64, k64, v64, out64, lse64, **kw64)
     _same_nonfinite(grads_b[0][:, bad_rows], grads64[0][:, bad_rows], "dq")
     _same_nonfinite(grads_b[1][:, ~clean_keys], grads64[1][:, ~clean_keys], "dk")
@@ -543,3 +543,23 @@ def test_shard_helpers_refuse_ranks_and_world_sizes_out_of_range():
     with pytest.raises(ValueError, match="ulysses_size"):
         ft.context_parallel_shard(x, 0, 2, 0, 0)
     assert ft.context_parallel_shard(x, 1, 2, 1, 2).flatten().tolist() == [4, 5]
+
+
+@pytest.mark.parametrize("schedule", ["fa1", "fa2", "reference"])
+def test_nan_seen_by_a_row_survives_a_split_and_merge(schedule):
+    """A row that sees a NaN key gets lse NaN, not the -inf of an empty row: split-KV, ring
+    attention and merge_states weigh a partial result by its lse, and a -inf made the merge drop
+    the NaN partial and return the other half's finite output as the row's."""
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((1, 4, 2, 8)).astype(np.float32)
+    k = rng.standard_normal((1, 16, 2, 8)).astype(np.float32)
+    v = rng.standard_normal((1, 16, 2, 8)).astype(np.float32)
+    k[0, 2, 0] = np.nan  # head 0 only
+    o1, l1 = flashdl.attention(q, k[:, :8], v[:, :8], return_lse=True, schedule=schedule)
+    o2, l2 = flashdl.attention(q, k[:, 8:], v[:, 8:], return_lse=True, schedule=schedule)
+    assert np.isnan(l1[:, 0]).all() and np.isfinite(l1[:, 1]).all()
+    out, lse = flashdl.merge_states(o1, l1, o2, l2)
+    assert np.isnan(out[:, :, 0]).all() and np.isnan(lse[:, 0]).all()
+    whole, whole_lse = flashdl.attention(q, k, v, return_lse=True, schedule=schedule)
+    np.testing.assert_allclose(out[:, :, 1], whole[:, :, 1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse[:, 1], whole_lse[:, 1], rtol=1e-5, atol=1e-6)

@@ -57,9 +57,11 @@ struct OnlineSoftmax {
   // Step 3: the factor that normalises the accumulator; 0 for a row that saw no key.
   FLASHDL_HD T inv_l() const { return l > T(0) ? T(1) / l : T(0); }
 
-  // Step 4: natural-log logsumexp of the scaled scores; -inf for a row that saw no key.
+  // Step 4: natural-log logsumexp of the scaled scores; -inf for a row that saw no key, NaN for
+  // a row whose sum is NaN (it saw a NaN or an infinite score, as the float64 reference gives):
+  // never -inf, which would pass for an empty row (merge_states would drop its NaN output).
   FLASHDL_HD T lse() const {
-    return l > T(0) ? (m + log2_of(l)) * T(kLn2) : T(-INFINITY);
+    return l > T(0) ? (m + log2_of(l)) * T(kLn2) : l == T(0) ? T(-INFINITY) : l;
   }
 };
 
