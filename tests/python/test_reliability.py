@@ -563,3 +563,21 @@ def test_nan_seen_by_a_row_survives_a_split_and_merge(schedule):
     whole, whole_lse = flashdl.attention(q, k, v, return_lse=True, schedule=schedule)
     np.testing.assert_allclose(out[:, :, 1], whole[:, :, 1], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(lse[:, 1], whole_lse[:, 1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 4, 8])
+def test_kvcache_row_that_sees_a_nan_key_gets_nan_lse(num_splits):
+    """Split-KV decoding merges each split's (out, lse): a split that saw a NaN score gave lse
+    -inf and was dropped, so the row's lse came out -inf (one split) or the other splits' finite
+    value. Now lse is NaN, out NaN, for the head that sees it; the other head is untouched."""
+    rng = np.random.default_rng(11)
+    q = rng.standard_normal((1, 1, 2, 64)).astype(np.float32)
+    kc, vc = (rng.standard_normal((1, 4096, 2, 64)).astype(np.float32) for _ in range(2))
+    clean = flashdl.attention_with_kvcache(q, kc, vc, cache_seqlens=np.array([4000], np.int32),
+                                           num_splits=num_splits, return_lse=True)
+    kc[0, 100, 0, 0] = np.nan
+    out, lse = flashdl.attention_with_kvcache(q, kc, vc, cache_seqlens=np.array([4000], np.int32),
+                                              num_splits=num_splits, return_lse=True)
+    assert np.isnan(lse[0, 0]).all() and np.isnan(out[0, 0, 0]).all()
+    np.testing.assert_array_equal(out[0, 0, 1], clean[0][0, 0, 1])
+    np.testing.assert_array_equal(lse[0, 1], clean[1][0, 1])
