@@ -335,6 +335,20 @@ std::vector<char> rows_blind_to(int64_t sq, const std::vector<int64_t>& keys, co
   return blind;
 }
 
+// lse (logical (planes, rows)) of the rows that `keep` marks within 1e-3 + 1e-4 |want| of the
+// reference's, -inf exactly where it is -inf.
+inline bool lse_matches_rows(const std::vector<float>& got, const std::vector<float>& want,
+                             int64_t planes, int64_t rows, const std::vector<char>& keep) {
+  bool ok = true;
+  for (int64_t x = 0; x < planes; ++x)
+    for (int64_t i = 0; i < rows; ++i) {
+      if (!keep[size_t(i)]) continue;
+      const float w = want[size_t(x * rows + i)], g = got[size_t(x * rows + i)];
+      ok &= std::isinf(w) ? g == w : std::fabs(double(g) - w) <= 1e-3 + 1e-4 * std::fabs(w);
+    }
+  return ok;
+}
+
 // max |a - b| over the rows (logical (b, rows, h, d)) that `keep` marks.
 inline double max_abs_diff_rows(const std::vector<double>& a, const std::vector<double>& b,
                                 int64_t batch, int64_t rows, int64_t h, int64_t d,
