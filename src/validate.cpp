@@ -633,13 +633,11 @@ void zero_extra_grads(const Options& o, bool zero_dbias) {
   }
 }
 
-void refuse_extras(const Options& o, const char* path) {
+void refuse_bias_and_mask(const Options& o, const char* path) {
   if (o.bias.defined())
     fail(ErrorKind::not_implemented, std::string("bias: not yet on the ") + path + " path");
   if (o.mask.defined())
     fail(ErrorKind::not_implemented, std::string("mask: not yet on the ") + path + " path");
-  if (o.sinks.defined())
-    fail(ErrorKind::not_implemented, std::string("sinks: not yet on the ") + path + " path");
 }
 
 #define FLASHDL_SET_STRIDES(P, prefix, t) \

@@ -82,9 +82,9 @@ bool dbias_written_by_kernels(const Params& p);
 // then fault 2 MiB pages, not 4 KiB ones, and its rows (one page each at 4 KiB) stop missing the
 // TLB.
 void advise_huge_pages(const TensorView& t);
-// NotImplementedError naming the first of bias, mask, sinks given to an entry `path` that does not run them
-// yet (the KV cache).
-void refuse_extras(const Options& o, const char* path);
+// NotImplementedError naming bias or mask given to an entry `path` that does not run them yet (the
+// KV cache, which takes sinks).
+void refuse_bias_and_mask(const Options& o, const char* path);
 
 // Checks q, k, v, out, lse and the options; returns the problem's extents.
 Shapes check_attention_args(const TensorView& q, const TensorView& k, const TensorView& v,

@@ -175,6 +175,12 @@ def forward_kvcache(
     num_threads: int = 0,
     alibi_slopes: Optional[_Array] = None,
     softcap: float = 0.0,
+    rotary_cos: Optional[_Array] = None,
+    rotary_sin: Optional[_Array] = None,
+    rotary_interleaved: bool = False,
+    cache_batch_idx: Optional[_Array] = None,
+    cache_leftpad: Optional[_Array] = None,
+    sinks: Optional[_Array] = None,
 ) -> None:
     """Attention over a KV cache: appends k, v (when given) to k_cache, v_cache at cache_seqlens,
     then writes out (like q) and lse (float32, (batch, nheads, seqlen_q))."""

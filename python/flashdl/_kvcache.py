@@ -17,7 +17,7 @@ import numpy as np
 
 from . import _checks, _ext
 from ._api import (ArrayLike, _as_bshd, _int32_index, _layout, _LayoutErrors, _lse_shape,
-                   _options, _output_like, _score_mods)
+                   _extras, _options, _output_like, _score_mods)
 from ._frameworks import Frame
 
 def _index_array(name, x, required):
@@ -68,7 +68,8 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
                            rotary_sin: Optional[ArrayLike] = None,
                            rotary_interleaved: bool = False,
                            cache_batch_idx: Optional[ArrayLike] = None,
-                           cache_leftpad: Optional[ArrayLike] = None) -> Any:
+                           cache_leftpad: Optional[ArrayLike] = None,
+                           sinks: Optional[ArrayLike] = None) -> Any:
     """Attention of a few new queries over a KV cache (decoding), with an optional in-place append.
 
     flash-attn's ``flash_attn_with_kvcache``, with vLLM's paged layout. Sequence ``b`` attends to
@@ -115,6 +116,10 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
         The cache positions of sequence ``b`` before ``cache_leftpad[b]`` (<= cache_seqlens[b])
         hold no token: they are invisible, and causal, windows and ALiBi count keys from there.
         A host array.
+    sinks : float32 array (nheads,), optional
+        Attention sinks (gpt-oss), as in :func:`attention`: one logit per query head that joins
+        each row's softmax denominator once (after the key splits are merged) and carries no
+        value; lse includes it. CPU arrays only for now (CUDA: NotImplementedError).
     num_splits : int, default 0
         Key splits per (batch, kv head), computed in parallel and merged exactly (split-KV,
         "flash-decoding"); 0 chooses from the shape and the thread count.
@@ -190,6 +195,7 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
     opts = _options(causal, softmax_scale, "auto", window_size, frame)
     del opts["schedule"]
     opts.update(_score_mods(alibi_slopes, softcap))
+    opts.update(_extras(sinks))
     seqlens = _index_array("cache_seqlens", cache_seqlens, True)
     table = _index_array("block_table", block_table, False)
     batch_idx = _index_array("cache_batch_idx", cache_batch_idx, False)

@@ -793,7 +793,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            rotary_sin: Optional[torch.Tensor] = None,
                            rotary_interleaved: bool = False,
                            cache_batch_idx: Optional[ArrayLike] = None,
-                           cache_leftpad: Optional[ArrayLike] = None
+                           cache_leftpad: Optional[ArrayLike] = None,
+                           sinks: Optional[torch.Tensor] = None
                            ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """:func:`flashdl.attention_with_kvcache` for torch tensors (decoding; no autograd).
 
@@ -817,6 +818,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         seqlen_cache, headdim) as Hugging Face keeps them, read and written through transposed views.
     rotary_cos, rotary_sin, rotary_interleaved, cache_batch_idx, cache_leftpad : optional
         As in :func:`flashdl.attention_with_kvcache` (CPU tensors only yet).
+    sinks : torch.Tensor, float32 (nheads,), optional
+        Attention sinks (gpt-oss's ``s_aux``), as in :func:`flashdl.attention_with_kvcache` (CPU
+        tensors only yet; no gradient here).
 
     Returns
     -------
@@ -851,4 +855,4 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                        rotary_sin=rotary_sin,
                                        rotary_interleaved=rotary_interleaved,
                                        cache_batch_idx=cache_batch_idx,
-                                       cache_leftpad=cache_leftpad)
+                                       cache_leftpad=cache_leftpad, sinks=sinks)

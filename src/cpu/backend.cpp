@@ -136,8 +136,7 @@ bool decode_shaped(const Params& p) {
                            : p.seqlen_k >= 1024 ? 4
                                                 : 2;
   return p.auto_schedule && p.p_dropout == 0.0f && p.block_mask_ptr == nullptr &&
-         p.sinks_ptr == nullptr && p.bias_ptr == nullptr &&
-         p.mask_ptr == nullptr &&  // the KV-cache kernel has no sinks, bias or mask yet
+         p.bias_ptr == nullptr && p.mask_ptr == nullptr &&  // the KV-cache kernel has no bias or mask yet
          rows <= max_rows && p.seqlen_k >= 256 &&
          p.seqlen_k <= std::numeric_limits<int32_t>::max();
 }

@@ -554,9 +554,15 @@ void kvcache_forward_impl(const Params& p, int threads) {
         const int64_t h = (r0 + r) / sq, i = (r0 + r) % sq;
         products.finish_row(O + r * dp);
         if (!split) {
-          convert_row_out(O + r * dp, sm[r].inv_l(), d,
-                          element(p.o_ptr, p.dtype, o_offset(p, b, i, h)), p.dtype);
-          lse_at(p, b, h, i) = static_cast<float>(sm[r].lse());
+          T o_scale = sm[r].inv_l(), lse = sm[r].lse();
+          if (p.sinks_ptr != nullptr) {  // the sink joins the denominator (fa2.inl's epilogue)
+            const auto f = detail::finalize_with_sink(sm[r].m, sm[r].l, detail::sink_of<T>(p, h));
+            o_scale = f.o_scale;
+            lse = f.lse;
+          }
+          convert_row_out(O + r * dp, o_scale, d, element(p.o_ptr, p.dtype, o_offset(p, b, i, h)),
+                          p.dtype);
+          lse_at(p, b, h, i) = static_cast<float>(lse);
         } else {
           const int64_t at = part(b, s, r0 + r);
           row_scale(O + r * dp, dp, sm[r].inv_l());
@@ -583,7 +589,16 @@ void kvcache_forward_impl(const Params& p, int threads) {
         row_axpby(acc, o_part.data() + at * dp, dp, w.wa, w.wb);
         lse = w.lse;
       }
-      convert_row_out(acc, T(1), d, element(p.o_ptr, p.dtype, o_offset(p, b, i, h)), p.dtype);
+      // The sink joins the merged row once, as a part with no value: out scales by the merged
+      // keys' share of the denominator (a row that saw no key: out 0, lse the sink).
+      T o_scale = T(1);
+      if (p.sinks_ptr != nullptr) {
+        const detail::MergeWeights<T> w =
+            detail::merge_weights(lse, static_cast<T>(p.sinks_ptr[h * p.sinks_stride]));
+        o_scale = w.wa;
+        lse = w.lse;
+      }
+      convert_row_out(acc, o_scale, d, element(p.o_ptr, p.dtype, o_offset(p, b, i, h)), p.dtype);
       lse_at(p, b, h, i) = static_cast<float>(lse);
     }
   });

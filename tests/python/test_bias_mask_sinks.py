@@ -556,3 +556,109 @@ def test_sdpa_attn_mask_runs_in_flashdl(kind):
     grad = torch.randn(got.shape, dtype=torch.float64, generator=g)
     for a, b in zip(torch.autograd.grad(got, inputs, grad), torch.autograd.grad(want, inputs, grad)):
         torch.testing.assert_close(a, b, atol=2e-6, rtol=2e-5)
+
+
+# ---- sinks in the KV cache ------------------------------------------------------------------------
+
+def _kv_inputs(rng, dtype, b=2, sq=3, h=4, hk=2, d=32, cap=700):
+    q = make(rng, (b, sq, h, d), dtype)
+    kc, vc = make(rng, (b, cap, hk, d), dtype), make(rng, (b, cap, hk, d), dtype)
+    sinks = (rng.standard_normal(h) * 3).astype(np.float32)
+    return q, kc, vc, sinks
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("num_splits", [1, 2, 4])
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(), dict(causal=True, window_size=(200, 0)),
+                                dict(softcap=5.0)])
+def test_kvcache_sinks_against_the_oracle(dtype, num_splits, kw):
+    """attention_with_kvcache with sinks (split-KV or not): the sink joins each row's denominator
+    once, after the splits merge; out and lse by the float64 oracle's rule, over the keys each
+    sequence uses."""
+    rng = np.random.default_rng(num_splits)
+    q, kc, vc, sinks = _kv_inputs(rng, dtype)
+    lens = np.array([650, 333], np.int32)
+    out, lse = flashdl.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, sinks=sinks,
+                                              num_splits=num_splits, return_lse=True, **kw)
+    for b, n in enumerate(lens):
+        args = (q[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n], q[b:b + 1])
+        okw = dict(causal=kw.get("causal", False), window=kw.get("window_size", (-1, -1)),
+                   softcap=kw.get("softcap", 0.0), sinks=sinks)
+        want = oracle(*args, **okw)
+        naive = oracle(*args, dtype=dtype, exact=False, **okw)
+        check_rule(out[b:b + 1], want[0], naive[0], dtype, f"out[{b}]")
+        np.testing.assert_allclose(lse[b:b + 1], want[1], rtol=1e-5, atol=2e-5)
+
+
+def test_kvcache_sinks_paged_append_and_empty_rows():
+    """Paged equals contiguous bitwise with sinks and an append; a sequence with no key gets out 0
+    and lse = its head's sink (the sink is its whole denominator)."""
+    rng = np.random.default_rng(3)
+    q, kc, vc, sinks = _kv_inputs(rng, "float32", b=2, sq=1, cap=256)
+    k_new, v_new = (make(rng, (2, 1, 2, 32)) for _ in range(2))
+    lens = np.array([100, 0], np.int32)
+    kc2, vc2 = kc.copy(), vc.copy()
+    out, lse = flashdl.attention_with_kvcache(q, kc2, vc2, cache_seqlens=lens, k=k_new, v=v_new,
+                                              sinks=sinks, causal=True, return_lse=True)
+    page = 16
+    table = np.arange(2 * 256 // page, dtype=np.int32).reshape(2, -1)[:, ::-1].copy()
+    pk = np.empty((2 * 256 // page, page, 2, 32), np.float32)
+    pv = np.empty_like(pk)
+    for b in range(2):
+        for i, pg in enumerate(table[b]):
+            pk[pg] = kc[b, i * page:(i + 1) * page]
+            pv[pg] = vc[b, i * page:(i + 1) * page]
+    out_p, lse_p = flashdl.attention_with_kvcache(q, pk, pv, cache_seqlens=lens, k=k_new, v=v_new,
+                                                  block_table=table, sinks=sinks, causal=True,
+                                                  return_lse=True)
+    np.testing.assert_array_equal(out_p, out)
+    np.testing.assert_array_equal(lse_p, lse)
+    # No key at all: a zero-length cache and no append.
+    out0, lse0 = flashdl.attention_with_kvcache(q, kc, vc, cache_seqlens=np.zeros(2, np.int32),
+                                                sinks=sinks, return_lse=True)
+    assert not out0.any()
+    np.testing.assert_allclose(lse0, np.broadcast_to(sinks[None, :, None], lse0.shape),
+                               rtol=1e-6, atol=0)  # via the exp2 domain: an ulp
+
+
+def test_decode_shaped_attention_with_sinks_matches_fa2():
+    """schedule="auto" sends decode-shaped calls (one query row, long keys) to the KV-cache
+    kernel; with sinks too now: the same result as fa2 within float32 rounding."""
+    rng = np.random.default_rng(4)
+    q, k, v = make_qkv(rng, 2, 1, 3000, 4, 2, 64)
+    sinks = (rng.standard_normal(4) * 3).astype(np.float32)
+    out, lse = flashdl.attention(q, k, v, sinks=sinks, return_lse=True)
+    out2, lse2 = flashdl.attention(q, k, v, sinks=sinks, return_lse=True, schedule="fa2")
+    np.testing.assert_allclose(out, out2, rtol=0, atol=2e-6)
+    np.testing.assert_allclose(lse, lse2, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(sinks=np.zeros(3, np.float32)), ValueError, r"^sinks: expected shape \(4,\)"),
+    (dict(sinks=np.zeros(4, np.float64)), TypeError, "^sinks: expected dtype float32"),
+    (dict(sinks=np.array([0, np.inf, 0, 0], np.float32)), ValueError, "^sinks: expected finite"),
+    (dict(bias=np.zeros((1, 4, 3, 700), np.float32)), TypeError, "bias"),
+])
+def test_kvcache_bad_sinks_are_refused_and_the_cache_is_untouched(kw, exc, match):
+    rng = np.random.default_rng(5)
+    q, kc, vc, _ = _kv_inputs(rng, "float32")
+    k_new, v_new = (make(rng, (2, 3, 2, 32)) for _ in range(2))
+    before = kc.copy(), vc.copy()
+    with pytest.raises(exc, match=match):
+        flashdl.attention_with_kvcache(q, kc, vc, cache_seqlens=np.array([5, 6], np.int32),
+                                       k=k_new, v=v_new, **kw)
+    np.testing.assert_array_equal(kc, before[0])
+    np.testing.assert_array_equal(vc, before[1])
+
+
+def test_kvcache_sinks_torch_front_end():
+    torch = pytest.importorskip("torch")
+    import flashdl.torch as fdt
+    rng = np.random.default_rng(6)
+    q, kc, vc, sinks = _kv_inputs(rng, "float32")
+    lens = np.array([650, 333], np.int32)
+    want = flashdl.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, sinks=sinks, causal=True)
+    got = fdt.attention_with_kvcache(*(torch.from_numpy(x) for x in (q, kc, vc)),
+                                     cache_seqlens=torch.from_numpy(lens), causal=True,
+                                     sinks=torch.from_numpy(sinks))
+    np.testing.assert_array_equal(got.numpy(), want)
