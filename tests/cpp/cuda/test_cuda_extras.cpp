@@ -7,7 +7,9 @@
 // broadcast (size-1 axes, a stride-0 head axis, a transposed view), masks with rows that keep
 // nothing, NaN and Inf in K and V at keys only the mask hides, sinks with dsinks, the varlen
 // packed layout, and an all-true mask equal to no mask bit for bit on the fa2 shared-memory
-// softmax path (FLASHDL_CUDA_FA2_SMEM_SOFTMAX=1, set and unset here). Outputs start as NaN.
+// softmax path (FLASHDL_CUDA_FA2_SMEM_SOFTMAX=1, set and unset here), deterministic=True refusing
+// the dbias of a broadcast bias by name and repeating a full-size one bit for bit. Outputs start
+// as NaN.
 // Exit code 77 (skipped) when there is no CUDA device.
 // Command line (cli.hpp): --quick, --filter SUBSTR, --no-race, --cpu.
 #include <cuda_runtime.h>
@@ -131,11 +133,12 @@ struct Arr {
       v[size_t(e)] = load(dt, bytes.data() + offset(e) * flashdl::dtype_size(dt));
     return v;
   }
-  TensorView view(bool on_host) const {
+  // ref: the host bytes, for the CPU reference runs; else the target's copy.
+  TensorView view(bool ref) const {
     TensorView t;
-    t.data = on_host ? const_cast<unsigned char*>(host.data()) : dev->ptr;
+    t.data = ref ? const_cast<unsigned char*>(host.data()) : dev->ptr;
     t.dtype = dt;
-    t.device = on_host ? flashdl::Device{} : dev->device();
+    t.device = ref ? flashdl::Device{} : dev->device();
     t.rank = rank;
     for (int a = 0; a < rank; ++a) {
       t.shape[a] = shape[a];
@@ -335,10 +338,10 @@ bool run_one(const Case& c, const Target& t, uint32_t seed) {
   Arr out = contiguous(c.dt, {c.b, c.sq, c.h, c.d}, th), lse = contiguous(DType::float32, {c.b, c.h, c.sq}, th);
   out.dev->poison();
   lse.dev->poison();
-  flashdl::Options ot = with_extras(o, &bias, &mask, &sinks, th);
+  flashdl::Options ot = with_extras(o, &bias, &mask, &sinks, false);
   ot.schedule = c.sched;
   ot.stream = t.stream;
-  flashdl::forward(q.view(th), k.view(th), v.view(th), out.view(th), lse.view(th), ot);
+  flashdl::forward(q.view(false), k.view(false), v.view(false), out.view(false), lse.view(false), ot);
   t.sync();
   std::string why;
   const double eps = c.dt == DType::float16 ? 1.0 / 1024 : 1.0 / 128;
@@ -375,10 +378,10 @@ bool run_one(const Case& c, const Target& t, uint32_t seed) {
     for (Arr* a : {&dq, &dk, &dv, &dbias, &dsinks})
       if (a->rank > 0) a->dev->poison();
     flashdl::Options bt = ot;
-    if (dbias.rank > 0) bt.dbias = dbias.view(th);
-    if (c.sinks) bt.dsinks = dsinks.view(th);
-    flashdl::backward(dout.view(th), q.view(th), k.view(th), v.view(th), out.view(th),
-                      lse.view(th), dq.view(th), dk.view(th), dv.view(th), bt);
+    if (dbias.rank > 0) bt.dbias = dbias.view(false);
+    if (c.sinks) bt.dsinks = dsinks.view(false);
+    flashdl::backward(dout.view(false), q.view(false), k.view(false), v.view(false), out.view(false),
+                      lse.view(false), dq.view(false), dk.view(false), dv.view(false), bt);
     t.sync();
     ok = within("dq", dq.values_dev(), dqc.values_host(), dq64.values_host(), 3.0, eps, why) && ok;
     ok = within("dk", dk.values_dev(), dkc.values_host(), dk64.values_host(), 3.0, eps, why) && ok;
@@ -420,8 +423,8 @@ bool run_all_true(const Target& t, DType dt, bool causal) {
     o.causal = causal;
     o.schedule = Schedule::fa2;
     o.stream = t.stream;
-    if (with) o.mask = mask.view(th);
-    flashdl::forward(q.view(th), k.view(th), v.view(th), out.view(th), lse.view(th), o);
+    if (with) o.mask = mask.view(false);
+    flashdl::forward(q.view(false), k.view(false), v.view(false), out.view(false), lse.view(false), o);
     t.sync();
     res[with][0] = out.values_dev();
     res[with][1] = lse.values_dev();
@@ -431,6 +434,181 @@ bool run_all_true(const Target& t, DType dt, bool causal) {
                   std::memcmp(res[0][1].data(), res[1][1].data(), res[0][1].size() * 8) == 0;
   std::printf("%s all-true mask == no mask bitwise %s%s\n", ok ? "ok  " : "FAIL",
               flashdl::dtype_name(dt), causal ? " causal" : "");
+  return ok;
+}
+
+// Varlen (one launch for the packed batch): the bias and mask in the packed layout (nheads or 1,
+// total_q or 1, max_seqlen_k), row r the packed query row, columns from its sequence's first key;
+// cu_seqlens on the device. Against the CPU varlen reference (float64) and fa2, forward and
+// backward with dbias and dsinks.
+bool run_varlen(const Target& t, DType dt, Schedule sched, bool det, int bias_mode,
+                bool causal, uint32_t seed) {
+  const std::vector<int32_t> lq = {17, 0, 100, 1, 60}, lk = {40, 9, 100, 130, 70};
+  std::vector<int32_t> cq(1, 0), ck(1, 0);
+  for (size_t i = 0; i < lq.size(); ++i) {
+    cq.push_back(cq.back() + lq[i]);
+    ck.push_back(ck.back() + lk[i]);
+  }
+  const int64_t tq = cq.back(), tk = ck.back(), h = 4, hk = 2, d = 64, msq = 100, msk = 130;
+  const bool th = t.host;
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> u(-128, 128);
+  Arr q = contiguous(dt, {tq, h, d}, th), k = contiguous(dt, {tk, hk, d}, th),
+      v = contiguous(dt, {tk, hk, d}, th), dout = contiguous(dt, {tq, h, d}, th);
+  for (Arr* a : {&q, &k, &v, &dout})
+    for (int64_t e = 0; e < a->numel(); ++e) a->set(e, u(rng) / 64.0);
+  // bias_mode 0: (h, 1, msk) float32; 1: (1, tq, msk) bfloat16; 2: (h, tq, msk) float16 (full).
+  Arr bias = bias_mode == 0   ? contiguous(DType::float32, {h, 1, msk}, th)
+             : bias_mode == 1 ? contiguous(DType::bfloat16, {1, tq, msk}, th)
+                              : contiguous(DType::float16, {h, tq, msk}, th);
+  std::uniform_int_distribution<int> ub(-48, 48);
+  for (int64_t e = 0; e < bias.numel(); ++e) bias.set(e, ub(rng) / 16.0);
+  Arr mask = contiguous(DType::boolean, {h, tq, msk}, th);
+  std::bernoulli_distribution keep(0.7);
+  for (int64_t e = 0; e < mask.numel(); ++e) {
+    const int64_t r = (e / msk) % tq;
+    mask.set(e, (r % 11 != 4 && keep(rng)) ? 1.0 : 0.0);
+  }
+  Arr sinks = contiguous(DType::float32, {h}, th);
+  for (int64_t i = 0; i < h; ++i) sinks.set(i, 0.3 * double(i) - 0.4);
+  Arr cuq = contiguous(DType::int32, {int64_t(cq.size())}, th),
+      cuk = contiguous(DType::int32, {int64_t(ck.size())}, th);
+  std::memcpy(cuq.host.data(), cq.data(), cq.size() * 4);
+  std::memcpy(cuk.host.data(), ck.data(), ck.size() * 4);
+  for (Arr* a : {&q, &k, &v, &dout, &bias, &mask, &sinks, &cuq, &cuk}) a->upload();
+
+  flashdl::Options o;
+  o.causal = causal;
+  o.deterministic = det;
+  auto with = [&](flashdl::Options x, const Arr& b, bool on_host) {
+    x.bias = b.view(on_host);
+    x.mask = mask.view(on_host);
+    x.sinks = sinks.view(on_host);
+    return x;
+  };
+  struct Run {
+    Arr out, lse, dq, dk, dv, dbias, dsinks;
+  };
+  auto run = [&](DType rdt, Schedule s, bool ref, const Arr& qq, const Arr& kk,
+                 const Arr& vv, const Arr& dd, const Arr& bb) {
+    Run r{contiguous(rdt, {tq, h, d}, ref || th), contiguous(DType::float32, {h, tq}, ref || th),
+          contiguous(rdt, {tq, h, d}, ref || th), contiguous(rdt, {tk, hk, d}, ref || th),
+          contiguous(rdt, {tk, hk, d}, ref || th),
+          contiguous(bb.dt, std::vector<int64_t>(bb.shape, bb.shape + 3), ref || th),
+          contiguous(DType::float32, {h}, ref || th)};
+    if (!ref)
+      for (Arr* a : {&r.out, &r.lse, &r.dq, &r.dk, &r.dv, &r.dbias, &r.dsinks}) a->dev->poison();
+    flashdl::Options x = with(o, bb, ref);
+    x.schedule = s;
+    x.stream = ref ? nullptr : t.stream;
+    flashdl::forward_varlen(qq.view(ref), kk.view(ref), vv.view(ref),
+                            cuq.view(ref),
+                            cuk.view(ref), msq, msk,
+                            r.out.view(ref), r.lse.view(ref), x);
+    x.dbias = r.dbias.view(ref);
+    x.dsinks = r.dsinks.view(ref);
+    flashdl::backward_varlen(dd.view(ref), qq.view(ref), kk.view(ref),
+                             vv.view(ref), r.out.view(ref), r.lse.view(ref),
+                             cuq.view(ref),
+                             cuk.view(ref), msq, msk,
+                             r.dq.view(ref), r.dk.view(ref), r.dv.view(ref), x);
+    return r;
+  };
+  Arr q64 = converted(q, DType::float64), k64 = converted(k, DType::float64),
+      v64 = converted(v, DType::float64), do64 = converted(dout, DType::float64),
+      b64 = converted(bias, DType::float64);
+  Run ref = run(DType::float64, Schedule::reference, true, q64, k64, v64, do64, b64);
+  Run cpu = run(dt, Schedule::fa2, true, q, k, v, dout, bias);
+  Run got = run(dt, sched, false, q, k, v, dout, bias);
+  t.sync();
+  const double eps = dt == DType::float16 ? 1.0 / 1024 : 1.0 / 128;
+  std::string why;
+  auto host_vals = [](const Arr& a) { return a.values_host(); };
+  bool ok = within("out", got.out.values_dev(), host_vals(cpu.out), host_vals(ref.out), 2.0, eps, why);
+  ok = lse_ok(got.lse.values_dev(), host_vals(cpu.lse), host_vals(ref.lse), why) && ok;
+  ok = within("dq", got.dq.values_dev(), host_vals(cpu.dq), host_vals(ref.dq), 3.0, eps, why) && ok;
+  ok = within("dk", got.dk.values_dev(), host_vals(cpu.dk), host_vals(ref.dk), 3.0, eps, why) && ok;
+  ok = within("dv", got.dv.values_dev(), host_vals(cpu.dv), host_vals(ref.dv), 3.0, eps, why) && ok;
+  ok = within("dbias", got.dbias.values_dev(), host_vals(cpu.dbias), host_vals(ref.dbias), 3.0,
+              2 * eps, why) && ok;
+  ok = within("dsinks", got.dsinks.values_dev(), host_vals(cpu.dsinks), host_vals(ref.dsinks),
+              3.0, eps, why) && ok;
+  std::printf("%s varlen %s %s%s bias=%s%s%s\n", ok ? "ok  " : "FAIL", flashdl::dtype_name(dt),
+              flashdl::schedule_name(sched), det ? "(det)" : "",
+              bias_mode == 0 ? "(h,1,msk)" : bias_mode == 1 ? "(1,tq,msk)bf16" : "(h,tq,msk)f16",
+              causal ? " causal" : "", why.c_str());
+  return ok;
+}
+
+// deterministic=True with dbias of a broadcast bias is refused by name before any device work;
+// with a full-size bias, dbias and dsinks repeat bit for bit.
+bool run_determinism(const Target& t) {
+  const bool th = t.host;
+  const int64_t b = 1, sq = 40, sk = 90, h = 2, hk = 1, d = 32;
+  std::mt19937 rng(11);
+  std::uniform_int_distribution<int> u(-128, 128);
+  Arr q = contiguous(DType::float16, {b, sq, h, d}, th), k = contiguous(DType::float16, {b, sk, hk, d}, th),
+      v = contiguous(DType::float16, {b, sk, hk, d}, th), dout = contiguous(DType::float16, {b, sq, h, d}, th);
+  Arr full = contiguous(DType::float32, {b, h, sq, sk}, th), small = contiguous(DType::float32, {1, h, 1, sk}, th);
+  Arr sinks = contiguous(DType::float32, {h}, th);
+  for (Arr* a : {&q, &k, &v, &dout, &full, &small, &sinks}) {
+    for (int64_t e = 0; e < a->numel(); ++e) a->set(e, u(rng) / 64.0);
+    a->upload();
+  }
+  Arr out = contiguous(DType::float16, {b, sq, h, d}, th), lse = contiguous(DType::float32, {b, h, sq}, th);
+  flashdl::Options o;
+  o.schedule = Schedule::fa2;
+  o.deterministic = true;
+  o.stream = t.stream;
+  o.sinks = sinks.view(false);
+  bool ok = true;
+  std::string why;
+  {  // refused
+    flashdl::Options x = o;
+    x.bias = small.view(false);
+    flashdl::forward(q.view(false), k.view(false), v.view(false), out.view(false), lse.view(false), x);
+    t.sync();
+    Arr dq = contiguous(DType::float16, {b, sq, h, d}, th), dk = contiguous(DType::float16, {b, sk, hk, d}, th),
+        dv = contiguous(DType::float16, {b, sk, hk, d}, th), db = contiguous(DType::float32, {1, h, 1, sk}, th);
+    x.dbias = db.view(false);
+    bool refused = false;
+    try {
+      flashdl::backward(dout.view(false), q.view(false), k.view(false), v.view(false), out.view(false),
+                        lse.view(false), dq.view(false), dk.view(false), dv.view(false), x);
+    } catch (const flashdl::Error& e) {
+      const std::string m = e.what();
+      refused = e.kind() == flashdl::ErrorKind::not_implemented &&
+                m.find("dbias") != std::string::npos && m.find("deterministic") != std::string::npos;
+    }
+    if (!refused) {
+      ok = false;
+      why += " broadcast dbias with deterministic=True was not refused by name";
+    }
+  }
+  std::vector<double> first[2];
+  for (int rep = 0; rep < 2; ++rep) {
+    flashdl::Options x = o;
+    x.bias = full.view(false);
+    flashdl::forward(q.view(false), k.view(false), v.view(false), out.view(false), lse.view(false), x);
+    Arr dq = contiguous(DType::float16, {b, sq, h, d}, th), dk = contiguous(DType::float16, {b, sk, hk, d}, th),
+        dv = contiguous(DType::float16, {b, sk, hk, d}, th), db = contiguous(DType::float32, {b, h, sq, sk}, th),
+        ds = contiguous(DType::float32, {h}, th);
+    x.dbias = db.view(false);
+    x.dsinks = ds.view(false);
+    flashdl::backward(dout.view(false), q.view(false), k.view(false), v.view(false), out.view(false),
+                      lse.view(false), dq.view(false), dk.view(false), dv.view(false), x);
+    t.sync();
+    const auto a = db.values_dev(), c = ds.values_dev();
+    if (rep == 0) {
+      first[0] = a;
+      first[1] = c;
+    } else if (std::memcmp(a.data(), first[0].data(), a.size() * 8) != 0 ||
+               std::memcmp(c.data(), first[1].data(), c.size() * 8) != 0) {
+      ok = false;
+      why += " dbias or dsinks differ between two deterministic runs";
+    }
+  }
+  std::printf("%s deterministic dbias/dsinks%s\n", ok ? "ok  " : "FAIL", why.c_str());
   return ok;
 }
 
@@ -472,6 +650,36 @@ int main(int argc, char** argv) {
       if (!cli.selected(label)) continue;
       failures += run_case(label, [&] { return run_one(c, t, seed); });
     }
+    struct V {
+      DType dt;
+      Schedule s;
+      bool det;
+      int bias;
+      bool causal;
+    };
+    std::vector<V> vcases = {{f16, Schedule::fa2, false, 0, true},
+                             {bf16, Schedule::fa1, false, 1, false},
+                             {f16, Schedule::fa2, true, 2, true}};
+    if (!cli.quick) {
+      vcases.push_back({bf16, Schedule::fa2, false, 1, false});
+      vcases.push_back({f16, Schedule::fa1, false, 0, true});
+      vcases.push_back({bf16, Schedule::fa2, false, 2, false});
+    }
+    for (const V& vc : vcases) {
+      const std::string label = std::string("varlen ") + flashdl::dtype_name(vc.dt) + " " +
+                                flashdl::schedule_name(vc.s) + (vc.det ? "(det)" : "") +
+                                (vc.bias == 0   ? " bias(h,1,msk)"
+                                 : vc.bias == 1 ? " bias(1,tq,msk)"
+                                                : " bias(h,tq,msk)") +
+                                (vc.causal ? " causal" : "");
+      ++seed;
+      if (!cli.selected(label)) continue;
+      failures += run_case(label, [&] {
+        return run_varlen(t, vc.dt, vc.s, vc.det, vc.bias, vc.causal, seed);
+      });
+    }
+    if (!t.host && cli.selected("deterministic"))
+      failures += run_case("deterministic dbias/dsinks", [&] { return run_determinism(t); });
     if (!t.host && cli.selected("all-true")) {
       failures += run_case("all-true f16", [&] { return run_all_true(t, f16, false); });
       failures += run_case("all-true bf16 causal", [&] { return run_all_true(t, bf16, true); });
