@@ -79,18 +79,22 @@ __device__ __forceinline__ void apply_score_mods(float* sS, const ScoreModF& mod
   }
 }
 
-// The forward's form of the pass, with the bias and mask as well (the decode kernel, which has
-// neither, keeps the one above). With a bias or a mask (ex.any(); the row clamped into the
+// The forward's form of the pass, with the bias and mask of (batch, head) as well, read from the
+// kernel parameters here (the decode kernel, which has neither, keeps the one above). Not inlined:
+// inlined, with the views held by the caller, it cost the kMods kernel spills (ptxas, sm_90
+// float16 d 128: 160 bytes of spill stores; this form 28, against 8 before bias and mask).
+// With a bias or a mask (ex.any(); the row clamped into the
 // sequence, keys past seqlen_k left alone: the softmax masks them) the bias is added and hidden
 // keys become -inf (extras_score), here, before the softmax's max: a NaN or Inf score of a key
 // the mask hides never reaches it. Without a modifier the raw q.k is multiplied by `pre`:
 // scale * log2(e) with a bias (the softmax then scales by 1), 1 for a mask alone (the softmax
 // scales it as without the mask).
 template <typename Tr>
-__device__ __forceinline__ void apply_score_mods(float* sS, const ScoreModF& mod, bool modded,
-                                                 const detail::HeadExtras& ex, float pre,
-                                                 int64_t diag, int64_t row_in, int64_t n0,
-                                                 int64_t seqlen_k) {
+__device__ __noinline__ void apply_score_mods(float* sS, const ScoreModF& mod, bool modded,
+                                              const Params& p, int64_t batch, int64_t head,
+                                              int64_t q0, float pre, int64_t diag, int64_t row_in,
+                                              int64_t n0, int64_t seqlen_k) {
+  const detail::HeadExtras ex = head_extras(p, batch, head, q0);
   const int lane = threadIdx.x % 32;
   const int r = lane / 2, half = lane % 2;
 #pragma unroll 1
@@ -369,10 +373,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
   };
   // Options::mask: a block whose mask tile (this Q block's rows) is all false is skipped like a
   // zero block of the block mask, by a vote of the CTA (kMods only: calls with a mask run there).
-  const detail::HeadExtras ex =
-      kMods ? head_extras(p, batch, head, seq.q0) : detail::HeadExtras{};
+  // The bias and mask views are rebuilt where used from the kernel parameters (constant memory):
+  // held across the loop their pointers and strides cost registers (ptxas, sm_90 float16 d 128:
+  // 160 bytes of spill stores in the kMods kernel, against 8 without them).
+  auto extras = [&] { return head_extras(p, batch, head, seq.q0); };
   auto mask_any = [&](int n) {
-    if (!kMods || ex.keep == nullptr) return true;
+    if (!kMods || p.mask_ptr == nullptr) return true;
+    const detail::HeadExtras ex = extras();
     const int64_t n0 = int64_t(n) * kBlockN;
     const int cols = int(seqlen_k - n0 < kBlockN ? seqlen_k - n0 : kBlockN);
     bool any = false;
@@ -419,11 +426,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
   // A bias or mask (Options::bias, mask) takes the same pass and path; the scores are prescaled
   // where a modifier or a bias changes them (a mask alone only hides keys).
   const bool modded = kMods && modifies(head_score_mods(mods, p, batch, head));
-  const bool extras = kMods && ex.any();
-  const bool prescaled = modded || (kMods && ex.bias != nullptr);
+  const bool has_extras = kMods && detail::has_extras(p);
+  const bool prescaled = modded || (kMods && p.bias_ptr != nullptr);
   const bool layout_ok = layout_holds<T>(codes_f, codes_t);
   const bool in_regs = layout_ok && !smem_softmax && !drop.on() &&
-                       bm.dense() && !modded && !extras;
+                       bm.dense() && !modded && !has_extras;
   const float scale_log2 = prescaled ? 1.0f : float(p.scale_softmax_log2);
   // load_frag's bfloat16 loads (as float16) are those of wmma on every architecture they are
   // compiled for (SASS, sm_80 and sm_90): a failure here is a compiler change, not a fallback.
@@ -455,7 +462,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
       const T* sVn = sV + stage * kBlockN * kLd;
       const int64_t n0 = int64_t(n) * kBlockN;
       const bool full = mask.block_fully_visible(m0, m0 + m_rows, n0, n0 + kBlockN) &&
-                        cover(n).all && !(kMods && ex.keep != nullptr);
+                        cover(n).all && !(kMods && p.mask_ptr != nullptr);
       // A masked block whose V holds a NaN or Inf takes the slow P V (accumulate_pv_visible); the
       // vote is a second barrier, in masked blocks only (full is the same in every thread).
       const bool nonfinite_v =
@@ -521,10 +528,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
           __syncwarp();
           const int64_t row = m0 + w0 + rf * kFrag + lane / 2;  // the row this lane pair owns
           // Softcap, ALiBi: S becomes the exp2-domain scores in place (each lane its own elements),
-          // on full blocks too; the softmax then scales by 1.
-          if (kMods && (modded || extras))
-            apply_score_mods<Tr>(sS, head_score_mods(mods, p, batch, head), modded, ex,
-                                 ex.bias != nullptr ? float(p.scale_softmax_log2) : 1.0f,
+          // on full blocks too; the softmax then scales by 1. With a bias or mask too, one pass
+          // (not inlined: inlined, it cost this kernel spills; a second, inlined pass for the
+          // modifiers alone cost more).
+          if (kMods && (modded || has_extras))
+            apply_score_mods<Tr>(sS, head_score_mods(mods, p, batch, head), modded, p, batch,
+                                 head, seq.q0,
+                                 p.bias_ptr != nullptr ? float(p.scale_softmax_log2) : 1.0f,
                                  mask.diag(row),
                                  row < seqlen_q ? row : seqlen_q - 1, n0, seqlen_k);
           const int64_t col_lo = mask.col_begin(row), col_hi = mask.col_end(row);
@@ -558,7 +568,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
           auto shown = [&](int r, int c) {
             const int64_t row = r0 + r, row_in = row < seqlen_q ? row : seqlen_q - 1;
             return (bm.dense() || bm.visible(row_in, n0 + c)) &&
-                   (!kMods || ex.kept(row_in, n0 + c));
+                   (!kMods || extras().kept(row_in, n0 + c));
           };
           accumulate_pv_visible<Tr>(sS, pa[rf], sVn, acc_o[rf], keys, shown);
         }
