@@ -198,16 +198,18 @@ void backward(const Params& params) {
     ctx.dbias_acc = dbias_ws->get<float>();
     FLASHDL_CUDA_CHECK(cudaMemsetAsync(ctx.dbias_acc, 0, bytes, ctx.stream));
   }
-  FLASHDL_DTYPE_SWITCH(p.dtype, T, [&] {
-    FLASHDL_HEADDIM_SWITCH(p.headdim, kHeadDim, [&] {
-      switch (p.schedule) {
-        case Schedule::fa1: return launch_fa1_backward<T, kHeadDim>(p, ctx);
-        case Schedule::automatic:
-        case Schedule::fa2: return launch_fa2_backward<T, kHeadDim>(p, ctx);
-        default: no_kernel(p);
-      }
+  if (p.batch > 0) {  // batch 0 (api.cpp): only the zero dsinks and dbias below
+    FLASHDL_DTYPE_SWITCH(p.dtype, T, [&] {
+      FLASHDL_HEADDIM_SWITCH(p.headdim, kHeadDim, [&] {
+        switch (p.schedule) {
+          case Schedule::fa1: return launch_fa1_backward<T, kHeadDim>(p, ctx);
+          case Schedule::automatic:
+          case Schedule::fa2: return launch_fa2_backward<T, kHeadDim>(p, ctx);
+          default: no_kernel(p);
+        }
+      });
     });
-  });
+  }
   run_sinks_backward(p, ctx.stream);  // reads the device offsets: before their release
   if (dbias_ws) {
     run_dbias_convert(p, ctx.dbias_acc, ctx.stream);

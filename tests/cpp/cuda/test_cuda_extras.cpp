@@ -612,6 +612,38 @@ bool run_determinism(const Target& t) {
   return ok;
 }
 
+// Batch 0: nothing to compute, but dsinks and a dbias broadcast over the batch are written (zeros).
+bool run_batch0(const Target& t) {
+  const bool th = t.host;
+  const int64_t sq = 9, sk = 12, h = 2, d = 32;
+  Arr q = contiguous(DType::bfloat16, {0, sq, h, d}, th), k = contiguous(DType::bfloat16, {0, sk, h, d}, th),
+      v = contiguous(DType::bfloat16, {0, sk, h, d}, th), o = contiguous(DType::bfloat16, {0, sq, h, d}, th),
+      lse = contiguous(DType::float32, {0, h, sq}, th);
+  Arr bias = contiguous(DType::float16, {1, h, sq, sk}, th), dbias = contiguous(DType::float16, {1, h, sq, sk}, th);
+  Arr sinks = contiguous(DType::float32, {h}, th), dsinks = contiguous(DType::float32, {h}, th);
+  for (int64_t e = 0; e < bias.numel(); ++e) bias.set(e, 0.5);
+  for (int64_t e = 0; e < h; ++e) sinks.set(e, 1.0);
+  bias.upload();
+  sinks.upload();
+  dbias.dev->poison();
+  dsinks.dev->poison();
+  flashdl::Options x;
+  x.schedule = Schedule::fa2;
+  x.stream = t.stream;
+  x.bias = bias.view(false);
+  x.dbias = dbias.view(false);
+  x.sinks = sinks.view(false);
+  x.dsinks = dsinks.view(false);
+  flashdl::backward(o.view(false), q.view(false), k.view(false), v.view(false), o.view(false),
+                    lse.view(false), q.view(false), k.view(false), v.view(false), x);
+  t.sync();
+  bool ok = true;
+  for (double z : dbias.values_dev()) ok = ok && z == 0.0;
+  for (double z : dsinks.values_dev()) ok = ok && z == 0.0;
+  std::printf("%s batch 0: dbias and dsinks zero\n", ok ? "ok  " : "FAIL");
+  return ok;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -678,6 +710,8 @@ int main(int argc, char** argv) {
         return run_varlen(t, vc.dt, vc.s, vc.det, vc.bias, vc.causal, seed);
       });
     }
+    if (cli.selected("batch 0"))
+      failures += run_case("batch 0", [&] { return run_batch0(t); });
     if (!t.host && cli.selected("deterministic"))
       failures += run_case("deterministic dbias/dsinks", [&] { return run_determinism(t); });
     if (!t.host && cli.selected("all-true")) {
