@@ -52,7 +52,14 @@ void backward(const TensorView& dout, const TensorView& q, const TensorView& k,
   check_score_mods(options, s, q.device, {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}});
   check_extras(options, s, q.device, {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}});
   if (options.validate_only) return;
-  if (s.batch == 0 || s.nheads == 0) return zero_extra_grads(options);
+  if (s.batch == 0 || s.nheads == 0) {
+    zero_extra_grads(options);
+    // CUDA arrays: the backend writes the zero dsinks (and a batch-broadcast dbias) itself.
+    if (s.nheads > 0 && q.device.type != DeviceType::cpu &&
+        (options.dsinks.defined() || options.dbias.defined()))
+      dispatch_backward(make_backward_params(dout, q, k, v, out, lse, dq, dk, dv, options, s));
+    return;
+  }
   const Params p = make_backward_params(dout, q, k, v, out, lse, dq, dk, dv, options, s);
   const bool dbias_written = dbias_written_by_kernels(p);
   if (dbias_written) advise_huge_pages(options.dbias);

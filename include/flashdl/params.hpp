@@ -66,7 +66,8 @@ struct Options {
   // Attention sinks (gpt-oss, StreamingLLM): float32 (nheads,), one logit per query head that
   // joins every row's softmax denominator and carries no value: lse includes it (a row that sees
   // no key then has lse = sink and out 0), out excludes it. Finite values (checked on the host).
-  // CPU only for now. Undefined (rank 0, the default): none.
+  // Host sinks are checked finite; device ones are not read on the host. Undefined (rank 0, the
+  // default): none.
   TensorView sinks{};
   // backward only, with sinks: float32 (nheads,) receives
   // dSinks[h] = -sum over batches and rows of exp(sink_h - lse_i) * D_i, D_i = rowsum(dO * O).

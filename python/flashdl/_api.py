@@ -477,7 +477,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
         Attention sinks (gpt-oss, StreamingLLM): one logit per query head that joins every row's
         softmax denominator and carries no value, ``p_ij = exp(s_ij) / (exp(sink_h) + sum_j
         exp(s_ij))``. lse includes it; a row that sees no key gets ``out`` 0 and ``lse = sink``.
-        Finite values; CPU arrays only for now (CUDA raises NotImplementedError).
+        Finite values (checked for CPU arrays; CUDA ones are not read on the host). On CUDA
+        arrays: compiled and passing on the CUDA emulator, not yet run on a GPU.
     layout : {"bshd", "bhsd"}, default "bshd"
         ``"bshd"``: q, k, v and out are (batch, seqlen, nheads, headdim). ``"bhsd"``: they are
         (batch, nheads, seqlen, headdim) (PyTorch's SDPA layout), read through transposed views

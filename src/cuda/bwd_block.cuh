@@ -7,6 +7,10 @@
 //   the dV (P Z), dK and dQ (dS) products.
 // With score modifiers (score_mods.cuh) P = exp2(score(S) + bias - lse2) and dS is multiplied by
 // the softcap's d score / d (scale S), 1 - tanh^2, taken at the raw S (ALiBi has no gradient).
+// The bias and mask (Options::bias, mask) ride on the same run-time branch: the bias joins the
+// score, keys the mask hides get P = dS = 0, and dBias, dS before the softcap's factor (natural-log
+// units, detail/extras.hpp), is added into its float32 accumulator (DBiasAcc; atomics: a
+// broadcast bias sums over its size-1 axes; a full-size one receives each element once).
 // The softmax scale is left out of dS; the callers apply it once to dK and dQ.
 #pragma once
 
@@ -51,17 +55,29 @@ __device__ __forceinline__ void scores_and_dp(const T* sQ, const T* sdO, const T
 // Lines 13-20 for one element: P Z and dS of score x and dP value y at query i, key j (diag:
 // mask.diag(i)), row statistics l2 (lse2) and d (D). kMasked applies the window and the block
 // mask; l2 = -inf (a row with no visible key, or a padding row) gives 0 without looking at
-// either. `modded`: modifies(mod), hoisted by the caller.
+// either. `modded`: modifies(mod) or ex.any(), hoisted by the caller. ex: the bias and mask
+// (rows and columns relative to the sequence, i < seqlen_q and j < seqlen_k wherever l2 is finite
+// and the pair is masked); dbias: where dBias goes (null base: nowhere).
 template <bool kMasked>
 __device__ __forceinline__ void prob_and_ds(float x, float y, float l2, float d, int64_t i,
                                             int64_t j, int64_t diag, const detail::Mask& mask,
                                             const detail::BlockMask& bm,
                                             const detail::Dropout& drop, const ScoreModF& mod,
-                                            bool modded, float& p, float& ds) {
+                                            bool modded, const detail::HeadExtras& ex,
+                                            const DBiasAcc& dbias, float& p, float& ds) {
   p = 0.0f;
   ds = 0.0f;
   if (l2 != -INFINITY && (!kMasked || (mask.visible(i, j) && bm.visible(i, j)))) {
-    const float t = modded ? modified_score(mod, x, diag, j) : x * mod.qk_scale;
+    float t;
+    if (modded) {
+      t = modified_score(mod, x, diag, j);
+      if (ex.any()) {
+        if (!ex.kept(i, j)) return;  // hidden by the mask: P = dS = 0
+        if (ex.bias != nullptr) t += bias_at(ex, i, j) * float(detail::kLog2e);
+      }
+    } else {
+      t = x * mod.qk_scale;
+    }
     // P <= 1 exactly: lse is float32, and where |t| is huge (|softmax_scale * q.k| near 1e30) its
     // rounding alone can put lse2 below the score recomputed here, and exp2 overflowed (P = inf,
     // the gradients NaN). A NaN exponent (a NaN lse2 of a row that sees a NaN key) stays NaN.
@@ -72,7 +88,10 @@ __device__ __forceinline__ void prob_and_ds(float x, float y, float l2, float d,
     ds = prob * (y * z - d);
     // softcap: 1 - tanh^2 (a second tanhf: computing both from one cost the deterministic
     // dQ pass up to 13 registers, over 128 at bfloat16 d = 64); 1 with ALiBi alone
-    if (modded) ds *= mod.grad(x);
+    if (modded) {
+      if (dbias.base != nullptr && ds != 0.0f) atomicAdd(dbias.base + i * dbias.row + j, ds);
+      ds *= mod.grad(x);
+    }
   }
 }
 
@@ -88,8 +107,9 @@ __device__ __forceinline__ void probs_and_ds_in_registers(
     const T* sQ, const T* sdO, const T* sK, const T* sV, int ld_qkv, T* sP, T* sdS, int ld_p,
     int m_tiles, int n_tiles, const FragMap& map, const float* sL2, const float* sD, int64_t i0,
     int64_t j0, const detail::Mask& mask, const detail::BlockMask& bm,
-    const detail::Dropout& drop, const ScoreModF& mod, int nwarps) {
-  const bool modded = modifies(mod);
+    const detail::Dropout& drop, const ScoreModF& mod, const detail::HeadExtras& ex,
+    const DBiasAcc& dbias, int nwarps) {
+  const bool modded = modifies(mod) || ex.any();
   for (int t = threadIdx.x / 32; t < m_tiles * n_tiles; t += nwarps) {
     const int rf = t / n_tiles, nf = t % n_tiles;
     FragAcc s, dp;
@@ -111,7 +131,7 @@ __device__ __forceinline__ void probs_and_ds_in_registers(
     for (int e = 0; e < FragAcc::num_elements; ++e) {
       const int r = rf * kFrag + map.r[e], c = nf * kFrag + map.c[e];
       prob_and_ds<kMasked>(s.x[e], dp.x[e], sL2[r], sD[r], i0 + r, j0 + c, mask.diag(i0 + r),
-                           mask, bm, drop, mod, modded, p[e], ds[e]);
+                           mask, bm, drop, mod, modded, ex, dbias, p[e], ds[e]);
     }
     if (map.pairs) {  // sm_80/sm_90: adjacent pairs, half the stores
 #pragma unroll
@@ -143,9 +163,10 @@ __device__ __forceinline__ void probs_and_ds(float* sS, float* sdP, int ld_s, in
                                              int64_t j0, const detail::Mask& mask,
                                              const detail::BlockMask& bm,
                                              const detail::Dropout& drop, const ScoreModF& mod,
+                                             const detail::HeadExtras& ex, const DBiasAcc& dbias,
                                              int nwarps) {
   const int lane = threadIdx.x % 32;
-  const bool modded = modifies(mod);
+  const bool modded = modifies(mod) || ex.any();
   for (int r = threadIdx.x / 32; r < rows; r += nwarps) {
     float* s = sS + r * ld_s;
     float* dp = sdP + r * ld_s;
@@ -158,7 +179,7 @@ __device__ __forceinline__ void probs_and_ds(float* sS, float* sdP, int ld_s, in
       float p = 0.0f, ds = 0.0f;
       if (c < cols)
         prob_and_ds<kMasked>(s[c], dp[c], l2, d, i0 + r, j0 + c, diag, mask, bm, drop, mod, modded,
-                             p, ds);
+                             ex, dbias, p, ds);
       // T values [c0, c0 + 32) overwrite floats [c0 / 2, c0 / 2 + 16): all read by now.
       __syncwarp();
       if (c < cols) {

@@ -91,6 +91,9 @@ struct LaunchContext {
   bool vec_load;         // q, k, v (and dout) rows start on 16-byte boundaries: cp.async copies
   bool vec_store;        // out (or dq, dk, dv) rows start on 16-byte boundaries: 16-byte stores
   bool fa2_smem_softmax; // FLASHDL_CUDA_FA2_SMEM_SOFTMAX set: the fa2 forward's fallback softmax
+  // Backward with dbias: the float32 accumulator of the compact dBias (bias_batch, bias_heads,
+  // bias_rows, seqlen_k), zeroed, that the kernels add dS into (runtime.cu); null: none.
+  float* dbias_acc;
 };
 
 }  // namespace flashdl::cuda

@@ -109,13 +109,14 @@ template <typename T, int kD>
 __device__ __noinline__ void dq_visible(const T* sdS, int ld_p, const T* sK, int ld_kv, float* sdQ,
                                         int ld_o, int br, int bc, const float* sL2, int64_t i0,
                                         int64_t j0, const detail::Mask mask,
-                                        const detail::BlockMask bm) {
+                                        const detail::BlockMask bm, const detail::HeadExtras ex) {
   for (int idx = threadIdx.x; idx < br * kD; idx += kThreads) {
     const int r = idx / kD, e = idx % kD;
     float sum = 0.0f;
     if (sL2[r] != -INFINITY)
       for (int c = 0; c < bc; ++c)
-        if (mask.visible(i0 + r, j0 + c) && bm.visible(i0 + r, j0 + c))  // never 0 * NaN
+        if (mask.visible(i0 + r, j0 + c) && bm.visible(i0 + r, j0 + c) &&
+            ex.kept(i0 + r, j0 + c))  // never 0 * NaN
           sum = fmaf(to_float(sdS[r * ld_p + c]), to_float(sK[c * ld_kv + e]), sum);
     sdQ[r * ld_o + e] = sum;
   }
@@ -157,7 +158,7 @@ __device__ void store_rows(T* g, int64_t g_stride, const float* s, int64_t ld, i
 template <typename T, int kD>
 __global__ void __launch_bounds__(kThreads, 1)
     backward_kernel(const __grid_constant__ Params p, const ScoreModF mods, const Fa1BwdLayout L,
-                    float* ws, const bool vec_load, const bool vec_store) {
+                    float* ws, float* dbias_acc, const bool vec_load, const bool vec_store) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   __trap();  // the launcher refuses devices below sm_80 (bfloat16 wmma, cp.async)
 #else
@@ -224,6 +225,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       const detail::Dropout drop = detail::dropout_of(p, batch, h);
       const detail::BlockMask bm = detail::block_mask_of(p, batch, h);
       const ScoreModF mod = head_score_mods(mods, p, batch, h);  // varlen: the sequence's
+      const detail::HeadExtras ex = head_extras(p, batch, h, seq.q0);  // bias, mask
+      const DBiasAcc dbias = head_dbias(p, dbias_acc, batch, h, seq.q0);
       const T* gQ = static_cast<const T*>(p.q_ptr) + batch * p.q_batch_stride +
                     h * p.q_head_stride + seq.q0 * p.q_row_stride;
       const T* gdO = static_cast<const T*>(p.do_ptr) + batch * p.do_batch_stride +
@@ -249,13 +252,14 @@ __global__ void __launch_bounds__(kThreads, 1)
                                   L.Bc / kFrag, kWarps);
         __syncthreads();
         // Lines 12-15, 18 and 20: the score modifiers, mask, P, the dropout mask Z, dS.
-        const bool masked = !(c.all && mask.block_fully_visible(i0, i0 + rows, j0, j0 + L.Bc));
+        const bool masked = !(c.all && mask.block_fully_visible(i0, i0 + rows, j0, j0 + L.Bc)) ||
+                            ex.any();
         if (!masked)
           bwd::probs_and_ds<T, false>(sS, sdP, L.ld_s, L.Br, L.Bc, sL2, sD, i0, j0, mask, bm,
-                                      drop, mod, kWarps);
+                                      drop, mod, ex, dbias, kWarps);
         else
           bwd::probs_and_ds<T, true>(sS, sdP, L.ld_s, L.Br, L.Bc, sL2, sD, i0, j0, mask, bm, drop,
-                                     mod, kWarps);
+                                     mod, ex, dbias, kWarps);
         // A masked pair whose K holds a NaN or Inf redoes dS K_j over visible keys (dq_visible);
         // the vote rides on the barrier the pair needs anyway (masked: the same in every thread).
         const bool nonfinite_k =
@@ -267,7 +271,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         __syncthreads();
         if (nonfinite_k) {
           dq_visible<T, kD>(reinterpret_cast<const T*>(sdP), ld_p, sK, L.ld_kv, sdQ, L.ld_o, L.Br,
-                            L.Bc, sL2, i0, j0, mask, bm);
+                            L.Bc, sL2, i0, j0, mask, bm, ex);
           __syncthreads();
         }
         // Line 21: dQ_i written back. The next pair's first barrier orders this before sdQ is
@@ -313,7 +317,7 @@ void launch_fa1_backward(const Params& p, const LaunchContext& ctx) {
   const std::size_t floats = static_cast<std::size_t>(p.batch * p.nheads * p.seqlen_q) * kHeadDim;
   StreamWorkspace ws((floats > 0 ? floats : 1) * sizeof(float), ctx.stream);  // dQ
   FLASHDL_LAUNCH(static_cast<unsigned>(ctas), fa1bwd::kThreads, L.bytes, ctx.stream, kernel)(
-      p, call_score_mods(p), L, ws.get<float>(), ctx.vec_load, ctx.vec_store);
+      p, call_score_mods(p), L, ws.get<float>(), ctx.dbias_acc, ctx.vec_load, ctx.vec_store);
   FLASHDL_CUDA_CHECK_LAUNCH("fa1 backward kernel launch");
   ws.release();
 }

@@ -66,14 +66,23 @@ __device__ void scores(const T* sQ, const T* sK, float* sS, const Fa1Layout& L) 
 // becomes its exp2-domain score (softmax_rows then takes them with a scale of 1). The warps and
 // lanes take the rows and columns softmax_rows gives them, so each thread reads back only what it
 // wrote itself and no barrier is needed in between.
+// With a bias or mask (ex.any()) the bias is added and keys the mask hides become -inf
+// (extras_score; keys past seqlen_k, c >= cols, are left to the softmax's mask); without a
+// modifier the raw q.k is multiplied by `pre` first (scale * log2(e) with a bias, 1 for a mask
+// alone, which the softmax then scales as without it).
 __device__ inline void apply_score_mods(float* sS, const Fa1Layout& L, int64_t i0, int rows,
-                                        int64_t j0, const detail::Mask& mask,
-                                        const ScoreModF& mod) {
+                                        int64_t j0, int cols, const detail::Mask& mask,
+                                        const ScoreModF& mod, bool modded,
+                                        const detail::HeadExtras& ex, float pre) {
   const int lane = threadIdx.x % 32;
   for (int r = threadIdx.x / 32; r < rows; r += kWarps) {
     float* s = sS + r * L.ld_s;
     const int64_t diag = mask.diag(i0 + r);
-    for (int c = lane; c < L.Bc; c += 32) s[c] = modified_score(mod, s[c], diag, j0 + c);
+    for (int c = lane; c < L.Bc; c += 32) {
+      float t = modded ? modified_score(mod, s[c], diag, j0 + c) : s[c] * pre;
+      if (ex.any() && c < cols) t = extras_score(ex, t, i0 + r, j0 + c);
+      s[c] = t;
+    }
   }
 }
 
@@ -159,7 +168,7 @@ __device__ void pv(const T* sP, const T* sV, float* sO, const Fa1Layout& L) {
 template <typename T, int kD>
 __device__ __noinline__ void pv_visible(const T* sP, const T* sV, float* sO, const Fa1Layout& L,
                                         int64_t i0, int rows, int64_t j0, const detail::Mask mask,
-                                        const detail::BlockMask bm) {
+                                        const detail::BlockMask bm, const detail::HeadExtras ex) {
   const int ld_p = 2 * L.ld_s;
   for (int idx = threadIdx.x; idx < L.Br * kD; idx += kThreads) {
     const int r = idx / kD, e = idx % kD;
@@ -168,7 +177,7 @@ __device__ __noinline__ void pv_visible(const T* sP, const T* sV, float* sO, con
       const int64_t i = i0 + r;
       const int64_t lo = mask.col_begin(i) - j0, hi = mask.col_end(i) - j0;
       for (int c = 0; c < L.Bc; ++c)
-        if (c >= lo && c < hi && bm.visible(i, j0 + c))  // a select: 0 * NaN is never formed
+        if (c >= lo && c < hi && bm.visible(i, j0 + c) && ex.kept(i, j0 + c))  // a select
           sum = fmaf(to_float(sP[r * ld_p + c]), to_float(sV[c * L.ld_kv + e]), sum);
     }
     sO[r * L.ld_o + e] = sum;
@@ -201,12 +210,18 @@ __device__ void write_result(const Params& p, const detail::Sequence& seq, const
   T* out = static_cast<T*>(p.o_ptr) + batch * p.o_batch_stride + head * p.o_head_stride +
            seq.q0 * p.o_row_stride;
   constexpr int kChunks = kD / 8;
+  // With an attention sink the workspace's O (already divided by l) is rescaled by
+  // l * o_scale of finalize_with_sink, and lse includes the sink.
+  const float sink2 = p.sinks_ptr != nullptr ? detail::sink_of<float>(p, head) : 0.0f;
   for (int64_t idx = threadIdx.x; idx < seq.sq * kChunks; idx += kThreads) {
     const int64_t i = idx / kChunks;
     const int c = int(idx % kChunks) * 8;
+    const float f = p.sinks_ptr != nullptr
+                        ? gL[i] * detail::finalize_with_sink(gM[i], gL[i], sink2).o_scale
+                        : 1.0f;
     float v[8];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) v[e] = gO[i * kD + c + e];
+    for (int e = 0; e < 8; ++e) v[e] = gO[i * kD + c + e] * f;
     store8(out + i * p.o_row_stride + c, v, vec_store);
   }
   for (int64_t i = threadIdx.x; i < seq.sq; i += kThreads) {
@@ -214,7 +229,8 @@ __device__ void write_result(const Params& p, const detail::Sequence& seq, const
     sm.m = gM[i];
     sm.l = gL[i];
     p.lse_ptr[batch * p.lse_batch_stride + head * p.lse_head_stride +
-              (seq.q0 + i) * p.lse_row_stride] = sm.lse();
+              (seq.q0 + i) * p.lse_row_stride] =
+        p.sinks_ptr != nullptr ? detail::finalize_with_sink(sm.m, sm.l, sink2).lse : sm.lse();
   }
 }
 
@@ -257,6 +273,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const detail::Dropout drop = detail::dropout_of(p, batch, head);
   const detail::BlockMask bm = detail::block_mask_of(p, batch, head);
   const ScoreModF mod = head_score_mods(mods, p, batch, head);  // varlen: the sequence's
+  const detail::HeadExtras ex = head_extras(p, batch, head, seq.q0);  // bias, mask
   const int64_t Tc = detail::ceil_div(seqlen_k, L.Bc);
   for (int64_t j = 0; j < Tc; ++j) {  // line 5: K/V blocks outer
     const int64_t j0 = j * L.Bc;
@@ -284,6 +301,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (!c.any) continue;  // a zero block of the block mask
       const int64_t i0 = i * L.Br;
       const int rows = int(seqlen_q - i0 < L.Br ? seqlen_q - i0 : L.Br);
+      // A pair whose tile of Options::mask is all false is skipped like a zero block (a vote).
+      if (ex.keep != nullptr) {
+        bool any = false;
+        for (int e = threadIdx.x; !any && e < rows * kv_rows; e += kThreads)
+          any = ex.kept(i0 + e / kv_rows, j0 + e % kv_rows);
+        if (!__syncthreads_or(any)) continue;
+      }
       // Line 8: Q_i to shared memory; O_i, l_i, m_i are read from the workspace where used.
       load_tile<kD, kThreads>(sQ, L.ld_kv, gQ + i0 * p.q_row_stride, p.q_row_stride, L.Br, rows, vec_load);
       __pipeline_commit();
@@ -292,10 +316,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       scores<T, kD>(sQ, sK, sS, L);
       __syncthreads();
       // Softcap, ALiBi: S becomes the exp2-domain scores, taken with a scale of 1.
-      const bool modded = modifies(mod);
-      if (modded) apply_score_mods(sS, L, i0, rows, j0, mask, mod);
-      const float scale_log2 = modded ? 1.0f : float(p.scale_softmax_log2);
-      const bool masked = !(c.all && mask.block_fully_visible(i0, i0 + rows, j0, j0 + L.Bc));
+      // Bias, mask: the same pass (a mask alone leaves the scaling to the softmax).
+      const bool modded = modifies(mod), prescaled = modded || ex.bias != nullptr;
+      if (modded || ex.any())
+        apply_score_mods(sS, L, i0, rows, j0, kv_rows, mask, mod, modded, ex,
+                         ex.bias != nullptr ? float(p.scale_softmax_log2) : 1.0f);
+      const float scale_log2 = prescaled ? 1.0f : float(p.scale_softmax_log2);
+      const bool masked = !(c.all && mask.block_fully_visible(i0, i0 + rows, j0, j0 + L.Bc)) ||
+                          ex.keep != nullptr;
       if (!masked)
         softmax_rows<T, false>(sS, sScale, gM, gL, L, i0, rows, j0, mask, bm, drop, scale_log2);
       else
@@ -306,7 +334,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           masked ? __syncthreads_or(tile_has_nonfinite<kD, kThreads>(sV, L.ld_kv, L.Bc))
                  : (__syncthreads(), false);
       if (nonfinite_v)
-        pv_visible<T, kD>(reinterpret_cast<const T*>(sS), sV, sO, L, i0, rows, j0, mask, bm);
+        pv_visible<T, kD>(reinterpret_cast<const T*>(sS), sV, sO, L, i0, rows, j0, mask, bm, ex);
       else
         pv<T, kD>(reinterpret_cast<const T*>(sS), sV, sO, L);
       __syncthreads();

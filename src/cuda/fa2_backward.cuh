@@ -101,30 +101,33 @@ __device__ __forceinline__ void pair_probs(const typename Tr::T* sQ, const typen
                                            const float* sL2, const float* sD, int64_t i0, int rows,
                                            int64_t j0, const detail::Mask& mask,
                                            const detail::BlockMask& bm, bool bm_all,
-                                           const detail::Dropout& drop, const ScoreModF& mod) {
+                                           const detail::Dropout& drop, const ScoreModF& mod,
+                                           const detail::HeadExtras& ex, const DBiasAcc& dbias) {
   using T = typename Tr::T;
-  const bool all = bm_all && mask.block_fully_visible(i0, i0 + rows, j0, j0 + Tr::kBlockN);
+  // With a bias or mask every pair is masked (keys past seqlen_k never read the bias).
+  const bool all = bm_all && mask.block_fully_visible(i0, i0 + rows, j0, j0 + Tr::kBlockN) &&
+                   !ex.any();
   if constexpr (kInRegs) {
     T* sP = reinterpret_cast<T*>(sS);
     T* sdS = reinterpret_cast<T*>(sdP);
     if (all)
       bwd::probs_and_ds_in_registers<T, Tr::kHeadDim, false>(
           sQ, sdO, sK, sV, Tr::kLd, sP, sdS, Tr::kLdP, Tr::kFragsM, Tr::kFragsN, map, sL2, sD,
-          i0, j0, mask, bm, drop, mod, Tr::kNWarps);
+          i0, j0, mask, bm, drop, mod, ex, dbias, Tr::kNWarps);
     else
       bwd::probs_and_ds_in_registers<T, Tr::kHeadDim, true>(
           sQ, sdO, sK, sV, Tr::kLd, sP, sdS, Tr::kLdP, Tr::kFragsM, Tr::kFragsN, map, sL2, sD,
-          i0, j0, mask, bm, drop, mod, Tr::kNWarps);
+          i0, j0, mask, bm, drop, mod, ex, dbias, Tr::kNWarps);
   } else {
     bwd::scores_and_dp<T, Tr::kHeadDim>(sQ, sdO, sK, sV, Tr::kLd, sS, sdP, Tr::kLdS,
                                         Tr::kFragsM, Tr::kFragsN, Tr::kNWarps);
     __syncthreads();
     if (all)
       bwd::probs_and_ds<T, false>(sS, sdP, Tr::kLdS, Tr::kBlockM, Tr::kBlockN, sL2, sD, i0, j0,
-                                  mask, bm, drop, mod, Tr::kNWarps);
+                                  mask, bm, drop, mod, ex, dbias, Tr::kNWarps);
     else
       bwd::probs_and_ds<T, true>(sS, sdP, Tr::kLdS, Tr::kBlockM, Tr::kBlockN, sL2, sD, i0, j0,
-                                 mask, bm, drop, mod, Tr::kNWarps);
+                                 mask, bm, drop, mod, ex, dbias, Tr::kNWarps);
   }
   __syncthreads();
 }
@@ -166,7 +169,7 @@ __device__ __forceinline__ void zero_nonfinite(T* s, int ld, int tile_rows) {
 template <typename Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     backward_kernel(const __grid_constant__ Params p, const ScoreModF mods, const float* ws_l2,
-                    const float* ws_d, float* ws_dq, const bool vec_load) {
+                    const float* ws_d, float* ws_dq, float* dbias_acc, const bool vec_load) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   __trap();  // the launcher refuses devices below sm_80 (bfloat16 wmma, cp.async)
 #else
@@ -296,7 +299,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     pair_probs<Tr, true>(sQ, sdO, sK, sV, sS, sdP, map, stat_stage(L.off_l2, stage),
                    stat_stage(L.off_d, stage), i0, rows, n0, mask,
                    detail::block_mask_of(p, batch, h), cover(it).all,
-                   detail::dropout_of(p, batch, h), head_score_mods(mods, p, batch, h));
+                   detail::dropout_of(p, batch, h), head_score_mods(mods, p, batch, h),
+                   head_extras(p, batch, h, seq.q0), head_dbias(p, dbias_acc, batch, h, seq.q0));
     const T* sP = reinterpret_cast<const T*>(sS);
     const T* sdS = reinterpret_cast<const T*>(sdP);
 
@@ -324,7 +328,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       // the next pairs' scores (keys the flags zero-filled come back as they are: every pair with
       // them is masked, and so takes this path too).
       const bool slow_dq =
-          k_nonfinite && !(cover(it).all && mask.block_fully_visible(i0, i0 + rows, n0, n0 + kN));
+          k_nonfinite && !(cover(it).all && mask.block_fully_visible(i0, i0 + rows, n0, n0 + kN) &&
+                           !detail::has_extras(p));
       if (slow_dq) {
         __syncthreads();  // every warp done with K's scores
         zero_nonfinite<kD, Tr::kThreads>(sK, kLd, kN);
@@ -461,10 +466,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // where the shared memory allows two, and this pass does not overlap its K/V loads with
     // compute: the second CTA does.
     pair_probs<Tr, false>(sQ, sdO, sK, sV, sS, sdP, map, sL2, sD, m0, rows, n0, mask, bm, c.all,
-                          drop, mod);
+                          drop, mod, head_extras(p, batch, h, seq.q0), DBiasAcc{});
     // A masked block whose K holds a NaN or Inf: dS K from K with those zeroed (zero_nonfinite);
     // the vote is one more barrier, in masked blocks only (masked is the same in every thread).
-    const bool masked = !(c.all && mask.block_fully_visible(m0, m0 + rows, n0, n0 + kN));
+    const bool masked = !(c.all && mask.block_fully_visible(m0, m0 + rows, n0, n0 + kN)) ||
+                        detail::has_extras(p);
     if (masked && __syncthreads_or(tile_has_nonfinite<kD, Tr::kThreads>(sK, kLd, kN))) {
       zero_nonfinite<kD, Tr::kThreads>(sK, kLd, kN);  // K's last use: dS K below
       __syncthreads();
@@ -536,7 +542,8 @@ void launch_fa2_bwd(const Params& p, const LaunchContext& ctx) {
     FLASHDL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(Tr::kMain.bytes)));
     FLASHDL_LAUNCH(dim3(static_cast<unsigned>(n_blocks), static_cast<unsigned>(p.nheads_kv), z),
-                   Tr::kThreads, Tr::kMain.bytes, ctx.stream, kernel)(p, mods, l2, d, dq, ctx.vec_load);
+                   Tr::kThreads, Tr::kMain.bytes, ctx.stream, kernel)(p, mods, l2, d, dq,
+                                                                      ctx.dbias_acc, ctx.vec_load);
     FLASHDL_CUDA_CHECK_LAUNCH("fa2 backward kernel launch");
   }
   if (p.seqlen_q > 0 && p.deterministic) {

@@ -79,6 +79,34 @@ __device__ __forceinline__ void apply_score_mods(float* sS, const ScoreModF& mod
   }
 }
 
+// The forward's form of the pass, with the bias and mask of (batch, head) as well, read from the
+// kernel parameters here (the decode kernel, which has neither, keeps the one above). Not inlined:
+// inlined, with the views held by the caller, it cost the kMods kernel spills (ptxas, sm_90
+// float16 d 128: 160 bytes of spill stores; this form 28, against 8 before bias and mask).
+// With a bias or a mask (ex.any(); the row clamped into the
+// sequence, keys past seqlen_k left alone: the softmax masks them) the bias is added and hidden
+// keys become -inf (extras_score), here, before the softmax's max: a NaN or Inf score of a key
+// the mask hides never reaches it. Without a modifier the raw q.k is multiplied by `pre`:
+// scale * log2(e) with a bias (the softmax then scales by 1), 1 for a mask alone (the softmax
+// scales it as without the mask).
+template <typename Tr>
+__device__ __noinline__ void apply_score_mods(float* sS, const ScoreModF& mod, bool modded,
+                                              const Params& p, int64_t batch, int64_t head,
+                                              int64_t q0, float pre, int64_t diag, int64_t row_in,
+                                              int64_t n0, int64_t seqlen_k) {
+  const detail::HeadExtras ex = head_extras(p, batch, head, q0);
+  const int lane = threadIdx.x % 32;
+  const int r = lane / 2, half = lane % 2;
+#pragma unroll 1
+  for (int k = 0; k < Tr::kColsPerLane; ++k) {
+    const int c = 2 * k + half;
+    float& s = sS[r * Tr::kLdS + c];
+    float t = modded ? modified_score(mod, s, diag, n0 + c) : s * pre;
+    if (ex.any() && n0 + c < seqlen_k) t = extras_score(ex, t, row_in, n0 + c);
+    s = t;
+  }
+}
+
 // One online-softmax step in shared memory for the row this lane pair owns (lanes 2r and 2r+1
 // share row r, taking alternate columns): the fa2 forward's fallback path (fragment layouts other
 // than acc_row / acc_col, block masks, dropout, score modifiers) and the decode kernel's step.
@@ -343,8 +371,24 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
     const int64_t n0 = int64_t(n) * kBlockN;
     return bm.cover(m0, m0 + m_rows, n0, n0 + kBlockN < seqlen_k ? n0 + kBlockN : seqlen_k);
   };
+  // Options::mask: a block whose mask tile (this Q block's rows) is all false is skipped like a
+  // zero block of the block mask, by a vote of the CTA (kMods only: calls with a mask run there).
+  // The bias and mask views are rebuilt where used from the kernel parameters (constant memory):
+  // held across the loop their pointers and strides cost registers (ptxas, sm_90 float16 d 128:
+  // 160 bytes of spill stores in the kMods kernel, against 8 without them).
+  auto extras = [&] { return head_extras(p, batch, head, seq.q0); };
+  auto mask_any = [&](int n) {
+    if (!kMods || p.mask_ptr == nullptr) return true;
+    const detail::HeadExtras ex = extras();
+    const int64_t n0 = int64_t(n) * kBlockN;
+    const int cols = int(seqlen_k - n0 < kBlockN ? seqlen_k - n0 : kBlockN);
+    bool any = false;
+    for (int e = threadIdx.x; !any && e < m_rows * cols; e += Tr::kThreads)
+      any = ex.kept(m0 + e / cols, n0 + e % cols);
+    return __syncthreads_or(any) != 0;
+  };
   auto next_block = [&](int n) {  // the first block from n on that is computed
-    while (n < n_end && !cover(n).any) ++n;
+    while (n < n_end && !(cover(n).any && mask_any(n))) ++n;
     return n;
   };
 
@@ -379,11 +423,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
   // Whether the head's modifiers change any score (a slope of 0 and no cap do not): only then do
   // they run, on the shared-memory path. Rebuilt per block there, from `mods` and the slope (one
   // cached load): held across the loop they cost registers.
+  // A bias or mask (Options::bias, mask) takes the same pass and path; the scores are prescaled
+  // where a modifier or a bias changes them (a mask alone only hides keys).
   const bool modded = kMods && modifies(head_score_mods(mods, p, batch, head));
+  const bool has_extras = kMods && detail::has_extras(p);
+  const bool prescaled = modded || (kMods && p.bias_ptr != nullptr);
   const bool layout_ok = layout_holds<T>(codes_f, codes_t);
   const bool in_regs = layout_ok && !smem_softmax && !drop.on() &&
-                       bm.dense() && !modded;
-  const float scale_log2 = modded ? 1.0f : float(p.scale_softmax_log2);
+                       bm.dense() && !modded && !has_extras;
+  const float scale_log2 = prescaled ? 1.0f : float(p.scale_softmax_log2);
   // load_frag's bfloat16 loads (as float16) are those of wmma on every architecture they are
   // compiled for (SASS, sm_80 and sm_90): a failure here is a compiler change, not a fallback.
   if (!twin_loads_hold<T>(codes_t)) __trap();
@@ -413,7 +461,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
       const T* sKn = sK + stage * kBlockN * kLd;
       const T* sVn = sV + stage * kBlockN * kLd;
       const int64_t n0 = int64_t(n) * kBlockN;
-      const bool full = mask.block_fully_visible(m0, m0 + m_rows, n0, n0 + kBlockN) && cover(n).all;
+      const bool full = mask.block_fully_visible(m0, m0 + m_rows, n0, n0 + kBlockN) &&
+                        cover(n).all && !(kMods && p.mask_ptr != nullptr);
       // A masked block whose V holds a NaN or Inf takes the slow P V (accumulate_pv_visible); the
       // vote is a second barrier, in masked blocks only (full is the same in every thread).
       const bool nonfinite_v =
@@ -479,9 +528,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
           __syncwarp();
           const int64_t row = m0 + w0 + rf * kFrag + lane / 2;  // the row this lane pair owns
           // Softcap, ALiBi: S becomes the exp2-domain scores in place (each lane its own elements),
-          // on full blocks too; the softmax then scales by 1.
-          if (kMods && modded)
-            apply_score_mods<Tr>(sS, head_score_mods(mods, p, batch, head), mask.diag(row), n0);
+          // on full blocks too; the softmax then scales by 1. With a bias or mask too, one pass
+          // (not inlined: inlined, it cost this kernel spills; a second, inlined pass for the
+          // modifiers alone cost more).
+          if (kMods && (modded || has_extras))
+            apply_score_mods<Tr>(sS, head_score_mods(mods, p, batch, head), modded, p, batch,
+                                 head, seq.q0,
+                                 p.bias_ptr != nullptr ? float(p.scale_softmax_log2) : 1.0f,
+                                 mask.diag(row),
+                                 row < seqlen_q ? row : seqlen_q - 1, n0, seqlen_k);
           const int64_t col_lo = mask.col_begin(row), col_hi = mask.col_end(row);
           const int64_t row_in = row < seqlen_q ? row : seqlen_q - 1;
           const float alpha =  // mask, online softmax; P over S in place
@@ -511,8 +566,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
             hi = int(e < 0 ? 0 : e > kBlockN ? kBlockN : e);
           };
           auto shown = [&](int r, int c) {
-            const int64_t row = r0 + r;
-            return bm.dense() || bm.visible(row < seqlen_q ? row : seqlen_q - 1, n0 + c);
+            const int64_t row = r0 + r, row_in = row < seqlen_q ? row : seqlen_q - 1;
+            return (bm.dense() || bm.visible(row_in, n0 + c)) &&
+                   (!kMods || extras().kept(row_in, n0 + c));
           };
           accumulate_pv_visible<Tr>(sS, pa[rf], sVn, acc_o[rf], keys, shown);
         }
@@ -541,12 +597,20 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
   // rows of sRowF and write its lse (natural log, of the modified scores); rows that saw no key
   // get 0 and -inf. Then O / l, converted to T, one 16 x 16 fragment at a time through the scratch
   // (rows past the sequence are padding and not stored).
+  // With an attention sink (Params::sinks_ptr) the sink joins l and lse (finalize_with_sink;
+  // m is in the exp2 domain on both paths) and a row that saw no key gets out 0 and lse = sink.
   auto finish_row = [&](int local, const detail::OnlineSoftmax<float>& s) {
-    sRowF[local] = s.inv_l() * drop.kept_scale;
+    float o_scale = s.inv_l(), lse = s.lse();
+    if (p.sinks_ptr != nullptr) {
+      const auto f = detail::finalize_with_sink(s.m, s.l, detail::sink_of<float>(p, head));
+      o_scale = f.o_scale;
+      lse = f.lse;
+    }
+    sRowF[local] = o_scale * drop.kept_scale;
     const int64_t row = m0 + local;
     if (row < seqlen_q)
       p.lse_ptr[batch * p.lse_batch_stride + head * p.lse_head_stride +
-                (seq.q0 + row) * p.lse_row_stride] = s.lse();
+                (seq.q0 + row) * p.lse_row_stride] = lse;
   };
   if (in_regs) {
     if (lane % 4 == 0)
@@ -587,8 +651,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
 
 template <typename Tr>
 void launch_fa2(const Params& p, const LaunchContext& ctx) {
-  const auto kernel = detail::has_score_mod(p) ? fa2::forward_kernel<Tr, true>
-                                               : fa2::forward_kernel<Tr, false>;  // softcap, ALiBi
+  // softcap, ALiBi, bias, mask: the modifier instantiation
+  const auto kernel = detail::has_score_mod(p) || detail::has_extras(p)
+                          ? fa2::forward_kernel<Tr, true>
+                          : fa2::forward_kernel<Tr, false>;
   const int64_t m_blocks = detail::ceil_div(p.seqlen_q, Tr::kBlockM);
   if (p.nheads > ctx.max_grid_y || p.batch > ctx.max_grid_z || m_blocks > INT32_MAX)
     throw Error(ErrorKind::unsupported,

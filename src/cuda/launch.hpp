@@ -36,6 +36,15 @@ void launch_fa2_backward(const Params& p, const LaunchContext& ctx);
 // new keys and values, then the decode kernel and, with several key splits, their combine.
 void run_kvcache(const Params& p, const KvAppend& append, const LaunchContext& ctx);
 
+// dSinks (Params::dsinks_ptr) of a backward call from out, dout and lse, on `stream` after the
+// backward kernels (extras.cu): one CTA per head, a fixed summation order.
+void run_sinks_backward(const Params& p, cudaStream_t stream);
+
+// dBias (Params::dbias_ptr): the elements of its float32 accumulator (LaunchContext::dbias_acc;
+// 0 without dbias), and the conversion into dbias after the backward kernels (extras.cu).
+int64_t dbias_acc_elements(const Params& p);
+void run_dbias_convert(const Params& p, const float* acc, cudaStream_t stream);
+
 // merge_states on CUDA arrays (merge.cu), validated by src/merge.cpp.
 void run_merge_states(const std::vector<TensorView>& outs, const std::vector<TensorView>& lses,
                       const TensorView& out, const TensorView& lse, cudaStream_t stream);

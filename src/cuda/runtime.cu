@@ -13,6 +13,7 @@
 #include "backend.hpp"
 #include "check.hpp"
 #include "flashdl/api.hpp"
+#include "flashdl/detail/extras.hpp"
 #include "launch.hpp"
 #include "static_switch.hpp"
 
@@ -175,20 +176,45 @@ void merge_states(const std::vector<TensorView>& outs, const std::vector<TensorV
 }
 
 void backward(const Params& params) {
+  // dBias into a float32 accumulator of the bias's (compact) shape, by atomics: a bias broadcast
+  // over an axis sums over it in an order that varies from run to run, so deterministic=True
+  // refuses that combination; a full-size bias receives each element once (exact, reproducible).
+  const bool dbias_full = (params.cu_seqlens_q != nullptr || params.bias_batch == params.batch) &&
+                          params.bias_heads == params.nheads &&
+                          params.bias_rows == (params.cu_seqlens_q != nullptr ? params.total_q
+                                                                              : params.seqlen_q);
+  if (params.dbias_ptr != nullptr && params.deterministic && !dbias_full)
+    throw Error(ErrorKind::not_implemented,
+                "dbias: not yet deterministic on the CUDA backend for a bias broadcast over an "
+                "axis (its sum uses atomics); pass deterministic=False, or a full-size bias");
   DeviceGuard guard(params.device.id);
-  const LaunchContext ctx = make_context(params, true);
+  LaunchContext ctx = make_context(params, true);
   Params p = params;
   DeviceOffsets offsets(p, ctx.stream);
-  FLASHDL_DTYPE_SWITCH(p.dtype, T, [&] {
-    FLASHDL_HEADDIM_SWITCH(p.headdim, kHeadDim, [&] {
-      switch (p.schedule) {
-        case Schedule::fa1: return launch_fa1_backward<T, kHeadDim>(p, ctx);
-        case Schedule::automatic:
-        case Schedule::fa2: return launch_fa2_backward<T, kHeadDim>(p, ctx);
-        default: no_kernel(p);
-      }
+  std::unique_ptr<StreamWorkspace> dbias_ws;
+  if (const int64_t n = dbias_acc_elements(p); n > 0) {
+    const auto bytes = static_cast<std::size_t>(n) * sizeof(float);
+    dbias_ws = std::make_unique<StreamWorkspace>(bytes, ctx.stream);
+    ctx.dbias_acc = dbias_ws->get<float>();
+    FLASHDL_CUDA_CHECK(cudaMemsetAsync(ctx.dbias_acc, 0, bytes, ctx.stream));
+  }
+  if (p.batch > 0) {  // batch 0 (api.cpp): only the zero dsinks and dbias below
+    FLASHDL_DTYPE_SWITCH(p.dtype, T, [&] {
+      FLASHDL_HEADDIM_SWITCH(p.headdim, kHeadDim, [&] {
+        switch (p.schedule) {
+          case Schedule::fa1: return launch_fa1_backward<T, kHeadDim>(p, ctx);
+          case Schedule::automatic:
+          case Schedule::fa2: return launch_fa2_backward<T, kHeadDim>(p, ctx);
+          default: no_kernel(p);
+        }
+      });
     });
-  });
+  }
+  run_sinks_backward(p, ctx.stream);  // reads the device offsets: before their release
+  if (dbias_ws) {
+    run_dbias_convert(p, ctx.dbias_acc, ctx.stream);
+    dbias_ws->release();
+  }
   offsets.release();
 }
 
