@@ -261,13 +261,9 @@ void forward_kvcache(const TensorView& q, const TensorView& k_cache, const Tenso
   const Shapes s = check_attention_args(q, k4, v4, out, lse, options);
   check_score_mods(options, s, q.device, {{"out", &out}, {"lse", &lse}});
   refuse_bias_and_mask(options, "KV-cache (forward_kvcache)");
-  if (options.sinks.defined()) {
-    if (q.device.type != DeviceType::cpu)
-      fail(ErrorKind::not_implemented,
-           "sinks: not yet with a KV cache on the CUDA backend (the decode kernel has no sinks; "
-           "attention_with_kvcache takes sinks on CPU arrays)");
-    check_extras(options, s, q.device, {{"out", &out}, {"lse", &lse}});
-  }
+  // Sinks: the CPU kernel and the CUDA decode kernel add each row's sink once (after the key
+  // splits merge on the CPU; to split 0's partial on CUDA, which the combine carries).
+  if (options.sinks.defined()) check_extras(options, s, q.device, {{"out", &out}, {"lse", &lse}});
   if (options.dropout_p != 0.0f)
     fail(ErrorKind::value, "dropout_p: attention over a KV cache is for inference, expected 0, "
                            "got " + num_str(options.dropout_p));

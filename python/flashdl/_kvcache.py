@@ -119,7 +119,8 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
     sinks : float32 array (nheads,), optional
         Attention sinks (gpt-oss), as in :func:`attention`: one logit per query head that joins
         each row's softmax denominator once (after the key splits are merged) and carries no
-        value; lse includes it. CPU arrays only for now (CUDA: NotImplementedError).
+        value; lse includes it. On CUDA arrays the decode kernel adds it (checked on the CUDA
+        host emulator, not yet run on a GPU; a NaN sink there is not refused).
     num_splits : int, default 0
         Key splits per (batch, kv head), computed in parallel and merged exactly (split-KV,
         "flash-decoding"); 0 chooses from the shape and the thread count.

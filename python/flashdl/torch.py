@@ -819,8 +819,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     rotary_cos, rotary_sin, rotary_interleaved, cache_batch_idx, cache_leftpad : optional
         As in :func:`flashdl.attention_with_kvcache` (CPU tensors only yet).
     sinks : torch.Tensor, float32 (nheads,), optional
-        Attention sinks (gpt-oss's ``s_aux``), as in :func:`flashdl.attention_with_kvcache` (CPU
-        tensors only yet; no gradient here).
+        Attention sinks (gpt-oss's ``s_aux``), as in :func:`flashdl.attention_with_kvcache` (no
+        gradient here).
 
     Returns
     -------

@@ -11,7 +11,8 @@
 // other inside a tile. At the end the warps' normalised (O, lse) are merged in warp order
 // (detail::merge_weights) through shared memory laid over the K/V buffers, and written to out and
 // lse, or, with several splits, to the float32 workspace that merge_rows.cuh combines in split
-// order.
+// order. An attention sink (Params::sinks_ptr) joins split 0's merged rows alone (merge_warps_and_store),
+// so the combine adds it to each row's denominator once.
 //
 // Why tensor cores for 1 to 16 rows (decoding has 1 to 8 mostly): the kernel is bound by reading
 // the cache, 4d bytes per key and kv head. A 16-row wmma tile does 64d flops per key whatever the
@@ -239,6 +240,17 @@ __device__ __forceinline__ void merge_warps_and_store(const Params& p, const Dec
       s_wa[w * kDecodeRows + r] = mw.wa;
       s_wb[w * kDecodeRows + r] = mw.wb;
       total = mw.lse;
+    }
+    if (p.sinks_ptr != nullptr && split == 0 && r < rows) {
+      // The attention sink joins the row's denominator once, here in split 0's result (a
+      // partial with o = 0 and lse = sink, merged last): the split combine carries it into the
+      // other splits' weights. Scaling the last warp's weights scales the whole fold.
+      const int64_t head = hk * p.h_h_k_ratio + (g0 + r) / p.seqlen_q;
+      const detail::MergeWeights<float> ms =
+          detail::merge_weights(total, p.sinks_ptr[head * p.sinks_stride]);
+      s_wa[(kW - 1) * kDecodeRows + r] *= ms.wa;
+      s_wb[(kW - 1) * kDecodeRows + r] *= ms.wa;
+      total = ms.lse;
     }
     s_total[r] = total;
   }

@@ -30,6 +30,7 @@ struct KvCase {
   Kind kind;                   // layout of q, out, the caches and the new keys
   ModSpec mods;
   std::vector<int64_t> splits;  // the num_splits values each run takes (0: chosen)
+  std::vector<float> sinks = {};  // attention sinks, one per query head (empty: none)
 
   int64_t used(int64_t bi) const { return lens[size_t(bi)] + seqlen_new; }
   bool paged() const { return page_size > 0; }
@@ -129,6 +130,8 @@ struct KvOracle {
 
 // Per sequence: the float64 reference (schedule "reference" on the CPU) and the naive algorithm
 // in the input precision over its keys after the append, with the case's mask and modifiers.
+// With sinks: the reference takes them, and each naive row is scaled by the share the keys keep,
+// exp(lse without the sink - lse with it), as the sink weighs the row down in exact arithmetic.
 inline KvOracle kv_oracle(const KvCase& c, int64_t d, const KvValues& x, flashdl::DType dt) {
   KvOracle r{std::vector<double>(size_t(c.b * c.sq * c.h * d)),
              std::vector<double>(size_t(c.b * c.sq * c.h * d)),
@@ -154,6 +157,17 @@ inline KvOracle kv_oracle(const KvCase& c, int64_t d, const KvValues& x, flashdl
                      flashdl::make_view(v64.data(), flashdl::DType::float64, {1, n, c.hk, d}),
                      flashdl::make_view(o64.data(), flashdl::DType::float64, {1, c.sq, c.h, d}),
                      flashdl::make_view(l.data(), flashdl::DType::float32, {1, c.h, c.sq}), o);
+    std::vector<float> plain_lse = l;
+    if (!c.sinks.empty()) {
+      o.sinks = flashdl::make_view(const_cast<float*>(c.sinks.data()), flashdl::DType::float32,
+                                   {c.h});
+      flashdl::forward(
+          flashdl::make_view(q64.data(), flashdl::DType::float64, {1, c.sq, c.h, d}),
+          flashdl::make_view(k64.data(), flashdl::DType::float64, {1, n, c.hk, d}),
+          flashdl::make_view(v64.data(), flashdl::DType::float64, {1, n, c.hk, d}),
+          flashdl::make_view(o64.data(), flashdl::DType::float64, {1, c.sq, c.h, d}),
+          flashdl::make_view(l.data(), flashdl::DType::float32, {1, c.h, c.sq}), o);
+    }
     std::copy(o64.begin(), o64.end(), r.out.begin() + bi * qrow);
     std::copy(l.begin(), l.end(), r.lse.begin() + bi * c.h * c.sq);
 
@@ -164,6 +178,15 @@ inline KvOracle kv_oracle(const KvCase& c, int64_t d, const KvValues& x, flashdl
     std::vector<double> lowp;
     naive_lowp(Shape{1, c.sq, n, c.h, c.hk, d, c.left, c.causal ? 0 : c.right}, qb, kb, vb, dt,
                lowp, &mods);
+    if (!c.sinks.empty())  // lowp (sq, h, d); lse (h, sq)
+      for (int64_t i = 0; i < c.sq; ++i)
+        for (int64_t h = 0; h < c.h; ++h) {
+          const size_t at = size_t(h * c.sq + i);
+          const double keep = std::isinf(plain_lse[at])
+                                  ? 0.0
+                                  : std::exp(double(plain_lse[at]) - double(l[at]));
+          for (int64_t e = 0; e < d; ++e) lowp[size_t((i * c.h + h) * d + e)] *= keep;
+        }
     std::copy(lowp.begin(), lowp.end(), r.lowp.begin() + bi * qrow);
   }
   return r;

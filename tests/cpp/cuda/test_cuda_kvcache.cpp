@@ -4,7 +4,8 @@
 // than the kernel's tiles), with and without an append, num_splits 1, chosen and several (more
 // than the keys allow too), GQA/MQA and groups beyond one 16-row CTA, seqlen_q 1 to 20, causal
 // and windows (bottom-right per sequence), softcap and ALiBi, empty sequences and empty rows,
-// padded and misaligned layouts, both dtypes, every head dim. Every slot of the cache that holds
+// padded and misaligned layouts, attention sinks (split 0 alone adds them), both dtypes, every
+// head dim. Every slot of the cache that holds
 // no key is NaN; out and lse are poisoned and their gaps must stay untouched; the cache must hold
 // exactly the old rows plus the appended ones, bitwise, and nothing else may change. Then
 // merge_states (merge_cases.hpp). Exit code 77 (skipped) when there is no CUDA device.
@@ -37,6 +38,9 @@ namespace {
 const int kHeadDims[] = {32, 64, 96, 128, 192, 256};
 const DType kDtypes[] = {DType::float16, DType::bfloat16};
 const ModSpec kNoMods{0.0, Alibi::none};
+// Sinks near the rows' lse (~log of the keys seen), so they take a large share, and far from it.
+const std::vector<float> kSinks4 = {4.5f, 6.0f, -3.0f, 0.25f};
+const std::vector<float> kSinks8 = {4.5f, 6.0f, -3.0f, 0.25f, 3.0f, 9.0f, -1.5f, 5.25f};
 
 std::vector<KvCase> cases(const Cli& cli) {
   const Kind C = Kind::contiguous, P = Kind::padded, O = Kind::odd, T = Kind::transposed;
@@ -46,6 +50,8 @@ std::vector<KvCase> cases(const Cli& cli) {
         {2, 1, 4, 2, 300, 1, {150, 0}, 16, true, -1, -1, C, kNoMods, {0, 2}},
         // contiguous, groups beyond one CTA (24 rows), window, modifiers, misaligned rows
         {1, 3, 8, 1, 200, 2, {97}, 0, false, 20, 4, O, {2.0, Alibi::batch_heads}, {1, 3}},
+        // attention sinks: paged, append, an empty sequence (out 0, lse = sink), split 3 ways
+        {2, 1, 4, 2, 300, 1, {150, 0}, 16, true, -1, -1, C, kNoMods, {1, 3}, kSinks4},
     };
   return {
       // one query row, MHA, contiguous, no append
@@ -69,6 +75,11 @@ std::vector<KvCase> cases(const Cli& cli) {
       {1, 3, 6, 2, 260, 1, {200}, 13, false, 32, 8, C, {0.0, Alibi::strided}, {0, 2}},
       // no query rows: the append alone
       {2, 0, 4, 2, 64, 3, {10, 61}, 16, false, -1, -1, C, kNoMods, {0}},
+      // attention sinks (the sink in each row's denominator once, whatever the splits)
+      {2, 1, 4, 2, 300, 1, {150, 0}, 16, true, -1, -1, C, kNoMods, {1, 0, 3}, kSinks4},
+      {1, 3, 8, 1, 900, 2, {800}, 0, false, 40, 4, O, {2.0, Alibi::batch_heads}, {1, 0, 5},
+       kSinks8},
+      {2, 4, 8, 2, 700, 4, {600, 33}, 0, true, -1, -1, T, kNoMods, {1, 4}, kSinks8},
   };
 }
 
@@ -85,7 +96,7 @@ std::string label_of(const KvCase& c, int64_t d, DType dt, int64_t splits) {
                 c.paged() ? std::to_string(c.page_size).c_str() : "", (long long)c.left,
                 (long long)c.right, c.causal ? "causal " : "", kind_name(c.kind),
                 (long long)splits);
-  return std::string(buf) + mod_label(c.mods);
+  return std::string(buf) + mod_label(c.mods) + (c.sinks.empty() ? "" : " sinks");
 }
 
 struct KvResult {
@@ -118,6 +129,12 @@ KvResult run_target(const Target& t, const KvCase& c, int64_t d, DType dt, const
   o.window_right = c.right;
   o.num_splits = splits;
   o.stream = t.stream;
+  Buffer sinks(c.sinks.size() * 4, t.host);  // on the target, as q
+  if (!c.sinks.empty()) {
+    sinks.upload(c.sinks);
+    o.sinks = flashdl::make_view(sinks.ptr, DType::float32, {c.h});
+    o.sinks.device = sinks.device();
+  }
   std::vector<int32_t> lens = c.lens, table = cl.table;  // host arrays, as the API takes them
   const flashdl::TensorView none{};
   const flashdl::TensorView lens_v = flashdl::make_view(lens.data(), DType::int32, {c.b});
