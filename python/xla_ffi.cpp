@@ -262,7 +262,9 @@ void attention_bwd(const Frame& f) {
 }
 
 // Attention over a KV cache. Arguments q, k_cache, v_cache, cache_seqlens, then k_new, v_new
-// (has_new), block_table (has_block_table), alibi_slopes (has_alibi); results out, lse, and with
+// (has_new), block_table (has_block_table), alibi_slopes (has_alibi), rotary_cos, rotary_sin
+// (has_rotary; rotary_interleaved), cache_batch_idx (has_batch_idx), cache_leftpad (has_leftpad)
+// -- each attribute only sent when set, so plain calls keep their HLO; results out, lse, and with
 // has_new the updated k_cache, v_cache, which alias the argument caches (input_output_aliases):
 // the append writes them in place. Should XLA hand over distinct buffers, the CPU handler copies
 // the caches first, so the arguments are never written.
@@ -278,6 +280,14 @@ void kvcache_fwd(const Frame& f) {
   }
   if (f.integer_or("has_block_table", 0) != 0) bt = f.arg(i++, "block_table");
   if (f.integer_or("has_alibi", 0) != 0) o.alibi_slopes = f.arg(i++, "alibi_slopes");
+  KvCacheExtras x;
+  if (f.integer_or("has_rotary", 0) != 0) {
+    x.rotary_cos = f.arg(i++, "rotary_cos");
+    x.rotary_sin = f.arg(i++, "rotary_sin");
+    x.rotary_interleaved = f.integer_or("rotary_interleaved", 0) != 0;
+  }
+  if (f.integer_or("has_batch_idx", 0) != 0) x.cache_batch_idx = f.arg(i++, "cache_batch_idx");
+  if (f.integer_or("has_leftpad", 0) != 0) x.cache_leftpad = f.arg(i++, "cache_leftpad");
   if (has_new) {
     if (f.nrets() < 4)
       fail(ErrorKind::value, "k_cache: appending needs the updated caches as results 2 and 3 (the "
@@ -296,7 +306,7 @@ void kvcache_fwd(const Frame& f) {
     vc = f.ret(3, "v_cache");
   }
   flashdl::forward_kvcache(f.arg(0, "q"), kc, vc, f.arg(3, "cache_seqlens"), kn, vn, bt,
-                           f.ret(0, "out"), f.ret(1, "lse"), o);
+                           f.ret(0, "out"), f.ret(1, "lse"), o, x);
 }
 
 // merge_states: arguments outs[0..n), lses[0..n) (n = half the arguments); results out, lse.
