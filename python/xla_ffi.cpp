@@ -8,6 +8,7 @@
 #include <limits>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "flashdl/api.hpp"
 
@@ -40,6 +41,7 @@ class Frame {
 
   void* stream() const { return stream_; }
   bool on_cuda() const { return device_.type == DeviceType::cuda; }
+  Device device() const { return device_; }
   int64_t nargs() const { return cf_->args.size; }
   int64_t nrets() const { return cf_->rets.size; }
   const Buffer* raw_arg(int64_t i) const { return static_cast<const Buffer*>(cf_->args.args[i]); }
@@ -160,19 +162,17 @@ class Frame {
   void* stream_ = nullptr;
 };
 
-// The dropout seed: a uint32 (2,) buffer (low word, high word), a traced value of the JAX program.
-// It is read on the host, so it must live in host memory: the CPU platform.
+// The dropout seed: a uint32 (2,) buffer (low word, high word), a traced value of the JAX program,
+// read on the host. On CUDA its 8 bytes are copied to the host on the call's stream, which the
+// handler then waits for (flashdl::copy_to_host): the host blocks until the work XLA queued before
+// this call has run, and the kernel launches after that (no overlap of the host with that work).
 uint64_t seed_of(const Frame& f, int64_t i) {
   if (i >= f.nargs()) fail(ErrorKind::value, "seed: missing (dropout_p > 0 needs the seed buffer)");
   const Buffer* b = f.raw_arg(i);
   if (b->dtype != kU32 || b->rank != 1 || b->dims[0] != 2)
     fail(ErrorKind::type, "seed: expected a uint32 buffer of shape (2,) (low word, high word)");
-  if (f.on_cuda())
-    fail(ErrorKind::unsupported,
-         "seed: dropout under jax.jit reads its traced seed on the host; the CUDA handlers do not "
-         "copy it from the device yet (run dropout eagerly with flashdl.attention on CUDA)");
   uint32_t w[2];
-  std::memcpy(w, b->data, sizeof(w));
+  copy_to_host(w, make_view(b->data, DType::int32, {2}, f.device()), f.stream(), "seed");
   return static_cast<uint64_t>(w[0]) | (static_cast<uint64_t>(w[1]) << 32);
 }
 
@@ -262,10 +262,28 @@ void attention_bwd(const Frame& f) {
 }
 
 // Attention over a KV cache. Arguments q, k_cache, v_cache, cache_seqlens, then k_new, v_new
-// (has_new), block_table (has_block_table), alibi_slopes (has_alibi); results out, lse, and with
+// (has_new), block_table (has_block_table), alibi_slopes (has_alibi), rotary_cos, rotary_sin
+// (has_rotary; rotary_interleaved), cache_batch_idx (has_batch_idx), cache_leftpad (has_leftpad)
+// -- each attribute only sent when set, so plain calls keep their HLO; results out, lse, and with
 // has_new the updated k_cache, v_cache, which alias the argument caches (input_output_aliases):
 // the append writes them in place. Should XLA hand over distinct buffers, the CPU handler copies
 // the caches first, so the arguments are never written.
+// A KV-cache table (cache_seqlens, block_table, cache_batch_idx, cache_leftpad: int32, read on
+// the host by the core) as a host view: on CUDA its bytes are copied into `store` on the call's
+// stream, which is then synchronised (as for the dropout seed). 4 * batch bytes per table,
+// 4 * batch * max_pages for block_table; the first copy waits for the work queued before.
+TensorView host_table(const Frame& f, const TensorView& t, std::vector<int32_t>& store,
+                      const char* name) {
+  if (!f.on_cuda() || !t.defined()) return t;
+  if (t.dtype != DType::int32) fail(ErrorKind::type, std::string(name) + ": expected int32");
+  store.resize(static_cast<size_t>(t.numel()));
+  copy_to_host(store.data(), t, f.stream(), name);
+  TensorView h = t;
+  h.data = store.data();
+  h.device = Device{};
+  return h;
+}
+
 void kvcache_fwd(const Frame& f) {
   Options o = options_of(f, false);
   o.num_splits = f.integer_or("num_splits", 0);
@@ -276,8 +294,20 @@ void kvcache_fwd(const Frame& f) {
     kn = f.arg(i++, "k");
     vn = f.arg(i++, "v");
   }
-  if (f.integer_or("has_block_table", 0) != 0) bt = f.arg(i++, "block_table");
+  std::vector<int32_t> host[4];
+  if (f.integer_or("has_block_table", 0) != 0)
+    bt = host_table(f, f.arg(i++, "block_table"), host[0], "block_table");
   if (f.integer_or("has_alibi", 0) != 0) o.alibi_slopes = f.arg(i++, "alibi_slopes");
+  KvCacheExtras x;
+  if (f.integer_or("has_rotary", 0) != 0) {
+    x.rotary_cos = f.arg(i++, "rotary_cos");
+    x.rotary_sin = f.arg(i++, "rotary_sin");
+    x.rotary_interleaved = f.integer_or("rotary_interleaved", 0) != 0;
+  }
+  if (f.integer_or("has_batch_idx", 0) != 0)
+    x.cache_batch_idx = host_table(f, f.arg(i++, "cache_batch_idx"), host[1], "cache_batch_idx");
+  if (f.integer_or("has_leftpad", 0) != 0)
+    x.cache_leftpad = host_table(f, f.arg(i++, "cache_leftpad"), host[2], "cache_leftpad");
   if (has_new) {
     if (f.nrets() < 4)
       fail(ErrorKind::value, "k_cache: appending needs the updated caches as results 2 and 3 (the "
@@ -295,8 +325,9 @@ void kvcache_fwd(const Frame& f) {
     kc = f.ret(2, "k_cache");
     vc = f.ret(3, "v_cache");
   }
-  flashdl::forward_kvcache(f.arg(0, "q"), kc, vc, f.arg(3, "cache_seqlens"), kn, vn, bt,
-                           f.ret(0, "out"), f.ret(1, "lse"), o);
+  const TensorView seqlens = host_table(f, f.arg(3, "cache_seqlens"), host[3], "cache_seqlens");
+  flashdl::forward_kvcache(f.arg(0, "q"), kc, vc, seqlens, kn, vn, bt,
+                           f.ret(0, "out"), f.ret(1, "lse"), o, x);
 }
 
 // merge_states: arguments outs[0..n), lses[0..n) (n = half the arguments); results out, lse.

@@ -1,6 +1,7 @@
 // The public entry points: validate (validate.cpp), fill Params, dispatch to a backend.
 #include "flashdl/api.hpp"
 
+#include <cstring>
 #include <string>
 
 #include "backend.hpp"
@@ -107,6 +108,22 @@ BuildInfo build_info() {
   info.cpu_threads = cpu::num_threads();
   info.cpu_sram_bytes = cpu::default_sram_bytes();
   return info;
+}
+
+void copy_to_host(void* dst, const TensorView& src, void* stream, const char* name) {
+  int64_t expect = 1;
+  for (int i = src.rank - 1; i >= 0; --i) {
+    if (src.shape[i] > 1 && src.strides[i] != expect)
+      fail(ErrorKind::value, std::string(name) + ": expected a contiguous array");
+    expect *= src.shape[i];
+  }
+  const std::size_t bytes = static_cast<std::size_t>(src.numel()) * dtype_size(src.dtype);
+  if (bytes == 0) return;
+  if (src.device.type == DeviceType::cpu) {
+    std::memcpy(dst, src.data, bytes);
+    return;
+  }
+  cuda::copy_to_host(dst, src.data, bytes, src.device.id, stream);
 }
 
 void set_num_threads(int n) {

@@ -85,6 +85,9 @@ std::unique_ptr<GatheredKv> gather_kv(const KvGather& g);
 // merge_states (src/merge.cpp, validated there) on the arrays' device, on `stream`.
 void merge_states(const std::vector<TensorView>& outs, const std::vector<TensorView>& lses,
                   const TensorView& out, const TensorView& lse, void* stream);
+// copy_to_host (api.cpp): `bytes` bytes at `src` on CUDA device `device` into host memory `dst`,
+// on `stream`, then waits for that stream.
+void copy_to_host(void* dst, const void* src, std::size_t bytes, int device, void* stream);
 }  // namespace cuda
 
 }  // namespace flashdl

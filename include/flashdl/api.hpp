@@ -145,6 +145,13 @@ void merge_states(const std::vector<TensorView>& outs, const std::vector<TensorV
 // Options.dropout_p is; it must lie in [0, 1), and offset below 2^32.
 void dropout_mask(const TensorView& mask_out, double p, uint64_t seed, uint64_t offset);
 
+// Copies the contiguous array `src` (CPU or CUDA) into host memory `dst` (src.numel() elements
+// of its dtype). CUDA arrays: cudaMemcpyAsync on `stream` (cudaStream_t; null: the legacy
+// default stream), then cudaStreamSynchronize(stream), so the host waits for all the work queued
+// on that stream before it. For the XLA FFI handlers, which read a few bytes of a traced value
+// (the dropout seed, the KV cache's tables) on the host. `name` names src in errors.
+void copy_to_host(void* dst, const TensorView& src, void* stream, const char* name);
+
 // "auto", "fa1", "fa2" or "reference"; anything else throws Error(value) naming `schedule`.
 Schedule parse_schedule(const std::string& name);
 

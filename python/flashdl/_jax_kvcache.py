@@ -35,7 +35,7 @@ def _int32(name, x, rank, what):
     return x
 
 
-def _check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table):
+def _check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, batch_idx=None):
     """What Python can check at trace time; the core checks the rest (values of cache_seqlens and
     block_table, room in the cache) when the call runs (XLA's INVALID_ARGUMENT with its message)."""
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
@@ -57,7 +57,7 @@ def _check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table):
     if cache_seqlens.shape != (b,):
         raise ValueError(f"cache_seqlens: expected shape ({b},) (batch of q), got "
                          f"{tuple(cache_seqlens.shape)}")
-    if block_table is None and k_cache.shape[0] != b:
+    if block_table is None and batch_idx is None and k_cache.shape[0] != b:
         raise ValueError(f"k_cache: expected batch {b} (that of q), got {k_cache.shape[0]}")
     if block_table is not None and block_table.shape[0] != b:
         raise ValueError(f"block_table: expected {b} rows (batch of q), got "
@@ -69,18 +69,51 @@ def _check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table):
                                  f"{tuple(x.shape)}")
 
 
+def _check_extras(q, rotary_cos, rotary_sin, batch_idx, leftpad, block_table):
+    """Shapes and dtypes of the rotary tables, cache_batch_idx and cache_leftpad (their values,
+    like cache_seqlens's, are checked when the call runs)."""
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError(f"{'rotary_sin' if rotary_cos is not None else 'rotary_cos'}: expected "
+                         "both rotary_cos and rotary_sin or neither")
+    b, d = q.shape[0], q.shape[3]
+    if rotary_cos is not None:
+        for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            if x.dtype != q.dtype:
+                raise TypeError(f"{name}: expected dtype {q.dtype} (the dtype of q), got "
+                                f"{x.dtype}")
+            if x.ndim != 2 or x.shape[1] == 0 or 2 * x.shape[1] > d:
+                raise ValueError(f"{name}: expected (seqlen_ro, rotary_dim / 2) with 0 < "
+                                 f"rotary_dim <= headdim={d}, got shape {tuple(x.shape)}")
+        if rotary_sin.shape != rotary_cos.shape:
+            raise ValueError(f"rotary_sin: expected the shape of rotary_cos "
+                             f"{tuple(rotary_cos.shape)}, got {tuple(rotary_sin.shape)}")
+    for name, x in (("cache_batch_idx", batch_idx), ("cache_leftpad", leftpad)):
+        if x is not None and x.shape != (b,):
+            raise ValueError(f"{name}: expected shape ({b},) (batch of q), got {tuple(x.shape)}")
+    if batch_idx is not None and block_table is not None:
+        raise ValueError("cache_batch_idx: not supported with a paged cache (block_table "
+                         "already maps each sequence to its pages)")
+
+
 def attention_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *,
                            cache_seqlens: jax.Array, k: Optional[jax.Array] = None,
                            v: Optional[jax.Array] = None, block_table: Optional[jax.Array] = None,
                            causal: bool = False, softmax_scale: Optional[float] = None,
                            window_size: Tuple[int, int] = (-1, -1), num_splits: int = 0,
                            return_lse: bool = False, alibi_slopes: Optional[jax.Array] = None,
-                           softcap: float = 0.0) -> Any:
+                           softcap: float = 0.0, rotary_cos: Optional[jax.Array] = None,
+                           rotary_sin: Optional[jax.Array] = None,
+                           rotary_interleaved: bool = False,
+                           cache_batch_idx: Optional[jax.Array] = None,
+                           cache_leftpad: Optional[jax.Array] = None) -> Any:
     """:func:`flashdl.attention_with_kvcache` for JAX programs; the append is a functional update.
 
     Parameters are those of :func:`flashdl.attention_with_kvcache` (layout ``"bshd"``, contiguous or
-    paged caches); ``cache_seqlens`` and ``block_table`` are int32 arrays, traced values welcome
-    (their values are checked when the call runs). No gradient (inference); ``jax.vmap`` runs
+    paged caches), rotary embedding (``rotary_cos``, ``rotary_sin``, ``rotary_interleaved``),
+    ``cache_batch_idx`` and ``cache_leftpad`` included; ``cache_seqlens``, ``block_table``,
+    ``cache_batch_idx`` and ``cache_leftpad`` are int32 arrays, traced values welcome (their
+    values are checked when the call runs). The rotary tables, cache_batch_idx and cache_leftpad
+    are extra operands of the custom call only when given (a plain call's HLO is unchanged). No gradient (inference); ``jax.vmap`` runs
     the calls one by one.
 
     Returns
@@ -122,7 +155,17 @@ def attention_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         block_table = _int32("block_table", block_table, 2, "(batch, max_pages)")
     if alibi_slopes is not None:
         alibi_slopes = _array("alibi_slopes", alibi_slopes, "a float32 array")
-    _check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table)
+    rotary_interleaved = _checks.flag("rotary_interleaved", rotary_interleaved)
+    if rotary_cos is not None:
+        rotary_cos = _array("rotary_cos", rotary_cos, "a JAX array")
+    if rotary_sin is not None:
+        rotary_sin = _array("rotary_sin", rotary_sin, "a JAX array")
+    if cache_batch_idx is not None:
+        cache_batch_idx = _int32("cache_batch_idx", cache_batch_idx, 1, "(batch,)")
+    if cache_leftpad is not None:
+        cache_leftpad = _int32("cache_leftpad", cache_leftpad, 1, "(batch,)")
+    _check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_batch_idx)
+    _check_extras(q, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table)
     cfg = _resolved(_config(causal, softmax_scale, window_size, "auto", softcap, False), q)
     attrs = cfg.attrs(False)
     attrs.update(num_splits=np.int64(num_splits), has_new=k is not None,
@@ -130,6 +173,15 @@ def attention_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     args = [q, k_cache, v_cache, cache_seqlens] + ([k, v] if k is not None else []) + \
         ([block_table] if block_table is not None else []) + \
         ([alibi_slopes] if alibi_slopes is not None else [])
+    if rotary_cos is not None:  # the extras' attributes only when used: plain HLO unchanged
+        attrs.update(has_rotary=True, rotary_interleaved=rotary_interleaved)
+        args += [rotary_cos, rotary_sin]
+    if cache_batch_idx is not None:
+        attrs.update(has_batch_idx=True)
+        args.append(cache_batch_idx)
+    if cache_leftpad is not None:
+        attrs.update(has_leftpad=True)
+        args.append(cache_leftpad)
     b, sq, h, _ = q.shape
     shapes = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, sq), jnp.float32)]
     aliases = None

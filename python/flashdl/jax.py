@@ -343,7 +343,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
     device computes its own shard with no collective (docs/jax.md); a sharded sequence axis is
     gathered (use :func:`ring_attention`). Calls with dropout are not partitioned (the mask is
     keyed by the global batch and head). The CUDA handlers pass their tests on an H100; dropout
-    under jit reads its seed on the host and is CPU only.
+    under jit on CUDA copies its traced seed to the host on XLA's stream (a stream
+    synchronisation per call; not yet run on a GPU).
 
     Examples
     --------

@@ -23,6 +23,7 @@ void forward(const Params&) { not_built(); }
 void backward(const Params&) { not_built(); }
 void forward_kvcache(const Params&, const KvAppend&) { not_built(); }
 std::unique_ptr<GatheredKv> gather_kv(const KvGather&) { not_built(); }
+void copy_to_host(void*, const void*, std::size_t, int, void*) { not_built(); }
 void merge_states(const std::vector<TensorView>&, const std::vector<TensorView>&,
                   const TensorView&, const TensorView&, void*) {
   throw Error(ErrorKind::unsupported, "out: CUDA arrays were given but flashdl was built without "

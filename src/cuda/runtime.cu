@@ -175,6 +175,13 @@ void merge_states(const std::vector<TensorView>& outs, const std::vector<TensorV
   run_merge_states(outs, lses, out, lse, static_cast<cudaStream_t>(stream));
 }
 
+void copy_to_host(void* dst, const void* src, std::size_t bytes, int device, void* stream) {
+  DeviceGuard guard(device);
+  const auto s = static_cast<cudaStream_t>(stream);
+  FLASHDL_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, s));
+  FLASHDL_CUDA_CHECK(cudaStreamSynchronize(s));
+}
+
 void backward(const Params& params) {
   // dBias into a float32 accumulator of the bias's (compact) shape, by atomics: a bias broadcast
   // over an axis sums over it in an order that varies from run to run, so deterministic=True

@@ -110,3 +110,85 @@ def test_torch_compile_on_cuda_tensors():
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
     for a, b in zip(compiled_grads, eager_grads):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_jax_dropout_traced_seed_on_gpu():
+    """The handler copies the traced seed to the host on XLA's stream: the jit call's output and
+    gradients are bitwise those of the eager call (same kernels) with the same int seed."""
+    jax, gpu = _jax_gpu()
+    import jax.numpy as jnp
+
+    import flashdl.jax as fj
+
+    q, k, v, dout = (jax.device_put(jnp.asarray(x, jnp.bfloat16), gpu)
+                     for x in _inputs([(2, 33, 4, 64), (2, 47, 2, 64), (2, 47, 2, 64),
+                                       (2, 33, 4, 64)], "bfloat16", 5))
+    seed = 0x1234_5678_9ABC
+    words = jax.device_put(jnp.array([seed & 0xFFFFFFFF, seed >> 32], jnp.uint32), gpu)
+    opts = dict(causal=True, dropout_p=0.2, offset=3)
+    out, lse = jax.jit(lambda q, k, v, s: fj.attention(q, k, v, seed=s, return_lse=True,
+                                                        **opts))(q, k, v, words)
+    e_out, e_lse = flashdl.attention(q, k, v, seed=seed, return_lse=True, **opts)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(e_out))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(e_lse))
+    other = jax.jit(lambda q, k, v, s: fj.attention(q, k, v, seed=s, **opts))(q, k, v,
+                                                                              words + 1)
+    assert not np.array_equal(np.asarray(other), np.asarray(e_out))
+
+    def loss(q, k, v, s):
+        return (fj.attention(q, k, v, seed=s, **opts).astype(jnp.float32) *
+                dout.astype(jnp.float32)).sum()
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, words)
+    expect = flashdl.attention_backward(dout, q, k, v, e_out, e_lse, seed=seed, **opts)
+    for g, e in zip(grads, expect):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(e))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_jax_kvcache_tables_on_gpu(paged):
+    """cache_seqlens, block_table, cache_batch_idx and cache_leftpad are device arrays under jit;
+    the handler copies them to the host on XLA's stream. Read-only: bitwise the eager call (host
+    tables). Append: the new rows land at cache_seqlens onward, the rest of the cache unchanged."""
+    jax, gpu = _jax_gpu()
+    import jax.numpy as jnp
+
+    import flashdl.jax as fj
+
+    b, s, hk, h, d, new = 3, 64, 2, 4, 64, 2
+    kc, vc = _inputs([(4 if not paged else b, s, hk, d)] * 2, "float16", 6)
+    q, kn, vn = _inputs([(b, new, h, d), (b, new, hk, d), (b, new, hk, d)], "float16", 7)
+    n = np.array([5, 40, 0], np.int32)
+    cos, sin = (x.astype(np.float16) for x in _inputs([(s + new, 16)] * 2, "float16", 8))
+    kw = dict(causal=True, cache_leftpad=np.array([2, 0, 0], np.int32))
+    kw.update(rotary_cos=cos, rotary_sin=sin)
+    table = None
+    if paged:  # pages of 16 rows, in reverse order
+        pages = b * s // 16
+        table = (pages - 1 - np.arange(pages)).reshape(b, s // 16).astype(np.int32)
+        kc, vc = (x.reshape(pages, 16, hk, d)[::-1].copy() for x in (kc, vc))
+    else:
+        kw.update(cache_batch_idx=np.array([3, 0, 1], np.int32))
+    dev = lambda x: None if x is None else jax.device_put(  # noqa: E731
+        jnp.asarray(x, jnp.float16 if x.dtype.kind == "f" else x.dtype), gpu)
+    gq, gkc, gvc, gkn, gvn = (dev(x) for x in (q, kc, vc, kn, vn))
+    dkw = {key: (dev(val) if isinstance(val, np.ndarray) else val) for key, val in kw.items()}
+    arrays_kw = {key: val for key, val in dkw.items() if not isinstance(val, bool)}
+    f = jax.jit(lambda q, kc, vc, n, t, a: fj.attention_with_kvcache(
+        q, kc, vc, cache_seqlens=n, block_table=t, causal=True, **a))
+    got = f(gq, gkc, gvc, dev(n), dev(table), arrays_kw)
+    host_kw = {key: val for key, val in kw.items() if key.startswith("cache_")}
+    eager = flashdl.attention_with_kvcache(
+        gq, gkc, gvc, cache_seqlens=n, block_table=table, causal=True,
+        rotary_cos=dkw["rotary_cos"], rotary_sin=dkw["rotary_sin"], **host_kw)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(eager))
+    # the append (without rotary: the new rows land as given)
+    plain = jax.jit(lambda q, kc, vc, n, k, v, t: fj.attention_with_kvcache(
+        q, kc, vc, cache_seqlens=n, k=k, v=v, block_table=t, causal=True))
+    rows = slice(None) if paged else slice(0, b)  # contiguous: one cache row per sequence
+    out, new_k, _ = plain(gq, gkc[rows], gvc[rows], dev(n), gkn, gvn, dev(table))
+    new_k = np.asarray(new_k)
+    if paged:
+        new_k = new_k[::-1].reshape(b, s, hk, d)
+    for i in range(b):
+        np.testing.assert_array_equal(new_k[i, n[i]:n[i] + new], kn[i].astype(np.float16))
+    assert np.isfinite(np.asarray(out, np.float32)).all()

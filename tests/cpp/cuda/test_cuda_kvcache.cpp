@@ -435,6 +435,37 @@ int run_serving(const Target& t, const Cli& cli) {
   return failures;
 }
 
+// flashdl::copy_to_host, which the XLA FFI handlers use to read the traced dropout seed and the
+// KV cache's tables under jax.jit on CUDA: the bytes of a device (or, --cpu, host) array land in
+// host memory once the work queued on the stream before has run; an empty array copies nothing;
+// a non-contiguous view is refused, naming it.
+int run_copy_to_host(const Target& t, const Cli& cli) {
+  const std::string label = "copy_to_host int32 (2, 3), empty, strided";
+  if (!cli.selected(label)) return 0;
+  return run_case(label, [&] {
+    const std::vector<int32_t> h = {7, -1, 1 << 30, 42, 0, 5};
+    Buffer buf(h.size() * sizeof(int32_t), t.host);
+    buf.upload(h);
+    const flashdl::TensorView v = flashdl::make_view(buf.ptr, DType::int32, {2, 3}, buf.device());
+    std::vector<int32_t> got(h.size(), 0);
+    flashdl::copy_to_host(got.data(), v, t.stream, "table");
+    bool ok = got == h;
+    flashdl::copy_to_host(nullptr, flashdl::make_view(nullptr, DType::int32, {0}, buf.device()),
+                          t.stream, "table");
+    flashdl::TensorView strided = flashdl::make_view(buf.ptr, DType::int32, {3}, buf.device());
+    strided.strides[0] = 2;
+    bool refused = false;
+    try {
+      flashdl::copy_to_host(got.data(), strided, t.stream, "table");
+    } catch (const flashdl::Error& e) {
+      refused = std::string(e.what()).rfind("table: expected a contiguous array", 0) == 0;
+    }
+    std::printf("%s %s | bytes %s, strided %s\n", ok && refused ? "ok  " : "FAIL", label.c_str(),
+                ok ? "equal" : "DIFFER", refused ? "refused" : "NOT refused by name");
+    return ok && refused;
+  });
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -443,6 +474,7 @@ int main(int argc, char** argv) {
     failures += run_kvcache(t, cli);
     failures += run_nonfinite(t, cli);
     failures += run_serving(t, cli);
+    failures += run_copy_to_host(t, cli);
     if (cli.repeats()) failures += run_race(t, cli);
     failures += merge::run_merge_states(t, cli);
     return failures;
