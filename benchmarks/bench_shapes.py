@@ -50,15 +50,25 @@ def measure(torch, sq, sk, dtype_name, reps, h=8, d=64, causal=False):
     def fd_fwd():
         flashdl.attention(q, k, v, causal=causal)
 
+    # flashdl's causal mask is bottom-right aligned; SDPA's is_causal is top-left aligned, which
+    # for seqlen_q != seqlen_k is a different mask (and different work): use torch's lower-right
+    # causal bias there so both compute the same attention.
+    mask = {}
+    if causal and sq != sk:
+        from torch.nn.attention.bias import causal_lower_right
+        mask = {"attn_mask": causal_lower_right(sq, sk)}
+    elif causal:
+        mask = {"is_causal": True}
+
     def th_fwd():
-        F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+        F.scaled_dot_product_attention(qt, kt, vt, **mask)
 
     def fd_all():
         out, lse = flashdl.attention(q, k, v, causal=causal, return_lse=True)
         flashdl.attention_backward(dout, q, k, v, out, lse, causal=causal)
 
     def th_all():
-        F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal).backward(doutt)
+        F.scaled_dot_product_attention(qg, kg, vg, **mask).backward(doutt)
 
     fwd = alternate([fd_fwd, th_fwd], reps)
     both = alternate([fd_all, th_all], reps)
