@@ -7,6 +7,13 @@ Every (seqlen_q, seqlen_k) from {16, 256, 4096, 100000}^2 whose forward costs at
 batch 1, 8 heads, headdim 64, no mask. Forward and forward+backward; each measurement alternates
 flashdl and torch in one process and takes the median (bench_cpu.alternate), so both see the same
 machine state. The ratio is torch's time over flashdl's: above 1, flashdl is faster.
+
+`--grid issue31` runs issue 31's grid instead: seqlen_q x seqlen_k over {16, 128, 512, 2048, 16384}^2
+(cells over 10^9 score entries, batch x heads x seqlen_q x seqlen_k, skipped), causal and not, for the
+head dims in `--headdims`, and prints a ratio table (rows seqlen_q, columns seqlen_k, each cell
+"fwd ratio / fwd+bwd ratio") with the worst cell. `--sides`, `--causal` and `--max-entries` cut it down
+(the whole grid takes hours on a loaded 2-core machine). `--tiny` times the (1, 16, 2, 16) call:
+eager `flashdl.attention` on NumPy and `flashdl.torch.attention` on torch against one SDPA call.
 """
 from __future__ import annotations
 
@@ -20,6 +27,8 @@ from bench_cpu import alternate
 from tables import cpu_model, emit
 
 SIDES = (16, 256, 4096, 100_000)
+ISSUE31_SIDES = (16, 128, 512, 2048, 16384)
+ISSUE31_MAX_ENTRIES = 1e9  # batch 1 x 8 heads x seqlen_q x seqlen_k
 MAX_PAIRS = 4096 * 4096 * 1.6  # up to 256 x 100,000 and 100,000 x 256
 
 
@@ -27,7 +36,7 @@ def grid():
     return [(sq, sk) for sq in SIDES for sk in SIDES if sq * sk <= MAX_PAIRS]
 
 
-def measure(torch, sq, sk, dtype_name, reps, h=8, d=64):
+def measure(torch, sq, sk, dtype_name, reps, h=8, d=64, causal=False):
     import torch.nn.functional as F
 
     dt = getattr(torch, dtype_name)
@@ -39,21 +48,106 @@ def measure(torch, sq, sk, dtype_name, reps, h=8, d=64):
     qg, kg, vg = (x.clone().requires_grad_() for x in (qt, kt, vt))
 
     def fd_fwd():
-        flashdl.attention(q, k, v)
+        flashdl.attention(q, k, v, causal=causal)
+
+    # flashdl's causal mask is bottom-right aligned; SDPA's is_causal is top-left aligned, which
+    # for seqlen_q != seqlen_k is a different mask (and different work): use torch's lower-right
+    # causal bias there so both compute the same attention.
+    mask = {}
+    if causal and sq != sk:
+        from torch.nn.attention.bias import causal_lower_right
+        mask = {"attn_mask": causal_lower_right(sq, sk)}
+    elif causal:
+        mask = {"is_causal": True}
 
     def th_fwd():
-        F.scaled_dot_product_attention(qt, kt, vt)
+        F.scaled_dot_product_attention(qt, kt, vt, **mask)
 
     def fd_all():
-        out, lse = flashdl.attention(q, k, v, return_lse=True)
-        flashdl.attention_backward(dout, q, k, v, out, lse)
+        out, lse = flashdl.attention(q, k, v, causal=causal, return_lse=True)
+        flashdl.attention_backward(dout, q, k, v, out, lse, causal=causal)
 
     def th_all():
-        F.scaled_dot_product_attention(qg, kg, vg).backward(doutt)
+        F.scaled_dot_product_attention(qg, kg, vg, **mask).backward(doutt)
 
     fwd = alternate([fd_fwd, th_fwd], reps)
     both = alternate([fd_all, th_all], reps)
     return fwd, both
+
+
+def tiny(torch, reps):
+    """Medians (s) of the (1, 16, 2, 16) call: flashdl on NumPy, flashdl.torch on torch, torch SDPA."""
+    import numpy as np
+    import torch.nn.functional as F
+
+    import flashdl.torch as fdt
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 16, 2, 16, generator=gen) for _ in range(3))
+    qn, kn, vn = (x.numpy() for x in (q, k, v))
+    qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+    assert isinstance(qn, np.ndarray)
+    inner = 200
+    fns = [lambda: flashdl.attention(qn, kn, vn), lambda: fdt.attention(q, k, v),
+           lambda: F.scaled_dot_product_attention(qt, kt, vt)]
+
+    def loop(fn):
+        return lambda: [fn() for _ in range(inner)]
+
+    return [t / inner for t in alternate([loop(f) for f in fns], reps)]
+
+
+def issue31(args, torch):
+    sides = [int(x) for x in args.sides.split(",")] if args.sides else ISSUE31_SIDES
+    causals = {"both": (False, True), "no": (False,), "yes": (True,)}[args.causal]
+    heads = 8
+    lines_head = []
+    tables = []
+    worst = None
+    for d in [int(x) for x in args.headdims.split(",")]:
+        for causal in causals:
+            cells = {}
+            for sq in sides:
+                for sk in sides:
+                    if heads * sq * sk > args.max_entries:
+                        continue
+                    (f_fd, f_th), (b_fd, b_th) = measure(torch, sq, sk, args.dtype, args.reps,
+                                                         h=heads, d=d, causal=causal)
+                    cells[sq, sk] = (f_th / f_fd, b_th / b_fd)
+                    print(f"  d={d} causal={causal} {sq:>6} x {sk:<6} fwd {f_fd*1e3:9.3f} / "
+                          f"{f_th*1e3:9.3f} ms  fwd+bwd {b_fd*1e3:9.3f} / {b_th*1e3:9.3f} ms",
+                          flush=True)
+                    for ratio, what in ((f_th / f_fd, "fwd"), (b_th / b_fd, "fwd+bwd")):
+                        if worst is None or ratio < worst[0]:
+                            worst = (ratio, what, sq, sk, d, causal)
+            t = [f"### headdim {d}, {'causal' if causal else 'no mask'}", "",
+                 "| seqlen_q \\ seqlen_k | " + " | ".join(f"{sk:,}" for sk in sides) + " |",
+                 "|---|" + "---|" * len(sides)]
+            for sq in sides:
+                t.append(f"| {sq:,} | " + " | ".join(
+                    f"{cells[sq, sk][0]:.2f} / {cells[sq, sk][1]:.2f}" if (sq, sk) in cells
+                    else "-" for sk in sides) + " |")
+            tables += t + [""]
+    with open("/proc/loadavg") as fh:
+        load = " ".join(fh.read().split()[:3])
+    info = flashdl.info()
+    lines_head = [
+        f"# CPU: flashdl vs torch SDPA, issue 31 grid ({datetime.date.today()})", "",
+        f"- machine: {cpu_model()}, {os.cpu_count()} logical CPUs; load average at the end {load}",
+        f"- flashdl {info['version']}, CPU kernels `{info['cpu_isa']}`, {info['num_threads']} "
+        f"threads; torch {torch.__version__}, {torch.get_num_threads()} threads",
+        f"- {args.dtype}, batch 1, {heads} heads, schedule auto; medians of {args.reps} "
+        "alternating rounds; cells with more than "
+        f"{args.max_entries:.3g} score entries skipped (-)",
+        "- each cell: fwd ratio / fwd+bwd ratio, torch time / flashdl time (above 1: flashdl faster)",
+        "",
+    ]
+    tail = []
+    if worst:
+        r, what, sq, sk, d, c = worst
+        tail = [f"Worst cell: {what} {r:.2f} at {sq:,} x {sk:,}, headdim {d}, "
+                f"{'causal' if c else 'no mask'}.", ""]
+    return lines_head + tables + tail
 
 
 def main():
@@ -61,11 +155,26 @@ def main():
     ap.add_argument("--out", default=None, help="markdown file for the table")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--grid", default="legacy", choices=["legacy", "issue31"])
+    ap.add_argument("--sides", default=None, help="issue31: comma-separated seqlens")
+    ap.add_argument("--headdims", default="64,128", help="issue31: comma-separated head dims")
+    ap.add_argument("--causal", default="both", choices=["both", "no", "yes"])
+    ap.add_argument("--max-entries", type=float, default=ISSUE31_MAX_ENTRIES)
+    ap.add_argument("--tiny", action="store_true", help="time the (1, 16, 2, 16) call only")
     args = ap.parse_args()
     import torch
 
     threads = flashdl.info()["num_threads"]
     torch.set_num_threads(threads)
+    if args.tiny:
+        fd_np, fd_th, th = tiny(torch, args.reps)
+        emit([f"(1, 16, 2, 16) float32, per call: flashdl.attention (NumPy) {fd_np*1e6:.1f} us, "
+              f"flashdl.torch.attention {fd_th*1e6:.1f} us, torch SDPA {th*1e6:.1f} us "
+              f"(medians of {args.reps} rounds of 200 calls)"], args.out)
+        return
+    if args.grid == "issue31":
+        emit(issue31(args, torch), args.out)
+        return
     rows = []
     for sq, sk in grid():
         (f_fd, f_th), (b_fd, b_th) = measure(torch, sq, sk, args.dtype, args.reps)

@@ -59,7 +59,17 @@ const KernelTable& kernels() {
 
 std::atomic<int> g_threads{0};
 
-int threads_for(const Params& p) { return p.num_threads > 0 ? p.num_threads : num_threads(); }
+// Below this many multiply-adds (batch x heads x seqlen_q x seqlen_k x headdim) a call runs on the
+// calling thread: waking the pool's worker costs more than the work (benchmarks/results/
+// cpu_tuning.md, section 14: the (1, 16, 2, 16) forward took about 100 us on 2 threads, 57 us
+// inline, on the loaded 2-core VM).
+constexpr int64_t kInlineWork = int64_t{1} << 16;
+
+int threads_for(const Params& p) {
+  const int threads = p.num_threads > 0 ? p.num_threads : num_threads();
+  const int64_t work = p.batch * p.nheads * p.seqlen_q * p.seqlen_k * p.headdim;
+  return work < kInlineWork ? 1 : threads;
+}
 
 int64_t sram_for(const Params& p) { return p.sram_bytes > 0 ? p.sram_bytes : default_sram_bytes(); }
 
