@@ -37,13 +37,14 @@
 set -uo pipefail
 
 STEPS=(env build
-       quick_forward quick_backward quick_block_sparse quick_kvcache quick_varlen
+       quick_forward quick_backward quick_block_sparse quick_kvcache quick_varlen quick_extras
        cpp_forward_smem_softmax cpp_forward_fallback cpp_backward_fallback
        memcheck_forward memcheck_backward memcheck_block_sparse memcheck_kvcache memcheck_varlen
+       memcheck_extras
        racecheck_forward racecheck_backward racecheck_block_sparse racecheck_kvcache
        synccheck_forward synccheck_backward synccheck_block_sparse synccheck_kvcache
        bench pytest_cuda
-       cpp_forward cpp_backward cpp_block_sparse cpp_kvcache cpp_varlen
+       cpp_forward cpp_backward cpp_block_sparse cpp_kvcache cpp_varlen cpp_extras
        profile pytest_all bench_io)
 
 usage() {
@@ -324,11 +325,14 @@ step_quick_backward() { cpp_test test_cuda_backward --quick; }
 step_quick_block_sparse() { cpp_test test_cuda_block_sparse --quick; }
 step_quick_kvcache() { cpp_test test_cuda_kvcache --quick; }
 step_quick_varlen() { cpp_test test_cuda_varlen --quick; }
+# bias (dBias), boolean mask, sinks (dSinks) in fa1/fa2 forward and backward, varlen.
+step_quick_extras() { cpp_test test_cuda_extras --quick; }
 step_cpp_forward() { cpp_test test_cuda_forward; }
 step_cpp_backward() { cpp_test test_cuda_backward; }
 step_cpp_block_sparse() { cpp_test test_cuda_block_sparse; }
 step_cpp_kvcache() { cpp_test test_cuda_kvcache; }
 step_cpp_varlen() { cpp_test test_cuda_varlen; }
+step_cpp_extras() { cpp_test test_cuda_extras; }
 step_cpp_forward_fallback() { FLASHDL_CUDA_SMEM_LIMIT=$SMEM_LIMIT cpp_test test_cuda_forward --quick; }
 step_cpp_backward_fallback() { FLASHDL_CUDA_SMEM_LIMIT=$SMEM_LIMIT cpp_test test_cuda_backward --quick; }
 # The fa2 forward's shared-memory softmax (its fallback from the register softmax) on every call.
@@ -377,6 +381,7 @@ step_memcheck_kvcache() { sanitize memcheck test_cuda_kvcache; }
 step_racecheck_kvcache() { sanitize racecheck test_cuda_kvcache; }
 step_synccheck_kvcache() { sanitize synccheck test_cuda_kvcache; }
 step_memcheck_varlen() { sanitize memcheck test_cuda_varlen; }
+step_memcheck_extras() { sanitize memcheck test_cuda_extras; }
 
 # The targets first: fa2 against SDPA at head dim 128 and 64, 1k and 4k, both dtypes, fa1
 # at 1k, and the GPT-2 medium layer.
@@ -437,13 +442,15 @@ TABLE=(
   "quick_block_sparse       120 quick_block_sparse.log       c"
   "quick_kvcache            120 quick_kvcache.log            c"
   "quick_varlen             120 quick_varlen.log             c"
+  "quick_extras             120 quick_extras.log             c"
   "cpp_forward_smem_softmax  90 cpp_forward_smem_softmax.log c"
   "cpp_forward_fallback      90 cpp_forward_fallback.log     c"
   "cpp_backward_fallback     90 cpp_backward_fallback.log    c"
 )
 for tool in memcheck racecheck synccheck; do
-  for t in forward backward block_sparse kvcache varlen; do
+  for t in forward backward block_sparse kvcache varlen extras; do
     [ "$tool/$t" = racecheck/varlen ] || [ "$tool/$t" = synccheck/varlen ] && continue
+    [ "$tool/$t" = racecheck/extras ] || [ "$tool/$t" = synccheck/extras ] && continue
     TABLE+=("${tool}_$t 150 ${tool}_$t.log c")
   done
 done
@@ -455,6 +462,7 @@ TABLE+=(
   "cpp_block_sparse         150 cpp_block_sparse.log         c"
   "cpp_kvcache              150 cpp_kvcache.log              c"
   "cpp_varlen               120 cpp_varlen.log               c"
+  "cpp_extras               150 cpp_extras.log               c"
   "profile                  180 profile.log                  px"
   "pytest_all               300 pytest_all.log               p"
   "bench_io                 300 bench_io.log                 px"

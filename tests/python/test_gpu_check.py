@@ -43,7 +43,7 @@ def test_steps_are_listed():
     names = steps()
     assert names[:2] == ["env", "build"] and "pytest_cuda" in names and "pytest_all" in names
     assert names[-1] == "bench_io"
-    families = ("forward", "backward", "block_sparse", "kvcache", "varlen")
+    families = ("forward", "backward", "block_sparse", "kvcache", "varlen", "extras")
     quick = [names.index(f"quick_{f}") for f in families]
     for tool in ("memcheck", "racecheck", "synccheck"):
         assert f"{tool}_forward" in names and f"{tool}_backward" in names
