@@ -88,7 +88,7 @@ step "5/7 Python suite (pytest)"
 # it (ctest label "emulator": two thread orders, the 99 KiB tiles, an sm_80 part; label
 # "emulator_full" runs the complete suites).
 EMU_TARGETS=(test_emulator test_cuda_forward test_cuda_backward test_cuda_block_sparse
-             test_cuda_kvcache test_cuda_varlen test_cuda_extras)
+             test_cuda_kvcache test_cuda_varlen test_cuda_extras test_cuda_wide_offsets)
 step "6/7 CUDA C++ quick cases on the CUDA host emulator (tree $EMU_BUILD_DIR)"
 cmake -S . -B "$EMU_BUILD_DIR" -DFLASHDL_CUDA=EMULATE -DFLASHDL_EMU_ASAN=OFF \
   -DFLASHDL_BUILD_PYTHON=OFF -DFLASHDL_BUILD_TESTS=ON >/dev/null

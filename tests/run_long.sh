@@ -36,7 +36,7 @@ if [ $# -eq 0 ]; then ASAN=1 FULL=1 THOROUGH=1 STRESS=1 SANITIZE=1; fi
 START=$SECONDS
 step() { local s=$((SECONDS - START)); printf '\n[%d:%02d] ==== %s\n' $((s / 60)) $((s % 60)) "$1"; }
 EMU_TARGETS=(test_emulator test_cuda_forward test_cuda_backward test_cuda_block_sparse
-             test_cuda_kvcache test_cuda_varlen test_cuda_extras)
+             test_cuda_kvcache test_cuda_varlen test_cuda_extras test_cuda_wide_offsets)
 emulated_tree() {  # $1 = build dir, $2 = OFF|ON (AddressSanitizer)
   cmake -S . -B "$1" -DFLASHDL_CUDA=EMULATE -DFLASHDL_EMU_ASAN="$2" \
     -DFLASHDL_BUILD_PYTHON=OFF -DFLASHDL_BUILD_TESTS=ON >/dev/null

@@ -45,7 +45,7 @@ STEPS=(env build
        synccheck_forward synccheck_backward synccheck_block_sparse synccheck_kvcache
        bench pytest_cuda
        cpp_forward cpp_backward cpp_block_sparse cpp_kvcache cpp_varlen cpp_extras
-       profile pytest_all bench_io)
+       wide_offsets profile pytest_all bench_io)
 
 usage() {
   echo "usage: bash tools/gpu_check.sh OUTDIR [STEP ...] | --list | --detect" >&2
@@ -333,6 +333,9 @@ step_cpp_block_sparse() { cpp_test test_cuda_block_sparse; }
 step_cpp_kvcache() { cpp_test test_cuda_kvcache; }
 step_cpp_varlen() { cpp_test test_cuda_varlen; }
 step_cpp_extras() { cpp_test test_cuda_extras; }
+# Every caller array more than 2^31 elements from its base pointer (64-bit offsets). Each dense
+# case allocates about 48 GiB of device memory (spans the test never touches): it runs alone.
+step_wide_offsets() { cpp_test test_cuda_wide_offsets; }
 step_cpp_forward_fallback() { FLASHDL_CUDA_SMEM_LIMIT=$SMEM_LIMIT cpp_test test_cuda_forward --quick; }
 step_cpp_backward_fallback() { FLASHDL_CUDA_SMEM_LIMIT=$SMEM_LIMIT cpp_test test_cuda_backward --quick; }
 # The fa2 forward's shared-memory softmax (its fallback from the register softmax) on every call.
@@ -463,6 +466,7 @@ TABLE+=(
   "cpp_kvcache              150 cpp_kvcache.log              c"
   "cpp_varlen               120 cpp_varlen.log               c"
   "cpp_extras               150 cpp_extras.log               c"
+  "wide_offsets             120 wide_offsets.log             cx"
   "profile                  180 profile.log                  px"
   "pytest_all               300 pytest_all.log               p"
   "bench_io                 300 bench_io.log                 px"

@@ -19,7 +19,7 @@ ARCHIVE=${1:-build/gpu-tests.tar.xz}
 ARCH=${2:-90}
 BUILD=build/gpu-pre
 TESTS=(test_cuda_forward test_cuda_backward test_cuda_block_sparse test_cuda_kvcache test_cuda_varlen
-       test_cuda_extras)
+       test_cuda_extras test_cuda_wide_offsets)
 
 command -v nvcc >/dev/null || { echo "gpu_prebuild.sh: nvcc not on PATH" >&2; exit 2; }
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHDL_CUDA=ON \
