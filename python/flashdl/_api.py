@@ -74,7 +74,9 @@ def _block_sparse(block_mask, block_size):
     block_size: an int or a pair (block_q, block_k) of ints >= 1."""
     what = "an int or a pair (block_q, block_k) of ints"
     try:
-        pair = (block_size, block_size) if isinstance(block_size, numbers.Integral) else block_size
+        pair = ((block_size, block_size)
+                if type(block_size) is int or isinstance(block_size, numbers.Integral)
+                else block_size)
         bq, bk = pair
     except (TypeError, ValueError):
         raise TypeError(f"block_size: expected {what}, got {block_size!r}") from None

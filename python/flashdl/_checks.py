@@ -49,6 +49,8 @@ def flag(name: str, x) -> bool:
 def real(name: str, x, expected: str) -> float:
     """A real number as a float: int or float (Python's, NumPy's), never a bool, a string or an
     array. NaN and infinities pass as floats; the core refuses them by name."""
+    if type(x) is float or type(x) is int:  # the common case, without the ABC check below
+        return float(x)
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
         raise TypeError(f"{name}: expected {expected}, got {describe(x)}" + _static_hint(name, x))
     return float(x)
@@ -65,6 +67,8 @@ def finite(name: str, x: float, expected: str) -> float:
 def integer(name: str, x, expected: str, lo: int = -2**63, hi: int = 2**63) -> int:
     """An int in [lo, hi): Python's or NumPy's ints (anything with __index__ but a bool).
     TypeError for other types (a float is refused, never truncated), ValueError out of range."""
+    if type(x) is int and lo <= x < hi:  # the common case, without the checks below
+        return x
     if isinstance(x, (bool, np.bool_)):
         raise TypeError(f"{name}: expected {expected}, got {describe(x)}")
     try:
@@ -86,6 +90,11 @@ _DLPACK_NAMES = frozenset(("float16", "bfloat16", "float32", "float64", "int8", 
                            "complex128"))
 
 
+# NumPy dtypes readable() has accepted: the verdict depends on the dtype alone (alignment is
+# checked per array).
+_READABLE_NUMPY: set = set()
+
+
 def readable(name: str, x) -> None:
     """Refuses an array the extension cannot read, naming it, where nanobind would raise its
     generic "incompatible function arguments": NumPy arrays of a non-native byte order, of
@@ -93,7 +102,13 @@ def readable(name: str, x) -> None:
     tensors that are sparse, on the meta device, or of a quantized dtype."""
     if isinstance(x, np.ndarray):
         dtype = x.dtype
+        if dtype in _READABLE_NUMPY:  # checked before (str(dtype) alone costs microseconds)
+            if not x.flags.aligned:
+                raise ValueError(f"{name}: the array's data is not aligned to its {dtype} "
+                                 f"elements; pass an aligned copy ({name}.copy())")
+            return
         if str(dtype) == "bfloat16":  # ml_dtypes: crosses as a uint16 view (Frame.export)
+            _READABLE_NUMPY.add(dtype)
             return
         if dtype.kind not in _DLPACK_KINDS or (dtype.kind == "f" and dtype.itemsize > 8) or \
                 (dtype.kind == "c" and dtype.itemsize > 16):
@@ -106,6 +121,7 @@ def readable(name: str, x) -> None:
         if not x.flags.aligned:
             raise ValueError(f"{name}: the array's data is not aligned to its {dtype} elements; "
                              f"pass an aligned copy ({name}.copy())")
+        _READABLE_NUMPY.add(dtype)
         return
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):

@@ -142,8 +142,10 @@ class Frame:
 
     def export(self, x):
         """What the extension receives for an input: an object it can read over DLPack."""
-        if self.kind == "torch" and x.requires_grad:
-            return x.detach()  # torch refuses to export tensors that require grad
+        if self.kind == "torch":
+            if x.requires_grad:
+                x = x.detach()  # torch refuses to export tensors that require grad
+            return _torch_capsule(x)
         if _is_numpy_bfloat16(x):
             return x.view(np.uint16)
         return x
@@ -151,6 +153,8 @@ class Frame:
     # ---- outputs ----------------------------------------------------------------------------
     def empty(self, shape, dtype):
         """An output array in the caller's framework on the device of the first argument."""
+        if self.kind == "numpy":  # shapes and dtypes from NumPy arrays: np.empty takes them as is
+            return np.empty(shape, dtype=dtype)
         shape = tuple(int(s) for s in shape)
         if self.kind == "torch":
             return sys.modules["torch"].empty(shape, dtype=dtype, device=self._device)
@@ -165,6 +169,8 @@ class Frame:
 
     def dest(self, out):
         """What the extension receives for an output."""
+        if self.kind == "torch":
+            return _torch_capsule(out)
         if _is_numpy_bfloat16(out):
             return out.view(np.uint16)
         return out
@@ -174,6 +180,17 @@ class Frame:
         if self.kind == "jax":
             return sys.modules["jax"].device_put(out, self._device)
         return out
+
+
+def _torch_capsule(x):
+    """A plain CPU torch tensor as a DLPack capsule (torch.utils.dlpack.to_dlpack, a C function):
+    Tensor.__dlpack__ runs about 2 us of Python per array, several times a call, which is most of
+    a tiny call's time. CUDA tensors and subclasses keep __dlpack__ (its stream handshake, their
+    overrides)."""
+    torch = sys.modules["torch"]
+    if type(x) is torch.Tensor and x.device.type == "cpu":
+        return torch.utils.dlpack.to_dlpack(x)
+    return x
 
 
 def _numpy_dtype(dtype):
