@@ -120,3 +120,45 @@ def test_backward_errors_name_the_argument():
         flashdl.attention_backward(torch.ones_like(out), q, k, v, out, lse[:, :1])
     with pytest.raises(ValueError, match=r"\bk\b"):
         flashdl.attention(q, np.asarray(k), v)
+
+
+def test_eager_forward_dispatch_only_when_something_intercepts():
+    """flashdl.torch's forward ops run their implementation directly when nothing would see the
+    op (a tiny call's dispatch costs more than its work), and go through torch's dispatcher when
+    autograd, a dispatch mode, a tensor subclass or a functorch transform would: same results."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from flashdl.torch import _dispatch_free
+
+    class Log(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 16, 2, 16, generator=gen) for _ in range(3))
+    qg = q.clone().requires_grad_()
+    assert _dispatch_free((q, k, v)) and not _dispatch_free((qg, k, v))
+    with torch.no_grad():
+        assert _dispatch_free((qg, k, v))
+    assert not _dispatch_free((torch.nn.Parameter(q, requires_grad=False), k, v))  # a subclass
+
+    plain = flashdl.torch.attention(q, k, v, causal=True)
+    with Log() as log:
+        assert not _dispatch_free((q, k, v))
+        logged = flashdl.torch.attention(q, k, v, causal=True)
+    assert any("flashdl.attention_forward" in op for op in log.ops), log.ops
+    assert torch.equal(plain, logged)
+    out = flashdl.torch.attention(qg, k, v, causal=True)
+    assert out.grad_fn is not None and torch.equal(out.detach(), plain)
+    with torch.no_grad():
+        assert flashdl.torch.attention(qg, k, v, causal=True).grad_fn is None
+    # Under vmap the op is dispatched (torch's batching fallback runs it per element).
+    q2 = torch.stack([q, q.flip(1)])
+    mapped = torch.func.vmap(lambda x: flashdl.torch.attention(x, k, v, causal=True))(q2)
+    assert torch.equal(mapped[0], plain)
+    assert torch.equal(mapped[1], flashdl.torch.attention(q.flip(1), k, v, causal=True))
