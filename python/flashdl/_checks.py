@@ -93,6 +93,7 @@ _DLPACK_NAMES = frozenset(("float16", "bfloat16", "float32", "float64", "int8", 
 # NumPy dtypes readable() has accepted: the verdict depends on the dtype alone (alignment is
 # checked per array).
 _READABLE_NUMPY: set = set()
+_READABLE_TORCH: set = set()  # torch dtypes that cross DLPack
 
 
 def readable(name: str, x) -> None:
@@ -130,17 +131,19 @@ def readable(name: str, x) -> None:
         if x.layout != torch.strided:
             raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {x.layout}; "
                             f"pass {name}.to_dense()")
-        if x.device.type == "meta":
+        if x.is_meta:
             raise ValueError(f"{name}: a tensor on the meta device holds no data to compute "
                              "with; flashdl.torch traces meta and fake tensors, this entry point "
                              "computes")
         if x.is_quantized:
             raise TypeError(f"{name}: unsupported dtype {x.dtype} (quantized); dequantize it "
                             "first")
-        if str(x.dtype).split(".")[-1] not in _DLPACK_NAMES:
-            raise TypeError(f"{name}: unsupported dtype {x.dtype} (expected float16, bfloat16, "
-                            "float32 or float64 for q, k, v; int32 or bool for index and mask "
-                            "tensors)")
+        if x.dtype not in _READABLE_TORCH:
+            if str(x.dtype).split(".")[-1] not in _DLPACK_NAMES:
+                raise TypeError(f"{name}: unsupported dtype {x.dtype} (expected float16, "
+                                "bfloat16, float32 or float64 for q, k, v; int32 or bool for "
+                                "index and mask tensors)")
+            _READABLE_TORCH.add(x.dtype)
         if x.is_conj() or x.is_neg():
             raise TypeError(f"{name}: a tensor with a lazy conjugate or negative bit; pass "
                             f"{name}.resolve_conj().resolve_neg()")

@@ -188,7 +188,7 @@ def _torch_capsule(x):
     a tiny call's time. CUDA tensors and subclasses keep __dlpack__ (its stream handshake, their
     overrides)."""
     torch = sys.modules["torch"]
-    if type(x) is torch.Tensor and x.device.type == "cpu":
+    if type(x) is torch.Tensor and x.is_cpu:
         return torch.utils.dlpack.to_dlpack(x)
     return x
 
