@@ -297,12 +297,13 @@ void forward_kvcache(const InArray& q, const InArray& k_cache, const InArray& v_
                      const std::optional<InArray>& rotary_sin, bool rotary_interleaved,
                      const std::optional<InArray>& cache_batch_idx,
                      const std::optional<InArray>& cache_leftpad,
-                     const std::optional<InArray>& sinks) {
+                     const std::optional<InArray>& sinks, const std::optional<InArray>& bias,
+                     const std::optional<InArray>& mask) {
   const Override ov = parse_override(dtype);
   flashdl::Options o = make_options(softmax_scale, causal, window_left, window_right, "auto", 0.0,
                                     0, 0, stream, 0, num_threads, false);
   set_score_mods(o, alibi_slopes, softcap);
-  set_extras(o, ov, std::nullopt, std::nullopt, sinks, std::nullopt, std::nullopt);
+  set_extras(o, ov, bias, mask, sinks, std::nullopt, std::nullopt);
   o.num_splits = num_splits;
   const flashdl::TensorView none{};
   const auto tq = to_view("q", q, ov, true), tkc = to_view("k_cache", k_cache, ov, true),
@@ -457,6 +458,7 @@ NB_MODULE(_ext, m) {
         "rotary_cos"_a.noconvert() = nb::none(), "rotary_sin"_a.noconvert() = nb::none(),
         "rotary_interleaved"_a = false, "cache_batch_idx"_a.noconvert() = nb::none(),
         "cache_leftpad"_a.noconvert() = nb::none(), "sinks"_a.noconvert() = nb::none(),
+        "bias"_a.noconvert() = nb::none(), "mask"_a.noconvert() = nb::none(),
         "Attention over a KV cache: appends k, v (when given) to k_cache, v_cache at "
         "cache_seqlens, then writes out (like q) and lse (float32, (batch, nheads, seqlen_q)).");
 

@@ -260,10 +260,16 @@ void forward_kvcache(const TensorView& q, const TensorView& k_cache, const Tenso
                    v4 = as_dense(v_cache, batch, c.capacity, c.paged, indexed);
   const Shapes s = check_attention_args(q, k4, v4, out, lse, options);
   check_score_mods(options, s, q.device, {{"out", &out}, {"lse", &lse}});
-  refuse_bias_and_mask(options, "KV-cache (forward_kvcache)");
   // Sinks: the CPU kernel and the CUDA decode kernel add each row's sink once (after the key
-  // splits merge on the CPU; to split 0's partial on CUDA, which the combine carries).
-  if (options.sinks.defined()) check_extras(options, s, q.device, {{"out", &out}, {"lse", &lse}});
+  // splits merge on the CPU; to split 0's partial on CUDA, which the combine carries). A bias or
+  // boolean mask is (batch or 1, nheads or 1, seqlen_q or 1, capacity): key j of sequence b
+  // reads column j + cache_leftpad[b], the key's row in the sequence's cache (its position;
+  // capacity: seqlen_cache, or max_pages * page_size for a paged cache).
+  if (options.sinks.defined() || options.bias.defined() || options.mask.defined())
+    check_extras(options, s, q.device, {{"out", &out}, {"lse", &lse}});
+  if (options.dbias.defined())
+    fail(ErrorKind::value, "dbias: attention over a KV cache has no backward; expected None");
+  if (q.device.type != DeviceType::cpu) refuse_bias_and_mask(options, "CUDA KV-cache (decode)");
   if (options.dropout_p != 0.0f)
     fail(ErrorKind::value, "dropout_p: attention over a KV cache is for inference, expected 0, "
                            "got " + num_str(options.dropout_p));
@@ -281,7 +287,9 @@ void forward_kvcache(const TensorView& q, const TensorView& k_cache, const Tenso
     check_no_overlap("lse", lse, name, *t);
   }
   if (k_new.defined()) {
-    for (auto [name, t] : {NamedView{"k", &k_new}, {"v", &v_new}, {"q", &q}}) {
+    for (auto [name, t] : {NamedView{"k", &k_new}, {"v", &v_new}, {"q", &q},
+                           {"bias", &options.bias}, {"mask", &options.mask}}) {
+      if (!t->defined()) continue;
       check_no_overlap("k_cache", k_cache, name, *t);
       check_no_overlap("v_cache", v_cache, name, *t);
     }

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Tuple, Union, overload
 import numpy as np
 
 from . import _checks, _ext
-from ._frameworks import Frame, _is_numpy_bfloat16
+from ._frameworks import Frame, _dtype_name, _is_numpy_bfloat16
 
 if TYPE_CHECKING:
     import numpy.typing as npt
@@ -164,11 +164,16 @@ def _extras(sinks, bias=None, mask=None, rank=4, for_grad=False):
         out["mask"] = _full_rank("mask", _array_arg("mask", mask, "a bool array"), rank, layout)
     if sinks is not None:
         out["sinks"] = _array_arg("sinks", sinks, "a float32 array of shape (nheads,)")
-    for name, x in out.items():
+    if bias is not None and _dtype_name(bias) in ("int16", "uint16"):
+        # (16-bit integers would be read as bfloat16 where NumPy bfloat16 arrays cross as uint16)
+        raise TypeError(f"bias: unsupported dtype {_dtype_name(bias)} (expected float32, float16 "
+                        "or bfloat16)")
+    for name, x in list(out.items()):
         if getattr(x, "requires_grad", False):
             out[name] = x.detach()
         elif _is_numpy_bfloat16(x):
             out[name] = x.view(np.uint16)  # NumPy bfloat16 crosses as uint16 (see Frame.export)
+            out["dtype"] = "bfloat16"  # ... and is read as bfloat16 (q, k, v are not int16)
     return out
 
 

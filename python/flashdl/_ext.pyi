@@ -181,6 +181,8 @@ def forward_kvcache(
     cache_batch_idx: Optional[_Array] = None,
     cache_leftpad: Optional[_Array] = None,
     sinks: Optional[_Array] = None,
+    bias: Optional[_Array] = None,
+    mask: Optional[_Array] = None,
 ) -> None:
     """Attention over a KV cache: appends k, v (when given) to k_cache, v_cache at cache_seqlens,
     then writes out (like q) and lse (float32, (batch, nheads, seqlen_q))."""

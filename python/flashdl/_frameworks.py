@@ -83,14 +83,16 @@ class Frame:
         # NumPy cannot export ml_dtypes bfloat16 over DLPack: such arrays (and the NumPy buffers
         # that hold JAX results) cross as uint16 views and the call names the dtype. Only then is
         # a genuine 16-bit integer array ambiguous, so it is refused here.
+        # 16-bit integer arrays are refused among the float arrays whatever the others are: a
+        # NumPy bfloat16 bias (flashdl.attention's extras) switches the reading on too.
         self.dtype = None
-        if self.kind in ("numpy", "jax", "dlpack") and any(
-                _dtype_name(arrays[n]) == "bfloat16" for n in floats):
-            self.dtype = "bfloat16"
+        if self.kind in ("numpy", "jax", "dlpack"):
             for n in floats:
                 if _dtype_name(arrays[n]) in ("int16", "uint16"):
                     raise TypeError(f"{n}: unsupported dtype {_dtype_name(arrays[n])} (expected "
                                     "float16, bfloat16, float32 or float64)")
+            if any(_dtype_name(arrays[n]) == "bfloat16" for n in floats):
+                self.dtype = "bfloat16"
         self._device = self._find_device()
         self.stream = self._find_stream()
 

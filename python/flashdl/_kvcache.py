@@ -69,7 +69,9 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
                            rotary_interleaved: bool = False,
                            cache_batch_idx: Optional[ArrayLike] = None,
                            cache_leftpad: Optional[ArrayLike] = None,
-                           sinks: Optional[ArrayLike] = None) -> Any:
+                           sinks: Optional[ArrayLike] = None,
+                           bias: Optional[ArrayLike] = None,
+                           mask: Optional[ArrayLike] = None) -> Any:
     """Attention of a few new queries over a KV cache (decoding), with an optional in-place append.
 
     flash-attn's ``flash_attn_with_kvcache``, with vLLM's paged layout. Sequence ``b`` attends to
@@ -121,6 +123,17 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
         each row's softmax denominator once (after the key splits are merged) and carries no
         value; lse includes it. On CUDA arrays the decode kernel adds it (checked on the CUDA
         host emulator, not yet run on a GPU; a NaN sink there is not refused).
+    bias : float array, optional
+        An additive bias, as in :func:`attention` (float32, float16 or bfloat16, read in place),
+        broadcastable to ``(batch, nheads, seqlen_q, seqlen_cache)`` -- ``max_pages * page_size``
+        in place of ``seqlen_cache`` for a paged cache: the key axis is the key's position in its
+        sequence's cache (with ``cache_leftpad``, from cache position 0, so a mask over the
+        cache's slots lines up), of which each row reads only the keys it sees. Applied after
+        scale, softcap and ALiBi. On CUDA arrays: not yet (``NotImplementedError``).
+    mask : bool array, optional
+        A boolean mask (True = keep) with the bias's shapes: a key it hides is invisible to the
+        row; a row that keeps no key gets out 0 and lse -inf (or the sink). On CUDA arrays: not
+        yet.
     num_splits : int, default 0
         Key splits per (batch, kv head), computed in parallel and merged exactly (split-KV,
         "flash-decoding"); 0 chooses from the shape and the thread count.
@@ -196,7 +209,7 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
     opts = _options(causal, softmax_scale, "auto", window_size, frame)
     del opts["schedule"]
     opts.update(_score_mods(alibi_slopes, softcap))
-    opts.update(_extras(sinks))
+    opts.update(_extras(sinks, bias, mask))
     seqlens = _index_array("cache_seqlens", cache_seqlens, True)
     table = _index_array("block_table", block_table, False)
     batch_idx = _index_array("cache_batch_idx", cache_batch_idx, False)

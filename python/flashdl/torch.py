@@ -829,7 +829,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            rotary_interleaved: bool = False,
                            cache_batch_idx: Optional[ArrayLike] = None,
                            cache_leftpad: Optional[ArrayLike] = None,
-                           sinks: Optional[torch.Tensor] = None
+                           sinks: Optional[torch.Tensor] = None,
+                           bias: Optional[torch.Tensor] = None,
+                           mask: Optional[torch.Tensor] = None
                            ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """:func:`flashdl.attention_with_kvcache` for torch tensors (decoding; no autograd).
 
@@ -856,6 +858,10 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     sinks : torch.Tensor, float32 (nheads,), optional
         Attention sinks (gpt-oss's ``s_aux``), as in :func:`flashdl.attention_with_kvcache` (no
         gradient here).
+    bias, mask : torch.Tensor, optional
+        An additive bias and a boolean mask (True = keep) broadcastable to (batch, nheads,
+        seqlen_q, seqlen_cache), as in :func:`flashdl.attention_with_kvcache` (no gradient; CPU
+        tensors only yet).
 
     Returns
     -------
@@ -890,4 +896,5 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                        rotary_sin=rotary_sin,
                                        rotary_interleaved=rotary_interleaved,
                                        cache_batch_idx=cache_batch_idx,
-                                       cache_leftpad=cache_leftpad, sinks=sinks)
+                                       cache_leftpad=cache_leftpad, sinks=sinks, bias=bias,
+                                       mask=mask)

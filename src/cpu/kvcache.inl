@@ -72,6 +72,14 @@ inline void rows_axpy(T* O, int64_t n, const T* x, int64_t dp, const T* p, int64
   }
 }
 
+// Whether a row's boolean mask keeps key j (counted from the sequence's first key, as the kernels
+// count): the mask's column is j + cache_leftpad[b], the key's row in the sequence's cache.
+struct KvKeep {
+  const detail::HeadExtras* ex = nullptr;  // null or no mask: every key kept
+  int64_t i = 0, pad = 0;
+  bool operator()(int64_t j) const { return ex == nullptr || ex->kept(i, j + pad); }
+};
+
 // One key tile of a decode task: keys [t0, t0 + cols) of sequence b (n: cols rounded up to a
 // vector), against the task's rows [0, rows), query rows r0.. of kv heads [hk_begin, hk_end).
 struct KvTile {
@@ -400,12 +408,12 @@ struct KvRowsInPlace {
                          count, d, O + r * dp, dp, dp);
       }
   }
-  // O row r += P V over the tile's keys [l, h) alone: the value rows of the keys row r does not
-  // see are the zero row, selected here, so NaN or Inf in them cannot reach it as 0 * NaN would
+  // O row r += P V over the tile's keys [l, h) that `keep` keeps alone: the value rows of the
+  // keys row r does not see are the zero row, selected here, so NaN or Inf in them cannot reach it as 0 * NaN would
   // through accumulate(). The same kernel on the same words as accumulate() gives row r, so the
   // result is accumulate()'s bits wherever the unseen values are finite (zeros' signs aside).
   void accumulate_seen(const Params& p, const KvTile& t, float* P, int64_t ld, int64_t r,
-                       int64_t l, int64_t h, float* o) {
+                       int64_t l, int64_t h, const KvKeep& keep, float* o) {
     const int64_t steps = detail::ceil_div(t.cols, int64_t{K::kKeysPerStep});
     const int64_t hk = (t.r0 + r) / t.rows_per_kv;
     int64_t ldw = 0;
@@ -415,7 +423,7 @@ struct KvRowsInPlace {
       const int64_t count = std::min(kGroup, steps - g0), j0 = K::kKeysPerStep * g0;
       cache_rows(p, t, true, hk, j0, K::kKeysPerStep * count);
       for (int64_t j = 0; j < K::kKeysPerStep * count; ++j)
-        if (j0 + j < l || j0 + j >= h) rows_of[j] = zero_row;
+        if (j0 + j < l || j0 + j >= h || !keep(t.t0 + j0 + j)) rows_of[j] = zero_row;
       kv_accumulate<K>(W + g0, ldw, 1, rows_of, count, d, o, dp, dp);
     }
   }
@@ -425,12 +433,12 @@ struct KvRowsInPlace {
 
 // Rows r of a task (query (r0 + r) % sq of head (r0 + r) / sq) whose O came out non-finite from a
 // tile of keys [t0, t0 + cols) they do not all see: O[r] = O0[r] + sum over the keys of
-// [lo[r], hi[r]) in the tile of P[r][j] * V[j], V read from the cache.
+// [lo[r], hi[r]) in the tile that keep[r] keeps of P[r][j] * V[j], V read from the cache.
 template <typename T>
 void redo_cut_rows(const Params& p, int64_t b, int64_t sq, int64_t group, int64_t r0,
                    int64_t rows, int64_t t0, int64_t cols, const std::vector<int64_t>& lo,
-                   const std::vector<int64_t>& hi, const T* P, int64_t ld, const T* O0, T* O,
-                   int64_t dp, Buffer<T>& xrow) {
+                   const std::vector<int64_t>& hi, const std::vector<KvKeep>& keep, const T* P,
+                   int64_t ld, const T* O0, T* O, int64_t dp, Buffer<T>& xrow) {
   const int64_t d = p.headdim;
   for (int64_t r = 0; r < rows; ++r) {
     T* o = O + r * dp;
@@ -441,6 +449,7 @@ void redo_cut_rows(const Params& p, int64_t b, int64_t sq, int64_t group, int64_
     std::copy(O0 + r * dp, O0 + (r + 1) * dp, o);
     const int64_t hk = (r0 + r) / sq / group;
     for (int64_t j = std::max(lo[r], t0); j < std::min(hi[r], t0 + cols); ++j) {
+      if (!keep[r](j)) continue;  // hidden by the boolean mask
       convert_row_in(element(p.v_ptr, p.dtype, detail::v_cache_offset(p, b, j, hk)), p.dtype, d,
                      x);
       const T a = P[r * ld + (j - t0)];
@@ -484,6 +493,11 @@ void kvcache_forward_impl(const Params& p, int threads) {
     std::vector<int64_t> lo(static_cast<size_t>(Rc)), hi(static_cast<size_t>(Rc)),
         diag(static_cast<size_t>(Rc));
     const bool modified = detail::has_score_mod(p);
+    // A bias or boolean mask (detail/extras.hpp): row r's head's, read at (query i, key j +
+    // cache_leftpad[b]); keep[r] selects the keys the mask keeps when a row is recomputed.
+    const bool extras = detail::has_extras(p), masked = p.mask_ptr != nullptr;
+    std::vector<detail::HeadExtras> ex(static_cast<size_t>(Rc));
+    std::vector<KvKeep> keep(static_cast<size_t>(Rc));
     for (int64_t task = begin; task < end; ++task) {
       const int64_t rc = task % row_chunks, rest = task / row_chunks;
       const int64_t s = rest % S, b = rest / S;
@@ -493,6 +507,7 @@ void kvcache_forward_impl(const Params& p, int threads) {
       const int64_t chunk = detail::round_up(detail::ceil_div(keys, S), Bt);
       const int64_t k0 = std::min(keys, s * chunk), k1 = std::min(keys, k0 + chunk);
       const Mask mask{sq, keys, p.window_left, p.window_right};
+      const int64_t pad = p.cache_leftpad != nullptr ? p.cache_leftpad[b] : 0;
 
       // Row r is query i of head h: Q converted, its visible keys and modifiers.
       int64_t any_lo = k1, any_hi = k0;
@@ -503,6 +518,8 @@ void kvcache_forward_impl(const Params& p, int threads) {
         hi[r] = std::min(mask.col_end(i), k1);
         diag[r] = mask.diag(i);
         if (modified) mod[r] = detail::score_mod_of<T>(p, b, h);
+        if (extras) ex[r] = detail::extras_of(p, b, h);
+        keep[r] = KvKeep{masked ? &ex[r] : nullptr, i, pad};
         any_lo = std::min(any_lo, lo[r]);
         any_hi = std::max(any_hi, hi[r]);
       }
@@ -518,9 +535,12 @@ void kvcache_forward_impl(const Params& p, int threads) {
           T* srow = Sc + r * Bt;
           std::fill(srow + cols, srow + n, T(0));
           const int64_t l = lo[r] - t0, h = std::min(hi[r] - t0, cols);
-          const T rmax = modified ? row_modified_range_max(srow, n, mod[r], diag[r] - t0, l, h,
-                                                           static_cast<T*>(nullptr))
-                                  : row_scale_range_max(srow, n, c, l, h);
+          T rmax = modified ? row_modified_range_max(srow, n, mod[r], diag[r] - t0, l, h,
+                                                     static_cast<T*>(nullptr))
+                            : row_scale_range_max(srow, n, c, l, h);
+          if (extras)  // bias added, hidden keys -inf, over the keys the row sees
+            rmax = apply_extras_row(srow, ex[r], (r0 + r) % sq, t0 + pad,
+                                    std::max<int64_t>(l, 0), h);
           const T alpha = sm[r].rescale_factor(rmax);
           sm[r].accumulate(alpha, row_exp2_sum(srow, n, sm[r].reference()));
           if (alpha != T(1)) row_scale(O + r * dp, dp, alpha);
@@ -532,12 +552,14 @@ void kvcache_forward_impl(const Params& p, int threads) {
         // the unseen keys' value rows selected away (accumulate_seen). The cost on finite
         // values: a copy of O and a scan of it on tiles that cut some row's keys (with one query
         // row, none do).
-        bool cut = false;
+        bool cut = masked;  // (a boolean mask may hide keys inside [lo, hi))
         for (int64_t r = 0; r < rows && !cut; ++r) cut = lo[r] > t0 || hi[r] < t0 + cols;
         if (cut) std::copy(O, O + rows * dp, O0);
         products.accumulate(p, tile, Sc, Bt, O);  // O += P V
         if constexpr (Rows::kNaturalO) {
-          if (cut) redo_cut_rows(p, b, sq, group, r0, rows, t0, cols, lo, hi, Sc, Bt, O0, O, dp, xrow);
+          if (cut)
+            redo_cut_rows(p, b, sq, group, r0, rows, t0, cols, lo, hi, keep, Sc, Bt, O0, O, dp,
+                          xrow);
         } else {
           for (int64_t r = 0; cut && r < rows; ++r) {
             T* o = O + r * dp;
@@ -545,7 +567,8 @@ void kvcache_forward_impl(const Params& p, int threads) {
             for (int64_t e = 0; e < dp; ++e) sum += o[e] * T(0);  // NaN iff some o[e] is not finite
             if (sum == T(0)) continue;
             std::copy(O0 + r * dp, O0 + (r + 1) * dp, o);
-            products.accumulate_seen(p, tile, Sc, Bt, r, lo[r] - t0, std::min(hi[r] - t0, cols), o);
+            products.accumulate_seen(p, tile, Sc, Bt, r, lo[r] - t0, std::min(hi[r] - t0, cols),
+                                     keep[r], o);
           }
         }
       }

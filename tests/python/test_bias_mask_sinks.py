@@ -637,7 +637,11 @@ def test_decode_shaped_attention_with_sinks_matches_fa2():
     (dict(sinks=np.zeros(3, np.float32)), ValueError, r"^sinks: expected shape \(4,\)"),
     (dict(sinks=np.zeros(4, np.float64)), TypeError, "^sinks: expected dtype float32"),
     (dict(sinks=np.array([0, np.inf, 0, 0], np.float32)), ValueError, "^sinks: expected finite"),
-    (dict(bias=np.zeros((1, 4, 3, 700), np.float32)), TypeError, "bias"),
+    (dict(bias=np.zeros((1, 4, 3, 699), np.float32)), ValueError,
+     r"^bias: expected a shape broadcastable to \(2, 4, 3, 700\)"),
+    (dict(bias=np.zeros((1, 4, 3, 700), np.int32)), TypeError, "^bias: "),
+    (dict(mask=np.ones((2, 4, 3, 700), np.float32)), TypeError, "^mask: "),
+    (dict(mask=np.ones((3, 4, 3, 700), bool)), ValueError, "^mask: expected a shape"),
 ])
 def test_kvcache_bad_sinks_are_refused_and_the_cache_is_untouched(kw, exc, match):
     rng = np.random.default_rng(5)
@@ -661,4 +665,160 @@ def test_kvcache_sinks_torch_front_end():
     got = fdt.attention_with_kvcache(*(torch.from_numpy(x) for x in (q, kc, vc)),
                                      cache_seqlens=torch.from_numpy(lens), causal=True,
                                      sinks=torch.from_numpy(sinks))
+    np.testing.assert_array_equal(got.numpy(), want)
+
+
+# ---- bias and boolean mask in the KV cache ----------------------------------------------------------
+
+def _kv_bias_mask(rng, b, h, sq, cap, keep=0.8):
+    bias = (rng.standard_normal((b, h, sq, cap)) * 2).astype(np.float32)
+    mask = rng.random((b, 1, sq, cap)) < keep
+    return bias, mask
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("num_splits", [1, 2, 4])
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(), dict(causal=True, window_size=(200, 0)),
+                                dict(softcap=5.0)])
+def test_kvcache_bias_and_mask_against_the_oracle(dtype, num_splits, kw):
+    """attention_with_kvcache with a bias and a boolean mask over the cache's positions (split-KV
+    or not, with sinks): out and lse by the float64 oracle's rule over the keys each sequence
+    uses, the bias and mask read at those keys' columns."""
+    rng = np.random.default_rng(10 + num_splits)
+    q, kc, vc, sinks = _kv_inputs(rng, dtype)
+    bias, mask = _kv_bias_mask(rng, 2, 4, 3, 700)
+    lens = np.array([650, 333], np.int32)
+    for extra in (dict(), dict(sinks=sinks)):
+        out, lse = flashdl.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, bias=bias,
+                                                  mask=mask, num_splits=num_splits,
+                                                  return_lse=True, **kw, **extra)
+        for b, n in enumerate(lens):
+            args = (q[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n], q[b:b + 1])
+            okw = dict(causal=kw.get("causal", False), window=kw.get("window_size", (-1, -1)),
+                       softcap=kw.get("softcap", 0.0), bias=bias[b:b + 1, ..., :n],
+                       mask=mask[b:b + 1, ..., :n], **extra)
+            want = oracle(*args, **okw)
+            naive = oracle(*args, dtype=dtype, exact=False, **okw)
+            check_rule(out[b:b + 1], want[0], naive[0], dtype, f"out[{b}]")
+            np.testing.assert_allclose(lse[b:b + 1], want[1], rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("shape", ["2d", "head row", "transposed", "stride 0", "bf16 (b,1,1,cap)"])
+def test_kvcache_bias_broadcasts_like_attention(shape):
+    """Broadcast biases (size-1 axes, fewer axes, a transposed view, stride 0, bfloat16) read in
+    place: the cache call equals flashdl.attention on each sequence's keys with the same bias."""
+    rng = np.random.default_rng(20)
+    q, kc, vc, _ = _kv_inputs(rng, "float32", cap=300)
+    lens = np.array([280, 97], np.int32)
+    if shape == "2d":
+        bias = rng.standard_normal((3, 300)).astype(np.float32)
+    elif shape == "head row":
+        bias = rng.standard_normal((1, 4, 1, 300)).astype(np.float32)
+    elif shape == "transposed":
+        bias = rng.standard_normal((300, 3)).astype(np.float32).T
+    elif shape == "stride 0":
+        bias = np.broadcast_to(rng.standard_normal((1, 1, 1, 300)).astype(np.float32),
+                               (2, 4, 3, 300))
+    else:
+        ml_dtypes = pytest.importorskip("ml_dtypes")
+        bias = rng.standard_normal((2, 1, 1, 300)).astype(ml_dtypes.bfloat16)
+    full = np.broadcast_to(bias, (2, 4, 3, 300))
+    for splits in (1, 3):
+        out = flashdl.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, bias=bias,
+                                             causal=True, num_splits=splits)
+        for b, n in enumerate(lens):
+            want = flashdl.attention(q[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n], causal=True,
+                                     bias=np.ascontiguousarray(full[b:b + 1, ..., :n]),
+                                     schedule="reference")
+            np.testing.assert_allclose(out[b:b + 1], want, rtol=0, atol=3e-6)
+
+
+def test_kvcache_bias_mask_paged_append_leftpad():
+    """Paged equals contiguous bitwise with a bias, a mask and an append; with cache_leftpad the
+    bias and mask columns are cache positions (key j of the sequence at column leftpad + j)."""
+    rng = np.random.default_rng(21)
+    q, kc, vc, _ = _kv_inputs(rng, "float32", b=2, sq=2, cap=256)
+    k_new, v_new = (make(rng, (2, 2, 2, 32)) for _ in range(2))
+    bias, mask = _kv_bias_mask(rng, 2, 4, 2, 256)
+    lens = np.array([100, 37], np.int32)
+    kc2, vc2 = kc.copy(), vc.copy()
+    kw = dict(cache_seqlens=lens, k=k_new, v=v_new, bias=bias, mask=mask, causal=True,
+              return_lse=True)
+    out, lse = flashdl.attention_with_kvcache(q, kc2, vc2, **kw)
+    page = 16
+    table = np.arange(2 * 256 // page, dtype=np.int32).reshape(2, -1)[:, ::-1].copy()
+    pk = np.empty((2 * 256 // page, page, 2, 32), np.float32)
+    pv = np.empty_like(pk)
+    for b in range(2):
+        for i, pg in enumerate(table[b]):
+            pk[pg] = kc[b, i * page:(i + 1) * page]
+            pv[pg] = vc[b, i * page:(i + 1) * page]
+    out_p, lse_p = flashdl.attention_with_kvcache(q, pk, pv, block_table=table, **kw)
+    np.testing.assert_array_equal(out_p, out)
+    np.testing.assert_array_equal(lse_p, lse)
+    # Left padding: sequence b's keys are cache positions [pad, lens + 2); the oracle on them,
+    # with the bias and mask columns of the same positions.
+    pad = np.array([10, 30], np.int32)
+    out_l, lse_l = flashdl.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, bias=bias,
+                                                  mask=mask, causal=True, return_lse=True,
+                                                  cache_leftpad=pad)
+    for b in range(2):
+        lo, hi = pad[b], lens[b]
+        args = (q[b:b + 1], kc[b:b + 1, lo:hi], vc[b:b + 1, lo:hi], q[b:b + 1])
+        okw = dict(causal=True, bias=bias[b:b + 1, ..., lo:hi], mask=mask[b:b + 1, ..., lo:hi])
+        want = oracle(*args, **okw)
+        np.testing.assert_allclose(out_l[b:b + 1], want[0], rtol=0, atol=2e-6)
+        np.testing.assert_allclose(lse_l[b:b + 1], want[1], rtol=1e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_kvcache_mask_hides_nan_keys_and_empty_rows(dtype, num_splits):
+    """Keys the mask hides never reach a row, NaN and Inf in their K, V and bias included; NaN
+    bias past a sequence's length is never read; a row whose keys are all hidden gets out 0 and
+    lse -inf (the sink with sinks)."""
+    rng = np.random.default_rng(22 + num_splits)
+    q, kc, vc, sinks = _kv_inputs(rng, dtype, sq=2, cap=300)
+    lens = np.array([250, 120], np.int32)
+    bias, mask = _kv_bias_mask(rng, 2, 4, 2, 300, keep=0.9)
+    hidden = np.array([3, 40, 41, 64, 65, 130, 200, 249])  # in tiles of seen keys, both splits
+    mask[0, :, :, hidden] = False
+    clean = flashdl.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, bias=bias, mask=mask,
+                                           num_splits=num_splits, return_lse=True)
+    kp, vp, bp = kc.copy(), vc.copy(), bias.copy()
+    kp[0, hidden[::2], :, 0] = np.inf
+    vp[0, hidden, :, 1] = np.nan
+    vp[0, hidden[1::2], :, 2] = -np.inf
+    bp[0, :, :, hidden] = np.nan
+    bp[:, :, :, 250:] = np.nan  # past every sequence's keys
+    got = flashdl.attention_with_kvcache(q, kp, vp, cache_seqlens=lens, bias=bp, mask=mask,
+                                         num_splits=num_splits, return_lse=True)
+    np.testing.assert_array_equal(got[0], clean[0])
+    np.testing.assert_array_equal(got[1], clean[1])
+    # Every key of sequence 1's second row hidden.
+    m2 = mask.copy()
+    m2[1, :, 1, :] = False
+    out, lse = flashdl.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, mask=m2,
+                                              num_splits=num_splits, return_lse=True)
+    assert not np.asarray(out[1, 1], np.float32).any() and np.isneginf(lse[1, :, 1]).all()
+    assert np.isfinite(lse[1, :, 0]).all()
+    out, lse = flashdl.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, mask=m2,
+                                              sinks=sinks, num_splits=num_splits,
+                                              return_lse=True)
+    assert not np.asarray(out[1, 1], np.float32).any()
+    np.testing.assert_allclose(lse[1, :, 1], sinks, rtol=1e-6)
+
+
+def test_kvcache_bias_mask_torch_front_end():
+    torch = pytest.importorskip("torch")
+    import flashdl.torch as fdt
+    rng = np.random.default_rng(23)
+    q, kc, vc, _ = _kv_inputs(rng, "float32")
+    bias, mask = _kv_bias_mask(rng, 2, 4, 3, 700)
+    lens = np.array([650, 333], np.int32)
+    want = flashdl.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, bias=bias, mask=mask,
+                                          causal=True)
+    t = torch.from_numpy
+    got = fdt.attention_with_kvcache(t(q), t(kc), t(vc), cache_seqlens=t(lens), causal=True,
+                                     bias=t(bias), mask=t(mask))
     np.testing.assert_array_equal(got.numpy(), want)
