@@ -269,7 +269,6 @@ void forward_kvcache(const TensorView& q, const TensorView& k_cache, const Tenso
     check_extras(options, s, q.device, {{"out", &out}, {"lse", &lse}});
   if (options.dbias.defined())
     fail(ErrorKind::value, "dbias: attention over a KV cache has no backward; expected None");
-  if (q.device.type != DeviceType::cpu) refuse_bias_and_mask(options, "CUDA KV-cache (decode)");
   if (options.dropout_p != 0.0f)
     fail(ErrorKind::value, "dropout_p: attention over a KV cache is for inference, expected 0, "
                            "got " + num_str(options.dropout_p));

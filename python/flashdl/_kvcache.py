@@ -129,11 +129,12 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
         in place of ``seqlen_cache`` for a paged cache: the key axis is the key's position in its
         sequence's cache (with ``cache_leftpad``, from cache position 0, so a mask over the
         cache's slots lines up), of which each row reads only the keys it sees. Applied after
-        scale, softcap and ALiBi. On CUDA arrays: not yet (``NotImplementedError``).
+        scale, softcap and ALiBi. On CUDA arrays: the decode kernel (checked on the CUDA host
+        emulator, not yet run on a GPU).
     mask : bool array, optional
         A boolean mask (True = keep) with the bias's shapes: a key it hides is invisible to the
-        row; a row that keeps no key gets out 0 and lse -inf (or the sink). On CUDA arrays: not
-        yet.
+        row (NaN or Inf in its K, V or bias included); a row that keeps no key gets out 0 and lse
+        -inf (or the sink).
     num_splits : int, default 0
         Key splits per (batch, kv head), computed in parallel and merged exactly (split-KV,
         "flash-decoding"); 0 chooses from the shape and the thread count.

@@ -860,8 +860,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         gradient here).
     bias, mask : torch.Tensor, optional
         An additive bias and a boolean mask (True = keep) broadcastable to (batch, nheads,
-        seqlen_q, seqlen_cache), as in :func:`flashdl.attention_with_kvcache` (no gradient; CPU
-        tensors only yet).
+        seqlen_q, seqlen_cache), as in :func:`flashdl.attention_with_kvcache` (no gradient).
 
     Returns
     -------

@@ -174,24 +174,22 @@ __device__ __forceinline__ bool warp_rows_nonfinite(const typename Tr::T* s) {
 // The slow path of a warp's 16 keys that some of its rows do not all see, when their values hold
 // a NaN or Inf: O += P V by scalar FMAs over the keys each row sees (the tensor-core product adds
 // 0 * NaN = NaN to rows that cannot see such a key). sP: the warp's P (T, ld kLdP); sV: its 16
-// value rows; lo, hi: this lane pair's row's visible keys relative to the warp's first, clamped
-// to [0, 16]; rows, cols: the accumulator's element map. Per lane 16 x (kFragsD * 8) FMAs.
+// value rows; shown: bit c set where this lane pair's row sees the warp's key c (its window and
+// its boolean mask); rows, cols: the accumulator's element map. Per lane 16 x (kFragsD * 8) FMAs.
 template <typename Tr>
 __device__ __forceinline__ void accumulate_pv_seen(const typename Tr::T* sP,
-                                                const typename Tr::T* sV, int lo, int hi,
+                                                const typename Tr::T* sV, unsigned shown,
                                                 const FragRows& rows, const FragRows& cols,
                                                 FragAcc (&acc)[Tr::kFragsD]) {
-  int lo_i[FragAcc::num_elements], hi_i[FragAcc::num_elements];
+  unsigned shown_i[FragAcc::num_elements];
 #pragma unroll
-  for (int i = 0; i < FragAcc::num_elements; ++i) {
-    lo_i[i] = __shfl_sync(kFullMask, lo, 2 * rows.r[i]);
-    hi_i[i] = __shfl_sync(kFullMask, hi, 2 * rows.r[i]);
-  }
+  for (int i = 0; i < FragAcc::num_elements; ++i)
+    shown_i[i] = __shfl_sync(kFullMask, shown, 2 * rows.r[i]);
 #pragma unroll 1
   for (int c = 0; c < kFrag; ++c)
 #pragma unroll
     for (int i = 0; i < FragAcc::num_elements; ++i) {
-      if (c < lo_i[i] || c >= hi_i[i]) continue;  // a select: 0 * NaN is never formed
+      if (!((shown_i[i] >> c) & 1u)) continue;  // a select: 0 * NaN is never formed
       const float pk = to_float(sP[rows.r[i] * Tr::kLdP + c]);
 #pragma unroll
       for (int df = 0; df < Tr::kFragsD; ++df)
@@ -293,6 +291,48 @@ __device__ __forceinline__ void merge_warps_and_store(const Params& p, const Dec
   }
 }
 
+// The score pass with a bias or a boolean mask (detail/extras.hpp), and the modifiers: the
+// forward's (fa2_forward.cuh) for the row this lane pair owns, query i of `head` (row_ok: a row of
+// the CTA), keys n0 + c read at column n0 + c + cache_leftpad[b] of the bias and mask (columns are
+// cache positions); keys past the sequence's are left alone (the softmax masks them). Not inlined, as the forward's: the plain decode path keeps its registers.
+template <typename Tr>
+__device__ __noinline__ void apply_extras(float* sS, const ScoreModF& mod, bool modded,
+                                          const Params& p, int64_t b, int64_t head, int64_t i,
+                                          bool row_ok, int64_t diag, int64_t n0) {
+  const detail::HeadExtras ex = row_ok ? detail::extras_of(p, b, head) : detail::HeadExtras{};
+  const int64_t keys = p.seqused_k[b], pad = p.cache_leftpad != nullptr ? p.cache_leftpad[b] : 0;
+  // Without a modifier the raw q.k is scaled here when there is a bias (the softmax then scales
+  // by 1), left for the softmax's scaling with a mask alone.
+  const float pre = p.bias_ptr != nullptr ? float(p.scale_softmax_log2) : 1.0f;
+  const int lane = threadIdx.x % 32;
+  const int r = lane / 2, half = lane % 2;
+#pragma unroll 1
+  for (int k = 0; k < Tr::kColsPerLane; ++k) {
+    const int c = 2 * k + half;
+    float& s = sS[r * Tr::kLdS + c];
+    float t = modded ? modified_score(mod, s, diag, n0 + c) : s * pre;
+    if (ex.any() && n0 + c < keys) t = extras_score(ex, t, i, n0 + c + pad);
+    s = t;
+  }
+}
+
+// Bit c set where row i of `head` sees key n0 + c of the warp's 16: within [lo, hi) (relative to
+// n0, clamped to [0, 16]) and kept by the boolean mask (column n0 + c + cache_leftpad[b]), if any.
+// Not inlined: only the rare slow path of masked calls runs it.
+template <typename Tr>
+__device__ __noinline__ unsigned shown_keys(const Params& p, int64_t b, int64_t head,
+                                           int64_t i, int lo, int hi, int64_t n0) {
+  unsigned shown = hi > lo ? (((1u << hi) - 1u) & ~((1u << lo) - 1u)) : 0u;
+  if (p.mask_ptr != nullptr && shown != 0u) {
+    const detail::HeadExtras ex = detail::extras_of(p, b, head);
+    const int64_t pad = p.cache_leftpad != nullptr ? p.cache_leftpad[b] : 0;
+#pragma unroll 1
+    for (int c = lo; c < hi; ++c)
+      if (!ex.kept(i, n0 + c + pad)) shown &= ~(1u << c);
+  }
+  return shown;
+}
+
 // Two CTAs per SM is what the shared memory allows for d = 128 on an A100 and an H100 (82 KiB);
 // the bound keeps ptxas within the registers that leaves.
 template <typename Tr>
@@ -329,7 +369,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
     col_hi = mask.col_end(i) < keys.end ? mask.col_end(i) : keys.end;
     diag = mask.diag(i);
   }
-  const bool mods = detail::has_score_mod(p);
+  const bool mods = detail::has_score_mod(p), extras = detail::has_extras(p);
   const ScoreModF mod = mods && r < rows ? head_score_mods(a.mods, p, b, head) : a.mods;
   // Keys some row sees: only their tiles are read (a window's, not the whole split's).
   const bool seen = col_lo < col_hi;
@@ -356,7 +396,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
   FragAcc acc_o[Tr::kFragsD];
 #pragma unroll
   for (int df = 0; df < Tr::kFragsD; ++df) wmma::fill_fragment(acc_o[df], 0.0f);
-  const float scale_log2 = mods ? 1.0f : float(p.scale_softmax_log2);
+  // With a modifier or a bias the score pass leaves scores in the exp2 domain (a bias adds in
+  // it); a mask alone keeps the softmax's scaling.
+  const float scale_log2 = mods || p.bias_ptr != nullptr ? 1.0f : float(p.scale_softmax_log2);
 
   for (int n = 0, stage = 0; n < n_tiles; ++n, stage ^= 1) {
     // Invariant: the offsets of tile n + 1 are in stage ^ 1's slots, visible; its buffers free.
@@ -373,7 +415,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
     if (n0 < t_hi) {  // warp-uniform: a last tile's warps past the keys have nothing to do
       fa2::compute_scores<Tr>(sQ, sKn + warp * kFrag * kLd, sS);  // S = Q K^T
       __syncwarp();
-      if (mods) fa2::apply_score_mods<Tr>(sS, mod, diag, n0);
+      if (extras)
+        decode::apply_extras<Tr>(sS, mod, mods, p, b, head, i, r < rows, diag, n0);
+      else if (mods)
+        fa2::apply_score_mods<Tr>(sS, mod, diag, n0);
       const float alpha = fa2::softmax_step<Tr, true>(sS, softmax, scale_log2, n0, col_lo, col_hi,
                                                       dense, 0, no_dropout, 0);
       fa2::scale_rows(acc_o, frag_rows, alpha);
@@ -384,13 +429,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
       // split's last keys), and 8 registers for the column map (ptxas sm_80 float16 d 128:
       // 146 -> 154, bfloat16 d 256: 254 -> 255, no spill).
       const int64_t lo_rel = col_lo - n0, hi_rel = col_hi - n0;
-      const bool cut = __any_sync(kFullMask, r < rows && (lo_rel > 0 || hi_rel < kFrag));
+      // (A boolean mask may hide keys inside every row's range: masked calls always check.)
+      const bool cut = p.mask_ptr != nullptr ||
+                       __any_sync(kFullMask, r < rows && (lo_rel > 0 || hi_rel < kFrag));
       const T* sVw = sVn + warp * kFrag * kLd;
       if (cut && decode::warp_rows_nonfinite<Tr>(sVw)) {
         const int lo = r < rows ? int(lo_rel < 0 ? 0 : lo_rel > kFrag ? kFrag : lo_rel) : 0;
         const int hi = r < rows ? int(hi_rel < 0 ? 0 : hi_rel > kFrag ? kFrag : hi_rel) : 0;
-        decode::accumulate_pv_seen<Tr>(reinterpret_cast<const T*>(sS), sVw, lo, hi, frag_rows,
-                                       frag_cols, acc_o);
+        decode::accumulate_pv_seen<Tr>(reinterpret_cast<const T*>(sS), sVw,
+                                       decode::shown_keys<Tr>(p, b, head, i, lo, hi, n0),
+                                       frag_rows, frag_cols, acc_o);
       } else {
         fa2::accumulate_pv<Tr>(reinterpret_cast<const T*>(sS), sVw, acc_o);
       }

@@ -15,6 +15,7 @@
 // compute-sanitizer), --filter SUBSTR, --no-race, --cpu.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -435,6 +436,161 @@ int run_serving(const Target& t, const Cli& cli) {
   return failures;
 }
 
+// A bias and a boolean mask over the cache's positions (key j of sequence b at column j +
+// cache_leftpad[b]), with an append, split or not, paged or not, with sinks: the device call
+// against the same call on the CPU backend (whose float64-oracle tests are in
+// tests/python/test_bias_mask_sinks.py), out within the dtype's rounding, lse within 1e-3, the
+// caches bitwise. Then NaN and Inf planted in K and V at keys the mask hides from every row (and
+// NaN in the bias there and past each sequence's keys): the device's out and lse must be those of
+// the clean call, bit for bit.
+struct ExtrasCase {
+  int64_t b, sq, h, hk, d, cap, page, splits;
+  bool full_bias, sinks, causal;
+  std::vector<int32_t> lens, pad;
+};
+
+int run_extras(const Target& t, const Cli& cli) {
+  const std::vector<ExtrasCase> cs = {
+      {2, 1, 8, 2, 128, 150, 0, 1, true, false, true, {100, 37}, {5, 0}},
+      {2, 3, 8, 2, 64, 150, 0, 3, false, true, true, {100, 37}, {}},
+      {2, 2, 4, 4, 128, 160, 16, 2, true, true, false, {120, 9}, {}},
+      {1, 1, 4, 1, 256, 320, 32, 0, false, false, true, {290}, {}},
+  };
+  int failures = 0;
+  for (size_t ci = 0; ci < cs.size(); ++ci) {
+    const ExtrasCase& c = cs[ci];
+    for (const DType dt : kDtypes) {
+      if (cli.quick && (ci > 1 || dt != DType::float16)) continue;
+      char buf[200];
+      std::snprintf(buf, sizeof buf, "kvcache bias+mask %s case %zu d=%lld %s%s splits=%lld%s%s",
+                    flashdl::dtype_name(dt), ci, (long long)c.d, c.page ? "paged " : "",
+                    c.full_bias ? "full bias" : "bias (1, h, 1, cap) stride 0",
+                    (long long)c.splits, c.sinks ? " sinks" : "", c.pad.empty() ? "" : " leftpad");
+      const std::string label = buf;
+      if (!cli.selected(label)) continue;
+      failures += run_case(label, [&] {
+        std::mt19937 rng(uint32_t(131 * ci + 7));
+        const int64_t per = c.page ? CacheLayout::detail_ceil(c.cap, c.page) : 0;
+        const int64_t npages = c.page ? c.b * per : 0, seqlen_new = 2;
+        const Layout lq = make_layout(c.b, c.sq, c.h, c.d, Kind::contiguous);
+        const Layout ln = make_layout(c.b, seqlen_new, c.hk, c.d, Kind::contiguous);
+        const Layout lc = c.page ? make_layout(npages, c.page, c.hk, c.d, Kind::contiguous)
+                                 : make_layout(c.b, c.cap, c.hk, c.d, Kind::contiguous);
+        const Layout ll = lse_layout(c.b, c.h, c.sq, false);
+        const auto q = random_values(lq.span, rng), kn = random_values(ln.span, rng),
+                   vn = random_values(ln.span, rng);
+        auto kc = random_values(lc.span, rng), vc = random_values(lc.span, rng);
+        // bias (b, h, sq, cap) float32, or one row (1, h, 1, cap) broadcast by strides of 0
+        const int64_t nb = c.full_bias ? c.b * c.h * c.sq * c.cap : c.h * c.cap;
+        std::vector<float> bias = random_values(nb, rng);
+        std::vector<uint8_t> mask(size_t(c.b * c.sq * c.cap));
+        std::uniform_int_distribution<int> coin(0, 9);
+        for (auto& m : mask) m = coin(rng) < 8;
+        // Keys every row of a sequence is blind to: hidden by the mask, poisoned below.
+        std::vector<int64_t> hidden_keys = {2, 17, 18, 33, 60};
+        for (int64_t bb = 0; bb < c.b; ++bb)  // (columns are cache positions: j + leftpad)
+          for (const int64_t j : hidden_keys)
+            for (int64_t i = 0; i < c.sq; ++i)
+              mask[size_t((bb * c.sq + i) * c.cap + j + (c.pad.empty() ? 0 : c.pad[size_t(bb)]))] = 0;
+        std::vector<float> sinks = random_values(c.h, rng);
+        std::vector<int32_t> table;
+        for (int64_t i = 0; i < c.b * per; ++i) table.push_back(int32_t((i * 7 + 3) % npages));
+        // Where key j of sequence bb lives in the cache (its row in the layout's logical array).
+        auto slot = [&](int64_t bb, int64_t j, int64_t hk, int64_t e) {
+          const int64_t pos = j + (c.pad.empty() ? 0 : c.pad[size_t(bb)]);
+          if (!c.page) return lc.offset(bb, pos, hk, e);
+          return lc.offset(table[size_t(bb * per + pos / c.page)], pos % c.page, hk, e);
+        };
+        auto once = [&](bool host, void* stream, bool poisoned) {
+          std::vector<float> kp = kc, vp = vc, bp = bias;
+          if (poisoned) {
+            for (int64_t bb = 0; bb < c.b; ++bb)
+              for (size_t n = 0; n < hidden_keys.size(); ++n)
+                for (int64_t hk = 0; hk < c.hk; ++hk) {
+                  kp[size_t(slot(bb, hidden_keys[n], hk, n % c.d))] = n % 2 ? INFINITY : NAN;
+                  vp[size_t(slot(bb, hidden_keys[n], hk, 1))] = NAN;
+                  vp[size_t(slot(bb, hidden_keys[n], hk, 2))] = -INFINITY;
+                }
+            if (c.full_bias)  // NaN bias at the hidden keys and past every sequence's keys
+              for (int64_t x = 0; x < c.b * c.h * c.sq; ++x)
+                for (int64_t j = 0; j < c.cap; ++j) {
+                  const int64_t bb = x / (c.h * c.sq);
+                  const int64_t pos0 = c.pad.empty() ? 0 : c.pad[size_t(bb)];
+                  const bool past = j >= pos0 + c.lens[size_t(bb)] + seqlen_new;
+                  const bool hid = std::find(hidden_keys.begin(), hidden_keys.end(), j - pos0) !=
+                                   hidden_keys.end();
+                  if (past || hid) bp[size_t(x * c.cap + j)] = NAN;
+                }
+          }
+          Buffer bq(size_t(lq.span) * 2, host), bo(size_t(lq.span) * 2, host),
+              bl(size_t(ll.span) * 4, host), bkc(size_t(lc.span) * 2, host),
+              bvc(size_t(lc.span) * 2, host), bkn(size_t(ln.span) * 2, host),
+              bvn(size_t(ln.span) * 2, host), bb_(bp.size() * 4, host), bm(mask.size(), host),
+              bs(sinks.size() * 4, host);
+          bq.upload(place(q, lq, dt));
+          bkc.upload(place(kp, lc, dt));
+          bvc.upload(place(vp, lc, dt));
+          bkn.upload(place(kn, ln, dt));
+          bvn.upload(place(vn, ln, dt));
+          bb_.upload(bp);
+          bm.upload(mask);
+          bs.upload(sinks);
+          bo.poison();
+          bl.poison();
+          flashdl::Options o;
+          o.causal = c.causal;
+          o.stream = stream;
+          o.num_splits = c.splits;
+          const auto dev = bb_.device();
+          o.bias = c.full_bias
+                       ? flashdl::TensorView{bb_.ptr, DType::float32, dev, 4, {c.b, c.h, c.sq, c.cap},
+                                             {c.h * c.sq * c.cap, c.sq * c.cap, c.cap, 1}}
+                       : flashdl::TensorView{bb_.ptr, DType::float32, dev, 4, {c.b, c.h, c.sq, c.cap},
+                                             {0, c.cap, 0, 1}};
+          o.mask = flashdl::TensorView{bm.ptr, DType::boolean, dev, 4, {c.b, 1, c.sq, c.cap},
+                                       {c.sq * c.cap, 0, c.cap, 1}};
+          if (c.sinks)
+            o.sinks = flashdl::TensorView{bs.ptr, DType::float32, dev, 1, {c.h}, {1}};
+          std::vector<int32_t> lens = c.lens, pad = c.pad, tab = table;
+          flashdl::KvCacheExtras x;
+          if (!pad.empty()) x.cache_leftpad = flashdl::make_view(pad.data(), DType::int32, {c.b});
+          const flashdl::TensorView none{};
+          flashdl::forward_kvcache(
+              view_of(bq, dt, lq, 4), view_of(bkc, dt, lc, 4), view_of(bvc, dt, lc, 4),
+              flashdl::make_view(lens.data(), DType::int32, {c.b}), view_of(bkn, dt, ln, 4),
+              view_of(bvn, dt, ln, 4),
+              c.page ? flashdl::make_view(tab.data(), DType::int32, {c.b, per}) : none,
+              view_of(bo, dt, lq, 4), view_of(bl, DType::float32, ll, 3), o, x);
+          if (!host) t.sync();
+          bool gaps = true;
+          return std::make_tuple(gather(bo.download<uint16_t>(), lq, dt, gaps),
+                                 bl.download<uint32_t>(), bkc.download<uint16_t>(),
+                                 bvc.download<uint16_t>());
+        };
+        const auto [out_d, lse_d, kc_d, vc_d] = once(t.host, t.stream, false);
+        const auto [out_h, lse_h, kc_h, vc_h] = once(true, nullptr, false);
+        const auto [out_p, lse_p, kc_p, vc_p] = once(t.host, t.stream, true);
+        (void)kc_p;
+        (void)vc_p;
+        const double err = max_abs_diff(out_d, out_h);
+        const double tol = dt == DType::float16 ? 4e-3 : 3e-2;
+        double lse_err = 0;
+        for (int64_t i = 0; i < ll.span; ++i)
+          lse_err = std::max(lse_err, std::fabs(double(bits_to_float(lse_d[size_t(i)])) -
+                                                bits_to_float(lse_h[size_t(i)])));
+        const bool caches = kc_d == kc_h && vc_d == vc_h;
+        const bool clean = out_p == out_d && lse_p == lse_d;
+        const bool ok = err <= tol && lse_err <= 1e-3 && caches && clean;
+        std::printf("%s %s | out err %.2e tol %.2e lse err %.2e%s%s\n", ok ? "ok  " : "FAIL",
+                    label.c_str(), err, tol, lse_err, caches ? "" : " [caches differ]",
+                    clean ? "" : " [NaN/Inf at hidden keys reached a row]");
+        return ok;
+      });
+    }
+  }
+  return failures;
+}
+
 // flashdl::copy_to_host, which the XLA FFI handlers use to read the traced dropout seed and the
 // KV cache's tables under jax.jit on CUDA: the bytes of a device (or, --cpu, host) array land in
 // host memory once the work queued on the stream before has run; an empty array copies nothing;
@@ -474,6 +630,7 @@ int main(int argc, char** argv) {
     failures += run_kvcache(t, cli);
     failures += run_nonfinite(t, cli);
     failures += run_serving(t, cli);
+    failures += run_extras(t, cli);
     failures += run_copy_to_host(t, cli);
     if (cli.repeats()) failures += run_race(t, cli);
     failures += merge::run_merge_states(t, cli);
