@@ -308,6 +308,10 @@ void kvcache_fwd(const Frame& f) {
     x.cache_batch_idx = host_table(f, f.arg(i++, "cache_batch_idx"), host[1], "cache_batch_idx");
   if (f.integer_or("has_leftpad", 0) != 0)
     x.cache_leftpad = host_table(f, f.arg(i++, "cache_leftpad"), host[2], "cache_leftpad");
+  // Sinks (nheads,), bias and mask (rank 4, size-1 axes broadcast): operands only when given.
+  if (f.integer_or("has_sinks", 0) != 0) o.sinks = f.arg(i++, "sinks");
+  if (f.integer_or("has_bias", 0) != 0) o.bias = f.arg(i++, "bias");
+  if (f.integer_or("has_mask", 0) != 0) o.mask = f.arg(i++, "mask");
   if (has_new) {
     if (f.nrets() < 4)
       fail(ErrorKind::value, "k_cache: appending needs the updated caches as results 2 and 3 (the "

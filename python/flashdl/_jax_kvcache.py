@@ -95,6 +95,38 @@ def _check_extras(q, rotary_cos, rotary_sin, batch_idx, leftpad, block_table):
                          "already maps each sequence to its pages)")
 
 
+def _bias_mask_sinks(q, k_cache, block_table, sinks, bias, mask):
+    """sinks float32 (nheads,); bias (float) and mask (bool) of rank <= 4 as rank-4 arrays
+    broadcastable to (batch, nheads, seqlen_q, capacity), checked at trace time by name."""
+    b, sq, h, _ = q.shape
+    capacity = (block_table.shape[1] * k_cache.shape[1] if block_table is not None
+                else k_cache.shape[1])
+    if sinks is not None:
+        sinks = _array("sinks", sinks, "a float32 array of shape (nheads,)")
+        if sinks.dtype != jnp.float32 or sinks.shape != (h,):
+            raise TypeError(f"sinks: expected a float32 array of shape ({h},) (nheads,), got "
+                            f"{sinks.dtype} of shape {tuple(sinks.shape)}")
+    want = (b, h, sq, capacity)
+    out = []
+    for name, x, kinds in (("bias", bias, "f"), ("mask", mask, "b")):
+        if x is None:
+            out.append(None)
+            continue
+        x = _array(name, x, "a bool array" if kinds == "b" else "a float array")
+        if (kinds == "b" and x.dtype != jnp.bool_) or (
+                kinds == "f" and x.dtype not in (jnp.float32, jnp.float16, jnp.bfloat16)):
+            raise TypeError(f"{name}: expected dtype "
+                            f"{'bool' if kinds == 'b' else 'float32, float16 or bfloat16'}, got "
+                            f"{x.dtype}")
+        shape = (1,) * (4 - x.ndim) + tuple(x.shape)
+        if not 1 <= x.ndim <= 4 or shape[3] != capacity or any(
+                s not in (1, w) for s, w in zip(shape[:3], want[:3])):
+            raise ValueError(f"{name}: expected a shape broadcastable to {want} (batch or 1, "
+                             f"nheads or 1, seqlen_q or 1, capacity), got {tuple(x.shape)}")
+        out.append(x.reshape(shape))
+    return sinks, out[0], out[1]
+
+
 def attention_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *,
                            cache_seqlens: jax.Array, k: Optional[jax.Array] = None,
                            v: Optional[jax.Array] = None, block_table: Optional[jax.Array] = None,
@@ -105,16 +137,21 @@ def attention_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                            rotary_sin: Optional[jax.Array] = None,
                            rotary_interleaved: bool = False,
                            cache_batch_idx: Optional[jax.Array] = None,
-                           cache_leftpad: Optional[jax.Array] = None) -> Any:
+                           cache_leftpad: Optional[jax.Array] = None,
+                           sinks: Optional[jax.Array] = None, bias: Optional[jax.Array] = None,
+                           mask: Optional[jax.Array] = None) -> Any:
     """:func:`flashdl.attention_with_kvcache` for JAX programs; the append is a functional update.
 
     Parameters are those of :func:`flashdl.attention_with_kvcache` (layout ``"bshd"``, contiguous or
     paged caches), rotary embedding (``rotary_cos``, ``rotary_sin``, ``rotary_interleaved``),
-    ``cache_batch_idx`` and ``cache_leftpad`` included; ``cache_seqlens``, ``block_table``,
-    ``cache_batch_idx`` and ``cache_leftpad`` are int32 arrays, traced values welcome (their
-    values are checked when the call runs). The rotary tables, cache_batch_idx and cache_leftpad
-    are extra operands of the custom call only when given (a plain call's HLO is unchanged). No gradient (inference); ``jax.vmap`` runs
-    the calls one by one.
+    ``cache_batch_idx``, ``cache_leftpad``, ``sinks``, ``bias`` and ``mask`` included;
+    ``cache_seqlens``, ``block_table``, ``cache_batch_idx`` and ``cache_leftpad`` are int32 arrays,
+    traced values welcome (their values are checked when the call runs). ``sinks``: float32
+    (nheads,); ``bias`` (float32, float16 or bfloat16) and ``mask`` (bool): broadcastable to
+    (batch, nheads, seqlen_q, capacity), fewer axes leading size-1 ones, passed as they are (a
+    size-1 axis is not expanded). The rotary tables, cache_batch_idx, cache_leftpad, sinks, bias
+    and mask are extra operands of the custom call only when given (a plain call's HLO is
+    unchanged). No gradient (inference); ``jax.vmap`` runs the calls one by one.
 
     Returns
     -------
@@ -166,6 +203,7 @@ def attention_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         cache_leftpad = _int32("cache_leftpad", cache_leftpad, 1, "(batch,)")
     _check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_batch_idx)
     _check_extras(q, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table)
+    sinks, bias, mask = _bias_mask_sinks(q, k_cache, block_table, sinks, bias, mask)
     cfg = _resolved(_config(causal, softmax_scale, window_size, "auto", softcap, False), q)
     attrs = cfg.attrs(False)
     attrs.update(num_splits=np.int64(num_splits), has_new=k is not None,
@@ -182,6 +220,10 @@ def attention_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     if cache_leftpad is not None:
         attrs.update(has_leftpad=True)
         args.append(cache_leftpad)
+    for name, x in (("sinks", sinks), ("bias", bias), ("mask", mask)):
+        if x is not None:
+            attrs[f"has_{name}"] = True
+            args.append(x)
     b, sq, h, _ = q.shape
     shapes = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, sq), jnp.float32)]
     aliases = None

@@ -163,3 +163,83 @@ def test_errors_name_the_argument():
         jax.block_until_ready(fj.attention_with_kvcache(
             q, kc, vc, cache_seqlens=np.array([1, 1], np.int32), k=kc[:, :1], v=vc[:, :1],
             cache_batch_idx=np.array([1, 1], np.int32)))
+
+
+# ---- sinks, bias and boolean mask (issue 28) ------------------------------------------------------
+
+def _bias_mask_sinks(seed, dtype="float32"):
+    rng = np.random.default_rng(seed)
+    bias = rng.standard_normal((B, H, NEW, S)).astype(dtype)
+    mask = rng.random((B, 1, NEW, S)) < 0.8
+    sinks = (rng.standard_normal(H) * 2).astype(np.float32)
+    return bias, mask, sinks
+
+
+@pytest.mark.parametrize("which", ["sinks", "bias", "mask", "all", "row bias + leftpad"])
+def test_bias_mask_sinks_match_eager_bitwise(which):
+    """Under jax.jit (the append donated) the cache call with sinks, a bias and/or a mask equals the
+    eager call on the same arrays bit for bit, out, lse and the caches."""
+    kc, vc = arrays([(B, S, HK, D)] * 2, seed=11)
+    q, kn, vn = arrays([(B, NEW, H, D), (B, NEW, HK, D), (B, NEW, HK, D)], seed=12)
+    n = np.array([5, 20, 11], np.int32)
+    bias, mask, sinks = _bias_mask_sinks(13)
+    kw = {"sinks": dict(sinks=sinks), "bias": dict(bias=bias), "mask": dict(mask=mask),
+          "all": dict(sinks=sinks, bias=bias, mask=mask),
+          "row bias + leftpad": dict(bias=bias[0, :, :1], cache_leftpad=np.array([2, 0, 7],
+                                                                               np.int32))}[which]
+    e_k, e_v = kc.copy(), vc.copy()
+    e_out, e_lse = flashdl.attention_with_kvcache(q, e_k, e_v, cache_seqlens=n, k=kn, v=vn,
+                                                  causal=True, return_lse=True, **kw)
+    f = jax.jit(lambda q, kc, vc, n, k, v, d: fj.attention_with_kvcache(
+        q, kc, vc, cache_seqlens=n, k=k, v=v, causal=True, return_lse=True, **d),
+        donate_argnums=(1, 2))
+    out, lse, new_k, new_v = f(q, jnp.asarray(kc), jnp.asarray(vc), n, kn, vn,
+                               {key: jnp.asarray(val) for key, val in kw.items()})
+    np.testing.assert_array_equal(np.asarray(out), e_out)
+    np.testing.assert_array_equal(np.asarray(lse), e_lse)
+    np.testing.assert_array_equal(np.asarray(new_k), e_k)
+    np.testing.assert_array_equal(np.asarray(new_v), e_v)
+
+
+def test_bias_mask_sinks_vmap_and_hlo():
+    kc, vc = arrays([(B, S, HK, D)] * 2, seed=14)
+    (q,) = arrays([(2, B, NEW, H, D)], seed=15)
+    n = np.array([4, 29, 9], np.int32)
+    bias, mask, sinks = _bias_mask_sinks(16)
+    kw = dict(sinks=sinks, bias=bias, mask=mask)
+    got = jax.vmap(lambda q: fj.attention_with_kvcache(q, kc, vc, cache_seqlens=n, **kw))(q)
+    for i in range(q.shape[0]):
+        e = flashdl.attention_with_kvcache(q[i], kc, vc, cache_seqlens=n, **kw)
+        np.testing.assert_array_equal(np.asarray(got[i]), e)
+    text = jax.jit(lambda q: fj.attention_with_kvcache(q[0], kc, vc, cache_seqlens=n)).lower(
+        q).as_text()
+    assert "has_sinks" not in text and "has_bias" not in text and "has_mask" not in text
+    text = jax.jit(lambda q: fj.attention_with_kvcache(q[0], kc, vc, cache_seqlens=n,
+                                                       **kw)).lower(q).as_text()
+    assert "has_sinks" in text and "has_bias" in text and "has_mask" in text
+
+
+def test_bias_mask_sinks_errors_name_the_argument():
+    kc, vc = arrays([(B, S, HK, D)] * 2, seed=17)
+    (q,) = arrays([(B, NEW, H, D)], seed=18)
+    n = np.array([3, 8, 1], np.int32)
+
+    def call(**kw):
+        return fj.attention_with_kvcache(q, kc, vc, cache_seqlens=n, **kw)
+    with pytest.raises(TypeError, match=r"^sinks: expected a float32 array of shape \(4,\)"):
+        call(sinks=np.zeros(3, np.float32))
+    with pytest.raises(TypeError, match=r"^sinks: expected a float32"):
+        call(sinks=np.zeros(4, np.int32))
+    with pytest.raises(ValueError, match=r"^bias: expected a shape broadcastable to \(3, 4, 3, 32\)"):
+        call(bias=np.zeros((3, 4, 3, 31), np.float32))
+    with pytest.raises(ValueError, match=r"^bias: expected a shape broadcastable"):
+        call(bias=np.zeros((2, 4, 3, 32), np.float32))
+    with pytest.raises(TypeError, match=r"^bias: expected dtype float32, float16 or bfloat16"):
+        call(bias=np.zeros((32,), np.int32))
+    with pytest.raises(TypeError, match=r"^mask: expected dtype bool"):
+        call(mask=np.ones((32,), np.float32))
+    with pytest.raises(ValueError, match=r"^mask: expected a shape broadcastable"):
+        call(mask=np.ones((1, 1, 1, 1, 32), bool))
+    # NaN sinks: the core refuses them when the call runs (host values on the CPU)
+    with pytest.raises(Exception, match=r"sinks: expected finite"):
+        jax.block_until_ready(call(sinks=np.array([0, np.nan, 0, 0], np.float32)))
