@@ -490,6 +490,18 @@ struct PairProducts : std::false_type {};
 template <typename P>
 struct PairProducts<P, std::void_t<decltype(P::kBf16Pairs)>> : std::bool_constant<P::kBf16Pairs> {};
 
+// Per-call working buffers of one thread for backward_block; dbias: the thread's dBias partial
+// (DBiasPartials, DBiasKeyTiles), null where dBias is stored directly or not wanted.
+template <typename T>
+struct BackwardScratch {
+  Buffer<T> S, dS, Z, Pd, G, row_max, dQ0, xrow;
+  T* dbias = nullptr;
+  // The partial's layout: dBias row r (detail::dbias_row), key j at dbias[r * dbias_ld + j -
+  // dbias_col0]; a whole-width partial (DBiasPartials) has ld seqlen_k and col0 0, a key tile's
+  // (DBiasKeyTiles) ld Bcp and col0 its first key.
+  int64_t dbias_ld = 0, dbias_col0 = 0;
+};
+
 // dBias of a backward: where the bias is as large as the problem (no broadcast axis), every
 // score's gradient is its own element, computed in exactly one tile pair: stored straight into
 // dbias. Otherwise each thread sums into its own compact (bias_batch, bias_heads, bias_rows,
@@ -510,11 +522,15 @@ struct DBiasPartials {
       part.resize(static_cast<size_t>(threads));
     }
   }
-  // Thread t's partial (allocated by the thread that fills it), or null when stored directly.
-  T* of(int t) {
-    if (!on || direct) return nullptr;
+  // Points thread t's scratch at its partial (allocated by the thread that fills it), or at
+  // nothing where dBias is stored directly.
+  void attach(int t, const Params& p, BackwardScratch<T>& scratch) {
+    scratch.dbias = nullptr;
+    if (!on || direct) return;
     part[t].assign(static_cast<size_t>(elems), T(0));
-    return part[t].data();
+    scratch.dbias = part[t].data();
+    scratch.dbias_ld = p.seqlen_k;
+    scratch.dbias_col0 = 0;
   }
   void finish(const Params& p, int threads) {
     if (!on || direct) return;
@@ -542,13 +558,112 @@ struct DBiasPartials {
   }
 };
 
-// Per-call working buffers of one thread for backward_block; dbias: the thread's dBias partial
-// (DBiasPartials::of), null where dBias is stored directly or not wanted.
+// Adds rows [0, rows) x keys [j0, j0 + cols) of a dBias partial (row r at acc + r * ld) into
+// dbias, whose row r is detail::dbias_row's (added: varlen sequences add into the same elements
+// one after another, and dbias starts at zero).
 template <typename T>
-struct BackwardScratch {
-  Buffer<T> S, dS, Z, Pd, G, row_max, dQ0, xrow;
-  T* dbias = nullptr;
+void add_dbias_block(const Params& p, const T* acc, int64_t ld, int64_t rows, int64_t j0,
+                     int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t ii = r % p.bias_rows, hh = (r / p.bias_rows) % p.bias_heads,
+                  bb = r / p.bias_rows / p.bias_heads;
+    const int64_t o = bb * p.dbias_batch_stride + hh * p.dbias_head_stride +
+                      ii * p.dbias_row_stride;
+    for (int64_t j = 0; j < cols; ++j) {
+      const int64_t at = o + (j0 + j) * p.dbias_col_stride;
+      store_from_double(p.dbias_ptr, p.bias_dtype, at,
+                        load_as_double(p.dbias_ptr, p.bias_dtype, at) +
+                            static_cast<double>(acc[r * ld + j]));
+    }
+  }
+}
+
+// dBias of a broadcast bias with key tiles as the unit of work (fa2_backward_by_keys, tasks in
+// key-tile-major order): a thread sums the columns of its current key tile, every dBias row, into a
+// float buffer of rows x Bcp in task order and adds it into dbias when it moves to its next key
+// tile. A thread's first and last key tiles may be shared with its neighbours' slices: those
+// buffers are kept, and finish() sums them over the threads in thread order before adding (bitwise
+// reproducible for a given thread count). Extra memory: three rows x Bcp buffers a thread, rows =
+// bias_batch * bias_heads * bias_rows -- O(seqlen), where DBiasPartials holds a whole dBias a
+// thread (128 MiB for a (1, 1, 4096, 4096) float32 bias on 2 threads).
+template <typename T>
+struct DBiasKeyTiles {
+  struct Slice {
+    int64_t first = -1, last = -1, cur = -1;  // key tile indices (task order)
+    int64_t first_kt = 0, last_kt = 0, cur_kt = 0;  // and the key tiles they name
+    std::vector<T> head, tail, buf;
+  };
+  int64_t rows = 0, ld = 0;
+  std::vector<Slice> slices;
+
+  DBiasKeyTiles(const Params& p, const Geometry<T>& g, int threads)
+      : rows(p.bias_batch * p.bias_heads * p.bias_rows), ld(g.Bcp),
+        slices(static_cast<size_t>(threads)) {}
+
+  // Thread t's slice runs key tile indices first..last.
+  void open(int t, int64_t first, int64_t last) {
+    slices[t].first = first;
+    slices[t].last = last;
+    slices[t].cur = -1;
+  }
+  // Before a task of thread t on key tile kt (index `index` in task order): points the scratch
+  // at that tile's buffer, retiring the previous tile's when the tile changes.
+  void task(int t, int64_t index, int64_t kt, const Params& p, const Geometry<T>& g,
+            BackwardScratch<T>& scratch) {
+    Slice& s = slices[t];
+    if (index != s.cur) {
+      retire(s, p, g);
+      s.cur = index;
+      s.cur_kt = kt;
+      s.buf.assign(static_cast<size_t>(rows * ld), T(0));
+    }
+    scratch.dbias = s.buf.data();
+    scratch.dbias_ld = ld;
+    scratch.dbias_col0 = g.kt.start(kt);
+  }
+  // After thread t's last task.
+  void close(int t, const Params& p, const Geometry<T>& g) { retire(slices[t], p, g); }
+
+  // The boundary tiles, summed over the threads in thread order, then added into dbias.
+  void finish(const Params& p, const Geometry<T>& g) {
+    std::vector<T> acc;
+    std::vector<char> done(slices.size() * 2, 0);
+    for (size_t a = 0; a < slices.size(); ++a)
+      for (int end = 0; end < 2; ++end) {
+        if (done[2 * a + end]) continue;
+        const Slice& s = slices[a];
+        const std::vector<T>& part = end ? s.tail : s.head;
+        if (part.empty()) continue;
+        const int64_t index = end ? s.last : s.first, kt = end ? s.last_kt : s.first_kt;
+        acc.assign(part.size(), T(0));
+        for (size_t c = a; c < slices.size(); ++c)  // every piece of this tile, in thread order
+          for (int e = 0; e < 2; ++e) {
+            const Slice& o = slices[c];
+            const std::vector<T>& q = e ? o.tail : o.head;
+            if (q.empty() || (e ? o.last : o.first) != index) continue;
+            for (size_t x = 0; x < q.size(); ++x) acc[x] += q[x];
+            done[2 * c + e] = 1;
+          }
+        add_dbias_block(p, acc.data(), ld, rows, g.kt.start(kt), g.kt.size(kt));
+      }
+  }
+
+ private:
+  void retire(Slice& s, const Params& p, const Geometry<T>& g) {
+    if (s.cur < 0) return;
+    if (s.cur == s.first) {
+      s.head.swap(s.buf);
+      s.first_kt = s.cur_kt;
+    } else if (s.cur == s.last) {
+      s.tail.swap(s.buf);
+      s.last_kt = s.cur_kt;
+    } else {  // a tile inside the slice: this thread's alone
+      add_dbias_block(p, s.buf.data(), ld, rows, g.kt.start(s.cur_kt), g.kt.size(s.cur_kt));
+    }
+    s.cur = -1;
+  }
 };
+
 
 // d[j] = bfloat16(P[j] != 0 ? dS[j] : 0) for j < n, rounded as float_to_bf16 (to nearest even,
 // NaN kept a quiet NaN): vectors, then a scalar tail.
@@ -576,13 +691,14 @@ inline void store_dbias_row_bf16(const float* __restrict P, const float* __restr
 // its rows and keys; entries with P = 0 (hidden keys) add nothing, even where dP is not finite.
 template <typename T>
 void accumulate_dbias(const Geometry<T>& g, const Params& p, int64_t b, int64_t h,
-                      const TilePair& t, const T* P, const T* dS, T* partial) {
+                      const TilePair& t, const T* P, const T* dS, T* partial, int64_t ld,
+                      int64_t col0) {
   for (int64_t r = 0; r < t.rows; ++r) {
     const int64_t i = t.i0 + r;
     const T* pr = P + r * g.Bcp;
     const T* ds = dS + r * g.Bcp;
     if (partial != nullptr) {
-      T* acc = partial + detail::dbias_index(p, b, h, i) + t.j0;
+      T* acc = partial + detail::dbias_row(p, b, h, i) * ld + (t.j0 - col0);
       for (int64_t j = 0; j < t.cols; ++j) acc[j] += pr[j] != T(0) ? ds[j] : T(0);
       continue;
     }
@@ -694,7 +810,8 @@ void backward_block(const Geometry<T>& g, const Params& p, const Mask& mask, int
       vstore(dS + j, vload(S + j) * (dp - vd));
     }
   }
-  if (p.dbias_ptr != nullptr) accumulate_dbias(g, p, b, h, t, S, dS, scratch.dbias);
+  if (p.dbias_ptr != nullptr)
+    accumulate_dbias(g, p, b, h, t, S, dS, scratch.dbias, scratch.dbias_ld, scratch.dbias_col0);
   if (G != nullptr)
     for (int64_t r = 0; r < t.mp; ++r)
       for (int64_t j = r * g.Bcp; j < r * g.Bcp + t.np; j += W)

@@ -121,7 +121,7 @@ void fa1_backward_impl(const Params& p, int threads, int64_t sram_bytes) {
   parallel_for(p.batch * p.nheads_kv, threads, [&](int64_t begin, int64_t end, int thread) {
     KeyBlock<T> kv;
     BackwardScratch<T> scratch;
-    scratch.dbias = dbias.of(thread);
+    dbias.attach(thread, p, scratch);
     Buffer<T> dq_hbm, dk_buf, dv_buf, q_buf, do_buf, o_buf, l2_buf, d_buf;
     T* dQ = dq_hbm.get(group * rows_alloc * g.dp);
     T* dK = dk_buf.get(g.Bcp * g.dp);

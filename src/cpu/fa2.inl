@@ -222,13 +222,23 @@ void fa2_backward_by_keys(const Params& p, const Geometry<T>& g, const Mask& mas
   const int64_t ntasks = nbhk * g.nkb;
   const int nthreads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, ntasks)));
   DBiasPartials<T> dbias(p, nthreads);
+  // A broadcast bias's dBias: tasks in key-tile-major order, each thread summing dBias over the
+  // (batch, head) pairs of its key tiles (DBiasKeyTiles, O(seqlen) memory) instead of a whole
+  // dBias partial a thread; its dQ partials then cover every (batch, kv head).
+  const bool by_tile = dbias.on && !dbias.direct;
+  DBiasKeyTiles<T> dbias_tiles(p, g, by_tile ? nthreads : 0);
+  auto task_of = [&](int64_t task, int64_t& bhk, int64_t& index) {
+    bhk = by_tile ? task % nbhk : task / g.nkb;
+    index = by_tile ? task / nbhk : task % g.nkb;
+  };
   // dQ partial sums: thread t covers the (batch, kv head) pairs its static slice touches.
   std::vector<std::vector<T>> dq_part(static_cast<size_t>(nthreads));
   std::vector<int64_t> first_bhk(static_cast<size_t>(nthreads), 0), last_bhk(nthreads, -1);
   const int64_t head_elems = in.rows_alloc * g.dp;
   parallel_for(ntasks, nthreads, [&](int64_t begin, int64_t end, int t) {
-    first_bhk[t] = begin / g.nkb;
-    last_bhk[t] = (end - 1) / g.nkb;
+    first_bhk[t] = by_tile ? 0 : begin / g.nkb;
+    last_bhk[t] = by_tile ? nbhk - 1 : (end - 1) / g.nkb;
+    if (by_tile) dbias_tiles.open(t, begin / nbhk, (end - 1) / nbhk);
     std::vector<T>& part = dq_part[t];
     part.assign(static_cast<size_t>((last_bhk[t] - first_bhk[t] + 1) * group * head_elems), T(0));
     KeyBlock<T> kb_bufs;
@@ -239,12 +249,15 @@ void fa2_backward_by_keys(const Params& p, const Geometry<T>& g, const Mask& mas
     const bool bf16 = std::is_same_v<T, float> && p.dtype == DType::bfloat16;
     Bf16BackwardProducts bprod;
 #endif
-    scratch.dbias = dbias.of(t);
+    if (!by_tile) dbias.attach(t, p, scratch);
     T* dK = dk_buf.get(g.Bcp * g.dp);
     T* dV = dv_buf.get(g.Bcp * g.dp);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t bhk = task / g.nkb, b = bhk / p.nheads_kv, hk = bhk % p.nheads_kv;
-      const int64_t kt = block_order(task % g.nkb, g.nkb, zigzag);
+      int64_t bhk, index;
+      task_of(task, bhk, index);
+      const int64_t b = bhk / p.nheads_kv, hk = bhk % p.nheads_kv;
+      const int64_t kt = block_order(index, g.nkb, zigzag);
+      if (by_tile) dbias_tiles.task(t, index, kt, p, g, scratch);
       const int64_t j0 = g.kt.start(kt), cols = g.kt.size(kt);
       std::fill(dK, dK + g.Bcp * g.dp, T(0));
       std::fill(dV, dV + g.Bcp * g.dp, T(0));
@@ -289,8 +302,10 @@ void fa2_backward_by_keys(const Params& p, const Geometry<T>& g, const Mask& mas
       }
       store_key_grads(p, g, b, hk, j0, cols, dK, dV);
     }
+    if (by_tile) dbias_tiles.close(t, p, g);
   });
   dbias.finish(p, threads);
+  if (by_tile) dbias_tiles.finish(p, g);
 
   // dQ = scale * (sum of the partials in thread order).
   parallel_for(p.batch * p.nheads, threads, [&](int64_t begin, int64_t end, int) {
@@ -347,7 +362,7 @@ void fa2_backward_by_queries(const Params& p, const Geometry<T>& g, const Mask& 
     KeyBlock<T> kb_bufs;
     int64_t loaded = -1;  // the (bhk, key tile) in kb_bufs
     BackwardScratch<T> scratch;
-    scratch.dbias = dbias.of(t);
+    dbias.attach(t, p, scratch);
 #if FLASHDL_HAVE_BF16_DOT
     const bool bf16 = std::is_same_v<T, float> && p.dtype == DType::bfloat16;
     Bf16BackwardProducts bprod;
@@ -445,6 +460,8 @@ inline int64_t backward_query_tiles_per_key_tile() { return 4; }
 
 template <typename T>
 bool backward_by_queries(const Params& p, const Geometry<T>& g, int threads) {
+  // A broadcast bias's dBias is summed by key tiles (fa2_backward_by_keys): O(seqlen) memory.
+  if (p.dbias_ptr != nullptr && !DBiasPartials<T>(p, 0).direct) return false;
   const int64_t key_tiles = p.batch * p.nheads_kv * g.nkb;
   const int64_t partial_bytes = threads * key_tiles * 2 * g.Bcp * g.dp * int64_t{sizeof(T)};
   return g.nqb >= backward_query_tiles_per_key_tile() * g.nkb &&

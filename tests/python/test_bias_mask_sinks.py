@@ -259,6 +259,38 @@ def test_dbias_is_deterministic_for_a_thread_count():
         assert np.array_equal(first[5], again[5]) and np.array_equal(first[6], again[6])
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+@pytest.mark.parametrize("shape", [(1, 1, 1, 700), (1, 1, 130, 700), (2, 1, 130, 700),
+                                   (1, 4, 1, 700)])
+def test_broadcast_dbias_by_key_tiles(threads, shape):
+    """fa2 sums a broadcast bias's dBias by key tiles (each thread its tiles' columns over every
+    (batch, head), the tiles its slice shares with a neighbour summed in thread order): equal to
+    the full-size bias's dBias summed over the broadcast axes, and to the float64 oracle, for
+    thread counts whose slices cut key tiles between threads (8 tiles of 96 keys, 6 (batch,
+    kv head) pairs), bitwise repeatable; out, lse, dk, dv bitwise those of the full-size bias."""
+    import flashdl as fd
+    rng = np.random.default_rng(30 + threads)
+    q, k, v = make_qkv(rng, 2, 130, 700, 4, 2, 16)
+    dout = make(rng, q.shape)
+    bias = rng.standard_normal(shape).astype(np.float32)
+    full = np.ascontiguousarray(np.broadcast_to(bias, (2, 4, 130, 700)))
+    fd.set_num_threads(threads)
+    try:
+        got = run(q, k, v, dout, "fa2", bias=bias, causal=True)
+        again = run(q, k, v, dout, "fa2", bias=bias, causal=True)
+        ref = run(q, k, v, dout, "fa2", bias=full, causal=True)
+    finally:
+        fd.set_num_threads(0)
+    assert np.array_equal(got[5], again[5])
+    axes = tuple(a for a in range(4) if shape[a] == 1)
+    np.testing.assert_allclose(got[5], ref[5].sum(axis=axes, keepdims=True), rtol=1e-5,
+                               atol=1e-6)
+    for i in (0, 1, 3, 4):  # out, lse, dk, dv: each from one task either way
+        np.testing.assert_array_equal(got[i], ref[i])
+    np.testing.assert_allclose(got[2], ref[2], rtol=1e-5, atol=1e-6)  # dQ: partials regrouped
+    check_all(got, q, k, v, dout, "float32", bias=bias, causal=True)
+
+
 @pytest.mark.parametrize("schedule", ["fa2", "fa1"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("kw", [{}, {"causal": True}, {"window_size": (5, 3)},

@@ -50,12 +50,15 @@ FLASHDL_HD HeadExtras extras_of(const Params& p, int64_t b, int64_t h) {
 // Whether a call has a bias or a mask (the kernels keep their plain path otherwise).
 FLASHDL_HD bool has_extras(const Params& p) { return p.bias_ptr != nullptr || p.mask_ptr != nullptr; }
 
-// The element of the compact dBias, (bias_batch, bias_heads, bias_rows, seqlen_k) row-major, that
-// score (b, h, i, j) adds into.
-FLASHDL_HD int64_t dbias_index(const Params& p, int64_t b, int64_t h, int64_t i) {
+// The row of the compact dBias, (bias_batch, bias_heads, bias_rows, seqlen_k) row-major, that
+// score (b, h, i, j) adds into, and (dbias_index) its first element.
+FLASHDL_HD int64_t dbias_row(const Params& p, int64_t b, int64_t h, int64_t i) {
   const int64_t bb = p.bias_batch > 1 ? b : 0, hh = p.bias_heads > 1 ? h : 0,
                 ii = p.bias_rows > 1 ? i : 0;
-  return ((bb * p.bias_heads + hh) * p.bias_rows + ii) * p.seqlen_k;
+  return (bb * p.bias_heads + hh) * p.bias_rows + ii;
+}
+FLASHDL_HD int64_t dbias_index(const Params& p, int64_t b, int64_t h, int64_t i) {
+  return dbias_row(p, b, h, i) * p.seqlen_k;
 }
 
 }  // namespace flashdl::detail
