@@ -128,6 +128,15 @@ flashdl::Options make_options(std::optional<double> softmax_scale, bool causal, 
   return o;
 }
 
+// The dropout slice (Options::dropout_batch_offset): where this call's batch and heads sit in
+// the call whose mask it draws a slice of; the core checks them.
+void set_dropout_slice(flashdl::Options& o, int64_t batch_offset, int64_t head_offset,
+                       int64_t nheads_total) {
+  o.dropout_batch_offset = batch_offset;
+  o.dropout_head_offset = head_offset;
+  o.dropout_nheads_total = nheads_total;
+}
+
 // The block-sparse options: a bool mask array (None: dense) over blocks of (block_size_q,
 // block_size_k); the core checks its shape, dtype and device.
 void set_block_mask(flashdl::Options& o, const std::optional<InArray>& block_mask,
@@ -168,11 +177,14 @@ void forward(const InArray& q, const InArray& k, const InArray& v, const OutArra
              int64_t block_size_k,
              const std::optional<InArray>& alibi_slopes, double softcap,
              bool validate_only, const std::optional<InArray>& sinks,
-             const std::optional<InArray>& bias, const std::optional<InArray>& mask) {
+             const std::optional<InArray>& bias, const std::optional<InArray>& mask,
+             int64_t dropout_batch_offset, int64_t dropout_head_offset,
+             int64_t dropout_nheads_total) {
   const Override ov = parse_override(dtype);
   flashdl::Options o =
       make_options(softmax_scale, causal, window_left, window_right, schedule, dropout_p, seed,
                    offset, stream, sram_bytes, num_threads, false);
+  set_dropout_slice(o, dropout_batch_offset, dropout_head_offset, dropout_nheads_total);
   set_block_mask(o, block_mask, block_size_q, block_size_k);
   set_score_mods(o, alibi_slopes, softcap);
   set_extras(o, ov, bias, mask, sinks, std::nullopt, std::nullopt);
@@ -195,11 +207,13 @@ void backward(const InArray& dout, const InArray& q, const InArray& k, const InA
              const std::optional<InArray>& alibi_slopes, double softcap,
              const std::optional<InArray>& sinks, const std::optional<OutArray>& dsinks,
              const std::optional<InArray>& bias, const std::optional<InArray>& mask,
-             const std::optional<OutArray>& dbias) {
+             const std::optional<OutArray>& dbias, int64_t dropout_batch_offset,
+             int64_t dropout_head_offset, int64_t dropout_nheads_total) {
   const Override ov = parse_override(dtype);
   flashdl::Options o =
       make_options(softmax_scale, causal, window_left, window_right, schedule, dropout_p, seed,
                    offset, stream, sram_bytes, num_threads, deterministic);
+  set_dropout_slice(o, dropout_batch_offset, dropout_head_offset, dropout_nheads_total);
   set_block_mask(o, block_mask, block_size_q, block_size_k);
   set_score_mods(o, alibi_slopes, softcap);
   set_extras(o, ov, bias, mask, sinks, dbias, dsinks);
@@ -399,7 +413,8 @@ NB_MODULE(_ext, m) {
         "block_mask"_a.noconvert() = nb::none(), "block_size_q"_a = 128, "block_size_k"_a = 128,
         "alibi_slopes"_a.noconvert() = nb::none(), "softcap"_a = 0.0, "validate_only"_a = false,
         "sinks"_a.noconvert() = nb::none(), "bias"_a.noconvert() = nb::none(),
-        "mask"_a.noconvert() = nb::none(),
+        "mask"_a.noconvert() = nb::none(), "dropout_batch_offset"_a = 0,
+        "dropout_head_offset"_a = 0, "dropout_nheads_total"_a = 0,
         "Attention forward (validate_only: check the arguments, compute nothing): writes out (like q) and lse (float32, (batch, nheads, seqlen_q)).");
 
   m.def("backward", &backward, "dout"_a.noconvert(), "q"_a.noconvert(), "k"_a.noconvert(),
@@ -413,7 +428,8 @@ NB_MODULE(_ext, m) {
         "alibi_slopes"_a.noconvert() = nb::none(), "softcap"_a = 0.0,
         "sinks"_a.noconvert() = nb::none(), "dsinks"_a.noconvert() = nb::none(),
         "bias"_a.noconvert() = nb::none(), "mask"_a.noconvert() = nb::none(),
-        "dbias"_a.noconvert() = nb::none(),
+        "dbias"_a.noconvert() = nb::none(), "dropout_batch_offset"_a = 0,
+        "dropout_head_offset"_a = 0, "dropout_nheads_total"_a = 0,
         "Attention backward: writes dq, dk, dv (shaped and typed like q, k, v).");
 
   m.def("forward_varlen", &forward_varlen, "q"_a.noconvert(), "k"_a.noconvert(),

@@ -163,17 +163,25 @@ class Frame {
 };
 
 // The dropout seed: a uint32 (2,) buffer (low word, high word), a traced value of the JAX program,
-// read on the host. On CUDA its 8 bytes are copied to the host on the call's stream, which the
-// handler then waits for (flashdl::copy_to_host): the host blocks until the work XLA queued before
-// this call has run, and the kernel launches after that (no overlap of the host with that work).
-uint64_t seed_of(const Frame& f, int64_t i) {
+// read on the host; or (4,): (low word, high word, dropout_batch_offset, dropout_head_offset),
+// which flashdl.jax's sharded calls build per shard from jax.lax.axis_index (the shard's place in
+// the whole call, so that its mask is the slice of the whole call's; the global head count comes
+// as the attribute dropout_nheads_total). On CUDA its bytes are copied to the host on the
+// call's stream, which the handler then waits for (flashdl::copy_to_host): the host blocks until
+// the work XLA queued before this call has run, and the kernel launches after that (no overlap of
+// the host with that work).
+void read_seed(const Frame& f, int64_t i, Options& o) {
   if (i >= f.nargs()) fail(ErrorKind::value, "seed: missing (dropout_p > 0 needs the seed buffer)");
   const Buffer* b = f.raw_arg(i);
-  if (b->dtype != kU32 || b->rank != 1 || b->dims[0] != 2)
-    fail(ErrorKind::type, "seed: expected a uint32 buffer of shape (2,) (low word, high word)");
-  uint32_t w[2];
-  copy_to_host(w, make_view(b->data, DType::int32, {2}, f.device()), f.stream(), "seed");
-  return static_cast<uint64_t>(w[0]) | (static_cast<uint64_t>(w[1]) << 32);
+  if (b->dtype != kU32 || b->rank != 1 || (b->dims[0] != 2 && b->dims[0] != 4))
+    fail(ErrorKind::type, "seed: expected a uint32 buffer of shape (2,) (low word, high word) or "
+                          "(4,) (low word, high word, batch offset, head offset)");
+  const int64_t n = b->dims[0];
+  uint32_t w[4] = {0, 0, 0, 0};
+  copy_to_host(w, make_view(b->data, DType::int32, {n}, f.device()), f.stream(), "seed");
+  o.seed = static_cast<uint64_t>(w[0]) | (static_cast<uint64_t>(w[1]) << 32);
+  o.dropout_batch_offset = static_cast<int64_t>(w[2]);
+  o.dropout_head_offset = static_cast<int64_t>(w[3]);
 }
 
 // Sinks (and dSinks) travel as float32 (nheads,), or as (batch, nheads) with every row equal (the
@@ -192,7 +200,7 @@ TensorView first_row(TensorView t, int64_t& rows) {
 
 // The optional array arguments after the fixed ones, in this order when present: block_mask
 // (attribute has_block_mask), alibi_slopes (has_alibi), bias (has_bias), mask (has_mask), sinks
-// (has_sinks), seed (dropout_p > 0). `first` is the index of the first of them. In the backward
+// (has_sinks), seed (dropout_p > 0; see read_seed). `first` is the index of the first of them. In the backward
 // (first_ret >= 0) dbias (with has_bias) and dsinks (with has_sinks) are the results from
 // first_ret on; dsinks_rows gets the rows of the dsinks buffer (see first_row).
 void optional_args(const Frame& f, int64_t first, Options& o, int64_t first_ret = -1,
@@ -218,7 +226,8 @@ void optional_args(const Frame& f, int64_t first, Options& o, int64_t first_ret 
   }
   o.dropout_p = static_cast<float>(f.real_or("dropout_p", 0.0));
   o.offset = static_cast<uint64_t>(f.integer_or("offset", 0));
-  if (o.dropout_p != 0.0f) o.seed = seed_of(f, i++);
+  o.dropout_nheads_total = f.integer_or("dropout_nheads_total", 0);
+  if (o.dropout_p != 0.0f) read_seed(f, i++, o);
 }
 
 // After a backward that wrote dsinks into row 0 of a (rows, nheads) buffer: the other rows get

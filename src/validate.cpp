@@ -237,6 +237,36 @@ void check_no_self_overlap(const char* name, const TensorView& t) {
                              "of the smaller axes); pass a contiguous array");
 }
 
+// The dropout slice options (Options::dropout_batch_offset and its siblings). With dropout, the
+// stream key of the last plane, (batch - 1 + batch offset) * nheads_total + nheads_total - 1,
+// must stay below 2^32 (Philox's counter word, philox.hpp), so no two planes share a draw.
+static void check_dropout_slice(const Options& o, const Shapes& s) {
+  constexpr int64_t kLimit = int64_t{1} << 32;
+  if (o.dropout_batch_offset < 0 || o.dropout_batch_offset >= kLimit)
+    fail(ErrorKind::value, "dropout_batch_offset: expected 0 <= offset < 2^32, got " +
+                               std::to_string(o.dropout_batch_offset));
+  if (o.dropout_head_offset < 0 || o.dropout_head_offset >= kLimit)
+    fail(ErrorKind::value, "dropout_head_offset: expected 0 <= offset < 2^32, got " +
+                               std::to_string(o.dropout_head_offset));
+  if (o.dropout_nheads_total < 0 || o.dropout_nheads_total >= kLimit)
+    fail(ErrorKind::value, "dropout_nheads_total: expected 0 (the nheads of q) or a head count "
+                           "below 2^32, got " + std::to_string(o.dropout_nheads_total));
+  const int64_t total = o.dropout_nheads_total == 0 ? s.nheads : o.dropout_nheads_total;
+  if (o.dropout_head_offset + s.nheads > total)
+    fail(ErrorKind::value,
+         "dropout_nheads_total: expected at least dropout_head_offset + nheads = " +
+             std::to_string(o.dropout_head_offset) + " + " + std::to_string(s.nheads) + " = " +
+             std::to_string(o.dropout_head_offset + s.nheads) + " heads, got " +
+             std::to_string(total) + (o.dropout_nheads_total == 0 ? " (0: the nheads of q)" : ""));
+  // Both factors are below 2^32 here, so the product is checked without overflow by division.
+  // Only with dropout: a call without it draws nothing, whatever its extents.
+  const int64_t batches = o.dropout_batch_offset + s.batch;
+  if (o.dropout_p > 0.0f && total > 0 && batches > kLimit / total)
+    fail(ErrorKind::value, "dropout_batch_offset: (dropout_batch_offset + batch) * "
+                           "dropout_nheads_total = " + std::to_string(batches) + " * " +
+                               std::to_string(total) +
+                               " dropout planes exceed the 2^32 of the dropout stream");
+}
 
 // Checks q, k, v, out, lse and the options; returns the problem's extents.
 Shapes check_attention_args(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -323,6 +353,7 @@ Shapes check_attention_args(const TensorView& q, const TensorView& k, const Tens
   if (o.offset >= (uint64_t{1} << 32))
     fail(ErrorKind::value, "offset: expected a dropout stream offset below 2^32, got " +
                                std::to_string(o.offset));
+  check_dropout_slice(o, s);
   if (o.sram_bytes < 0)
     fail(ErrorKind::value, "sram_bytes: expected >= 0 (0: from the device), got " +
                                std::to_string(o.sram_bytes));
@@ -711,6 +742,9 @@ Params make_params(const TensorView& q, const TensorView& k, const TensorView& v
   p.p_dropout = o.dropout_p;
   p.seed = o.seed;
   p.offset = o.offset;
+  p.dropout_batch_offset = o.dropout_batch_offset;
+  p.dropout_head_offset = o.dropout_head_offset;
+  p.dropout_nheads = o.dropout_nheads_total == 0 ? s.nheads : o.dropout_nheads_total;
   p.schedule = o.schedule == Schedule::automatic ? Schedule::fa2 : o.schedule;
   p.auto_schedule = o.schedule == Schedule::automatic;
   p.deterministic = o.deterministic;

@@ -157,7 +157,7 @@ Shapes mask_extents(const VarlenBatch& vb, const Shapes& whole, int64_t max_seql
 void select_sequence(Params& p, int64_t b) {
   if (p.block_mask_ptr != nullptr) p.block_mask_ptr += b * p.block_mask_batch_stride;
   if (p.alibi_slopes_ptr != nullptr) p.alibi_slopes_ptr += b * p.alibi_batch_stride;
-  p.dropout_batch_offset = b;
+  p.dropout_batch_offset += b;
 }
 
 // Params of the sequence whose query rows start at packed row q0: its rows of the bias, mask and

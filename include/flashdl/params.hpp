@@ -23,6 +23,16 @@ struct Options {
   float dropout_p = 0.0f;
   uint64_t seed = 0;
   uint64_t offset = 0;
+  // Where this call sits in a larger one, for the dropout mask alone (tensor / data parallelism
+  // by hand, flashdl.jax's sharded calls): element (b, h, i, j) of this call is dropped as
+  // element (b + dropout_batch_offset, h + dropout_head_offset, i, j) of a call with
+  // dropout_nheads_total heads (0: this call's nheads) would be, so a call on a batch / head
+  // slice of q, k, v draws exactly that slice of the whole call's mask. Offsets >= 0; the
+  // head range [dropout_head_offset, dropout_head_offset + nheads) must fit in
+  // dropout_nheads_total.
+  int64_t dropout_batch_offset = 0;
+  int64_t dropout_head_offset = 0;
+  int64_t dropout_nheads_total = 0;
   bool deterministic = false;
   void* stream = nullptr;     // cudaStream_t for CUDA work; ignored on the CPU
   int64_t sram_bytes = 0;     // fa1 on-chip budget M in bytes; 0: from the device (CPU: L2 cache)
@@ -121,10 +131,13 @@ struct Params {
 
   float p_dropout;  // probability of dropping
   uint64_t seed, offset;
-  // Batch index of this call's batch 0 in the dropout stream: the mask of element (b, h, i, j) is
-  // keyed by (b + dropout_batch_offset) * nheads + h. 0 for dense calls; varlen runs sequence s
-  // as a batch-1 call with offset s, so its mask is that of batch s.
+  // The dropout plane of element (b, h, i, j) is keyed by
+  // (b + dropout_batch_offset) * dropout_nheads + (h + dropout_head_offset) (detail::dropout_bh).
+  // From Options (0, 0, nheads by default); varlen runs sequence s as a batch-1 call with s
+  // added to the batch offset, so its mask is that of batch s.
   int64_t dropout_batch_offset;
+  int64_t dropout_head_offset;
+  int64_t dropout_nheads;
 
   // Variable-length batches in one launch (null: dense). Sequence b is rows [cu_seqlens_q[b],
   // cu_seqlens_q[b + 1]) of the packed q (and out, lse, dout, dq) and [cu_seqlens_k[b],

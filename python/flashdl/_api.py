@@ -59,6 +59,13 @@ def draw_seed() -> int:
     return secrets.randbits(63)
 
 
+def _dropout_slice(batch_offset, head_offset, nheads_total):
+    """The dropout slice options as the binding's keywords: ints (the core checks the values)."""
+    return {name: _checks.integer(name, value, "an int") for name, value in (
+        ("dropout_batch_offset", batch_offset), ("dropout_head_offset", head_offset),
+        ("dropout_nheads_total", nheads_total))}
+
+
 def _dropout(dropout_p, seed, offset):
     """(dropout_p, seed, offset) validated; seed None draws one (only when dropout_p > 0)."""
     dropout_p = _dropout_p(dropout_p)
@@ -354,6 +361,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
               softmax_scale: Optional[float] = ..., schedule: str = ...,
               return_lse: Literal[False] = ..., window_size: Tuple[int, int] = ...,
               dropout_p: float = ..., seed: Optional[int] = ..., offset: int = ...,
+              dropout_batch_offset: int = ..., dropout_head_offset: int = ...,
+              dropout_nheads_total: int = ...,
               return_seed: Literal[False] = ..., block_mask: Optional[ArrayLike] = ...,
               block_size: BlockSize = ...,
               alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...,
@@ -365,6 +374,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
               softmax_scale: Optional[float] = ..., schedule: str = ...,
               return_lse: Literal[True], window_size: Tuple[int, int] = ...,
               dropout_p: float = ..., seed: Optional[int] = ..., offset: int = ...,
+              dropout_batch_offset: int = ..., dropout_head_offset: int = ...,
+              dropout_nheads_total: int = ...,
               return_seed: Literal[False] = ..., block_mask: Optional[ArrayLike] = ...,
               block_size: BlockSize = ...,
               alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...,
@@ -376,6 +387,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
               softmax_scale: Optional[float] = ..., schedule: str = ...,
               return_lse: Literal[False] = ..., window_size: Tuple[int, int] = ...,
               dropout_p: float = ..., seed: Optional[int] = ..., offset: int = ...,
+              dropout_batch_offset: int = ..., dropout_head_offset: int = ...,
+              dropout_nheads_total: int = ...,
               return_seed: Literal[True], block_mask: Optional[ArrayLike] = ...,
               block_size: BlockSize = ...,
               alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...,
@@ -387,6 +400,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
               softmax_scale: Optional[float] = ..., schedule: str = ...,
               return_lse: Literal[True], window_size: Tuple[int, int] = ...,
               dropout_p: float = ..., seed: Optional[int] = ..., offset: int = ...,
+              dropout_batch_offset: int = ..., dropout_head_offset: int = ...,
+              dropout_nheads_total: int = ...,
               return_seed: Literal[True], block_mask: Optional[ArrayLike] = ...,
               block_size: BlockSize = ...,
               alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...,
@@ -398,6 +413,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
               softmax_scale: Optional[float] = ..., schedule: str = ...,
               return_lse: bool = ..., window_size: Tuple[int, int] = ...,
               dropout_p: float = ..., seed: Optional[int] = ..., offset: int = ...,
+              dropout_batch_offset: int = ..., dropout_head_offset: int = ...,
+              dropout_nheads_total: int = ...,
               return_seed: bool = ..., block_mask: Optional[ArrayLike] = ...,
               block_size: BlockSize = ...,
               alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...,
@@ -410,6 +427,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
               softmax_scale: Optional[float] = None, schedule: str = "auto",
               return_lse: bool = False, window_size: Tuple[int, int] = (-1, -1),
               dropout_p: float = 0.0, seed: Optional[int] = None, offset: int = 0,
+              dropout_batch_offset: int = 0, dropout_head_offset: int = 0,
+              dropout_nheads_total: int = 0,
               return_seed: bool = False, block_mask: Optional[ArrayLike] = None,
               block_size: BlockSize = 128,
               alibi_slopes: Optional[ArrayLike] = None, softcap: float = 0.0,
@@ -460,6 +479,14 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
         state) when ``dropout_p > 0``.
     offset : int, default 0
         In ``[0, 2**32)``: selects another stream under the same seed (e.g. one per layer or step).
+    dropout_batch_offset, dropout_head_offset, dropout_nheads_total : int, default 0
+        For a call on a slice of a larger one (tensor or data parallelism by hand, one process per
+        group of heads or batch entries): element ``(b, h, i, j)`` is dropped as element
+        ``(b + dropout_batch_offset, h + dropout_head_offset, i, j)`` of a call with
+        ``dropout_nheads_total`` query heads (0: ``nheads`` of q) would be, so the slices' masks
+        are exactly the slices of the whole call's mask (``dropout_mask`` of the whole shape).
+        Offsets ``>= 0``; ``dropout_head_offset + nheads <= dropout_nheads_total``. Pass the same
+        values to :func:`attention_backward`. Only the mask depends on them.
     return_seed : bool, default False
         Also return the seed used (the drawn one when ``seed`` is None; 0 when ``dropout_p`` is 0 and
         no seed was given), which the backward needs.
@@ -544,6 +571,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
     opts.update(_score_mods(alibi_slopes, softcap))
     opts.update(_extras(sinks, bias, mask))
     dropout_p, seed, offset = _dropout(dropout_p, seed, offset)
+    opts.update(_dropout_slice(dropout_batch_offset, dropout_head_offset, dropout_nheads_total))
     out, out_view = _output_like(frame, q, bhsd)
     lse = frame.empty(_lse_shape(q), frame.float32())
     with errors:
@@ -576,6 +604,8 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
                        softmax_scale: Optional[float] = None, schedule: str = "auto",
                        window_size: Tuple[int, int] = (-1, -1), deterministic: bool = False,
                        dropout_p: float = 0.0, seed: int = 0, offset: int = 0,
+                       dropout_batch_offset: int = 0, dropout_head_offset: int = 0,
+                       dropout_nheads_total: int = 0,
                        block_mask: Optional[ArrayLike] = None, block_size: BlockSize = 128,
                        alibi_slopes: Optional[ArrayLike] = None, softcap: float = 0.0,
               bias: Optional[ArrayLike] = None, mask: Optional[ArrayLike] = None,
@@ -611,6 +641,8 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
         The seed the forward used (None is refused: it would draw a different mask).
     offset : int, default 0
         The forward's offset.
+    dropout_batch_offset, dropout_head_offset, dropout_nheads_total : int, default 0
+        The forward's (see :func:`attention`).
     block_mask, block_size, alibi_slopes, softcap, sinks : optional
         As in :func:`attention`; must match the forward.
     layout : {"bshd", "bhsd"}, default "bshd"
@@ -652,6 +684,7 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
     opts = _backward_options(causal, softmax_scale, schedule, window_size, frame, dropout_p, seed,
                              offset, block_mask, block_size, alibi_slopes, softcap, sinks,
                              bias, mask)
+    opts.update(_dropout_slice(dropout_batch_offset, dropout_head_offset, dropout_nheads_total))
     (dq, dq_view), (dk, dk_view), (dv, dv_view) = (_output_like(frame, x, bhsd)
                                                    for x in (q, k, v))
     extra_kw, extras = _extra_grads(frame, q, opts, bias)

@@ -36,6 +36,9 @@ def forward(
     sinks: Optional[_Array] = None,
     bias: Optional[_Array] = None,
     mask: Optional[_Array] = None,
+    dropout_batch_offset: int = 0,
+    dropout_head_offset: int = 0,
+    dropout_nheads_total: int = 0,
 ) -> None:
     """Attention forward (validate_only: check the arguments, compute nothing): writes out (like
     q) and lse (float32, (batch, nheads, seqlen_q))."""
@@ -74,6 +77,9 @@ def backward(
     bias: Optional[_Array] = None,
     mask: Optional[_Array] = None,
     dbias: Optional[_Array] = None,
+    dropout_batch_offset: int = 0,
+    dropout_head_offset: int = 0,
+    dropout_nheads_total: int = 0,
 ) -> None:
     """Attention backward: writes dq, dk, dv (shaped and typed like q, k, v)."""
 

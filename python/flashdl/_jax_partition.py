@@ -7,7 +7,10 @@ factors ``h`` (query heads) and ``k`` (kv heads) may be sharded; the sequence an
 factors must be replicated. The partition callback then checks that q, k and v are sharded
 alike over batch and heads (a mismatch raises, naming the argument) and lowers the very same
 custom call on each device's shard: no all-gather, no collective at all, because attention is
-independent across batch entries and across kv-head groups. docs/jax.md says why this and not
+independent across batch entries and across kv-head groups. With dropout the shard's call also
+gets its batch and head offsets in the whole call (traced, from jax.lax.axis_index, appended to
+the seed operand; _sliced_dropout), so each shard draws its slice of the unsharded call's mask
+and the sharded result is bitwise the unsharded one. docs/jax.md says why this and not
 an internal shard_map (which would need the mesh at trace time, which jit under automatic
 sharding does not have).
 
@@ -30,17 +33,19 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 _Q, _KV, _LSE, _MASK, _ALIBI = "b s h d", "b t k d", "b h s", "b h x y", "b h"
 # bias, mask (rows: seqlen_q or 1) and sinks, broadcast to one plane (one row) per (batch, head)
 _BIAS, _BOOL_MASK, _SINKS = "b h r c", "b h m n", "b h"
-_REPLICATED = ("s", "t", "d", "x", "y", "r", "c", "m", "n")
+# the dropout seed, uint32 (2,): replicated (every shard draws from the same stream)
+_SEED = "z"
+_REPLICATED = ("s", "t", "d", "x", "y", "r", "c", "m", "n", "z")
 
 
 def _extra_roles(cfg):
-    """(name, role) of the optional arrays of a dense call, in the handlers' order (the seed,
-    last, exists only with dropout, whose calls are not partitioned)."""
+    """(name, role) of the optional arrays of a dense call, in the handlers' order."""
     return [(n, r) for n, r, on in (("block_mask", _MASK, cfg.has_block_mask),
                                     ("alibi_slopes", _ALIBI, cfg.has_alibi),
                                     ("bias", _BIAS, cfg.has_bias),
                                     ("mask", _BOOL_MASK, cfg.has_mask),
-                                    ("sinks", _SINKS, cfg.has_sinks)) if on]
+                                    ("sinks", _SINKS, cfg.has_sinks),
+                                    ("seed", _SEED, cfg.dropout_p > 0)) if on]
 
 
 def _roles(kind, cfg):
@@ -68,6 +73,31 @@ def _spec(role, batch, heads):
 
 def _shards(mesh, entry):
     return math.prod(mesh.shape[a] for a in _axes(entry))
+
+
+def _sliced_dropout(raw, seed_at, q_shape, mesh, batch, heads):
+    """raw for one shard of a call with dropout: the seed operand grows from (2,) to (4,) with
+    the shard's batch and head offsets in the whole call, and the call gets the whole call's head
+    count, so the shard draws exactly its slice of the unsharded call's mask (the handler reads
+    them with the seed, xla_ffi.cpp). One program runs on every shard, so the offsets are traced
+    values: jax.lax.axis_index over the mesh axes that shard the dimension (several axes give the
+    linearised index, major first, the order in which they split it) times the local extent."""
+    local_b = q_shape[0] // max(_shards(mesh, batch), 1)
+    local_h = q_shape[2] // max(_shards(mesh, heads), 1)
+
+    def offset(entry, local):
+        axes = _axes(entry)
+        if not axes:
+            return jnp.zeros((), jnp.uint32)
+        return jax.lax.axis_index(axes).astype(jnp.uint32) * jnp.uint32(local)
+
+    def lower(*args):
+        seed = jnp.concatenate([args[seed_at], jnp.stack([offset(batch, local_b),
+                                                          offset(heads, local_h)])])
+        args = args[:seed_at] + (seed,) + args[seed_at + 1:]
+        return sliced(*args)
+    sliced = raw.with_nheads_total(q_shape[2])
+    return lower
 
 
 def _partition_rule(kind, cfg, raw):
@@ -98,6 +128,10 @@ def _partition_rule(kind, cfg, raw):
                              f"{_shards(mesh, heads)} devices that shard the heads of q")
         arg_sh = tuple(NamedSharding(mesh, _spec(r, batch, heads)) for r in in_roles)
         res_sh = tuple(NamedSharding(mesh, _spec(r, batch, heads)) for r in out_roles)
+        if cfg.dropout_p > 0:
+            lower = _sliced_dropout(raw, names.index("seed"), arg_shapes[q_at].shape, mesh,
+                                    batch, heads)
+            return mesh, lower, res_sh, arg_sh
         return mesh, raw, res_sh, arg_sh
 
     def infer(mesh, arg_shapes, result_shape):  # the GSPMD partitioner (Shardy off)
@@ -113,7 +147,8 @@ def _fold_vmap(fn, nout, names=(), serial=False):
     """fn under jax.custom_batching.custom_vmap: a mapped axis folds into the batch axis. Sinks
     (one logit per head, shared by the whole batch) cannot fold: mapped sinks are refused. serial:
     the elements run one by one (jax.lax.map) instead: the backward with sinks, whose dSinks sums
-    over the whole batch it is given, so a folded call would mix the elements' gradients."""
+    over the whole batch it is given, so a folded call would mix the elements' gradients; and
+    dropout, whose mask is keyed by the batch index within the call."""
     f = jax.custom_batching.custom_vmap(fn)
 
     @f.def_vmap
@@ -145,4 +180,7 @@ def partitioned(kind, cfg, raw):
     cp.def_partition(partition=partition, infer_sharding_from_operands=infer,
                      sharding_rule=rule, need_replication_factors=replicated)
     names, _, out_roles = _roles(kind, cfg)
-    return _fold_vmap(cp, len(out_roles), tuple(names), kind == "bwd" and cfg.has_sinks)
+    # serial with dropout: a folded call would draw the masks of batch entries the elements do
+    # not have (each element of the map draws the mask of its own call, as the eager call would).
+    serial = (kind == "bwd" and cfg.has_sinks) or cfg.dropout_p > 0
+    return _fold_vmap(cp, len(out_roles), tuple(names), serial)

@@ -175,33 +175,44 @@ def _resolved(cfg, q):
     return cfg._replace(softmax_scale=1.0 / math.sqrt(d) if d > 0 else 1.0)
 
 
-def _raw_forward(cfg, vmap_method="broadcast_all"):
-    """The forward custom call for cfg, as a function of (q, k, v, *extras)."""
+def _slice_attrs(dropout_nheads_total):
+    """The attribute of a sharded dropout call: the heads of the whole call (0: unsharded)."""
+    return {"dropout_nheads_total": np.int64(dropout_nheads_total)} if dropout_nheads_total else {}
+
+
+def _raw_forward(cfg, vmap_method="broadcast_all", dropout_nheads_total=0):
+    """The forward custom call for cfg, as a function of (q, k, v, *extras). Its
+    with_nheads_total(n) is the call of one shard of a sharded dropout call over n heads in all
+    (_jax_partition), whose seed operand then carries the shard's batch and head offsets."""
     def call(q, k, v, *extras):
         _register()
         fn = jax.ffi.ffi_call(_FWD, _fwd_outputs(q), vmap_method=vmap_method)
-        return tuple(fn(q, k, v, *extras, **cfg.attrs(False)))
+        return tuple(fn(q, k, v, *extras, **cfg.attrs(False),
+                        **_slice_attrs(dropout_nheads_total)))
+    call.with_nheads_total = lambda n: _raw_forward(cfg, vmap_method, n)
     return call
 
 
-def _raw_backward(cfg, vmap_method="broadcast_all"):
+def _raw_backward(cfg, vmap_method="broadcast_all", dropout_nheads_total=0):
     def call(dout, q, k, v, out, lse, *extras):
         _register()
         shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
         shapes += _extra_grad_shapes(cfg, extras)
         fn = jax.ffi.ffi_call(_BWD, shapes, vmap_method=vmap_method)
-        return tuple(fn(dout, q, k, v, out, lse, *extras, **cfg.attrs(True)))
+        return tuple(fn(dout, q, k, v, out, lse, *extras, **cfg.attrs(True),
+                        **_slice_attrs(dropout_nheads_total)))
+    call.with_nheads_total = lambda n: _raw_backward(cfg, vmap_method, n)
     return call
 
 
 @functools.lru_cache(maxsize=None)
 def _calls(cfg):
-    """(forward, backward) custom calls for cfg. Without dropout they are partitioned over batch
-    and heads and fold jax.vmap into the batch (_jax_partition). With dropout they run as they
-    are: the mask is keyed by the global (batch, head) index, which a shard does not know, and a
-    vmapped call runs element by element (each with its own seed, as the eager call would)."""
-    if cfg.dropout_p > 0:
-        return _raw_forward(cfg, "sequential"), _raw_backward(cfg, "sequential")
+    """(forward, backward) custom calls for cfg, partitioned over batch and heads
+    (_jax_partition). A sharded call with dropout draws, on each shard, that shard's slice of the
+    whole call's mask: the partition passes the shard's batch and head offsets (from
+    jax.lax.axis_index) with the seed. jax.vmap folds into the batch, except with dropout, where
+    the elements run one by one (each draws the mask of the whole call, as the eager call
+    would)."""
     return (partitioned("fwd", cfg, _raw_forward(cfg)),
             partitioned("bwd", cfg, _raw_backward(cfg)))
 
@@ -341,10 +352,11 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
     -----
     Under ``jax.jit`` with q, k, v sharded over batch and/or heads (``NamedSharding``), each
     device computes its own shard with no collective (docs/jax.md); a sharded sequence axis is
-    gathered (use :func:`ring_attention`). Calls with dropout are not partitioned (the mask is
-    keyed by the global batch and head). The CUDA handlers pass their tests on an H100; dropout
-    under jit on CUDA copies its traced seed to the host on XLA's stream (a stream
-    synchronisation per call; not yet run on a GPU).
+    gathered (use :func:`ring_attention`). With dropout, each shard draws its slice of the
+    unsharded call's mask (its batch and head offsets, from ``jax.lax.axis_index``, travel with
+    the seed), so a sharded call is bitwise the unsharded one. The CUDA handlers pass their
+    tests on an H100; dropout under jit on CUDA copies its traced seed to the host on XLA's
+    stream (a stream synchronisation per call; not yet run on a GPU, sharded or not).
 
     Examples
     --------

@@ -372,7 +372,7 @@ void dropout_multipliers(const Geometry<T>& g, const Params& p, int64_t b, int64
   const T kept = T(1) / (T(1) - static_cast<T>(p.p_dropout));
   const float drop = p.p_dropout;
   const uint64_t seed = p.seed, offset = p.offset;
-  const uint64_t bh = static_cast<uint64_t>((b + p.dropout_batch_offset) * p.nheads + h);
+  const uint64_t bh = detail::dropout_bh(p, b, h);
   for (int64_t r = 0; r < t.mp; ++r) {
     T* z = Z + r * g.Bcp;
     const int64_t n = r < t.rows ? t.cols : 0;
@@ -390,7 +390,7 @@ void apply_dropout(const Geometry<T>& g, const Params& p, int64_t b, int64_t h, 
   const T kept = T(1) / (T(1) - static_cast<T>(p.p_dropout));
   const float drop = p.p_dropout;
   const uint64_t seed = p.seed, offset = p.offset;
-  const uint64_t bh = static_cast<uint64_t>((b + p.dropout_batch_offset) * p.nheads + h);
+  const uint64_t bh = detail::dropout_bh(p, b, h);
   for (int64_t r = 0; r < t.rows; ++r) {
     T* pr = P + r * g.Bcp;
     const uint64_t row = static_cast<uint64_t>(t.i0 + r), j0 = static_cast<uint64_t>(t.j0);

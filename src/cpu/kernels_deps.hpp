@@ -26,6 +26,7 @@
 #include "flashdl/detail/extras.hpp"
 #include "flashdl/detail/kv_cache.hpp"
 #include "flashdl/detail/mask.hpp"
+#include "flashdl/detail/dropout.hpp"
 #include "flashdl/detail/philox.hpp"
 #include "flashdl/detail/score_mod.hpp"
 #include "flashdl/detail/softmax.hpp"

@@ -10,6 +10,7 @@
 #include "flashdl/detail/block_mask.hpp"
 #include "flashdl/detail/extras.hpp"
 #include "flashdl/detail/mask.hpp"
+#include "flashdl/detail/dropout.hpp"
 #include "flashdl/detail/philox.hpp"
 #include "flashdl/detail/score_mod.hpp"
 
@@ -42,8 +43,8 @@ struct Head {
   // Dropout multiplier of element (i, j): 0 or 1 / (1 - p).
   double keep_scale(int64_t i, int64_t j) const {
     if (p.p_dropout <= 0.0f) return 1.0;
-    const bool keep = detail::dropout_keep(p.p_dropout, p.seed, p.offset,
-                                           static_cast<uint64_t>((b + p.dropout_batch_offset) * p.nheads + h), i, j);
+    const bool keep =
+        detail::dropout_keep(p.p_dropout, p.seed, p.offset, detail::dropout_bh(p, b, h), i, j);
     return keep ? 1.0 / (1.0 - static_cast<double>(p.p_dropout)) : 0.0;
   }
 };

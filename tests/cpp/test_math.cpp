@@ -11,6 +11,7 @@
 #include "arrays.hpp"
 #include "check.hpp"
 #include "flashdl/detail/block_mask.hpp"
+#include "flashdl/detail/dropout.hpp"
 #include "flashdl/detail/mask.hpp"
 #include "flashdl/detail/philox.hpp"
 #include "flashdl/detail/score_mod.hpp"
@@ -594,6 +595,28 @@ void test_dropout_draws() {
   CHECK_EQ(differ, 7);
 }
 
+// The dropout key of (batch b, head h): (b + batch offset) * nheads_total + (h + head offset),
+// the plain b * nheads + h without a slice, and what dropout_of hands the kernels.
+void test_dropout_key() {
+  flashdl::Params p{};
+  p.nheads = 3;
+  p.dropout_nheads = 3;
+  p.p_dropout = 0.5f;
+  for (int64_t b = 0; b < 4; ++b)
+    for (int64_t h = 0; h < 3; ++h) {
+      CHECK_EQ(fd::dropout_bh(p, b, h), static_cast<uint64_t>(b * 3 + h));
+      CHECK_EQ(fd::dropout_of(p, b, h).bh, fd::dropout_bh(p, b, h));
+    }
+  p.dropout_batch_offset = 5;
+  p.dropout_head_offset = 4;
+  p.dropout_nheads = 11;
+  for (int64_t b = 0; b < 4; ++b)
+    for (int64_t h = 0; h < 3; ++h) {
+      CHECK_EQ(fd::dropout_bh(p, b, h), static_cast<uint64_t>((b + 5) * 11 + h + 4));
+      CHECK_EQ(fd::dropout_of(p, b, h).bh, fd::dropout_bh(p, b, h));
+    }
+}
+
 }  // namespace
 
 int main() {
@@ -609,5 +632,6 @@ int main() {
   run_test("math: score modifiers: score_mod_of, has_score_mod", test_score_mod_of_slopes);
   run_test("math: philox4x32_10 known answers", test_philox_known_answers);
   run_test("math: dropout draws", test_dropout_draws);
+  run_test("math: the dropout key of a slice", test_dropout_key);
   return finish();
 }

@@ -355,6 +355,37 @@ void test_dropout_seed_buffer() {
                call(handler("flashdl_attention_fwd"), {&q, &k, &v, &wrong}, {&out2, &lse},
                     c),
                A::kInvalidArgument, "seed:", out2);
+
+  // A shard of a sharded call (flashdl.jax): (low, high, batch offset, head offset) and the
+  // attribute dropout_nheads_total give flashdl::forward with the slice options; a (3,) buffer
+  // names `seed`, a head range past dropout_nheads_total names it.
+  std::vector<uint32_t> w4 = {w[0], w[1], 3, 4};
+  std::vector<int64_t> four = {4}, three = {3};
+  Buf words4({4}, 0), words3({3}, 0);
+  as_ints(words4, w4, four, A::kU32);
+  as_ints(words3, w4, three, A::kU32);
+  Attrs e = default_attrs(false);
+  e.f64("dropout_p", 0.3).i64("offset", 5).i64("dropout_nheads_total", 7);
+  Buf out4({2, 7, 2, 8}, 0), lse4({2, 2, 7}, 0);
+  CHECK(call(handler("flashdl_attention_fwd"), {&q, &k, &v, &words4}, {&out4, &lse4}, e) ==
+        nullptr);
+  o.dropout_batch_offset = 3;
+  o.dropout_head_offset = 4;
+  o.dropout_nheads_total = 7;
+  flashdl::forward(view(q, {2, 7, 2, 8}), view(k, {2, 9, 1, 8}), view(v, {2, 9, 1, 8}),
+                   view(out_ref, {2, 7, 2, 8}), view(lse_ref, {2, 2, 7}), o);
+  CHECK(out4.values == out_ref.values && lse4.values == lse_ref.values);
+  CHECK(out4.values != out.values);  // the offsets select another mask
+  Attrs f = default_attrs(false);
+  f.f64("dropout_p", 0.3).i64("offset", 5).i64("dropout_nheads_total", 7);
+  expect_error("seed (3,)",
+               call(handler("flashdl_attention_fwd"), {&q, &k, &v, &words3}, {&out2, &lse}, f),
+               A::kInvalidArgument, "seed:", out2);
+  Attrs g = default_attrs(false);
+  g.f64("dropout_p", 0.3).i64("offset", 5).i64("dropout_nheads_total", 5);
+  expect_error("dropout_nheads_total",
+               call(handler("flashdl_attention_fwd"), {&q, &k, &v, &words4}, {&out2, &lse}, g),
+               A::kInvalidArgument, "dropout_nheads_total:", out2);
 }
 
 // The KV cache with an append into result caches that XLA did not alias with the arguments: the

@@ -113,17 +113,70 @@ def test_sharded_block_mask_and_vmap():
                                   flashdl.attention(q, k, v, causal=True))
 
 
-def test_sharded_dropout_is_gathered_and_keeps_the_global_mask():
-    """Dropout calls are not partitioned (the mask is keyed by the global batch and head): XLA
-    gathers their operands, and the result is the eager call's, mask and all."""
-    mesh = Mesh(np.array(jax.devices()), ("data",))
-    q, k, v = arrays([(4, 16, 2, 8)] * 3, seed=4)
-    sh = NamedSharding(mesh, P("data"))
+DROPOUT_MESHES = dict(MESHES, **{  # several mesh axes on one dimension: linearised, major first
+    "batch over 2 axes": (((2, 2), ("x", "y")), P(("x", "y"))),
+    "heads over 2 axes (minor first)": (((2, 2), ("x", "y")), P(None, None, ("y", "x"))),
+})
+
+
+@pytest.mark.parametrize("name", list(DROPOUT_MESHES))
+def test_sharded_dropout_has_no_collective_and_is_the_unsharded_call(name):
+    """Each shard draws its slice of the whole call's mask (its batch and head offsets travel
+    with the seed): no collective, and out and the gradients are bitwise the unsharded jit
+    call's and the eager call's with the same seed (GQA: 8 query heads over 4 kv heads)."""
+    (shape, axes), spec = DROPOUT_MESHES[name]
+    mesh = Mesh(np.array(jax.devices()).reshape(shape), axes)
+    q, k, v, dout = arrays([(4, 24, 8, 16), (4, 24, 4, 16), (4, 24, 4, 16), (4, 24, 8, 16)],
+                           seed=4)
+    sh = NamedSharding(mesh, spec)
+    qs, ks, vs, ds = (jax.device_put(x, sh) for x in (q, k, v, dout))
+    opts = dict(dropout_p=0.3, offset=5, causal=True)
+    seed = jnp.array([99, 7], jnp.uint32)  # a traced seed, as a training step passes it
+    fwd = jax.jit(lambda q, k, v, s: fj.attention(q, k, v, seed=s, **opts))
+    assert collectives(fwd.lower(qs, ks, vs, seed).compile().as_text()) == []
+    out = fwd(qs, ks, vs, seed)
+    assert out.sharding.is_equivalent_to(sh, 4)
+    unsharded = fwd(q, k, v, seed)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(unsharded))
+    eager_seed = 99 + (7 << 32)
+    e_out, e_lse = flashdl.attention(q, k, v, seed=eager_seed, return_lse=True, **opts)
+    np.testing.assert_array_equal(np.asarray(out), e_out)
+
+    def loss(q, k, v, d, s):
+        return (fj.attention(q, k, v, seed=s, **opts) * d).sum()
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    assert collectives(grad.lower(qs, ks, vs, ds, seed).compile().as_text()) == []
+    got = grad(qs, ks, vs, ds, seed)
+    plain = grad(q, k, v, dout, seed)
+    want = flashdl.attention_backward(dout, q, k, v, e_out, e_lse, seed=eager_seed, **opts)
+    for g, p_, e in zip(got, plain, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(p_))
+        np.testing.assert_array_equal(np.asarray(g), e)
+
+
+def test_sharded_dropout_with_extras_and_vmap():
+    """Dropout beside bias, sinks and ALiBi on a batch+heads mesh, and jax.vmap of a sharded
+    dropout call (each element draws the mask of its own call, as unsharded)."""
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
+    q, k, v = arrays([(2, 16, 4, 8), (2, 16, 2, 8), (2, 16, 2, 8)], seed=8)
+    rng = np.random.default_rng(9)
+    kw = dict(bias=rng.standard_normal((1, 4, 16, 16)).astype(np.float32),
+              sinks=rng.standard_normal((4,)).astype(np.float32),
+              alibi_slopes=np.linspace(0.1, 0.4, 4).astype(np.float32),
+              dropout_p=0.25, seed=3)
+    sh = NamedSharding(mesh, P("data", None, "model"))
     args = [jax.device_put(x, sh) for x in (q, k, v)]
-    f = jax.jit(lambda q, k, v: fj.attention(q, k, v, dropout_p=0.3, seed=99))
-    assert "all-gather" in collectives(f.lower(*args).compile().as_text())
-    np.testing.assert_array_equal(np.asarray(f(*args)),
-                                  flashdl.attention(q, k, v, dropout_p=0.3, seed=99))
+    f = jax.jit(lambda q, k, v: fj.attention(q, k, v, **kw))
+    assert collectives(f.lower(*args).compile().as_text()) == []
+    np.testing.assert_array_equal(np.asarray(f(*args)), flashdl.attention(q, k, v, **kw))
+    stacked = [jax.device_put(np.stack([x, x[::-1]]), NamedSharding(mesh, P(None, "data")))
+               for x in (q, k, v)]
+    g = jax.jit(jax.vmap(lambda q, k, v: fj.attention(q, k, v, dropout_p=0.25, seed=3)))
+    got = np.asarray(g(*stacked))
+    for i in range(2):
+        np.testing.assert_array_equal(
+            got[i], flashdl.attention(*(np.asarray(x)[i] for x in stacked), dropout_p=0.25,
+                                      seed=3))
 
 
 def test_mismatched_shardings_name_the_argument():

@@ -26,7 +26,15 @@ struct Dropout {
   }
 };
 
-// The plane of batch b (of this call), head h: keyed by (b + dropout_batch_offset) * nheads + h.
+// The dropout stream key of batch b, head h of this call: its plane in the whole (unsliced) call,
+// (b + dropout_batch_offset) * dropout_nheads + (h + dropout_head_offset). Every backend's mask
+// goes through here (dropout_of, the CPU blocks and reference).
+FLASHDL_HD uint64_t dropout_bh(const Params& p, int64_t b, int64_t h) {
+  return static_cast<uint64_t>((b + p.dropout_batch_offset) * p.dropout_nheads +
+                               (h + p.dropout_head_offset));
+}
+
+// The plane of batch b (of this call), head h (keyed by dropout_bh).
 FLASHDL_HD Dropout dropout_of(const Params& p, int64_t b, int64_t h) {
   Dropout d;
   if (!(p.p_dropout > 0.0f)) return d;
@@ -34,7 +42,7 @@ FLASHDL_HD Dropout dropout_of(const Params& p, int64_t b, int64_t h) {
   d.kept_scale = 1.0f / (1.0f - p.p_dropout);
   d.seed = p.seed;
   d.offset = p.offset;
-  d.bh = static_cast<uint64_t>((b + p.dropout_batch_offset) * p.nheads + h);
+  d.bh = dropout_bh(p, b, h);
   return d;
 }
 

@@ -127,13 +127,17 @@ inline int run_backward_accuracy(const Target& t, const Cli& cli) {
     std::vector<int> dims;
   };
   std::vector<Plan> plans;
+  // The slice plans are checked against the CPU reference of the same slice, which
+  // test_dropout_slice.py shows to be bitwise the slice of the whole call.
   if (cli.quick) {
-    plans = {{{1, 70, 45, 2, 1, 0, true, {0.3f, 11, 1}}, {64}}};  // 25 rows see nothing
+    plans = {{{1, 70, 45, 2, 1, 0, true, {0.3f, 11, 1}}, {64}},  // 25 rows see nothing
+             {{1, 70, 45, 2, 1, 0, true, {0.3f, 11, 1}, 3, 2, 6}, {64}}};  // a slice
   } else {
     plans = {
         {{2, 97, 97, 4, 2, 0, false, {0.17f, 1234, 5}}, {64, 128}},  // ragged, GQA
         {{1, 257, 130, 2, 1, 0, true, {0.5f, 77, 0}}, {64, 128}},    // MQA, 127 empty rows
         {{1, 130, 300, 2, 2, 0, true, {0.1f, 0xfeedull << 32, 3}}, {32, 256}},  // 170 unseen keys
+        {{2, 97, 97, 4, 2, 0, false, {0.17f, 1234, 5}, 5, 8, 16}, {64}},  // a slice, GQA
     };
   }
   int failures = 0;

@@ -31,6 +31,10 @@ struct Problem {
   int64_t b, sq, sk, h, hk, d;
   bool causal;
   Drop drop;
+  // The dropout slice (Options::dropout_batch_offset and siblings): this problem as batches
+  // [batch_offset, batch_offset + b) and heads [head_offset, head_offset + h) of a call with
+  // nheads_total heads (0: h), whose mask it draws.
+  int64_t batch_offset = 0, head_offset = 0, nheads_total = 0;
 
   Shape shape() const { return Shape{b, sq, sk, h, hk, d, -1, causal ? 0 : -1}; }
 
@@ -43,6 +47,9 @@ struct Problem {
       o.dropout_p = drop.p;
       o.seed = drop.seed;
       o.offset = drop.offset;
+      o.dropout_batch_offset = batch_offset;
+      o.dropout_head_offset = head_offset;
+      o.dropout_nheads_total = nheads_total;
     }
     return o;
   }
@@ -54,7 +61,11 @@ struct Problem {
                   double(drop.p), (unsigned long long)drop.seed, (unsigned long long)drop.offset,
                   variant, flashdl::dtype_name(dt), (long long)d, (long long)b, (long long)sq,
                   (long long)sk, (long long)h, (long long)hk, causal ? " causal" : "");
-    return buf;
+    std::string label = buf;
+    if (nheads_total > 0)
+      label += " slice(b+" + std::to_string(batch_offset) + ", h+" + std::to_string(head_offset) +
+               " of " + std::to_string(nheads_total) + ")";
+    return label;
   }
 };
 

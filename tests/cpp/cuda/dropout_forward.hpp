@@ -106,10 +106,18 @@ inline int mask_problem(const Target& t, const Cli& cli, const Problem& pr) {
     for (const DType dt : {DType::float16, DType::bfloat16}) any |= cli.selected(label_of(var, dt));
   if (!any) return 0;
   const Shape s = pr.shape();
-  const std::unique_ptr<bool[]> keep(new bool[size_t(s.b * s.h * s.sq * s.sk)]);
-  flashdl::dropout_mask(
-      flashdl::make_view(keep.get(), DType::boolean, {s.b, s.h, s.sq, s.sk}), pr.drop.p,
-      pr.drop.seed, pr.drop.offset);
+  // The mask of the whole call (the problem is a slice of it when it has slice offsets), and
+  // the problem's slice of it.
+  const int64_t wb = pr.batch_offset + s.b, wh = pr.nheads_total > 0 ? pr.nheads_total : s.h;
+  const size_t plane = size_t(s.sq * s.sk);
+  const std::unique_ptr<bool[]> whole(new bool[size_t(wb * wh) * plane]);
+  flashdl::dropout_mask(flashdl::make_view(whole.get(), DType::boolean, {wb, wh, s.sq, s.sk}),
+                        pr.drop.p, pr.drop.seed, pr.drop.offset);
+  const std::unique_ptr<bool[]> keep(new bool[size_t(s.b * s.h) * plane]);
+  for (int64_t b = 0; b < s.b; ++b)
+    for (int64_t h = 0; h < s.h; ++h)
+      std::copy_n(whole.get() + size_t((b + pr.batch_offset) * wh + h + pr.head_offset) * plane,
+                  plane, keep.get() + size_t(b * s.h + h) * plane);
   const BwdInputs in = identity_inputs(s);
   const double keep_rate = 1.0 - double(pr.drop.p);
   int failures = 0;
@@ -141,7 +149,9 @@ inline int run_mask_tests(const Target& t, const Cli& cli) {
   // (b, sq, sk, h, hk, d, causal); the stream is set below.
   std::vector<Problem> problems;
   if (cli.quick) {
-    problems = {{1, 100, 40, 4, 2, 64, true, {}}};  // GQA, causal, 60 rows see nothing
+    problems = {{1, 100, 40, 4, 2, 64, true, {}},  // GQA, causal, 60 rows see nothing
+                // batch 2, heads 4..7 of a call with 10 heads: that slice of its mask
+                {1, 100, 40, 4, 2, 64, true, {}, 2, 4, 10}};
   } else {
     problems = {
         {1, 1, 64, 2, 2, 64, false, {}},     // one query row
@@ -151,6 +161,8 @@ inline int run_mask_tests(const Target& t, const Cli& cli) {
         {1, 130, 64, 2, 1, 64, true, {}},    // causal, 66 rows see nothing
         {2, 40, 64, 2, 2, 64, true, {}},     // causal, sq < sk
         {1, 200, 100, 2, 1, 128, true, {}},  // head dim 128, causal
+        {1, 100, 40, 4, 2, 64, true, {}, 2, 4, 10},  // a slice: batch 2, heads 4..7 of 10
+        {2, 64, 64, 2, 2, 64, false, {}, 3, 0, 2},   // a batch slice: batches 3..4
     };
   }
   std::vector<float> ps{0.5f};
