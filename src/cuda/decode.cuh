@@ -304,16 +304,7 @@ __device__ __noinline__ void apply_extras(float* sS, const ScoreModF& mod, bool 
   // Without a modifier the raw q.k is scaled here when there is a bias (the softmax then scales
   // by 1), left for the softmax's scaling with a mask alone.
   const float pre = p.bias_ptr != nullptr ? float(p.scale_softmax_log2) : 1.0f;
-  const int lane = threadIdx.x % 32;
-  const int r = lane / 2, half = lane % 2;
-#pragma unroll 1
-  for (int k = 0; k < Tr::kColsPerLane; ++k) {
-    const int c = 2 * k + half;
-    float& s = sS[r * Tr::kLdS + c];
-    float t = modded ? modified_score(mod, s, diag, n0 + c) : s * pre;
-    if (ex.any() && n0 + c < keys) t = extras_score(ex, t, i, n0 + c + pad);
-    s = t;
-  }
+  fa2::score_pass<Tr>(sS, mod, modded, ex, pre, diag, i, n0, keys, pad);
 }
 
 // Bit c set where row i of `head` sees key n0 + c of the warp's 16: within [lo, hi) (relative to

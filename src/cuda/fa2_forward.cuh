@@ -89,12 +89,13 @@ __device__ __forceinline__ void apply_score_mods(float* sS, const ScoreModF& mod
 // the mask hides never reaches it. Without a modifier the raw q.k is multiplied by `pre`:
 // scale * log2(e) with a bias (the softmax then scales by 1), 1 for a mask alone (the softmax
 // scales it as without the mask).
+// The pass's loop for the row this lane pair owns (row_in of ex's), keys n0 + c read at column
+// n0 + c + col0 of the bias and mask (the decode kernel's col0: cache_leftpad[b]).
 template <typename Tr>
-__device__ __noinline__ void apply_score_mods(float* sS, const ScoreModF& mod, bool modded,
-                                              const Params& p, int64_t batch, int64_t head,
-                                              int64_t q0, float pre, int64_t diag, int64_t row_in,
-                                              int64_t n0, int64_t seqlen_k) {
-  const detail::HeadExtras ex = head_extras(p, batch, head, q0);
+__device__ __forceinline__ void score_pass(float* sS, const ScoreModF& mod, bool modded,
+                                           const detail::HeadExtras& ex, float pre, int64_t diag,
+                                           int64_t row_in, int64_t n0, int64_t seqlen_k,
+                                           int64_t col0) {
   const int lane = threadIdx.x % 32;
   const int r = lane / 2, half = lane % 2;
 #pragma unroll 1
@@ -102,9 +103,18 @@ __device__ __noinline__ void apply_score_mods(float* sS, const ScoreModF& mod, b
     const int c = 2 * k + half;
     float& s = sS[r * Tr::kLdS + c];
     float t = modded ? modified_score(mod, s, diag, n0 + c) : s * pre;
-    if (ex.any() && n0 + c < seqlen_k) t = extras_score(ex, t, row_in, n0 + c);
+    if (ex.any() && n0 + c < seqlen_k) t = extras_score(ex, t, row_in, n0 + c + col0);
     s = t;
   }
+}
+
+template <typename Tr>
+__device__ __noinline__ void apply_score_mods(float* sS, const ScoreModF& mod, bool modded,
+                                              const Params& p, int64_t batch, int64_t head,
+                                              int64_t q0, float pre, int64_t diag, int64_t row_in,
+                                              int64_t n0, int64_t seqlen_k) {
+  score_pass<Tr>(sS, mod, modded, head_extras(p, batch, head, q0), pre, diag, row_in, n0,
+                 seqlen_k, 0);
 }
 
 // One online-softmax step in shared memory for the row this lane pair owns (lanes 2r and 2r+1

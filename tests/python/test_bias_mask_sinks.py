@@ -592,6 +592,19 @@ def test_sdpa_attn_mask_runs_in_flashdl(kind):
 
 # ---- sinks in the KV cache ------------------------------------------------------------------------
 
+def _paged(kc, vc, page=16):
+    """The contiguous float32 caches kc, vc (2, 256, 2, 32) as a page pool in reversed page order:
+    (block_table, k pages, v pages)."""
+    table = np.arange(2 * 256 // page, dtype=np.int32).reshape(2, -1)[:, ::-1].copy()
+    pk = np.empty((2 * 256 // page, page, 2, 32), np.float32)
+    pv = np.empty_like(pk)
+    for b in range(2):
+        for i, pg in enumerate(table[b]):
+            pk[pg] = kc[b, i * page:(i + 1) * page]
+            pv[pg] = vc[b, i * page:(i + 1) * page]
+    return table, pk, pv
+
+
 def _kv_inputs(rng, dtype, b=2, sq=3, h=4, hk=2, d=32, cap=700):
     q = make(rng, (b, sq, h, d), dtype)
     kc, vc = make(rng, (b, cap, hk, d), dtype), make(rng, (b, cap, hk, d), dtype)
@@ -632,14 +645,7 @@ def test_kvcache_sinks_paged_append_and_empty_rows():
     kc2, vc2 = kc.copy(), vc.copy()
     out, lse = flashdl.attention_with_kvcache(q, kc2, vc2, cache_seqlens=lens, k=k_new, v=v_new,
                                               sinks=sinks, causal=True, return_lse=True)
-    page = 16
-    table = np.arange(2 * 256 // page, dtype=np.int32).reshape(2, -1)[:, ::-1].copy()
-    pk = np.empty((2 * 256 // page, page, 2, 32), np.float32)
-    pv = np.empty_like(pk)
-    for b in range(2):
-        for i, pg in enumerate(table[b]):
-            pk[pg] = kc[b, i * page:(i + 1) * page]
-            pv[pg] = vc[b, i * page:(i + 1) * page]
+    table, pk, pv = _paged(kc, vc)
     out_p, lse_p = flashdl.attention_with_kvcache(q, pk, pv, cache_seqlens=lens, k=k_new, v=v_new,
                                                   block_table=table, sinks=sinks, causal=True,
                                                   return_lse=True)
@@ -777,14 +783,7 @@ def test_kvcache_bias_mask_paged_append_leftpad():
     kw = dict(cache_seqlens=lens, k=k_new, v=v_new, bias=bias, mask=mask, causal=True,
               return_lse=True)
     out, lse = flashdl.attention_with_kvcache(q, kc2, vc2, **kw)
-    page = 16
-    table = np.arange(2 * 256 // page, dtype=np.int32).reshape(2, -1)[:, ::-1].copy()
-    pk = np.empty((2 * 256 // page, page, 2, 32), np.float32)
-    pv = np.empty_like(pk)
-    for b in range(2):
-        for i, pg in enumerate(table[b]):
-            pk[pg] = kc[b, i * page:(i + 1) * page]
-            pv[pg] = vc[b, i * page:(i + 1) * page]
+    table, pk, pv = _paged(kc, vc)
     out_p, lse_p = flashdl.attention_with_kvcache(q, pk, pv, block_table=table, **kw)
     np.testing.assert_array_equal(out_p, out)
     np.testing.assert_array_equal(lse_p, lse)
