@@ -304,8 +304,10 @@ void fa2_backward_by_keys(const Params& p, const Geometry<T>& g, const Mask& mas
     }
     if (by_tile) dbias_tiles.close(t, p, g);
   });
-  dbias.finish(p, threads);
-  if (by_tile) dbias_tiles.finish(p, g);
+  if (by_tile)
+    dbias_tiles.finish(p, g);
+  else
+    dbias.finish(p, threads);  // (with by_tile it would add its empty partials: a pass for nothing)
 
   // dQ = scale * (sum of the partials in thread order).
   parallel_for(p.batch * p.nheads, threads, [&](int64_t begin, int64_t end, int) {
