@@ -285,14 +285,20 @@ step_build() {
   # list cached in build/gpu by an earlier configure. scikit-build-core runs `cmake --build`, which
   # takes its job count from CMAKE_BUILD_PARALLEL_LEVEL. With prebuilt C++ tests only the Python
   # module is built.
-  local tests=ON
+  local tests=ON prebuilt_core=()
   [ -n "$PREBUILT" ] && tests=OFF
+  # The archive's core libraries (same tree): only the bindings are compiled here.
+  if [ -n "$PREBUILT" ] && [ -f "$CUDA_TESTS/../../../lib/libflashdl_core.a" ]; then
+    prebuilt_core=(-Ccmake.define.FLASHDL_PREBUILT_CORE="$(cd "$CUDA_TESTS/../../../lib" && pwd)")
+    echo "linking the prebuilt core: ${prebuilt_core[*]}"
+  fi
   CUDAARCHS=90 CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) "$PYTHON" -m pip install -v \
     --no-build-isolation --no-deps \
     -Cbuild-dir="$BUILD_DIR" \
     -Ccmake.define.FLASHDL_BUILD_TESTS=$tests \
     -Ccmake.define.FLASHDL_CUDA=ON \
     -Ccmake.define.CMAKE_CUDA_ARCHITECTURES=90 \
+    "${prebuilt_core[@]}" \
     . || return
   ls -l "$CUDA_TESTS"
   # The installed module must see the GPU; a CPU-only or driver-less module would make every
