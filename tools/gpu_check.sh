@@ -359,6 +359,7 @@ step_pytest_cuda() {
   "$PYTHON" -c "import pytest_timeout" 2>/dev/null && args+=(--timeout 180)
   # Each worker's JAX would otherwise take 75% of the GPU's memory when it first sees the GPU.
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
+  export FLASHDL_FAILURE_LOG=$OUTDIR/pytest_cuda_failures.txt  # each failure as it happens
   echo "$ $PYTHON -m pytest tests/python/test_cuda*.py tests/python/test_varlen.py ${args[*]}"
   "$PYTHON" -m pytest tests/python/test_cuda*.py tests/python/test_varlen.py "${args[@]}"
 }
@@ -424,6 +425,8 @@ step_pytest_all() {
   fi
   "$PYTHON" -c "import pytest_timeout" 2>/dev/null && args+=(--timeout 240)
   export XLA_PYTHON_CLIENT_PREALLOCATE=false  # as in pytest_cuda: 8 workers share the GPU
+  # Tracebacks come at the end of a pytest run; a run the budget cuts off keeps them here.
+  export FLASHDL_FAILURE_LOG=$OUTDIR/pytest_all_failures.txt
   echo "$ $PYTHON -m pytest tests/python ${args[*]}"
   "$PYTHON" -m pytest tests/python "${args[@]}"
 }

@@ -27,6 +27,23 @@ def _jax_gpu():
     return jax, gpus[0]
 
 
+def _torch_view(x):
+    """A JAX GPU array as a torch CUDA tensor over the same memory (DLPack): the eager calls that
+    the jit results are checked against take it, since flashdl's eager calls take JAX arrays on
+    the CPU only. Same kernels, same device: bitwise the same results."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch.cuda is not usable")
+    return torch.from_dlpack(x.block_until_ready())
+
+
+def _host(x):
+    """A JAX array or a torch tensor as float32 NumPy (exact for float16 and bfloat16)."""
+    if hasattr(x, "detach"):
+        return x.detach().float().cpu().numpy()
+    return np.asarray(x, np.float32)
+
+
 def _inputs(shapes, dtype, seed):
     rng = np.random.default_rng(seed)
     return [rng.standard_normal(s).astype(np.float32) for s in shapes]
@@ -128,20 +145,21 @@ def test_jax_dropout_traced_seed_on_gpu():
     opts = dict(causal=True, dropout_p=0.2, offset=3)
     out, lse = jax.jit(lambda q, k, v, s: fj.attention(q, k, v, seed=s, return_lse=True,
                                                         **opts))(q, k, v, words)
-    e_out, e_lse = flashdl.attention(q, k, v, seed=seed, return_lse=True, **opts)
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(e_out))
-    np.testing.assert_array_equal(np.asarray(lse), np.asarray(e_lse))
+    tq, tk, tv, tdout = (_torch_view(x) for x in (q, k, v, dout))
+    e_out, e_lse = flashdl.attention(tq, tk, tv, seed=seed, return_lse=True, **opts)
+    np.testing.assert_array_equal(_host(out), _host(e_out))
+    np.testing.assert_array_equal(_host(lse), _host(e_lse))
     other = jax.jit(lambda q, k, v, s: fj.attention(q, k, v, seed=s, **opts))(q, k, v,
                                                                               words + 1)
-    assert not np.array_equal(np.asarray(other), np.asarray(e_out))
+    assert not np.array_equal(_host(other), _host(e_out))
 
     def loss(q, k, v, s):
         return (fj.attention(q, k, v, seed=s, **opts).astype(jnp.float32) *
                 dout.astype(jnp.float32)).sum()
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, words)
-    expect = flashdl.attention_backward(dout, q, k, v, e_out, e_lse, seed=seed, **opts)
+    expect = flashdl.attention_backward(tdout, tq, tk, tv, e_out, e_lse, seed=seed, **opts)
     for g, e in zip(grads, expect):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(e))
+        np.testing.assert_array_equal(_host(g), _host(e))
 
 
 @pytest.mark.parametrize("paged", [False, True])
@@ -178,9 +196,10 @@ def test_jax_kvcache_tables_on_gpu(paged):
     got = f(gq, gkc, gvc, dev(n), dev(table), arrays_kw)
     host_kw = {key: val for key, val in kw.items() if key.startswith("cache_")}
     eager = flashdl.attention_with_kvcache(
-        gq, gkc, gvc, cache_seqlens=n, block_table=table, causal=True,
-        rotary_cos=dkw["rotary_cos"], rotary_sin=dkw["rotary_sin"], **host_kw)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(eager))
+        *(_torch_view(x) for x in (gq, gkc, gvc)), cache_seqlens=n, block_table=table,
+        causal=True, rotary_cos=_torch_view(dkw["rotary_cos"]),
+        rotary_sin=_torch_view(dkw["rotary_sin"]), **host_kw)
+    np.testing.assert_array_equal(_host(got), _host(eager))
     # the append (without rotary: the new rows land as given)
     plain = jax.jit(lambda q, kc, vc, n, k, v, t: fj.attention_with_kvcache(
         q, kc, vc, cache_seqlens=n, k=k, v=v, block_table=t, causal=True))

@@ -579,11 +579,19 @@ int run_extras(const Target& t, const Cli& cli) {
           lse_err = std::max(lse_err, std::fabs(double(bits_to_float(lse_d[size_t(i)])) -
                                                 bits_to_float(lse_h[size_t(i)])));
         const bool caches = kc_d == kc_h && vc_d == vc_h;
-        const bool clean = out_p == out_d && lse_p == lse_d;
+        // The poisoned call's warps whose values hold a NaN or Inf take the scalar P V over the
+        // keys each row sees (decode.cuh, accumulate_pv_seen): the same terms as the tensor-core
+        // product, summed in another order (on an H100 the two differ in the last bit of out; the
+        // emulator's products sum in the scalar order). So: lse bitwise, out within one rounding
+        // of the dtype and finite.
+        const double poison_err = max_abs_diff(out_p, out_d);
+        const double one_rounding = (dt == DType::float16 ? 0x1p-10 : 0x1p-7) *
+                                    std::max(1.0, max_abs(out_d));
+        const bool clean = poison_err <= one_rounding && lse_p == lse_d;
         const bool ok = err <= tol && lse_err <= 1e-3 && caches && clean;
         std::printf("%s %s | out err %.2e tol %.2e lse err %.2e%s%s\n", ok ? "ok  " : "FAIL",
                     label.c_str(), err, tol, lse_err, caches ? "" : " [caches differ]",
-                    clean ? "" : " [NaN/Inf at hidden keys reached a row]");
+                    clean ? "" : " [NaN/Inf at hidden keys reached a row, or changed it]");
         return ok;
       });
     }
