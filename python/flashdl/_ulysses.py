@@ -22,12 +22,41 @@ from typing import List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from ._dist_check import Agreement, group_rank, require_initialized
+from ._dist_check import Agreement, global_rank, group_rank, require_initialized
 
 # Bytes this process sent in the all-to-alls of its last ulysses_attention (or
 # context_parallel_attention) call: the forward's (q, k, v, out), the backward's once it has run
 # (dout, dq, dk, dv), and return_lse's.
 last_bytes_sent = {"forward": 0, "backward": 0, "lse": 0}
+
+
+# Backends found without an all-to-all (torch's gloo before 2.12: "Backend gloo does not support
+# alltoall"): their exchanges go by point-to-point sends and receives instead.
+_NO_ALL_TO_ALL: set = set()
+
+
+def _exchange(recv: List[torch.Tensor], send: List[torch.Tensor], group, rank: int) -> None:
+    """recv[j] <- rank j's send[rank], for every j: dist.all_to_all, or, on a backend without it,
+    one batch of isend/irecv pairs (the same bytes on the wire)."""
+    backend = str(dist.get_backend(group))
+    if backend not in _NO_ALL_TO_ALL:
+        try:
+            dist.all_to_all(recv, send, group=group)
+            return
+        except RuntimeError as e:
+            if "alltoall" not in str(e).replace("_", "").lower():
+                raise
+            _NO_ALL_TO_ALL.add(backend)
+    ops = []
+    for j in range(len(send)):
+        if j == rank:
+            recv[j].copy_(send[j])
+            continue
+        peer = global_rank(group, j)
+        ops.append(dist.P2POp(dist.isend, send[j], peer, group))
+        ops.append(dist.P2POp(dist.irecv, recv[j], peer, group))
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
 
 
 def _all_to_all(x: torch.Tensor, group, scatter: int, gather: int, tally: str) -> torch.Tensor:
@@ -38,7 +67,7 @@ def _all_to_all(x: torch.Tensor, group, scatter: int, gather: int, tally: str) -
         return x
     send = [c.contiguous() for c in x.chunk(world, dim=scatter)]
     recv = [torch.empty_like(c) for c in send]
-    dist.all_to_all(recv, send, group=group)
+    _exchange(recv, send, group, rank)
     last_bytes_sent[tally] += sum(c.numel() * c.element_size()
                                   for j, c in enumerate(send) if j != rank)
     return torch.cat(recv, dim=gather)
