@@ -223,7 +223,9 @@ def test_abi_header_matches_jaxlib():
         pytest.skip("no C++ compiler")
     checks = []
     pairs = {
-        "ExtensionBase": ("XLA_FFI_Extension_Base", ["struct_size", "type", "next"]),
+        # By the metadata extension's member, not by name: the jaxlib on the H100 machine
+        # (0.11.2) declares no XLA_FFI_Extension_Base, and its FFI calls ran there.
+        "ExtensionBase": ("TheirExtensionBase", ["struct_size", "type", "next"]),
         "ApiVersion": ("XLA_FFI_Api_Version",
                        ["struct_size", "extension_start", "major_version", "minor_version"]),
         "ErrorCreateArgs": ("XLA_FFI_Error_Create_Args",
@@ -284,7 +286,9 @@ def test_abi_header_matches_jaxlib():
     checks.append("static_assert(A::kApiMajor == XLA_FFI_API_MAJOR && "
                   "A::kApiMinor <= XLA_FFI_API_MINOR, \"version\");")
     source = ("#include <cstddef>\n#include \"xla/ffi/api/c_api.h\"\n#include \"xla_ffi_abi.hpp\"\n"
-              "namespace A = flashdl::xla_abi;\n" + "\n".join(checks) + "\nint main() {}\n")
+              "namespace A = flashdl::xla_abi;\n"
+              "using TheirExtensionBase = decltype(XLA_FFI_Metadata_Extension::extension_base);\n"
+              + "\n".join(checks) + "\nint main() {}\n")
     run = subprocess.run([cxx, "-std=c++17", "-fsyntax-only", "-x", "c++", "-",
                           f"-I{jax.ffi.include_dir()}", f"-I{ROOT / 'python'}"],
                          input=source, capture_output=True, text=True)
