@@ -166,7 +166,11 @@ __device__ __forceinline__ void zero_nonfinite(T* s, int ld, int tile_rows) {
 
 // One CTA per SM is what the shared memory allows for most head dims; the bound lets ptxas use
 // the registers that leaves instead of spilling to fit two.
-template <typename Tr>
+// kExtras: the call has a bias or a boolean mask (Options::bias, mask; detail::has_extras). The
+// kernel without them is instantiated on its own: their code in every call cost the plain kernel
+// registers and time (ptxas sm_90 float16 d 128, 64 x 64 tiles: 218 -> 230 registers; H100,
+// the main kernel of a d 128 / d 64 backward at seqlen 4096: +8% / +16%, 2026-11-27).
+template <typename Tr, bool kExtras>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     backward_kernel(const __grid_constant__ Params p, const ScoreModF mods, const float* ws_l2,
                     const float* ws_d, float* ws_dq, float* dbias_acc, const bool vec_load) {
@@ -300,7 +304,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                    stat_stage(L.off_d, stage), i0, rows, n0, mask,
                    detail::block_mask_of(p, batch, h), cover(it).all,
                    detail::dropout_of(p, batch, h), head_score_mods(mods, p, batch, h),
-                   head_extras(p, batch, h, seq.q0), head_dbias(p, dbias_acc, batch, h, seq.q0));
+                   kExtras ? head_extras(p, batch, h, seq.q0) : detail::HeadExtras{},
+                   kExtras ? head_dbias(p, dbias_acc, batch, h, seq.q0) : DBiasAcc{});
     const T* sP = reinterpret_cast<const T*>(sS);
     const T* sdS = reinterpret_cast<const T*>(sdP);
 
@@ -329,7 +334,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       // them is masked, and so takes this path too).
       const bool slow_dq =
           k_nonfinite && !(cover(it).all && mask.block_fully_visible(i0, i0 + rows, n0, n0 + kN) &&
-                           !detail::has_extras(p));
+                           !(kExtras && detail::has_extras(p)));
       if (slow_dq) {
         __syncthreads();  // every warp done with K's scores
         zero_nonfinite<kD, Tr::kThreads>(sK, kLd, kN);
@@ -382,8 +387,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 }
 
 // deterministic=True: dQ_i = scale * sum_j dS_ij K_j for one query block, in registers, key
-// blocks in order. K_j and V_j are loaded one block at a time (no double buffer).
-template <typename Tr>
+// blocks in order. K_j and V_j are loaded one block at a time (no double buffer). kExtras: as
+// backward_kernel's.
+template <typename Tr, bool kExtras>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     dq_kernel(const __grid_constant__ Params p, const ScoreModF mods, const float* ws_l2,
               const float* ws_d, const bool vec_load) {
@@ -466,11 +472,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // where the shared memory allows two, and this pass does not overlap its K/V loads with
     // compute: the second CTA does.
     pair_probs<Tr, false>(sQ, sdO, sK, sV, sS, sdP, map, sL2, sD, m0, rows, n0, mask, bm, c.all,
-                          drop, mod, head_extras(p, batch, h, seq.q0), DBiasAcc{});
+                          drop, mod,
+                          kExtras ? head_extras(p, batch, h, seq.q0) : detail::HeadExtras{},
+                          DBiasAcc{});
     // A masked block whose K holds a NaN or Inf: dS K from K with those zeroed (zero_nonfinite);
     // the vote is one more barrier, in masked blocks only (masked is the same in every thread).
     const bool masked = !(c.all && mask.block_fully_visible(m0, m0 + rows, n0, n0 + kN)) ||
-                        detail::has_extras(p);
+                        (kExtras && detail::has_extras(p));
     if (masked && __syncthreads_or(tile_has_nonfinite<kD, Tr::kThreads>(sK, kLd, kN))) {
       zero_nonfinite<kD, Tr::kThreads>(sK, kLd, kN);  // K's last use: dS K below
       __syncthreads();
@@ -532,13 +540,15 @@ void launch_fa2_bwd(const Params& p, const LaunchContext& ctx) {
                                        ctx.stream));
   const auto y = static_cast<unsigned>(p.nheads), z = static_cast<unsigned>(p.batch);
   const ScoreModF mods = call_score_mods(p);
+  const bool extras = detail::has_extras(p);
   if (p.seqlen_q > 0) {
     FLASHDL_LAUNCH(dim3(static_cast<unsigned>(pre_blocks), y, z), fa2bwd::kPreRows * 32, 0,
                    ctx.stream, fa2bwd::preprocess_kernel<typename Tr::T>)(p, l2, d);
     FLASHDL_CUDA_CHECK_LAUNCH("fa2 backward preprocess kernel launch");
   }
   if (p.seqlen_k > 0) {
-    const auto kernel = fa2bwd::backward_kernel<Tr>;
+    const auto kernel =
+        extras ? fa2bwd::backward_kernel<Tr, true> : fa2bwd::backward_kernel<Tr, false>;
     FLASHDL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(Tr::kMain.bytes)));
     FLASHDL_LAUNCH(dim3(static_cast<unsigned>(n_blocks), static_cast<unsigned>(p.nheads_kv), z),
@@ -547,7 +557,7 @@ void launch_fa2_bwd(const Params& p, const LaunchContext& ctx) {
     FLASHDL_CUDA_CHECK_LAUNCH("fa2 backward kernel launch");
   }
   if (p.seqlen_q > 0 && p.deterministic) {
-    const auto kernel = fa2bwd::dq_kernel<Tr>;
+    const auto kernel = extras ? fa2bwd::dq_kernel<Tr, true> : fa2bwd::dq_kernel<Tr, false>;
     FLASHDL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(Tr::kDqPass.bytes)));
     FLASHDL_LAUNCH(dim3(static_cast<unsigned>(m_blocks), y, z), Tr::kThreads, Tr::kDqPass.bytes,
