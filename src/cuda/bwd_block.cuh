@@ -57,16 +57,20 @@ __device__ __forceinline__ void scores_and_dp(const T* sQ, const T* sdO, const T
 // mask; l2 = -inf (a row with no visible key, or a padding row) gives 0 without looking at
 // either. `modded`: modifies(mod) or ex.any(), hoisted by the caller. ex: the bias and mask
 // (rows and columns relative to the sequence, i < seqlen_q and j < seqlen_k wherever l2 is finite
-// and the pair is masked); dbias: where dBias goes (null base: nowhere).
+// and the pair is masked). ds_bias: dS before the cap's factor, what dBias sums (0 unless
+// modded).
 template <bool kMasked>
-__device__ __forceinline__ void prob_and_ds(float x, float y, float l2, float d, int64_t i,
-                                            int64_t j, int64_t diag, const detail::Mask& mask,
-                                            const detail::BlockMask& bm,
-                                            const detail::Dropout& drop, const ScoreModF& mod,
-                                            bool modded, const detail::HeadExtras& ex,
-                                            const DBiasAcc& dbias, float& p, float& ds) {
+__device__ __forceinline__ void prob_and_ds_terms(float x, float y, float l2, float d, int64_t i,
+                                                  int64_t j, int64_t diag,
+                                                  const detail::Mask& mask,
+                                                  const detail::BlockMask& bm,
+                                                  const detail::Dropout& drop,
+                                                  const ScoreModF& mod, bool modded,
+                                                  const detail::HeadExtras& ex, float& p,
+                                                  float& ds, float& ds_bias) {
   p = 0.0f;
   ds = 0.0f;
+  ds_bias = 0.0f;
   if (l2 != -INFINITY && (!kMasked || (mask.visible(i, j) && bm.visible(i, j)))) {
     float t;
     if (modded) {
@@ -87,12 +91,27 @@ __device__ __forceinline__ void prob_and_ds(float x, float y, float l2, float d,
     p = prob * z;
     ds = prob * (y * z - d);
     // softcap: 1 - tanh^2 (a second tanhf: computing both from one cost the deterministic
-    // dQ pass up to 13 registers, over 128 at bfloat16 d = 64); 1 with ALiBi alone
+    // dQ pass up to 13 registers, over 128 at bfloat16 d = 64); 1 with ALiBi alone. The bias
+    // is added after the cap: its gradient is dS before that factor.
     if (modded) {
-      if (dbias.base != nullptr && ds != 0.0f) atomicAdd(dbias.base + i * dbias.row + j, ds);
+      ds_bias = ds;
       ds *= mod.grad(x);
     }
   }
+}
+
+// prob_and_ds_terms, with dS before the cap's factor added into dBias where one is wanted.
+template <bool kMasked>
+__device__ __forceinline__ void prob_and_ds(float x, float y, float l2, float d, int64_t i,
+                                            int64_t j, int64_t diag, const detail::Mask& mask,
+                                            const detail::BlockMask& bm,
+                                            const detail::Dropout& drop, const ScoreModF& mod,
+                                            bool modded, const detail::HeadExtras& ex,
+                                            const DBiasAcc& dbias, float& p, float& ds) {
+  float ds_bias;
+  prob_and_ds_terms<kMasked>(x, y, l2, d, i, j, diag, mask, bm, drop, mod, modded, ex, p, ds,
+                             ds_bias);
+  if (dbias.base != nullptr && ds_bias != 0.0f) atomicAdd(dbias.base + i * dbias.row + j, ds_bias);
 }
 
 // Lines 11-20 with S and dP kept in registers (the fa2 backward): each warp takes (query

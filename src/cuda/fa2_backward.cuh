@@ -16,6 +16,8 @@
 //    second pass parallel over query blocks recomputes S, dP and dS for each visible key block
 //    and accumulates dQ_i in registers: no atomics, bitwise reproducible, at the cost of
 //    recomputing two of the five products.
+// 4. dBias of a bias broadcast over an axis with deterministic=True: fa2_dbias.cuh, after the
+//    main kernel (which then adds none by atomics).
 #pragma once
 
 #include <cuda_pipeline.h>
@@ -26,6 +28,7 @@
 #include "bwd_block.cuh"
 #include "check.hpp"
 #include "fa2_bwd_traits.cuh"
+#include "fa2_dbias.cuh"
 #include "fa2_traits.cuh"
 #include "flashdl/detail/block_mask.hpp"
 #include "flashdl/detail/block_range.hpp"
@@ -541,6 +544,9 @@ void launch_fa2_bwd(const Params& p, const LaunchContext& ctx) {
   const auto y = static_cast<unsigned>(p.nheads), z = static_cast<unsigned>(p.batch);
   const ScoreModF mods = call_score_mods(p);
   const bool extras = detail::has_extras(p);
+  // deterministic=True with a broadcast dBias: the main kernel adds none, fa2dbias sums it.
+  const bool dbias_tiles = fa2dbias::wanted(p, ctx.dbias_acc);
+  float* const dbias_acc = dbias_tiles ? nullptr : ctx.dbias_acc;
   if (p.seqlen_q > 0) {
     FLASHDL_LAUNCH(dim3(static_cast<unsigned>(pre_blocks), y, z), fa2bwd::kPreRows * 32, 0,
                    ctx.stream, fa2bwd::preprocess_kernel<typename Tr::T>)(p, l2, d);
@@ -553,7 +559,7 @@ void launch_fa2_bwd(const Params& p, const LaunchContext& ctx) {
                                             static_cast<int>(Tr::kMain.bytes)));
     FLASHDL_LAUNCH(dim3(static_cast<unsigned>(n_blocks), static_cast<unsigned>(p.nheads_kv), z),
                    Tr::kThreads, Tr::kMain.bytes, ctx.stream, kernel)(p, mods, l2, d, dq,
-                                                                      ctx.dbias_acc, ctx.vec_load);
+                                                                      dbias_acc, ctx.vec_load);
     FLASHDL_CUDA_CHECK_LAUNCH("fa2 backward kernel launch");
   }
   if (p.seqlen_q > 0 && p.deterministic) {
@@ -568,6 +574,7 @@ void launch_fa2_bwd(const Params& p, const LaunchContext& ctx) {
                    fa2bwd::convert_dq_kernel<typename Tr::T>)(p, dq, ctx.vec_store);
     FLASHDL_CUDA_CHECK_LAUNCH("fa2 backward dQ conversion launch");
   }
+  if (dbias_tiles) fa2dbias::launch<typename Tr::T, Tr::kHeadDim>(p, mods, l2, d, ctx);
   ws.release();
 }
 

@@ -675,3 +675,33 @@ def test_bias_mask_sinks_match_the_cpu_reference(case, dtype, schedule):
         tol = 8 * ULP[dtype] * scale * (1 if name == "out" else 4)
         assert torch.isfinite(a).all(), name
         assert float((a - w).abs().max()) <= tol, (name, float((a - w).abs().max()), tol)
+
+
+@pytest.mark.parametrize("bias_shape", [(1, 4, 1, 150), (1, 1, 70, 150)])
+def test_deterministic_broadcast_dbias(bias_shape):
+    """deterministic=True with a bias broadcast over the batch and heads or rows: fa2 (and auto)
+    sums dbias in a kernel of its own (fa2_dbias.cuh), bitwise the same on every run and the CPU
+    reference's within the rule above; fa1 refuses, naming dbias."""
+    import flashdl.torch as ft
+    b, sq, sk, h, hk, d = 2, 70, 150, 4, 2, 64
+    g = torch.Generator().manual_seed(seed_of("det-dbias", bias_shape))
+    q, k, v = (torch.randn(shape, generator=g).half() for shape in
+               ((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d)))
+    dout = torch.randn((b, sq, h, d), generator=g).half()
+    bias = (torch.randn(bias_shape, generator=g) * 2).half()
+
+    def dbias(device, dt, sched, deterministic):
+        leaves = [x.to(device=device, dtype=dt) for x in (q, k, v)]
+        bb = bias.to(device=device, dtype=dt).requires_grad_()
+        out = ft.attention(*leaves, bias=bb, causal=True, schedule=sched,
+                           deterministic=deterministic)
+        (grad,) = torch.autograd.grad(out, [bb], dout.to(device=device, dtype=dt))
+        return grad.double().cpu()
+
+    first = dbias("cuda", torch.float16, "fa2", True)
+    assert torch.equal(first, dbias("cuda", torch.float16, "auto", True))
+    want = dbias("cpu", torch.float64, "reference", False)
+    tol = 8 * ULP["float16"] * max(1.0, float(want.abs().max())) * 4
+    assert float((first - want).abs().max()) <= tol
+    with pytest.raises(NotImplementedError, match="dbias.*fa1|fa1.*dbias"):
+        dbias("cuda", torch.float16, "fa1", True)

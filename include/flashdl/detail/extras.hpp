@@ -61,4 +61,11 @@ FLASHDL_HD int64_t dbias_index(const Params& p, int64_t b, int64_t h, int64_t i)
   return dbias_row(p, b, h, i) * p.seqlen_k;
 }
 
+// Whether each element of the compact dBias receives exactly one score: the bias has every axis of
+// its own (its batch, heads and query rows; a varlen bias its packed rows), no broadcast.
+FLASHDL_HD bool dbias_direct(const Params& p) {
+  return (p.cu_seqlens_q != nullptr || p.bias_batch == p.batch) && p.bias_heads == p.nheads &&
+         p.bias_rows == (p.cu_seqlens_q != nullptr ? p.total_q : p.seqlen_q);
+}
+
 }  // namespace flashdl::detail

@@ -7,9 +7,9 @@
 // broadcast (size-1 axes, a stride-0 head axis, a transposed view), masks with rows that keep
 // nothing, NaN and Inf in K and V at keys only the mask hides, sinks with dsinks, the varlen
 // packed layout, and an all-true mask equal to no mask bit for bit on the fa2 shared-memory
-// softmax path (FLASHDL_CUDA_FA2_SMEM_SOFTMAX=1, set and unset here), deterministic=True refusing
-// the dbias of a broadcast bias by name and repeating a full-size one bit for bit. Outputs start
-// as NaN.
+// softmax path (FLASHDL_CUDA_FA2_SMEM_SOFTMAX=1, set and unset here), and deterministic=True:
+// a full-size dbias repeating bit for bit, a broadcast one refused by name with fa1 and summed by
+// fa2's own kernel (bitwise across runs; oracle cases above). Outputs start as NaN.
 // Exit code 77 (skipped) when there is no CUDA device.
 // Command line (cli.hpp): --quick, --filter SUBSTR, --no-race, --cpu.
 #include <cuda_runtime.h>
@@ -540,8 +540,10 @@ bool run_varlen(const Target& t, DType dt, Schedule sched, bool det, int bias_mo
   return ok;
 }
 
-// deterministic=True with dbias of a broadcast bias is refused by name before any device work;
-// with a full-size bias, dbias and dsinks repeat bit for bit.
+// deterministic=True: with a full-size bias, dbias and dsinks repeat bit for bit; with a bias
+// broadcast over the batch, heads and rows, fa1 refuses dbias by name before any device work, and
+// fa2's dbias (its own kernel, fa2_dbias.cuh) repeats bit for bit and equals the non-deterministic
+// sum (atomics) within float32 rounding.
 bool run_determinism(const Target& t) {
   const bool th = t.host;
   const int64_t b = 1, sq = 40, sk = 90, h = 2, hk = 1, d = 32;
@@ -563,26 +565,48 @@ bool run_determinism(const Target& t) {
   o.sinks = sinks.view(false);
   bool ok = true;
   std::string why;
-  {  // refused
+  auto broadcast_dbias = [&](Schedule sched, bool det) {
     flashdl::Options x = o;
+    x.schedule = sched;
+    x.deterministic = det;
     x.bias = small.view(false);
     flashdl::forward(q.view(false), k.view(false), v.view(false), out.view(false), lse.view(false), x);
     t.sync();
     Arr dq = contiguous(DType::float16, {b, sq, h, d}, th), dk = contiguous(DType::float16, {b, sk, hk, d}, th),
         dv = contiguous(DType::float16, {b, sk, hk, d}, th), db = contiguous(DType::float32, {1, h, 1, sk}, th);
     x.dbias = db.view(false);
+    flashdl::backward(dout.view(false), q.view(false), k.view(false), v.view(false), out.view(false),
+                      lse.view(false), dq.view(false), dk.view(false), dv.view(false), x);
+    t.sync();
+    return db.values_dev();
+  };
+  {  // fa1: refused
     bool refused = false;
     try {
-      flashdl::backward(dout.view(false), q.view(false), k.view(false), v.view(false), out.view(false),
-                        lse.view(false), dq.view(false), dk.view(false), dv.view(false), x);
+      broadcast_dbias(Schedule::fa1, true);
     } catch (const flashdl::Error& e) {
       const std::string m = e.what();
       refused = e.kind() == flashdl::ErrorKind::not_implemented &&
-                m.find("dbias") != std::string::npos && m.find("deterministic") != std::string::npos;
+                m.find("dbias") != std::string::npos && m.find("fa1") != std::string::npos;
     }
     if (!refused) {
       ok = false;
-      why += " broadcast dbias with deterministic=True was not refused by name";
+      why += " fa1's broadcast dbias with deterministic=True was not refused by name";
+    }
+  }
+  {  // fa2: its own kernel, bitwise across runs, the atomics' sum within rounding
+    const std::vector<double> a = broadcast_dbias(Schedule::fa2, true),
+                              c = broadcast_dbias(Schedule::fa2, true),
+                              atomics = broadcast_dbias(Schedule::fa2, false);
+    if (std::memcmp(a.data(), c.data(), a.size() * 8) != 0) {
+      ok = false;
+      why += " fa2's broadcast dbias differs between two deterministic runs";
+    }
+    const double err = max_abs_diff(a, atomics), scale = max_abs(atomics);
+    if (!(err <= 1e-5 * scale + 1e-6) || !(scale > 0)) {
+      ok = false;
+      why += " fa2's deterministic broadcast dbias is off the atomic sum by " + std::to_string(err) +
+             " (max |dbias| " + std::to_string(scale) + ")";
     }
   }
   std::vector<double> first[2];
@@ -665,6 +689,9 @@ int main(int argc, char** argv) {
     cases.push_back({f16, Schedule::fa2, false, 2, 70, 150, 4, 2, 64, false, 30, 10, Bcast::heads1, f16, Bcast::none, false, true, false});
     cases.push_back({bf16, Schedule::fa1, false, 2, 70, 150, 4, 2, 64, false, -1, -1, Bcast::batch1_transposed, f32, Bcast::full, true, true, true});
     cases.push_back({f16, Schedule::fa2, true, 1, 40, 150, 2, 1, 64, false, -1, -1, Bcast::none, f32, Bcast::full, false, true, true});
+    // deterministic=True with a broadcast bias: dbias by fa2's own kernel (fa2_dbias.cuh)
+    cases.push_back({f16, Schedule::fa2, true, 2, 70, 150, 4, 2, 64, true, -1, -1, Bcast::heads1, f32, Bcast::full, true, true, false});
+    cases.push_back({bf16, Schedule::fa2, true, 2, 70, 150, 4, 2, 64, false, 30, 10, Bcast::batch1_transposed, bf16, Bcast::none, false, true, true});
     if (!cli.quick) {
       for (Schedule s : {Schedule::fa1, Schedule::fa2})
         for (DType dt : {f16, bf16})
@@ -673,6 +700,8 @@ int main(int argc, char** argv) {
       for (bool det : {false, true})
         cases.push_back({f16, Schedule::fa2, det, 2, 129, 257, 4, 4, 96, false, 50, 50, Bcast::full, f32, Bcast::heads1, true, true, true});
       cases.push_back({bf16, Schedule::fa1, false, 3, 129, 90, 6, 2, 32, true, -1, -1, Bcast::heads1, bf16, Bcast::batch1_transposed, true, true, false});
+      cases.push_back({f16, Schedule::fa2, true, 2, 100, 200, 4, 1, 128, false, -1, -1, Bcast::heads1, f16, Bcast::heads1, true, true, false});
+      cases.push_back({bf16, Schedule::fa2, true, 3, 129, 90, 6, 2, 256, true, -1, -1, Bcast::heads1, f32, Bcast::batch1_transposed, false, true, false});
     }
     int failures = 0;
     uint32_t seed = 1;
@@ -691,11 +720,13 @@ int main(int argc, char** argv) {
     };
     std::vector<V> vcases = {{f16, Schedule::fa2, false, 0, true},
                              {bf16, Schedule::fa1, false, 1, false},
-                             {f16, Schedule::fa2, true, 2, true}};
+                             {f16, Schedule::fa2, true, 2, true},
+                             {bf16, Schedule::fa2, true, 0, false}};
     if (!cli.quick) {
       vcases.push_back({bf16, Schedule::fa2, false, 1, false});
       vcases.push_back({f16, Schedule::fa1, false, 0, true});
       vcases.push_back({bf16, Schedule::fa2, false, 2, false});
+      vcases.push_back({f16, Schedule::fa2, true, 1, true});
     }
     for (const V& vc : vcases) {
       const std::string label = std::string("varlen ") + flashdl::dtype_name(vc.dt) + " " +
