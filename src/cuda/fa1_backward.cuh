@@ -15,6 +15,7 @@
 #include "bwd_block.cuh"
 #include "bwd_plan.hpp"
 #include "check.hpp"
+#include "fa2_dbias.cuh"
 #include "flashdl/detail/block_mask.hpp"
 #include "flashdl/detail/block_range.hpp"
 #include "flashdl/detail/mask.hpp"
@@ -316,10 +317,14 @@ void launch_fa1_backward(const Params& p, const LaunchContext& ctx) {
                                           static_cast<int>(L.bytes)));
   const std::size_t floats = static_cast<std::size_t>(p.batch * p.nheads * p.seqlen_q) * kHeadDim;
   StreamWorkspace ws((floats > 0 ? floats : 1) * sizeof(float), ctx.stream);  // dQ
+  // deterministic=True with a broadcast dBias: the kernel adds none, fa2dbias sums it.
+  const bool dbias_tiles = fa2dbias::wanted(p, ctx.dbias_acc);
   FLASHDL_LAUNCH(static_cast<unsigned>(ctas), fa1bwd::kThreads, L.bytes, ctx.stream, kernel)(
-      p, call_score_mods(p), L, ws.get<float>(), ctx.dbias_acc, ctx.vec_load, ctx.vec_store);
+      p, call_score_mods(p), L, ws.get<float>(), dbias_tiles ? nullptr : ctx.dbias_acc,
+      ctx.vec_load, ctx.vec_store);
   FLASHDL_CUDA_CHECK_LAUNCH("fa1 backward kernel launch");
   ws.release();
+  if (dbias_tiles) fa2dbias::launch_with_stats<T, kHeadDim>(p, ctx);
 }
 
 }  // namespace flashdl::cuda

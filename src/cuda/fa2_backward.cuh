@@ -26,6 +26,7 @@
 #include <string>
 
 #include "bwd_block.cuh"
+#include "bwd_stats.cuh"
 #include "check.hpp"
 #include "fa2_bwd_traits.cuh"
 #include "fa2_dbias.cuh"
@@ -43,33 +44,6 @@
 
 namespace flashdl::cuda {
 namespace fa2bwd {
-
-constexpr int kPreRows = 8;  // rows per preprocess CTA: a warp each
-
-template <typename T>
-__global__ void __launch_bounds__(kPreRows * 32)
-    preprocess_kernel(const __grid_constant__ Params p, float* ws_l2, float* ws_d) {
-  const int lane = threadIdx.x % 32;
-  const int64_t i = int64_t(blockIdx.x) * kPreRows + threadIdx.x / 32;
-  const int64_t h = blockIdx.y, b = blockIdx.z;
-  const detail::Sequence seq = detail::sequence_of(p, b);
-  if (i >= seq.sq) return;
-  const T* o = static_cast<const T*>(p.o_ptr) + b * p.o_batch_stride + (seq.q0 + i) * p.o_row_stride +
-               h * p.o_head_stride;
-  const T* dout = static_cast<const T*>(p.do_ptr) + b * p.do_batch_stride +
-                  (seq.q0 + i) * p.do_row_stride +
-                  h * p.do_head_stride;
-  float acc = 0.0f;
-  for (int64_t c = lane; c < p.headdim; c += 32) acc += to_float(o[c]) * to_float(dout[c]);
-  acc = warp_sum(acc);
-  if (lane == 0) {
-    const int64_t row = (b * p.nheads + h) * p.seqlen_q + i;
-    const float lse =
-        p.lse_ptr[b * p.lse_batch_stride + h * p.lse_head_stride + (seq.q0 + i) * p.lse_row_stride];
-    ws_d[row] = acc;
-    ws_l2[row] = lse * float(detail::kLog2e);  // -inf (an empty row) stays -inf
-  }
-}
 
 // dq = scale * dQ accumulator, converted to T: a thread per 8 elements.
 template <typename T>

@@ -1,4 +1,4 @@
-// dBias of a bias broadcast over an axis with deterministic=True (the fa2 backward).
+// dBias of a bias broadcast over an axis with deterministic=True (the fa2 and fa1 backwards).
 //
 // The main kernel adds each dS into the compact float32 dBias accumulator with atomics; where the
 // bias is broadcast over the batch, the heads or the query rows, several scores add into one
@@ -9,12 +9,15 @@
 // a fixed order (batch, then head, then query row), so every run gives the same bits. Cost: the
 // two products q.k and dO.v again for every score (scalar FMAs, K and V tiles staged in shared
 // memory), about the backward's own arithmetic over again; a bias with every axis its own never
-// comes here (each element receives one score: the atomics are exact).
+// comes here (each element receives one score: the atomics are exact). The fa2 backward launches
+// it with its own workspace's statistics (launch), fa1 with statistics of its own
+// (launch_with_stats).
 #pragma once
 
 #include <cstdint>
 
 #include "bwd_block.cuh"
+#include "bwd_stats.cuh"
 #include "check.hpp"
 #include "flashdl/detail/block_mask.hpp"
 #include "flashdl/detail/dropout.hpp"
@@ -167,6 +170,30 @@ void launch(const Params& p, const ScoreModF& mods, const float* ws_l2, const fl
   FLASHDL_LAUNCH(dim3(static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y)), kCols,
                  L::kBytes, ctx.stream, kernel)(p, mods, ws_l2, ws_d, ctx.dbias_acc);
   FLASHDL_CUDA_CHECK_LAUNCH("deterministic dbias kernel launch");
+}
+
+// For a backward without the fa2 workspace (fa1, whose kernel keeps lse2 and D in shared memory):
+// the row statistics into a workspace of their own first, then the kernel.
+template <typename T, int kD>
+void launch_with_stats(const Params& p, const LaunchContext& ctx) {
+  const int64_t rows = p.batch * p.nheads * p.seqlen_q;
+  const int64_t pre_blocks = detail::ceil_div(p.seqlen_q, int64_t(fa2bwd::kPreRows));
+  if (p.nheads > ctx.max_grid_y || p.batch > ctx.max_grid_z || pre_blocks > INT32_MAX)
+    throw Error(ErrorKind::unsupported,
+                "q: too large for the deterministic dbias's statistics launch: nheads " +
+                    std::to_string(p.nheads) + ", batch " + std::to_string(p.batch));
+  StreamWorkspace ws(static_cast<std::size_t>(rows > 0 ? 2 * rows : 1) * sizeof(float),
+                     ctx.stream);
+  float* l2 = ws.get<float>();
+  float* d = l2 + rows;
+  if (rows > 0) {
+    FLASHDL_LAUNCH(dim3(static_cast<unsigned>(pre_blocks), static_cast<unsigned>(p.nheads),
+                        static_cast<unsigned>(p.batch)),
+                   fa2bwd::kPreRows * 32, 0, ctx.stream, fa2bwd::preprocess_kernel<T>)(p, l2, d);
+    FLASHDL_CUDA_CHECK_LAUNCH("deterministic dbias statistics launch");
+  }
+  launch<T, kD>(p, call_score_mods(p), l2, d, ctx);
+  ws.release();
 }
 
 }  // namespace fa2dbias

@@ -184,15 +184,9 @@ void copy_to_host(void* dst, const void* src, std::size_t bytes, int device, voi
 
 void backward(const Params& params) {
   // dBias into a float32 accumulator of the bias's (compact) shape, by atomics: a bias broadcast
-  // over an axis sums over it in an order that varies from run to run. With deterministic=True
-  // the fa2 backward sums such a dBias in a kernel of its own, in a fixed order (fa2_dbias.cuh);
-  // fa1 has none and refuses. A full-size bias receives each element once (exact, reproducible).
-  if (params.dbias_ptr != nullptr && params.deterministic && !detail::dbias_direct(params) &&
-      params.schedule == Schedule::fa1)
-    throw Error(ErrorKind::not_implemented,
-                "dbias: not yet deterministic with schedule='fa1' for a bias broadcast over an "
-                "axis (its sum uses atomics); pass schedule='fa2' or 'auto', deterministic=False, "
-                "or a full-size bias");
+  // over an axis sums over it in an order that varies from run to run, so with deterministic=True
+  // the backwards leave such a dBias to a kernel of its own that sums in a fixed order
+  // (fa2_dbias.cuh). A full-size bias receives each element once (exact, reproducible).
   DeviceGuard guard(params.device.id);
   LaunchContext ctx = make_context(params, true);
   Params p = params;

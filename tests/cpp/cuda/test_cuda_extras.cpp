@@ -8,8 +8,8 @@
 // nothing, NaN and Inf in K and V at keys only the mask hides, sinks with dsinks, the varlen
 // packed layout, and an all-true mask equal to no mask bit for bit on the fa2 shared-memory
 // softmax path (FLASHDL_CUDA_FA2_SMEM_SOFTMAX=1, set and unset here), and deterministic=True:
-// a full-size dbias repeating bit for bit, a broadcast one refused by name with fa1 and summed by
-// fa2's own kernel (bitwise across runs; oracle cases above). Outputs start as NaN.
+// a full-size dbias repeating bit for bit, a broadcast one summed by a kernel of its own (fa1 and
+// fa2; bitwise across runs; oracle cases above). Outputs start as NaN.
 // Exit code 77 (skipped) when there is no CUDA device.
 // Command line (cli.hpp): --quick, --filter SUBSTR, --no-race, --cpu.
 #include <cuda_runtime.h>
@@ -541,9 +541,9 @@ bool run_varlen(const Target& t, DType dt, Schedule sched, bool det, int bias_mo
 }
 
 // deterministic=True: with a full-size bias, dbias and dsinks repeat bit for bit; with a bias
-// broadcast over the batch, heads and rows, fa1 refuses dbias by name before any device work, and
-// fa2's dbias (its own kernel, fa2_dbias.cuh) repeats bit for bit and equals the non-deterministic
-// sum (atomics) within float32 rounding.
+// broadcast over the batch, heads and rows, fa1's and fa2's dbias (a kernel of its own,
+// fa2_dbias.cuh) repeat bit for bit and equal the non-deterministic sum (atomics) within float32
+// rounding.
 bool run_determinism(const Target& t) {
   const bool th = t.host;
   const int64_t b = 1, sq = 40, sk = 90, h = 2, hk = 1, d = 32;
@@ -580,33 +580,21 @@ bool run_determinism(const Target& t) {
     t.sync();
     return db.values_dev();
   };
-  {  // fa1: refused
-    bool refused = false;
-    try {
-      broadcast_dbias(Schedule::fa1, true);
-    } catch (const flashdl::Error& e) {
-      const std::string m = e.what();
-      refused = e.kind() == flashdl::ErrorKind::not_implemented &&
-                m.find("dbias") != std::string::npos && m.find("fa1") != std::string::npos;
-    }
-    if (!refused) {
-      ok = false;
-      why += " fa1's broadcast dbias with deterministic=True was not refused by name";
-    }
-  }
-  {  // fa2: its own kernel, bitwise across runs, the atomics' sum within rounding
-    const std::vector<double> a = broadcast_dbias(Schedule::fa2, true),
-                              c = broadcast_dbias(Schedule::fa2, true),
-                              atomics = broadcast_dbias(Schedule::fa2, false);
+  // A broadcast bias: fa1 and fa2 leave dbias to a kernel of its own (fa2_dbias.cuh), bitwise
+  // across runs and the atomics' sum within rounding.
+  for (const Schedule sched : {Schedule::fa1, Schedule::fa2}) {
+    const std::string name = flashdl::schedule_name(sched);
+    const std::vector<double> a = broadcast_dbias(sched, true), c = broadcast_dbias(sched, true),
+                              atomics = broadcast_dbias(sched, false);
     if (std::memcmp(a.data(), c.data(), a.size() * 8) != 0) {
       ok = false;
-      why += " fa2's broadcast dbias differs between two deterministic runs";
+      why += " " + name + "'s broadcast dbias differs between two deterministic runs";
     }
     const double err = max_abs_diff(a, atomics), scale = max_abs(atomics);
     if (!(err <= 1e-5 * scale + 1e-6) || !(scale > 0)) {
       ok = false;
-      why += " fa2's deterministic broadcast dbias is off the atomic sum by " + std::to_string(err) +
-             " (max |dbias| " + std::to_string(scale) + ")";
+      why += " " + name + "'s deterministic broadcast dbias is off the atomic sum by " +
+             std::to_string(err) + " (max |dbias| " + std::to_string(scale) + ")";
     }
   }
   std::vector<double> first[2];
@@ -692,6 +680,7 @@ int main(int argc, char** argv) {
     // deterministic=True with a broadcast bias: dbias by fa2's own kernel (fa2_dbias.cuh)
     cases.push_back({f16, Schedule::fa2, true, 2, 70, 150, 4, 2, 64, true, -1, -1, Bcast::heads1, f32, Bcast::full, true, true, false});
     cases.push_back({bf16, Schedule::fa2, true, 2, 70, 150, 4, 2, 64, false, 30, 10, Bcast::batch1_transposed, bf16, Bcast::none, false, true, true});
+    cases.push_back({bf16, Schedule::fa1, true, 2, 70, 150, 4, 2, 64, true, -1, -1, Bcast::heads1, f32, Bcast::full, true, true, false});
     if (!cli.quick) {
       for (Schedule s : {Schedule::fa1, Schedule::fa2})
         for (DType dt : {f16, bf16})
