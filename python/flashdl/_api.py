@@ -557,6 +557,24 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
     >>> flashdl.attention(q.swapaxes(1, 2), kv, kv, window_size=(4, 0), layout="bhsd").shape
     (2, 4, 16, 8)
     """
+    if (type(q) is _NDARRAY and type(k) is _NDARRAY and type(v) is _NDARRAY
+            and q.dtype in _FAST_DTYPES and k.dtype is q.dtype and v.dtype is q.dtype
+            and (causal is False or causal is True) and (return_lse is False or return_lse is True)
+            and softmax_scale is None and seed is None and return_seed is False
+            and block_mask is None and alibi_slopes is None and bias is None and mask is None
+            and sinks is None and schedule == "auto" and layout == "bshd"
+            and window_size.__class__ is tuple and window_size == (-1, -1)
+            and dropout_p.__class__ is float and dropout_p == 0.0
+            and softcap.__class__ is float and softcap == 0.0
+            and offset.__class__ is int and offset == 0 and block_size.__class__ is int
+            and block_size == 128 and dropout_batch_offset.__class__ is int
+            and dropout_batch_offset == 0 and dropout_head_offset.__class__ is int
+            and dropout_head_offset == 0 and dropout_nheads_total.__class__ is int
+            and dropout_nheads_total == 0
+            and q.flags.aligned and k.flags.aligned and v.flags.aligned):
+        result = _fast_numpy_forward(q, k, v, causal, return_lse)
+        if result is not None:
+            return result
     return_lse = _checks.flag("return_lse", return_lse)
     return_seed = _checks.flag("return_seed", return_seed)
     bhsd = _layout(layout)
@@ -582,6 +600,37 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
     if return_seed:
         result += (seed,)
     return result if len(result) > 1 else out
+
+
+# The common eager call, fast (a tiny call's time is mostly Python): q, k, v aligned, native-order
+# NumPy float16/32/64 arrays of one dtype, every option but causal and return_lse at its default.
+# The keywords are those the full path builds for it (built by the same helpers, once); shapes and
+# strides are the core's to check, as there. A call the core refuses goes down the full path again,
+# which words the error for the caller (the layout hints), so errors are the full path's.
+_NDARRAY = np.ndarray
+_FAST_DTYPES = frozenset(np.dtype(t) for t in (np.float16, np.float32, np.float64))
+_FAST_OPTS: dict = {}  # causal -> the binding's keywords
+
+
+def _fast_numpy_forward(q, k, v, causal, return_lse):
+    opts = _FAST_OPTS.get(causal)
+    if opts is None:
+        frame = Frame({"q": q, "k": k, "v": v}, _FLOATS_FWD)
+        opts = _options(causal, None, "auto", (-1, -1), frame)
+        opts.update(_block_sparse(None, 128))
+        opts.update(_score_mods(None, 0.0))
+        opts.update(_extras(None, None, None))
+        opts.update(_dropout_slice(0, 0, 0))
+        dropout_p, seed, offset = _dropout(0.0, None, 0)
+        opts.update(dropout_p=dropout_p, seed=seed, offset=offset)
+        _FAST_OPTS[causal] = opts
+    out = np.empty(q.shape, q.dtype)
+    lse = np.empty(_lse_shape(q), np.float32)
+    try:
+        _ext.forward(q, k, v, out, lse, **opts)
+    except Exception:  # noqa: BLE001 - re-raised, worded, by the full path
+        return None
+    return (out, lse) if return_lse else out
 
 
 def _backward_options(causal, softmax_scale, schedule, window_size, frame, dropout_p, seed,

@@ -127,7 +127,9 @@ int default_num_threads() {
     const int n = std::atoi(env);
     if (n > 0) return n;
   }
-  const unsigned hw = std::thread::hardware_concurrency();
+  // Asked once: glibc reads /sys/devices/system/cpu/online for it, about 6 us, which was half of
+  // a tiny call's time when no thread count was set (cpu_tuning.md, section 17).
+  static const unsigned hw = std::thread::hardware_concurrency();
   return hw > 0 ? static_cast<int>(hw) : 1;
 }
 
