@@ -10,6 +10,7 @@ from __future__ import annotations
 import numbers
 import operator
 import secrets
+import sys
 from typing import TYPE_CHECKING, Any, Literal, Optional, Tuple, Union, overload
 
 import numpy as np
@@ -557,22 +558,20 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
     >>> flashdl.attention(q.swapaxes(1, 2), kv, kv, window_size=(4, 0), layout="bhsd").shape
     (2, 4, 16, 8)
     """
-    if (type(q) is _NDARRAY and type(k) is _NDARRAY and type(v) is _NDARRAY
-            and q.dtype in _FAST_DTYPES and k.dtype is q.dtype and v.dtype is q.dtype
-            and (causal is False or causal is True) and (return_lse is False or return_lse is True)
-            and softmax_scale is None and seed is None and return_seed is False
-            and block_mask is None and alibi_slopes is None and bias is None and mask is None
-            and sinks is None and schedule == "auto" and layout == "bshd"
-            and window_size.__class__ is tuple and window_size == (-1, -1)
+    if ((causal is False or causal is True) and (return_lse is False or return_lse is True)
+            and softmax_scale is None and (seed is None or (seed.__class__ is int and seed == 0))
+            and return_seed is False and block_mask is None and alibi_slopes is None
+            and bias is None and mask is None and sinks is None and schedule == "auto"
+            and layout == "bshd" and window_size.__class__ is tuple and window_size == (-1, -1)
             and dropout_p.__class__ is float and dropout_p == 0.0
             and softcap.__class__ is float and softcap == 0.0
-            and offset.__class__ is int and offset == 0 and block_size.__class__ is int
-            and block_size == 128 and dropout_batch_offset.__class__ is int
-            and dropout_batch_offset == 0 and dropout_head_offset.__class__ is int
-            and dropout_head_offset == 0 and dropout_nheads_total.__class__ is int
-            and dropout_nheads_total == 0
-            and q.flags.aligned and k.flags.aligned and v.flags.aligned):
-        result = _fast_numpy_forward(q, k, v, causal, return_lse)
+            and offset.__class__ is int and offset == 0
+            and ((block_size.__class__ is int and block_size == 128)
+                 or (block_size.__class__ is tuple and block_size == (128, 128)))
+            and dropout_batch_offset.__class__ is int and dropout_batch_offset == 0
+            and dropout_head_offset.__class__ is int and dropout_head_offset == 0
+            and dropout_nheads_total.__class__ is int and dropout_nheads_total == 0):
+        result = _fast_forward(q, k, v, causal, return_lse)
         if result is not None:
             return result
     return_lse = _checks.flag("return_lse", return_lse)
@@ -602,32 +601,79 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
     return result if len(result) > 1 else out
 
 
-# The common eager call, fast (a tiny call's time is mostly Python): q, k, v aligned, native-order
-# NumPy float16/32/64 arrays of one dtype, every option but causal and return_lse at its default.
-# The keywords are those the full path builds for it (built by the same helpers, once); shapes and
-# strides are the core's to check, as there. A call the core refuses goes down the full path again,
-# which words the error for the caller (the layout hints), so errors are the full path's.
+# The common eager call, fast (a tiny call's time is mostly Python): q, k, v of one dtype, either
+# aligned native-order NumPy float16/32/64 arrays or plain CPU torch tensors (no subclass, no
+# grad) of a float dtype, every option but causal and return_lse at its default (seed 0 and
+# block_size (128, 128) are flashdl.torch's spelling of the defaults). The keywords are those the
+# full path builds for such a call (built by the same helpers, once); shapes and strides are the
+# core's to check, as there. Anything else, or a call the core refuses, goes down the full path,
+# which words the error for the caller (the layout hints): errors are the full path's.
 _NDARRAY = np.ndarray
 _FAST_DTYPES = frozenset(np.dtype(t) for t in (np.float16, np.float32, np.float64))
 _FAST_OPTS: dict = {}  # causal -> the binding's keywords
 
 
-def _fast_numpy_forward(q, k, v, causal, return_lse):
+def _fast_inputs(q, k, v):
+    """'numpy' or 'torch' where q, k, v qualify for the fast path, else None."""
+    if type(q) is _NDARRAY:
+        if (type(k) is _NDARRAY and type(v) is _NDARRAY and q.dtype in _FAST_DTYPES
+                and k.dtype is q.dtype and v.dtype is q.dtype
+                and q.flags.aligned and k.flags.aligned and v.flags.aligned):
+            return "numpy"
+        return None
+    torch = sys.modules.get("torch")
+    if torch is None or type(q) is not torch.Tensor or type(k) is not torch.Tensor or \
+            type(v) is not torch.Tensor:
+        return None
+    if (q.dtype in _FAST_TORCH_DTYPES and k.dtype is q.dtype and v.dtype is q.dtype
+            and q.is_cpu and k.is_cpu and v.is_cpu
+            and not (q.requires_grad or k.requires_grad or v.requires_grad)
+            and q.layout is torch.strided and k.layout is torch.strided
+            and v.layout is torch.strided and not torch.compiler.is_compiling()):
+        return "torch"
+    return None
+
+
+class _TorchDtypes:
+    """torch's float dtypes, once torch is imported (flashdl never imports it itself)."""
+
+    def __contains__(self, dtype):
+        torch = sys.modules["torch"]
+        return dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+_FAST_TORCH_DTYPES = _TorchDtypes()
+
+
+def _fast_forward(q, k, v, causal, return_lse):
+    kind = _fast_inputs(q, k, v)
+    if kind is None:
+        return None
     opts = _FAST_OPTS.get(causal)
     if opts is None:
         frame = Frame({"q": q, "k": k, "v": v}, _FLOATS_FWD)
+        if frame.dtype is not None or frame.stream != 0:  # not for the cached keywords
+            return None
         opts = _options(causal, None, "auto", (-1, -1), frame)
         opts.update(_block_sparse(None, 128))
         opts.update(_score_mods(None, 0.0))
         opts.update(_extras(None, None, None))
         opts.update(_dropout_slice(0, 0, 0))
-        dropout_p, seed, offset = _dropout(0.0, None, 0)
+        dropout_p, seed, offset = _dropout(0.0, 0, 0)
         opts.update(dropout_p=dropout_p, seed=seed, offset=offset)
         _FAST_OPTS[causal] = opts
-    out = np.empty(q.shape, q.dtype)
-    lse = np.empty(_lse_shape(q), np.float32)
+    if kind == "numpy":
+        out = np.empty(q.shape, q.dtype)
+        lse = np.empty(_lse_shape(q), np.float32)
+        args = (q, k, v, out, lse)
+    else:
+        torch = sys.modules["torch"]
+        out = torch.empty(q.shape, dtype=q.dtype)
+        lse = torch.empty(_lse_shape(q), dtype=torch.float32)
+        to_dlpack = torch.utils.dlpack.to_dlpack
+        args = (to_dlpack(q), to_dlpack(k), to_dlpack(v), to_dlpack(out), to_dlpack(lse))
     try:
-        _ext.forward(q, k, v, out, lse, **opts)
+        _ext.forward(*args, **opts)
     except Exception:  # noqa: BLE001 - re-raised, worded, by the full path
         return None
     return (out, lse) if return_lse else out

@@ -207,29 +207,40 @@ def test_auto_few_queries_many_keys(shape, dtype, window, mods):
     assert_lse(lse, l2)
 
 
-def test_numpy_fast_path_is_the_full_path(monkeypatch):
-    """flashdl.attention on aligned NumPy float16/32/64 arrays with default options (causal and
-    return_lse aside) skips the Python frame (a tiny call's time is mostly Python): it must give
-    the full path's results bit for bit, take the fast path where it should (no Frame built),
-    not where it should not, and raise the full path's errors, worded the same."""
+def test_fast_path_is_the_full_path(monkeypatch):
+    """flashdl.attention on aligned NumPy float16/32/64 arrays, or plain CPU torch tensors, with
+    default options (causal and return_lse aside) skips the Python frame (a tiny call's time is
+    mostly Python): it must give the full path's results bit for bit, take the fast path where it
+    should (no Frame built), not where it should not, and raise the full path's errors, worded
+    the same."""
     from flashdl import _api
+    torch = pytest.importorskip("torch")
 
     rng = np.random.default_rng(7)
-    full_path = lambda *a: None  # noqa: E731 - _fast_numpy_forward declining: the full path
+    full_path = lambda *a: None  # noqa: E731 - _fast_forward declining: the full path
+    inputs = []
     for dtype in (np.float16, np.float32, np.float64):
         q = rng.standard_normal((2, 9, 4, 16)).astype(dtype)
         k, v = (rng.standard_normal((2, 11, 2, 16)).astype(dtype) for _ in range(2))
+        inputs.append((q, k, v))
+    for tdt in (torch.float32, torch.bfloat16):
+        inputs.append(tuple(torch.from_numpy(x.astype(np.float32)).to(tdt) for x in inputs[1]))
+    for q, k, v in inputs:
         for causal in (False, True):
             fast = flashdl.attention(q, k, v, causal=causal, return_lse=True)
             with monkeypatch.context() as m:
-                m.setattr(_api, "_fast_numpy_forward", full_path)
+                m.setattr(_api, "_fast_forward", full_path)
                 full = flashdl.attention(q, k, v, causal=causal, return_lse=True)
             for a, b in zip(fast, full):
-                assert a.dtype == b.dtype and a.shape == b.shape
-                np.testing.assert_array_equal(a, b)
-            assert isinstance(flashdl.attention(q, k, v, causal=causal), np.ndarray)
+                assert type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape
+                if isinstance(a, torch.Tensor):
+                    assert torch.equal(a, b)
+                else:
+                    np.testing.assert_array_equal(a, b)
+            assert type(flashdl.attention(q, k, v, causal=causal)) is type(q)
 
     q = rng.standard_normal((1, 5, 2, 8)).astype(np.float32)
+    t = torch.from_numpy(q)
 
     def no_frame(*args, **kwargs):
         raise AssertionError("the full path ran")
@@ -238,23 +249,33 @@ def test_numpy_fast_path_is_the_full_path(monkeypatch):
         m.setattr(_api, "Frame", no_frame)
         flashdl.attention(q, q, q)  # fast: no Frame
         flashdl.attention(q, q, q, causal=True, return_lse=True)
+        flashdl.attention(t, t, t, seed=0, block_size=(128, 128))  # flashdl.torch's spelling
+        tb = t.to(torch.bfloat16)
+        flashdl.attention(tb, tb, tb, return_lse=True)
         for kwargs in ({"softmax_scale": 0.5}, {"window_size": (2, 0)}, {"schedule": "fa2"},
-                       {"dropout_p": 0.1}, {"softcap": 1.0}, {"layout": "bhsd"}):
+                       {"dropout_p": 0.1}, {"softcap": 1.0}, {"layout": "bhsd"}, {"seed": 3},
+                       {"block_size": 64}):
+            for x in (q, t):
+                with pytest.raises(AssertionError, match="the full path ran"):
+                    flashdl.attention(x, x, x, **kwargs)
+        for args in ((q, q.astype(np.float64), q), (q, q.tolist(), q), (q, t, q),
+                     (t, t.double(), t), (t, t.requires_grad_(), t.detach())):
             with pytest.raises(AssertionError, match="the full path ran"):
-                flashdl.attention(q, q, q, **kwargs)
-        for other in (q.astype(np.float64), q[:, :, :1].astype(np.float32).tolist()):
-            with pytest.raises(AssertionError, match="the full path ran"):
-                flashdl.attention(q, other, q)  # mixed dtypes or types: the full path's checks
+                flashdl.attention(*args)  # mixed dtypes, types or grad: the full path's checks
+    with pytest.raises(ValueError, match="requires grad"):  # the full path's refusal, still
+        flashdl.attention(t, t, t)
+    t = t.detach()
 
     heads_first_q = rng.standard_normal((1, 2, 5, 8)).astype(np.float32)  # (b, h, s, d)
     heads_first_kv = rng.standard_normal((1, 2, 7, 8)).astype(np.float32)
     bad = [(q, q[:, :, :1, :4], q), (q, q, q[:, :3]), (q[0], q, q), (q, q.swapaxes(1, 2), q),
-           (heads_first_q, heads_first_kv, heads_first_kv)]  # the full path's layout= hint
+           (heads_first_q, heads_first_kv, heads_first_kv),  # the full path's layout= hint
+           (t, t[:, :3], t)]
     for args in bad:
         with pytest.raises(ValueError) as fast_error:
             flashdl.attention(*args)
         with monkeypatch.context() as m:
-            m.setattr(_api, "_fast_numpy_forward", full_path)
+            m.setattr(_api, "_fast_forward", full_path)
             with pytest.raises(ValueError) as full_error:
                 flashdl.attention(*args)
         assert str(fast_error.value) == str(full_error.value)
