@@ -625,24 +625,14 @@ def _fast_inputs(q, k, v):
     if torch is None or type(q) is not torch.Tensor or type(k) is not torch.Tensor or \
             type(v) is not torch.Tensor:
         return None
-    if (q.dtype in _FAST_TORCH_DTYPES and k.dtype is q.dtype and v.dtype is q.dtype
+    if (q.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+            and k.dtype is q.dtype and v.dtype is q.dtype
             and q.is_cpu and k.is_cpu and v.is_cpu
             and not (q.requires_grad or k.requires_grad or v.requires_grad)
             and q.layout is torch.strided and k.layout is torch.strided
             and v.layout is torch.strided and not torch.compiler.is_compiling()):
         return "torch"
     return None
-
-
-class _TorchDtypes:
-    """torch's float dtypes, once torch is imported (flashdl never imports it itself)."""
-
-    def __contains__(self, dtype):
-        torch = sys.modules["torch"]
-        return dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-_FAST_TORCH_DTYPES = _TorchDtypes()
 
 
 def _fast_forward(q, k, v, causal, return_lse):
