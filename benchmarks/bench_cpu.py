@@ -40,13 +40,29 @@ def median_time(fn, reps):
     return statistics.median(times)
 
 
-def alternate(fns, reps):
-    """Runs each fn once to warm up, then reps rounds alternating them; medians in seconds."""
+SETTLE_S = 0.02
+
+
+def alternate(fns, reps, settle=True):
+    """Runs each fn once to warm up, then reps rounds alternating them; medians in seconds.
+
+    With settle, each timed call follows untimed calls of the same fn for at least SETTLE_S:
+    torch's OpenMP workers spin for 10-15 ms after an op here, and a flashdl call timed while they
+    spin shares a core with them (measured: 512 x 512 float32 forward, 2 threads, 3.1 ms alone,
+    6.3 ms right after SDPA, 3.3 ms with OMP_WAIT_POLICY=PASSIVE; benchmarks/results/
+    cpu_tuning.md section 18). flashdl's pool sleeps between calls, so torch timed after flashdl
+    saw no such cost: without settle the comparison measured torch's spinning, not flashdl.
+    """
     for fn in fns:
         fn()
     samples = [[] for _ in fns]
     for _ in range(reps):
         for i, fn in enumerate(fns):
+            if settle:
+                start = time.perf_counter()
+                fn()
+                while time.perf_counter() - start < SETTLE_S:
+                    fn()
             t = time.perf_counter()
             fn()
             samples[i].append(time.perf_counter() - t)

@@ -17,7 +17,7 @@ void fa1_forward_impl(const Params& p, int threads, int64_t sram_bytes) {
   const Geometry<T> g = fa1_geometry<T>(p, sram_bytes);
   const Mask mask = mask_of(p);
   const int64_t rows_alloc = padded_rows(g);
-  parallel_for(p.batch * p.nheads, threads, [&](int64_t begin, int64_t end, int) {
+  parallel_tasks(p.batch * p.nheads, threads, [&](Tasks& tasks, int) {
     Buffer<T> o_hbm, m_hbm, l_hbm, kt_buf, v_buf, q_buf, s_buf, pv_buf, rmax_buf, lt_buf, scratch,
         xrow;
     T* O = o_hbm.get(rows_alloc * g.dp);
@@ -30,7 +30,7 @@ void fa1_forward_impl(const Params& p, int threads, int64_t sram_bytes) {
     T* PV = pv_buf.get(g.Brp * g.dp);
     T* m_tilde = rmax_buf.get(g.Brp);
     T* l_tilde = lt_buf.get(g.Brp);
-    for (int64_t bh = begin; bh < end; ++bh) {
+    for (int64_t bh = 0; tasks.next(bh);) {
       const int64_t b = bh / p.nheads, h = bh % p.nheads, hk = h / p.h_h_k_ratio;
       const BlockMask bm = detail::block_mask_of(p, b, h);
       const HeadMods<T> mods(p, b, h);

@@ -83,7 +83,7 @@ void fa2_forward_impl(const Params& p, int threads) {
   const Geometry<T> g = make_geometry<T>(p, fa2_block_rows(), fa2_block_cols(), true);
   const Mask mask = mask_of(p);
   const bool zigzag = uneven_work(p);
-  parallel_for(p.batch * p.nheads * g.nqb, threads, [&](int64_t begin, int64_t end, int) {
+  parallel_tasks(p.batch * p.nheads * g.nqb, threads, [&](Tasks& tasks, int) {
     Prod prod;
     Buffer<T> sbuf, obuf, mbuf, o0buf, xrow;
     T* S = sbuf.get(g.Brp * g.Bcp);
@@ -91,7 +91,7 @@ void fa2_forward_impl(const Params& p, int threads) {
     T* O0 = o0buf.get(g.Brp * g.dp);
     T* row_max = mbuf.get(g.Brp);
     std::vector<detail::OnlineSoftmax<T>> sm(static_cast<size_t>(g.Brp));
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task = 0; tasks.next(task);) {
       const int64_t bh = task / g.nqb;
       const int64_t b = bh / p.nheads, h = bh % p.nheads, hk = h / p.h_h_k_ratio;
       const int64_t qt = block_order(task % g.nqb, g.nqb, zigzag);
@@ -197,10 +197,10 @@ void prepare_backward_inputs(const Params& p, const Geometry<T>& g, int threads,
   in.dO.reset(new T[rows_all * static_cast<size_t>(g.dp)]);
   in.L2.reset(new T[rows_all]);
   in.D.reset(new T[rows_all]);
-  parallel_for(p.batch * p.nheads * g.nqb, threads, [&](int64_t begin, int64_t end, int) {
+  parallel_tasks(p.batch * p.nheads * g.nqb, threads, [&](Tasks& tasks, int) {
     Buffer<T> obuf;
     T* O = obuf.get(g.Brp * g.dp);
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task = 0; tasks.next(task);) {
       const int64_t bh = task / g.nqb, b = bh / p.nheads, h = bh % p.nheads, qt = task % g.nqb;
       const int64_t t0 = tile_row(g, qt);
       load_query_tile(p, g, b, h, qt, in.q(bh, t0), in.dout(bh, t0), in.l2(bh, t0), in.d(bh, t0),

@@ -482,7 +482,7 @@ void kvcache_forward_impl(const Params& p, int threads) {
     lse_part.assign(static_cast<size_t>(p.batch * S * rows_all), T(-INFINITY));
   }
 
-  parallel_for(p.batch * S * row_chunks, threads, [&](int64_t begin, int64_t end, int) {
+  parallel_tasks(p.batch * S * row_chunks, threads, [&](Tasks& tasks, int) {
     Buffer<T> sbuf, obuf, o0buf, xrow;
     Rows products(Rc, d, dp);
     T* Sc = sbuf.get(Rc * Bt);
@@ -498,7 +498,7 @@ void kvcache_forward_impl(const Params& p, int threads) {
     const bool extras = detail::has_extras(p), masked = p.mask_ptr != nullptr;
     std::vector<detail::HeadExtras> ex(static_cast<size_t>(Rc));
     std::vector<KvKeep> keep(static_cast<size_t>(Rc));
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task = 0; tasks.next(task);) {
       const int64_t rc = task % row_chunks, rest = task / row_chunks;
       const int64_t s = rest % S, b = rest / S;
       const int64_t r0 = rc * Rc, rows = std::min(Rc, rows_all - r0);

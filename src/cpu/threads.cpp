@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <exception>
 #include <mutex>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -131,6 +132,76 @@ int default_num_threads() {
   // a tiny call's time when no thread count was set (cpu_tuning.md, section 17).
   static const unsigned hw = std::thread::hardware_concurrency();
   return hw > 0 ? static_cast<int>(hw) : 1;
+}
+
+namespace {
+constexpr uint64_t pack_range(uint64_t begin, uint64_t end) { return begin | (end << 32); }
+constexpr int64_t range_begin(uint64_t w) { return static_cast<int64_t>(w & 0xffffffffu); }
+constexpr int64_t range_end(uint64_t w) { return static_cast<int64_t>(w >> 32); }
+}  // namespace
+
+TaskQueue::TaskQueue(int64_t n, int threads)
+    : threads_(threads), ranges_(new Range[static_cast<size_t>(threads)]) {
+  if (n < 0 || n > int64_t{0xffffffff})
+    throw std::invalid_argument("parallel_tasks: n must be in [0, 2^32)");
+  for (int t = 0; t < threads; ++t) {
+    int64_t b, e;
+    static_slice(n, threads, t, b, e);
+    ranges_[t].word.store(pack_range(static_cast<uint64_t>(b), static_cast<uint64_t>(e)),
+                          std::memory_order_relaxed);
+  }
+}
+
+bool TaskQueue::take_front(int t, int64_t& task) {
+  uint64_t w = ranges_[t].word.load(std::memory_order_relaxed);
+  for (;;) {
+    const int64_t b = range_begin(w), e = range_end(w);
+    if (b >= e) return false;
+    if (ranges_[t].word.compare_exchange_weak(w, pack_range(b + 1, e), std::memory_order_relaxed)) {
+      task = b;
+      return true;
+    }
+  }
+}
+
+bool TaskQueue::take_back(int t, int64_t& task) {
+  uint64_t w = ranges_[t].word.load(std::memory_order_relaxed);
+  for (;;) {
+    const int64_t b = range_begin(w), e = range_end(w);
+    if (b >= e) return false;
+    if (ranges_[t].word.compare_exchange_weak(w, pack_range(b, e - 1), std::memory_order_relaxed)) {
+      task = e - 1;
+      return true;
+    }
+  }
+}
+
+bool TaskQueue::next(int thread, int64_t& task) {
+  if (take_front(thread, task)) return true;
+  for (;;) {
+    int victim = -1;
+    int64_t most = 0;
+    for (int t = 0; t < threads_; ++t) {
+      const uint64_t w = ranges_[t].word.load(std::memory_order_relaxed);
+      if (range_end(w) - range_begin(w) > most) {
+        most = range_end(w) - range_begin(w);
+        victim = t;
+      }
+    }
+    if (victim < 0) return false;
+    if (take_back(victim, task)) return true;  // else emptied meanwhile: look again
+  }
+}
+
+void parallel_tasks(int64_t n, int threads, const std::function<void(Tasks&, int)>& fn) {
+  if (n <= 0) return;
+  if (threads > n) threads = static_cast<int>(n);
+  if (threads < 1) threads = 1;
+  TaskQueue queue(n, threads);
+  parallel_for(threads, threads, [&](int64_t begin, int64_t, int t) {
+    Tasks tasks(queue, static_cast<int>(begin));
+    fn(tasks, t);
+  });
 }
 
 void parallel_for(int64_t n, int threads,
