@@ -66,7 +66,8 @@ Geometry<T> make_geometry(const Params& p, int64_t Br, int64_t Bc, bool key_tile
 
 // One (query tile, key tile) pair: rows [i0, i0 + rows) and keys [j0, j0 + cols), computed at the
 // micro-kernel's padded sizes: mp rows (a multiple of kMR), np keys where keys are a product's
-// column dimension (a multiple of kNR) and nm where they are its row dimension (the backward's
+// column dimension (a multiple of col_align: kNR, or the vector width where every product on the
+// tile takes gemm's one-vector strip) and nm where they are its row dimension (the backward's
 // dK, dV; a multiple of kMR). A short tile (the last of a sequence or of a mask block) is computed
 // at its own padded size, not at the full tile's.
 struct TilePair {
@@ -75,14 +76,14 @@ struct TilePair {
 };
 
 template <typename T>
-TilePair tile_pair(const Geometry<T>& g, int64_t qt, int64_t kt) {
+TilePair tile_pair(const Geometry<T>& g, int64_t qt, int64_t kt, int64_t col_align = kNR<T>) {
   TilePair t;
   t.i0 = g.qt.start(qt);
   t.rows = g.qt.size(qt);
   t.mp = detail::round_up(t.rows, kMR);
   t.j0 = g.kt.start(kt);
   t.cols = g.kt.size(kt);
-  t.np = detail::round_up(t.cols, kNR<T>);
+  t.np = detail::round_up(t.cols, col_align);
   t.nm = detail::round_up(t.cols, kMR);
   return t;
 }

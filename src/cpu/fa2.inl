@@ -106,7 +106,9 @@ void fa2_forward_impl(const Params& p, int threads) {
       for (int64_t kt = g.kt.tile_of(j_begin); j_begin < j_end && kt < g.nkb && g.kt.start(kt) < j_end;
            ++kt) {
         if (!pair_in_mask(g, bm, qt, kt)) continue;  // a zero block: never loaded or computed
-        const TilePair t = tile_pair(g, qt, kt);
+        // Products in T pad a tile's keys to one vector (gemm's one-vector strip: a 16-key tile
+        // costs 16 columns, not 32); the bfloat16 pair kernels work on whole 32-column groups.
+        const TilePair t = tile_pair(g, qt, kt, PairProducts<Prod>::value ? kNR<T> : Simd<T>::W);
         if (mask_tile_empty(mods.extras(), t.i0, t.rows, t.j0, t.cols)) continue;
         if (!q_loaded) {
           prod.start(p, g, b, h, hk, i0, rows);
