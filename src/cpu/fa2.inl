@@ -19,7 +19,7 @@ inline int64_t fa2_block_cols() { return 96; }
 template <typename T>
 struct PackedKV {
   Buffer<T> Kt, V, scratch;
-  std::vector<char> packed;
+  std::vector<char> packed;  // per tile: bit 0 K^T, bit 1 V
   int64_t key = -1;
   int64_t b = 0, hk = 0;
 
@@ -37,40 +37,95 @@ struct PackedKV {
   // Tile kt of the selected head as (K^T, V), packed on first use.
   std::pair<const T*, const T*> tile(const Params& p, const Geometry<T>& g, int64_t kt) {
     T* kt_ptr = Kt.data.data() + kt * g.d * g.Bcp;
-    T* v_ptr = V.data.data() + kt * g.Bcp * g.dp;
-    if (!packed[kt]) {
+    if (!(packed[kt] & 1)) {
       const int64_t j0 = g.kt.start(kt), cols = g.kt.size(kt);
       load_rows_transposed(element(p.k_ptr, p.dtype, k_offset(p, b, j0, hk)), p.dtype,
                            p.k_row_stride, cols, g.d, kt_ptr, g.Bcp,
                            scratch.get(kTransposeRows * g.dp));
+      packed[kt] |= 1;
+    }
+    return {kt_ptr, value_tile(p, g, kt)};
+  }
+  // Tile kt of V alone (Bcp x dp), packed on first use.
+  const T* value_tile(const Params& p, const Geometry<T>& g, int64_t kt) {
+    T* v_ptr = V.data.data() + kt * g.Bcp * g.dp;
+    if (!(packed[kt] & 2)) {
+      const int64_t j0 = g.kt.start(kt), cols = g.kt.size(kt);
       load_rows(element(p.v_ptr, p.dtype, v_offset(p, b, j0, hk)), p.dtype, p.v_row_stride, cols,
                 g.d, v_ptr, g.dp, g.Bcp);
-      packed[kt] = 1;
+      packed[kt] |= 2;
     }
-    return {kt_ptr, v_ptr};
+    return v_ptr;
   }
 };
+
+// Whether the fa2 forward's products in T compute a tile's scores as S^T = K Q^T (K rows as they
+// are, Q^T as the packed operand) and transpose S, instead of S = Q K^T on a packed K^T. The
+// transposition then costs seqlen_q x seqlen_k elements of S per head instead of seqlen_k x d of
+// K (once per head and thread, for all its query tiles): fewer where a head has fewer query rows
+// than about half the head dim (benchmarks/results/cpu_tuning.md, section 19).
+inline bool scores_by_keys(const Params& p) { return 2 * p.seqlen_q <= p.headdim; }
+
+// The DType whose elements are T (products in T read such inputs in place).
+template <typename T>
+constexpr DType dtype_of() {
+  return std::is_same_v<T, double> ? DType::float64 : DType::float32;
+}
 
 // The forward's two products in T: S = Q K^T and O += P V on the tiles converted to T (every
 // dtype's path; bfloat16 has a faster one where the CPU multiplies bfloat16 pairs, bf16dot.inl).
 template <typename T>
 struct Products {
   PackedKV<T> kv;
-  Buffer<T> qbuf;
+  Buffer<T> qbuf, qtbuf, stbuf, kbuf;
   const T* V = nullptr;
+  bool by_keys = false;  // scores_by_keys
+  int64_t qn = 0;        // columns of Q^T (the query rows, padded to a vector)
 
   // Query rows [i0, i0 + rows) of head h, and K/V of (b, hk), for the tiles that follow.
   void start(const Params& p, const Geometry<T>& g, int64_t b, int64_t h, int64_t hk, int64_t i0,
              int64_t rows) {
     kv.select(p, g, b, hk);
+    T* Q = qbuf.get(g.Brp * g.dp);
     load_rows(element(p.q_ptr, p.dtype, q_offset(p, b, i0, h)), p.dtype, p.q_row_stride, rows,
-              g.d, qbuf.get(g.Brp * g.dp), g.dp, g.Brp);
+              g.d, Q, g.dp, g.Brp);
+    by_keys = scores_by_keys(p);
+    if (!by_keys) return;
+    qn = detail::round_up(rows, static_cast<int64_t>(Simd<T>::W));
+    T* QT = qtbuf.get(g.d * qn);
+    for (int64_t c = 0; c < g.d; ++c)
+      for (int64_t r = 0; r < qn; ++r) QT[c * qn + r] = r < rows ? Q[r * g.dp + c] : T(0);
   }
   // S = Q K^T (unscaled) for key tile kt.
   void scores(const Params& p, const Geometry<T>& g, int64_t kt, const TilePair& t, T* S) {
+    if (by_keys) return scores_transposed(p, g, kt, t, S);
     const auto [Kt, Vt] = kv.tile(p, g, kt);
     V = Vt;
     gemm<T, false, false>(t.mp, t.np, g.d, qbuf.data.data(), g.dp, Kt, g.Bcp, S, g.Bcp);
+  }
+  // The same as S^T = K Q^T on the key rows (read in place where they are already T and the tile
+  // is a whole number of micro-kernel rows; else converted, no transpose), then S = (S^T)^T for
+  // the tile's rows, zeros in its padding columns.
+  void scores_transposed(const Params& p, const Geometry<T>& g, int64_t kt, const TilePair& t,
+                         T* S) {
+    V = kv.value_tile(p, g, kt);
+    const int64_t m = detail::round_up(t.cols, static_cast<int64_t>(kMR));
+    const void* k = element(p.k_ptr, p.dtype, k_offset(p, kv.b, t.j0, kv.hk));
+    const T* K = static_cast<const T*>(k);
+    int64_t ldk = p.k_row_stride;
+    if (p.dtype != dtype_of<T>() || m != t.cols) {
+      T* buf = kbuf.get(g.Bcp * g.dp);
+      load_rows(k, p.dtype, p.k_row_stride, t.cols, g.d, buf, g.dp, m);
+      K = buf;
+      ldk = g.dp;
+    }
+    T* ST = stbuf.get(g.Bcp * qn);
+    gemm<T, false, false>(m, qn, g.d, K, ldk, qtbuf.data.data(), qn, ST, qn);
+    for (int64_t r = 0; r < t.rows; ++r) {
+      T* s = S + r * g.Bcp;
+      for (int64_t j = 0; j < t.cols; ++j) s[j] = ST[j * qn + r];
+      std::fill(s + t.cols, s + t.np, T(0));
+    }
   }
   // O += P V for the key tile of the last scores() call.
   void accumulate(const Geometry<T>& g, const TilePair& t, const T* P, T* O) {

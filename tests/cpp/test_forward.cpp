@@ -52,6 +52,12 @@ std::vector<Case> cases() {
   c.seed = 42; c.offset = 7; add(c);
   c = Case{}; c.name = "dropout 0.5 causal GQA"; c.b = 2; c.sq = c.sk = 50; c.h = 4; c.hk = 2;
   c.causal = true; c.dropout = 0.5f; c.seed = 1ull << 40; c.offset = 3; add(c);
+  // seqlen_q <= headdim / 2: fa2 computes S as (K Q^T)^T, K read in place where it is float32
+  // and the tile a whole number of micro-kernel rows (96 keys), else converted (the 8-key tail).
+  c = Case{}; c.name = "few queries: K Q^T, GQA 4/2 causal"; c.b = 2; c.sq = 9; c.sk = 200;
+  c.h = 4; c.hk = 2; c.d = 64; c.causal = true; add(c);
+  c = Case{}; c.name = "few queries: K Q^T, strided K, window (30,-1)"; c.sq = 20; c.sk = 250;
+  c.h = c.hk = 3; c.d = 128; c.kl.order = {0, 2, 1}; c.kl.pad = 2; c.left = 30; add(c);
   c = Case{}; c.name = "seqlen_k 0"; c.sq = 5; c.sk = 0; c.h = 2; c.hk = 1; add(c);
   c = Case{}; c.name = "seqlen 1000 causal d64"; c.sq = c.sk = 1000; c.d = 64; c.causal = true;
   c.dtypes = lowp; add(c);
