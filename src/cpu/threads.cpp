@@ -1,5 +1,8 @@
 #include "cpu/threads.hpp"
 
+#include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <exception>
@@ -17,12 +20,28 @@ namespace flashdl::cpu {
 
 namespace {
 
+// Waits between regions: a worker spins for kWorkerSpin after its slice before it sleeps on the
+// condition variable, and the caller spins for up to kCallerSpin for the workers to finish before
+// it sleeps. A sleeping thread's wake-up cost 25-50 us on the 2-vCPU VM measured (a futex wake
+// crosses to the other virtual CPU), more than a small call's whole kernel, and a backward runs
+// three or four regions back to back (benchmarks/results/cpu_tuning.md, section 20).
+constexpr auto kWorkerSpin = std::chrono::microseconds(100);
+constexpr auto kCallerSpin = std::chrono::microseconds(500);
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
 class Pool {
  public:
   ~Pool() {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
+      stop_.store(true);
     }
     cv_.notify_all();
     for (auto& w : workers_) w.join();
@@ -31,20 +50,31 @@ class Pool {
   void run(int64_t n, int threads,
            const std::function<void(int64_t, int64_t, int)>& fn) {
     std::lock_guard<std::mutex> serial(run_mu_);  // one parallel region at a time
+    threads = std::min(threads, 0xffff);
     ensure_workers(threads - 1);
+    // Published to the workers by region_'s release (they read them after its acquire); a
+    // region's thread count travels in region_ itself, as a worker outside the region may read it
+    // after the caller has gone on to the next region.
+    fn_ = &fn;
+    n_ = n;
+    threads_ = threads;
+    error_ = nullptr;
+    pending_.store(threads - 1, std::memory_order_relaxed);
     {
-      std::lock_guard<std::mutex> lock(mu_);
-      fn_ = &fn;
-      n_ = n;
-      threads_ = threads;
-      pending_ = threads - 1;
-      error_ = nullptr;
-      ++generation_;
+      std::lock_guard<std::mutex> lock(mu_);  // a worker checks region_ under mu_ before sleeping
+      const uint64_t next = ((region_.load(std::memory_order_relaxed) >> 16) + 1) << 16;
+      region_.store(next | static_cast<uint64_t>(threads), std::memory_order_release);
+      if (sleepers_ > 0) cv_.notify_all();
     }
-    cv_.notify_all();
     run_slice(0);
-    std::unique_lock<std::mutex> lock(mu_);
-    done_cv_.wait(lock, [&] { return pending_ == 0; });
+    const auto until = std::chrono::steady_clock::now() + kCallerSpin;
+    while (pending_.load(std::memory_order_acquire) != 0 &&
+           std::chrono::steady_clock::now() < until)
+      cpu_relax();
+    if (pending_.load(std::memory_order_acquire) != 0) {
+      std::unique_lock<std::mutex> lock(mu_);
+      done_cv_.wait(lock, [&] { return pending_.load(std::memory_order_acquire) == 0; });
+    }
     fn_ = nullptr;
     if (error_) std::rethrow_exception(error_);
   }
@@ -75,20 +105,35 @@ class Pool {
     }
   }
 
+  // The next region's word (spinning for kWorkerSpin, then asleep), or `seen` on stop.
+  uint64_t wait_for_region(uint64_t seen) {
+    const auto until = std::chrono::steady_clock::now() + kWorkerSpin;
+    for (;;) {
+      const uint64_t g = region_.load(std::memory_order_acquire);
+      if (g != seen || stop_.load(std::memory_order_relaxed)) return g;
+      if (std::chrono::steady_clock::now() >= until) break;
+      for (int i = 0; i < 64; ++i) cpu_relax();
+    }
+    std::unique_lock<std::mutex> lock(mu_);
+    ++sleepers_;
+    cv_.wait(lock, [&] {
+      return stop_.load(std::memory_order_relaxed) ||
+             region_.load(std::memory_order_acquire) != seen;
+    });
+    --sleepers_;
+    return region_.load(std::memory_order_acquire);
+  }
+
   void worker(int index) {
     uint64_t seen = 0;
     for (;;) {
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
-        if (stop_) return;
-        seen = generation_;
-        if (index >= threads_) continue;  // not part of this region
-      }
+      seen = wait_for_region(seen);
+      if (stop_.load()) return;
+      if (index >= static_cast<int>(seen & 0xffff)) continue;  // not part of this region
       run_slice(index);
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (--pending_ == 0) done_cv_.notify_one();
+      if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        std::lock_guard<std::mutex> lock(mu_);  // the caller may be asleep on done_cv_
+        done_cv_.notify_one();
       }
     }
   }
@@ -100,9 +145,10 @@ class Pool {
   const std::function<void(int64_t, int64_t, int)>* fn_ = nullptr;
   int64_t n_ = 0;
   int threads_ = 1;
-  int pending_ = 0;
-  uint64_t generation_ = 0;
-  bool stop_ = false;
+  std::atomic<int> pending_{0};
+  std::atomic<uint64_t> region_{0};  // generation << 16 | the region's thread count
+  int sleepers_ = 0;  // workers waiting on cv_ (under mu_)
+  std::atomic<bool> stop_{false};
   std::exception_ptr error_;
 };
 

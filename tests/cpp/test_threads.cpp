@@ -1,7 +1,8 @@
 // The CPU thread pool (src/cpu/threads.hpp): parallel_for's static slices cover [0, n) once, in
 // order, thread t always the same slice; parallel_tasks runs every task exactly once, each thread
 // its own slice front to back when nothing slows it, and the tasks of a stalled thread's slice
-// end up run by the others; an exception from any thread reaches the caller.
+// end up run by the others; regions whose thread counts change run each task once; an exception
+// from any thread reaches the caller.
 #include <atomic>
 #include <chrono>
 #include <stdexcept>
@@ -114,6 +115,25 @@ void test_parallel_tasks_steal() {
     CHECK(seq0[i] == 63 - static_cast<int64_t>(i - 32));
 }
 
+// Regions back to back with thread counts that change from one to the next (workers outside a
+// region must not run it, nor run a later one twice): every task once, every time.
+void test_changing_thread_counts() {
+  bool all_once = true;
+  for (int it = 0; it < 3000; ++it) {
+    const int threads = 1 + it % 4;
+    const int64_t n = 1 + it % 7;
+    std::vector<std::atomic<int>> runs(static_cast<size_t>(3 * n));
+    fc::parallel_for(n, threads, [&](int64_t b, int64_t e, int) {
+      for (int64_t i = b; i < e; ++i) runs[static_cast<size_t>(i)]++;
+    });
+    fc::parallel_tasks(2 * n, 4 - it % 4, [&](fc::Tasks& tasks, int) {
+      for (int64_t i = 0; tasks.next(i);) runs[static_cast<size_t>(n + i)]++;
+    });
+    for (auto& r : runs) all_once = all_once && r.load() == 1;
+  }
+  CHECK(all_once);
+}
+
 void test_exceptions() {
   // Task 1 is in thread 0's slice, task 6 in thread 1's (whichever thread ends up running it).
   for (int64_t bad : {1, 6}) {
@@ -145,6 +165,7 @@ int main() {
   run_test("threads: parallel_for runs each static slice", test_parallel_for_runs_slices);
   run_test("threads: parallel_tasks runs every task once", test_parallel_tasks_once);
   run_test("threads: a stalled thread's tasks are taken from its slice's end", test_parallel_tasks_steal);
+  run_test("threads: regions with changing thread counts", test_changing_thread_counts);
   run_test("threads: exceptions reach the caller", test_exceptions);
   return finish();
 }
