@@ -28,12 +28,14 @@ namespace {
 constexpr auto kWorkerSpin = std::chrono::microseconds(100);
 constexpr auto kCallerSpin = std::chrono::microseconds(500);
 
-inline void cpu_relax() {
+// One step of a spin: a few pause instructions, then a yield, so that a thread the scheduler put
+// on this CPU's queue (a worker woken onto its waker's CPU) runs instead of waiting for the spin's
+// end: with pause alone, regions after an idle millisecond took 0.2-1.2 ms instead of 35-140 us.
+inline void spin_step() {
 #if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#else
-  std::this_thread::yield();
+  for (int i = 0; i < 16; ++i) __builtin_ia32_pause();
 #endif
+  std::this_thread::yield();
 }
 
 class Pool {
@@ -70,7 +72,7 @@ class Pool {
     const auto until = std::chrono::steady_clock::now() + kCallerSpin;
     while (pending_.load(std::memory_order_acquire) != 0 &&
            std::chrono::steady_clock::now() < until)
-      cpu_relax();
+      spin_step();
     if (pending_.load(std::memory_order_acquire) != 0) {
       std::unique_lock<std::mutex> lock(mu_);
       done_cv_.wait(lock, [&] { return pending_.load(std::memory_order_acquire) == 0; });
@@ -112,7 +114,7 @@ class Pool {
       const uint64_t g = region_.load(std::memory_order_acquire);
       if (g != seen || stop_.load(std::memory_order_relaxed)) return g;
       if (std::chrono::steady_clock::now() >= until) break;
-      for (int i = 0; i < 64; ++i) cpu_relax();
+      spin_step();
     }
     std::unique_lock<std::mutex> lock(mu_);
     ++sleepers_;
