@@ -16,7 +16,7 @@ from typing import List, Literal, Optional, Tuple, Union, overload
 import numpy as np
 import torch
 
-from . import _checks, _sdpa
+from . import _api, _checks, _sdpa
 from ._api import (_FLOATS_FWD, ArrayLike, BlockSize, _as_bshd, _block_sparse, _compact,
                    _cu_seqlens, _full_rank,
                    _dropout, _int32_index, _layout, _LayoutErrors, _lse_shape, _max_seqlen,
@@ -548,6 +548,27 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     >>> flashdl.torch.attention(x, x, x, layout="bhsd").shape
     torch.Size([2, 4, 16, 8])
     """
+    # Default options on plain CPU tensors that need no autograd, with nothing that would intercept
+    # the op (dispatch or function modes, functorch transforms): flashdl.attention's fast path,
+    # the op's own implementation without its Python (a tiny call 25 -> 13 us; cpu_tuning.md
+    # section 21). Anything else, and any call the fast path declines, takes the op.
+    if (q.__class__ is torch.Tensor  # (a NumPy q is refused by the full path)
+            and not torch.compiler.is_compiling()
+            and (causal is False or causal is True) and (return_lse is False or return_lse is True)
+            and softmax_scale is None and seed is None and block_mask is None
+            and alibi_slopes is None and bias is None and mask is None and sinks is None
+            and schedule == "auto" and layout == "bshd" and deterministic is False
+            and window_size.__class__ is tuple and window_size == (-1, -1)
+            and dropout_p.__class__ is float and dropout_p == 0.0
+            and softcap.__class__ is float and softcap == 0.0
+            and offset.__class__ is int and offset == 0
+            and block_size.__class__ is int and block_size == 128
+            and not torch._C._len_torch_dispatch_stack()
+            and not torch._C._len_torch_function_stack()
+            and not torch._C._are_functorch_transforms_active()):
+        result = _api._fast_forward(q, k, v, causal, return_lse)
+        if result is not None:
+            return result
     bhsd = _layout(layout)
     return_lse = _checks.flag("return_lse", return_lse)
     _tensors({"q": q, "k": k, "v": v}, "flashdl.torch.attention")

@@ -122,6 +122,50 @@ def test_backward_errors_name_the_argument():
         flashdl.attention(q, np.asarray(k), v)
 
 
+def test_fast_path_default_options(monkeypatch):
+    """flashdl.torch.attention with default options on plain CPU tensors that need no autograd
+    takes flashdl.attention's fast path (no op call): the same results bit for bit as the op,
+    and the op wherever an option, autograd, a mode or a transform needs it."""
+    from flashdl import _api
+
+    import flashdl.torch as fdt
+
+    def no_op(*args, **kwargs):
+        raise AssertionError("the op ran")
+
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 9, 2, 16, generator=gen) for _ in range(3))
+    for dt in (torch.float32, torch.bfloat16):
+        qd, kd, vd = (x.to(dt) for x in (q, k, v))
+        for causal in (False, True):
+            with monkeypatch.context() as m:
+                m.setattr(fdt, "_call", no_op)
+                fast = fdt.attention(qd, kd, vd, causal=causal, return_lse=True)
+            with monkeypatch.context() as m:
+                m.setattr(_api, "_fast_forward", lambda *a: None)
+                full = fdt.attention(qd, kd, vd, causal=causal, return_lse=True)
+            for a, b in zip(fast, full):
+                assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    with monkeypatch.context() as m:
+        m.setattr(fdt, "_call", no_op)
+        for kwargs in ({"softmax_scale": 0.5}, {"window_size": (2, 0)}, {"schedule": "fa2"},
+                       {"dropout_p": 0.1}, {"softcap": 1.0}, {"layout": "bhsd"}, {"seed": 3},
+                       {"block_size": 64}, {"deterministic": True}):
+            with pytest.raises(AssertionError, match="the op ran"):
+                fdt.attention(q, k, v, **kwargs)
+        with pytest.raises(AssertionError, match="the op ran"):
+            fdt.attention(q.clone().requires_grad_(), k, v)  # autograd
+        with pytest.raises(TypeError, match="causal"):  # not a bool: the full path's refusal
+            fdt.attention(q, k, v, causal=1)
+    with pytest.raises(TypeError, match=r"^q: expected a torch\.Tensor"):
+        fdt.attention(*(q.numpy(),) * 3)  # NumPy: refused, not run by flashdl.attention's path
+        with pytest.raises(AssertionError, match="the op ran"):
+            torch.func.vmap(lambda x: fdt.attention(x, k, v))(torch.stack([q, q]))
+        with torch.no_grad():  # no autograd needed, but the fast path wants no grad flags at all
+            with pytest.raises(AssertionError, match="the op ran"):
+                fdt.attention(q.clone().requires_grad_(), k, v)
+
+
 def test_eager_forward_dispatch_only_when_something_intercepts():
     """flashdl.torch's forward ops run their implementation directly when nothing would see the
     op (a tiny call's dispatch costs more than its work), and go through torch's dispatcher when
