@@ -146,6 +146,12 @@ void fa2_forward_impl(const Params& p, int threads) {
     T* O0 = o0buf.get(g.Brp * g.dp);
     T* row_max = mbuf.get(g.Brp);
     std::vector<detail::OnlineSoftmax<T>> sm(static_cast<size_t>(g.Brp));
+    // Each row's running sum l lane by lane (W values a row, rescaled as sm's l would be), added
+    // up into sm at the end. (T values, not a std::vector of vectors: the library's templates
+    // would handle those outside this file's instruction-set pragma, with another call ABI.)
+    constexpr int64_t W = Simd<T>::W;
+    Buffer<T> lanes_buf;
+    T* lanes = lanes_buf.get(g.Brp * W);
     for (int64_t task = 0; tasks.next(task);) {
       const int64_t bh = task / g.nqb;
       const int64_t b = bh / p.nheads, h = bh % p.nheads, hk = h / p.h_h_k_ratio;
@@ -157,6 +163,7 @@ void fa2_forward_impl(const Params& p, int threads) {
 
       std::fill(O, O + g.Brp * g.dp, T(0));
       std::fill(sm.begin(), sm.end(), detail::OnlineSoftmax<T>{});
+      std::fill(lanes, lanes + g.Brp * W, T(0));
       bool q_loaded = false;
       for (int64_t kt = g.kt.tile_of(j_begin); j_begin < j_end && kt < g.nkb && g.kt.start(kt) < j_end;
            ++kt) {
@@ -174,7 +181,8 @@ void fa2_forward_impl(const Params& p, int threads) {
                                         static_cast<T*>(nullptr), mods.extras());
         for (int64_t r = 0; r < rows; ++r) {
           const T alpha = sm[r].rescale_factor(row_max[r]);
-          sm[r].accumulate(alpha, row_exp2_sum(S + r * g.Bcp, t.np, sm[r].reference()));
+          vstore(lanes + r * W, vload(lanes + r * W) * vset1(alpha) +
+                                    row_exp2_lanes(S + r * g.Bcp, t.np, sm[r].reference()));
           if (alpha != T(1)) row_scale(O + r * g.dp, g.dp, alpha);
         }
         for (int64_t r = rows; r < t.mp; ++r) std::fill(S + r * g.Bcp, S + r * g.Bcp + t.np, T(0));
@@ -191,6 +199,7 @@ void fa2_forward_impl(const Params& p, int threads) {
                             PairProducts<Prod>::value);
       }
       for (int64_t r = 0; r < rows; ++r) {
+        sm[r].l = hsum<T>(vload(lanes + r * W));
         T o_scale = sm[r].inv_l(), lse = sm[r].lse();
         if (p.sinks_ptr != nullptr) {
           const auto f = detail::finalize_with_sink(sm[r].m, sm[r].l, detail::sink_of<T>(p, h));
