@@ -153,24 +153,35 @@ struct Bf16BackwardProducts {
 // V as pairs of keys (Bcp / 2 rows of dp words); zeros in every padding.
 struct Bf16Products {
   static constexpr bool kBf16Pairs = true;  // for redo_nonfinite_rows (blocks.inl)
-  Buffer<uint32_t> qw, ktw, vw, pw, scratch;
-  std::vector<char> packed;
-  int64_t key = -1, b = 0, hk = 0;
+  // A (batch, kv head)'s packed K^T and V; `heads` places as PackedKV's (fa2.inl).
+  struct Head {
+    Buffer<uint32_t> ktw, vw;
+    std::vector<char> packed;
+    int64_t key = -1;
+  };
+  std::vector<Head> heads = std::vector<Head>(1);
+  Head* cur = nullptr;
+  Buffer<uint32_t> qw, pw, scratch;
+  int64_t b = 0, hk = 0;
   const uint32_t* V = nullptr;
 
   static int64_t dw(const Geometry<float>& g) { return g.dp / 2; }
   static int64_t kd(const Geometry<float>& g) { return (g.d + 1) / 2; }
 
+  void slots(int64_t n) {
+    if (static_cast<int64_t>(heads.size()) != n) heads.assign(static_cast<size_t>(n), Head{});
+  }
   void start(const Params& p, const Geometry<float>& g, int64_t b_, int64_t h, int64_t hk_,
              int64_t i0, int64_t rows) {
     const int64_t k = b_ * p.nheads_kv + hk_;
-    if (k != key) {
-      key = k;
-      b = b_;
-      hk = hk_;
-      ktw.get(g.nkb * kd(g) * g.Bcp);
-      vw.get(g.nkb * (g.Bcp / 2) * g.dp);
-      packed.assign(static_cast<size_t>(g.nkb), 0);
+    b = b_;
+    hk = hk_;
+    cur = &heads[static_cast<size_t>(hk_) % heads.size()];
+    if (k != cur->key) {
+      cur->key = k;
+      cur->ktw.get(g.nkb * kd(g) * g.Bcp);
+      cur->vw.get(g.nkb * (g.Bcp / 2) * g.dp);
+      cur->packed.assign(static_cast<size_t>(g.nkb), 0);
     }
     uint32_t* Q = qw.get(g.Brp * dw(g));
     const auto* src = static_cast<const uint16_t*>(p.q_ptr) + q_offset(p, b_, i0, h);
@@ -180,8 +191,8 @@ struct Bf16Products {
 
   void pack(const Params& p, const Geometry<float>& g, int64_t kt) {
     const int64_t j0 = g.kt.start(kt), cols = g.kt.size(kt);
-    uint32_t* Kt = ktw.data.data() + kt * kd(g) * g.Bcp;
-    uint32_t* Vp = vw.data.data() + kt * (g.Bcp / 2) * g.dp;
+    uint32_t* Kt = cur->ktw.data.data() + kt * kd(g) * g.Bcp;
+    uint32_t* Vp = cur->vw.data.data() + kt * (g.Bcp / 2) * g.dp;
     const auto* k = static_cast<const uint16_t*>(p.k_ptr) + k_offset(p, b, j0, hk);
     const auto* v = static_cast<const uint16_t*>(p.v_ptr) + v_offset(p, b, j0, hk);
     uint32_t* words = scratch.get(dw(g));
@@ -199,14 +210,14 @@ struct Bf16Products {
       for (int64_t c = 0; c < g.d; ++c) row[c] = uint32_t{v0[c]} | (uint32_t{v1[c]} << 16);
       std::fill(row + g.d, row + g.dp, 0u);
     }
-    packed[kt] = 1;
+    cur->packed[kt] = 1;
   }
 
   void scores(const Params& p, const Geometry<float>& g, int64_t kt, const TilePair& t, float* S) {
-    if (!packed[kt]) pack(p, g, kt);
-    V = vw.data.data() + kt * (g.Bcp / 2) * g.dp;
+    if (!cur->packed[kt]) pack(p, g, kt);
+    V = cur->vw.data.data() + kt * (g.Bcp / 2) * g.dp;
     gemm_bf16<false, false>(t.mp, t.np, kd(g), qw.data.data(), dw(g),
-                     ktw.data.data() + kt * kd(g) * g.Bcp, g.Bcp, S, g.Bcp);
+                     cur->ktw.data.data() + kt * kd(g) * g.Bcp, g.Bcp, S, g.Bcp);
   }
 
   void accumulate(const Geometry<float>& g, const TilePair& t, const float* P, float* O) {

@@ -15,28 +15,39 @@ inline int64_t fa2_block_cols() { return 96; }
 // kt of V is Bcp x dp at kt * Bcp * dp, each zero-padded. Contiguous tiles keep the micro-kernel's
 // B operand in a few pages (a whole-sequence K^T row stride thrashed L1 sets). A tile is packed
 // the first time a query tile of this thread needs it, so tiles that only zero blocks of a block
-// mask (or no row of a window) cover are never loaded.
+// mask (or no row of a window) cover are never loaded. Heads are kept in `slots` places (one, or
+// every kv head where the forward walks the heads of a query tile in turn, heads_together).
 template <typename T>
 struct PackedKV {
-  Buffer<T> Kt, V, scratch;
-  std::vector<char> packed;  // per tile: bit 0 K^T, bit 1 V
-  int64_t key = -1;
+  struct Head {
+    Buffer<T> Kt, V;
+    std::vector<char> packed;  // per tile: bit 0 K^T, bit 1 V
+    int64_t key = -1;
+  };
+  std::vector<Head> heads = std::vector<Head>(1);
+  Buffer<T> scratch;
+  Head* cur = nullptr;
   int64_t b = 0, hk = 0;
 
+  void slots(int64_t n) {
+    if (static_cast<int64_t>(heads.size()) != n) heads.assign(static_cast<size_t>(n), Head{});
+  }
   void select(const Params& p, const Geometry<T>& g, int64_t b_, int64_t hk_) {
     const int64_t k = b_ * p.nheads_kv + hk_;
-    if (k == key) return;
-    key = k;
     b = b_;
     hk = hk_;
-    Kt.get(g.nkb * g.d * g.Bcp);
-    V.get(g.nkb * g.Bcp * g.dp);
-    packed.assign(static_cast<size_t>(g.nkb), 0);
+    cur = &heads[static_cast<size_t>(hk_) % heads.size()];
+    if (k == cur->key) return;
+    cur->key = k;
+    cur->Kt.get(g.nkb * g.d * g.Bcp);
+    cur->V.get(g.nkb * g.Bcp * g.dp);
+    cur->packed.assign(static_cast<size_t>(g.nkb), 0);
   }
 
   // Tile kt of the selected head as (K^T, V), packed on first use.
   std::pair<const T*, const T*> tile(const Params& p, const Geometry<T>& g, int64_t kt) {
-    T* kt_ptr = Kt.data.data() + kt * g.d * g.Bcp;
+    std::vector<char>& packed = cur->packed;
+    T* kt_ptr = cur->Kt.data.data() + kt * g.d * g.Bcp;
     if (!(packed[kt] & 1)) {
       const int64_t j0 = g.kt.start(kt), cols = g.kt.size(kt);
       load_rows_transposed(element(p.k_ptr, p.dtype, k_offset(p, b, j0, hk)), p.dtype,
@@ -48,7 +59,8 @@ struct PackedKV {
   }
   // Tile kt of V alone (Bcp x dp), packed on first use.
   const T* value_tile(const Params& p, const Geometry<T>& g, int64_t kt) {
-    T* v_ptr = V.data.data() + kt * g.Bcp * g.dp;
+    std::vector<char>& packed = cur->packed;
+    T* v_ptr = cur->V.data.data() + kt * g.Bcp * g.dp;
     if (!(packed[kt] & 2)) {
       const int64_t j0 = g.kt.start(kt), cols = g.kt.size(kt);
       load_rows(element(p.v_ptr, p.dtype, v_offset(p, b, j0, hk)), p.dtype, p.v_row_stride, cols,
@@ -81,6 +93,8 @@ struct Products {
   const T* V = nullptr;
   bool by_keys = false;  // scores_by_keys
   int64_t qn = 0;        // columns of Q^T (the query rows, padded to a vector)
+
+  void slots(int64_t n) { kv.slots(n); }
 
   // Query rows [i0, i0 + rows) of head h, and K/V of (b, hk), for the tiles that follow.
   void start(const Params& p, const Geometry<T>& g, int64_t b, int64_t h, int64_t hk, int64_t i0,
@@ -133,13 +147,29 @@ struct Products {
   }
 };
 
+// Whether the forward walks the heads of one query tile in turn (tasks ordered batch, query
+// tile, head) rather than the query tiles of one head (batch, head, query tile): where every kv
+// head's packed K and V fit a thread's cache together (a few key tiles) and a head has several
+// query tiles. A head's query rows are d values in every nheads * d of a (batch, seqlen, nheads,
+// headdim) array; walking one head down a long sequence reads a short run every row stride, and
+// with seqlen_q = 16,384 over 16 keys that made the forward 4.6x slower than 8x the work of
+// 2,048 queries (cpu_tuning.md, section 23). Across the heads of a tile the rows are read whole.
+template <typename T>
+bool heads_together(const Params& p, const Geometry<T>& g) {
+  constexpr int64_t kBudget = int64_t{2} << 20;  // bytes of packed K and V, every kv head
+  const int64_t per_head = g.nkb * (g.d * g.Bcp + g.Bcp * g.dp) * static_cast<int64_t>(sizeof(T));
+  return g.nqb > 1 && p.nheads > 1 && per_head * p.nheads_kv <= kBudget;
+}
+
 template <typename T, typename Prod>
 void fa2_forward_impl(const Params& p, int threads) {
   const Geometry<T> g = make_geometry<T>(p, fa2_block_rows(), fa2_block_cols(), true);
   const Mask mask = mask_of(p);
   const bool zigzag = uneven_work(p);
+  const bool together = heads_together(p, g);
   parallel_tasks(p.batch * p.nheads * g.nqb, threads, [&](Tasks& tasks, int) {
     Prod prod;
+    prod.slots(together ? p.nheads_kv : 1);
     Buffer<T> sbuf, obuf, mbuf, o0buf, xrow;
     T* S = sbuf.get(g.Brp * g.Bcp);
     T* O = obuf.get(g.Brp * g.dp);
@@ -153,9 +183,9 @@ void fa2_forward_impl(const Params& p, int threads) {
     Buffer<T> lanes_buf;
     T* lanes = lanes_buf.get(g.Brp * W);
     for (int64_t task = 0; tasks.next(task);) {
-      const int64_t bh = task / g.nqb;
-      const int64_t b = bh / p.nheads, h = bh % p.nheads, hk = h / p.h_h_k_ratio;
-      const int64_t qt = block_order(task % g.nqb, g.nqb, zigzag);
+      const int64_t per_batch = p.nheads * g.nqb, b = task / per_batch, rest = task % per_batch;
+      const int64_t h = together ? rest % p.nheads : rest / g.nqb, hk = h / p.h_h_k_ratio;
+      const int64_t qt = block_order(together ? rest / p.nheads : rest % g.nqb, g.nqb, zigzag);
       const int64_t i0 = g.qt.start(qt), rows = g.qt.size(qt);
       const int64_t j_begin = mask.block_col_begin(i0), j_end = mask.block_col_end(i0 + rows);
       const BlockMask bm = detail::block_mask_of(p, b, h);
@@ -267,7 +297,10 @@ void prepare_backward_inputs(const Params& p, const Geometry<T>& g, int threads,
     Buffer<T> obuf;
     T* O = obuf.get(g.Brp * g.dp);
     for (int64_t task = 0; tasks.next(task);) {
-      const int64_t bh = task / g.nqb, b = bh / p.nheads, h = bh % p.nheads, qt = task % g.nqb;
+      // Ordered (batch, query tile, head): a tile's rows of every head are read together
+      // (heads_together says why).
+      const int64_t b = task / (g.nqb * p.nheads), qt = task / p.nheads % g.nqb;
+      const int64_t h = task % p.nheads, bh = b * p.nheads + h;
       const int64_t t0 = tile_row(g, qt);
       load_query_tile(p, g, b, h, qt, in.q(bh, t0), in.dout(bh, t0), in.l2(bh, t0), in.d(bh, t0),
                       O);
