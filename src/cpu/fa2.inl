@@ -326,13 +326,16 @@ void fa2_backward_by_keys(const Params& p, const Geometry<T>& g, const Mask& mas
   // dBias partial a thread; its dQ partials then cover every (batch, kv head).
   const bool by_tile = dbias.on && !dbias.direct;
   DBiasKeyTiles<T> dbias_tiles(p, g, by_tile ? nthreads : 0);
-  // Key-tile-major order also where every head's dQ partial is small (few query rows): a key
-  // tile's K and V rows, and its dK and dV rows, are then read and written whole across the kv
-  // heads instead of head by head down the sequence (as heads_together, for the forward). At
-  // 16 x 16,384 that walk was 45% of the time (cpu_tuning.md, section 24).
+  // Key-tile-major order also where every head's dQ partial is small (few query rows) and the key
+  // tiles are many: a key tile's K and V rows, and its dK and dV rows, are then read and written
+  // whole across the kv heads instead of head by head down the sequence (as heads_together, for
+  // the forward; at 16 x 16,384 that walk was 45% of the time). With few key tiles a thread's
+  // static slice would hold whole tile indices, the short last tile's on one thread alone
+  // (128 x 128 d 128: 1.4x slower); cpu_tuning.md, section 24.
   constexpr int64_t kSmallDq = int64_t{1} << 20;  // bytes of one thread's dQ partials
+  constexpr int64_t kManyKeyTiles = 16;
   const bool key_major =
-      by_tile || (p.nheads_kv > 1 &&
+      by_tile || (p.nheads_kv > 1 && g.nkb >= kManyKeyTiles &&
                   p.batch * p.nheads * in.rows_alloc * g.dp * static_cast<int64_t>(sizeof(T)) <=
                       kSmallDq);
   auto task_of = [&](int64_t task, int64_t& bhk, int64_t& index) {
