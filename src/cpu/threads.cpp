@@ -31,9 +31,6 @@ namespace {
 constexpr auto kWorkerSpin = std::chrono::microseconds(100);
 constexpr auto kCallerSpin = std::chrono::microseconds(500);
 
-// One step of a spin: a few pause instructions, then a yield, so that a thread the scheduler put
-// on this CPU's queue (a worker woken onto its waker's CPU) runs instead of waiting for the spin's
-// end: with pause alone, regions after an idle millisecond took 0.2-1.2 ms instead of 35-140 us.
 // The CPU the calling thread runs on, or -1 where the system does not say.
 inline int current_cpu() {
 #if defined(__linux__)
@@ -43,6 +40,9 @@ inline int current_cpu() {
 #endif
 }
 
+// One step of a spin: a few pause instructions, then a yield, so that a thread the scheduler put
+// on this CPU's queue (a worker woken onto its waker's CPU) runs instead of waiting for the spin's
+// end: with pause alone, regions after an idle millisecond took 0.2-1.2 ms instead of 35-140 us.
 inline void spin_step() {
 #if defined(__x86_64__) || defined(__i386__)
   for (int i = 0; i < 16; ++i) __builtin_ia32_pause();
