@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -192,6 +193,36 @@ void forward(const InArray& q, const InArray& k, const InArray& v, const OutArra
   const auto tq = to_view("q", q, ov, true), tk = to_view("k", k, ov, true),
              tv = to_view("v", v, ov, true), to = to_view("out", out, ov, true),
              tl = to_view("lse", lse, Override::none, false);
+  nb::gil_scoped_release release;
+  flashdl::forward(tq, tk, tv, to, tl, o);
+}
+
+// The common eager call (flashdl._api._fast_forward): every option at its default but causal,
+// positional arguments (keyword parsing was a tenth of a tiny call), and lse None where the
+// caller does not want it: the core then writes a scratch this call frees.
+void forward_default(const InArray& q, const InArray& k, const InArray& v, const OutArray& out,
+                     const std::optional<OutArray>& lse, bool causal) {
+  flashdl::Options o;
+  o.causal = causal;
+  const auto tq = to_view("q", q, Override::none, true), tk = to_view("k", k, Override::none, true),
+             tv = to_view("v", v, Override::none, true),
+             to = to_view("out", out, Override::none, true);
+  flashdl::TensorView tl;
+  std::unique_ptr<float[]> scratch;
+  if (lse) {
+    tl = to_view("lse", *lse, Override::none, false);
+  } else {
+    // (batch, nheads, seqlen_q) of a (batch, seqlen_q, nheads, headdim) q; another rank gets an
+    // empty placeholder and the core reports q.
+    static float placeholder;
+    const bool rank4 = tq.rank == 4;
+    const int64_t b = rank4 ? tq.shape[0] : 0, h = rank4 ? tq.shape[2] : 0,
+                  s = rank4 ? tq.shape[1] : 0;
+    const int64_t n = b * h * s;
+    if (n > 0) scratch.reset(new float[static_cast<size_t>(n)]);
+    tl = flashdl::make_view(n > 0 ? scratch.get() : &placeholder, flashdl::DType::float32,
+                            {b, h, s});
+  }
   nb::gil_scoped_release release;
   flashdl::forward(tq, tk, tv, to, tl, o);
 }
@@ -416,6 +447,10 @@ NB_MODULE(_ext, m) {
         "mask"_a.noconvert() = nb::none(), "dropout_batch_offset"_a = 0,
         "dropout_head_offset"_a = 0, "dropout_nheads_total"_a = 0,
         "Attention forward (validate_only: check the arguments, compute nothing): writes out (like q) and lse (float32, (batch, nheads, seqlen_q)).");
+
+  m.def("forward_default", &forward_default, "q"_a.noconvert(), "k"_a.noconvert(),
+        "v"_a.noconvert(), "out"_a.noconvert(), "lse"_a.noconvert().none(), "causal"_a,
+        "forward with every option at its default but causal; lse None: not returned.");
 
   m.def("backward", &backward, "dout"_a.noconvert(), "q"_a.noconvert(), "k"_a.noconvert(),
         "v"_a.noconvert(), "out"_a.noconvert(), "lse"_a.noconvert(), "dq"_a.noconvert(),

@@ -603,67 +603,52 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
 
 # The common eager call, fast (a tiny call's time is mostly Python): q, k, v of one dtype, either
 # aligned native-order NumPy float16/32/64 arrays or plain CPU torch tensors (no subclass, no
-# grad) of a float dtype, every option but causal and return_lse at its default (seed 0 and
-# block_size (128, 128) are flashdl.torch's spelling of the defaults). The keywords are those the
-# full path builds for such a call (built by the same helpers, once); shapes and strides are the
-# core's to check, as there. Anything else, or a call the core refuses, goes down the full path,
-# which words the error for the caller (the layout hints): errors are the full path's.
+# grad; _fast_forward_torch), every option but causal and return_lse at its default (seed 0 and
+# block_size (128, 128) are flashdl.torch's spelling of the defaults). The binding's
+# forward_default takes them positionally, with no lse array unless one is returned; shapes and
+# strides are the core's to check, as in the full path. Anything else, or a call the core
+# refuses, goes down the full path, which words the error for the caller (the layout hints):
+# errors are the full path's.
 _NDARRAY = np.ndarray
 _FAST_DTYPES = frozenset(np.dtype(t) for t in (np.float16, np.float32, np.float64))
-_FAST_OPTS: dict = {}  # causal -> the binding's keywords
-
-
-def _fast_inputs(q, k, v):
-    """'numpy' or 'torch' where q, k, v qualify for the fast path, else None."""
-    if type(q) is _NDARRAY:
-        if (type(k) is _NDARRAY and type(v) is _NDARRAY and q.dtype in _FAST_DTYPES
-                and k.dtype is q.dtype and v.dtype is q.dtype
-                and q.flags.aligned and k.flags.aligned and v.flags.aligned):
-            return "numpy"
-        return None
-    torch = sys.modules.get("torch")
-    if torch is None or type(q) is not torch.Tensor or type(k) is not torch.Tensor or \
-            type(v) is not torch.Tensor:
-        return None
-    if (q.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-            and k.dtype is q.dtype and v.dtype is q.dtype
-            and q.is_cpu and k.is_cpu and v.is_cpu
-            and not (q.requires_grad or k.requires_grad or v.requires_grad)
-            and q.layout is torch.strided and k.layout is torch.strided
-            and v.layout is torch.strided and not torch.compiler.is_compiling()):
-        return "torch"
-    return None
 
 
 def _fast_forward(q, k, v, causal, return_lse):
-    kind = _fast_inputs(q, k, v)
-    if kind is None:
-        return None
-    opts = _FAST_OPTS.get(causal)
-    if opts is None:
-        frame = Frame({"q": q, "k": k, "v": v}, _FLOATS_FWD)
-        if frame.dtype is not None or frame.stream != 0:  # not for the cached keywords
+    if type(q) is not _NDARRAY:
+        torch = sys.modules.get("torch")
+        if torch is None or type(q) is not torch.Tensor or torch.compiler.is_compiling():
             return None
-        opts = _options(causal, None, "auto", (-1, -1), frame)
-        opts.update(_block_sparse(None, 128))
-        opts.update(_score_mods(None, 0.0))
-        opts.update(_extras(None, None, None))
-        opts.update(_dropout_slice(0, 0, 0))
-        dropout_p, seed, offset = _dropout(0.0, 0, 0)
-        opts.update(dropout_p=dropout_p, seed=seed, offset=offset)
-        _FAST_OPTS[causal] = opts
-    if kind == "numpy":
-        out = np.empty(q.shape, q.dtype)
-        lse = np.empty(_lse_shape(q), np.float32)
-        args = (q, k, v, out, lse)
-    else:
-        torch = sys.modules["torch"]
-        out = torch.empty(q.shape, dtype=q.dtype)
-        lse = torch.empty(_lse_shape(q), dtype=torch.float32)
-        to_dlpack = torch.utils.dlpack.to_dlpack
-        args = (to_dlpack(q), to_dlpack(k), to_dlpack(v), to_dlpack(out), to_dlpack(lse))
+        return _fast_forward_torch(q, k, v, causal, return_lse)
+    if not (type(k) is _NDARRAY and type(v) is _NDARRAY and q.dtype in _FAST_DTYPES
+            and k.dtype is q.dtype and v.dtype is q.dtype
+            and q.flags.aligned and k.flags.aligned and v.flags.aligned):
+        return None
+    out = np.empty(q.shape, q.dtype)
+    lse = np.empty(_lse_shape(q), np.float32) if return_lse else None
     try:
-        _ext.forward(*args, **opts)
+        _ext.forward_default(q, k, v, out, lse, causal)
+    except Exception:  # noqa: BLE001 - re-raised, worded, by the full path
+        return None
+    return (out, lse) if return_lse else out
+
+
+def _fast_forward_torch(q, k, v, causal, return_lse):
+    """_fast_forward on a torch.Tensor q, outside torch.compile (the caller's checks). Every
+    other check is the core's (dtypes, devices, shapes: a refusal takes the full path) except
+    those it cannot make: plain tensors, no autograd, and q on the CPU (a GPU call needs the
+    caller's stream, which only the full path asks torch for)."""
+    torch = sys.modules["torch"]
+    tensor = torch.Tensor
+    if (type(k) is not tensor or type(v) is not tensor or not q.is_cpu
+            or q.requires_grad or k.requires_grad or v.requires_grad):
+        return None
+    try:
+        # empty_like: a third of torch.empty's time from a shape (a tiny call's largest part).
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = torch.empty(_lse_shape(q), dtype=torch.float32) if return_lse else None
+        to_dlpack = torch.utils.dlpack.to_dlpack
+        _ext.forward_default(to_dlpack(q), to_dlpack(k), to_dlpack(v), to_dlpack(out),
+                             None if lse is None else to_dlpack(lse), causal)
     except Exception:  # noqa: BLE001 - re-raised, worded, by the full path
         return None
     return (out, lse) if return_lse else out

@@ -8,6 +8,9 @@ from typing import Any, List, Optional
 
 _Array = Any
 
+def forward_default(
+    q: _Array, k: _Array, v: _Array, out: _Array, lse: Optional[_Array], causal: bool
+) -> None: ...
 def forward(
     q: _Array,
     k: _Array,

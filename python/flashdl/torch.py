@@ -566,7 +566,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             and not torch._C._len_torch_dispatch_stack()
             and not torch._C._len_torch_function_stack()
             and not torch._C._are_functorch_transforms_active()):
-        result = _api._fast_forward(q, k, v, causal, return_lse)
+        result = _api._fast_forward_torch(q, k, v, causal, return_lse)
         if result is not None:
             return result
     bhsd = _layout(layout)

@@ -100,15 +100,17 @@ struct Products {
   void start(const Params& p, const Geometry<T>& g, int64_t b, int64_t h, int64_t hk, int64_t i0,
              int64_t rows) {
     kv.select(p, g, b, hk);
-    T* Q = qbuf.get(g.Brp * g.dp);
-    load_rows(element(p.q_ptr, p.dtype, q_offset(p, b, i0, h)), p.dtype, p.q_row_stride, rows,
-              g.d, Q, g.dp, g.Brp);
+    const void* q = element(p.q_ptr, p.dtype, q_offset(p, b, i0, h));
     by_keys = scores_by_keys(p);
-    if (!by_keys) return;
+    if (!by_keys) {
+      load_rows(q, p.dtype, p.q_row_stride, rows, g.d, qbuf.get(g.Brp * g.dp), g.dp, g.Brp);
+      return;
+    }
+    // Q^T straight from the caller's rows (a scalar transpose of a converted Q was a sixth of a
+    // 16 x 16 forward; cpu_tuning.md section 26).
     qn = detail::round_up(rows, static_cast<int64_t>(Simd<T>::W));
-    T* QT = qtbuf.get(g.d * qn);
-    for (int64_t c = 0; c < g.d; ++c)
-      for (int64_t r = 0; r < qn; ++r) QT[c * qn + r] = r < rows ? Q[r * g.dp + c] : T(0);
+    load_rows_transposed(q, p.dtype, p.q_row_stride, rows, g.d, qtbuf.get(g.d * qn), qn,
+                         kv.scratch.get(kTransposeRows * g.dp));
   }
   // S = Q K^T (unscaled) for key tile kt.
   void scores(const Params& p, const Geometry<T>& g, int64_t kt, const TilePair& t, T* S) {
@@ -135,9 +137,18 @@ struct Products {
     }
     T* ST = stbuf.get(g.Bcp * qn);
     gemm<T, false, false>(m, qn, g.d, K, ldk, qtbuf.data.data(), qn, ST, qn);
+    // Whole blocks of W query rows in registers (t.np is a whole number of vectors: a block's
+    // columns past t.cols, from its zero rows, stay in the tile's padding); the rest by element.
+    constexpr int64_t W = Simd<T>::W;
+    const int64_t rw = t.rows / W * W;
+    for (int64_t r0 = 0; r0 < rw; r0 += W)
+      for (int64_t j0 = 0; j0 < t.cols; j0 += W)
+        transpose_block(ST + j0 * qn + r0, qn, std::min(W, t.cols - j0), S + r0 * g.Bcp + j0,
+                        g.Bcp);
     for (int64_t r = 0; r < t.rows; ++r) {
       T* s = S + r * g.Bcp;
-      for (int64_t j = 0; j < t.cols; ++j) s[j] = ST[j * qn + r];
+      if (r >= rw)
+        for (int64_t j = 0; j < t.cols; ++j) s[j] = ST[j * qn + r];
       std::fill(s + t.cols, s + t.np, T(0));
     }
   }

@@ -111,20 +111,32 @@ void load_rows(const void* src, DType dt, int64_t row_stride, int64_t rows, int6
 constexpr int64_t kTransposeRows = 16;
 
 // The transpose: dst[c * ld + r] = src row r, column c, for c < cols; zeros for r in [rows, ld).
-// kTransposeRows rows are converted into scratch, then written a column at a time: each store
-// run is then kTransposeRows consecutive elements of one cache line, not one element per line
-// (a store per row and column made this the forward's top cost over a few query rows).
+// kTransposeRows rows are converted into scratch, then transposed in W x W register blocks
+// (transpose_block), each store a vector of one destination row. (A store per row and column
+// made this the forward's top cost over a few query rows.)
 template <typename T>
 void load_rows_transposed(const void* src, DType dt, int64_t row_stride, int64_t rows, int64_t cols,
                           T* dst, int64_t ld, T* scratch) {
+  constexpr int64_t W = Simd<T>::W;
+  static_assert(kTransposeRows % W == 0, "whole register blocks of rows");
   for (int64_t c = 0; c < cols; ++c) std::fill(dst + c * ld + rows, dst + (c + 1) * ld, T(0));
   for (int64_t r0 = 0; r0 < rows; r0 += kTransposeRows) {
     const int64_t n = std::min(kTransposeRows, rows - r0);
     for (int64_t i = 0; i < n; ++i)
       convert_row_in(element(src, dt, (r0 + i) * row_stride), dt, cols, scratch + i * cols);
+    // Register blocks of W rows by W columns where a destination row has room for all W (its
+    // entries past `rows` are zero padding, which the block's zero rows rewrite); the rest by
+    // element.
+    const int64_t cw = cols / W * W;
+    int64_t covered = 0;  // rows [0, covered) of the chunk, columns [0, cw): done by blocks
+    for (; covered < n && r0 + covered + W <= ld; covered += W)
+      for (int64_t c = 0; c < cw; c += W)
+        transpose_block(scratch + covered * cols + c, cols, std::min(W, n - covered),
+                        dst + c * ld + r0 + covered, ld);
+    covered = std::min(covered, n);
     for (int64_t c = 0; c < cols; ++c) {
       T* out = dst + c * ld + r0;
-      for (int64_t i = 0; i < n; ++i) out[i] = scratch[i * cols + c];
+      for (int64_t i = c < cw ? covered : 0; i < n; ++i) out[i] = scratch[i * cols + c];
     }
   }
 }

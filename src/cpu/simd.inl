@@ -34,18 +34,90 @@ inline vec_t<T> vmax(vec_t<T> a, vec_t<T> b) {
   return a > b ? a : b;
 }
 
+// Horizontal reductions in log2(W) steps: the vector's upper half folded onto its lower half
+// until two lanes remain. (A lane-by-lane loop is a chain of W - 1 dependent operations: the
+// compiler may not reorder it, and in a short row's softmax that chain was the largest part of
+// mask_scores; cpu_tuning.md section 26.)
+template <typename T, int N>
+struct Lanes {
+  typedef T vec __attribute__((vector_size(N * sizeof(T))));
+};
+
+// Lanes [Off, Off + N / 2) of v as a half-width vector (a register extract, where a memcpy of the
+// halves sent v through the stack, with a store-forwarding stall, every row).
+template <typename T, int N, int Off, size_t... I>
+inline typename Lanes<T, N / 2>::vec half_lanes(typename Lanes<T, N>::vec v,
+                                              std::index_sequence<I...>) {
+  return __builtin_shufflevector(v, v, (Off + static_cast<int>(I))...);
+}
+
+// (Two functions, not one taking the operation: a lambda's call operator is compiled without
+// the file's instruction-set pragma, and vectors would cross it with another call ABI.)
+template <typename T, int N>
+inline T fold_max(typename Lanes<T, N>::vec v) {
+  if constexpr (N == 2) {
+    return v[0] > v[1] ? v[0] : v[1];
+  } else {
+    const auto lo = half_lanes<T, N, 0>(v, std::make_index_sequence<N / 2>{});
+    const auto hi = half_lanes<T, N, N / 2>(v, std::make_index_sequence<N / 2>{});
+    return fold_max<T, N / 2>(lo > hi ? lo : hi);
+  }
+}
+
+template <typename T, int N>
+inline T fold_sum(typename Lanes<T, N>::vec v) {
+  if constexpr (N == 2) {
+    return v[0] + v[1];
+  } else {
+    const auto lo = half_lanes<T, N, 0>(v, std::make_index_sequence<N / 2>{});
+    const auto hi = half_lanes<T, N, N / 2>(v, std::make_index_sequence<N / 2>{});
+    return fold_sum<T, N / 2>(lo + hi);
+  }
+}
+
 template <typename T>
 inline T hmax(vec_t<T> v) {
-  T m = v[0];
-  for (int i = 1; i < Simd<T>::W; ++i) m = v[i] > m ? v[i] : m;
-  return m;
+  return fold_max<T, Simd<T>::W>(v);
 }
 
 template <typename T>
 inline T hsum(vec_t<T> v) {
-  T s = v[0];
-  for (int i = 1; i < Simd<T>::W; ++i) s += v[i];
-  return s;
+  return fold_sum<T, Simd<T>::W>(v);
+}
+
+// A W x W transpose in registers: log2(W) stages; the stage of block size B swaps, in each pair of
+// rows (i, i + B) with i & B == 0, the B-column blocks off the diagonal of their 2B x 2B block
+// (row i's columns c with c & B against row i + B's columns c - B). Each stage is W two-source
+// shuffles, where a scalar transpose is W * W loads and stores (a 16 x 16 tile's S^T -> S and
+// Q -> Q^T were a sixth of a 16 x 16 forward; cpu_tuning.md section 26).
+template <typename T, int B, size_t... C>
+inline void transpose_stage(vec_t<T>* r, std::index_sequence<C...>) {
+  constexpr int W = Simd<T>::W;
+  for (int i = 0; i < W; ++i) {
+    if (i & B) continue;
+    const vec_t<T> a = r[i], b = r[i + B];
+    r[i] = __builtin_shufflevector(a, b, ((C & B) ? W + static_cast<int>(C) - B
+                                                  : static_cast<int>(C))...);
+    r[i + B] = __builtin_shufflevector(a, b, ((C & B) ? W + static_cast<int>(C)
+                                                      : static_cast<int>(C) + B)...);
+  }
+}
+
+template <typename T, int B = Simd<T>::W / 2>
+inline void transpose_lanes(vec_t<T>* r) {
+  transpose_stage<T, B>(r, std::make_index_sequence<Simd<T>::W>{});
+  if constexpr (B > 1) transpose_lanes<T, B / 2>(r);
+}
+
+// dst[c * ldd + i] = src[i * lds + c] for i < W, c < W, where src rows [nr, W) read as zero: W
+// full columns of nr <= W source rows, written as W full rows of W.
+template <typename T>
+inline void transpose_block(const T* src, int64_t lds, int64_t nr, T* dst, int64_t ldd) {
+  constexpr int W = Simd<T>::W;
+  vec_t<T> r[W];
+  for (int i = 0; i < W; ++i) r[i] = i < nr ? vload(src + i * lds) : vec_t<T>{};
+  transpose_lanes<T>(r);
+  for (int c = 0; c < W; ++c) vstore(dst + c * ldd, r[c]);
 }
 
 // 2^x for float vectors: round-to-nearest split x = n + f, |f| <= 1/2, 2^f by a degree-6
