@@ -40,7 +40,7 @@ def median_time(fn, reps):
     return statistics.median(times)
 
 
-SETTLE_S = 0.02
+SETTLE_S = 0.05
 
 
 def alternate(fns, reps, settle=True):
@@ -52,6 +52,9 @@ def alternate(fns, reps, settle=True):
     6.3 ms right after SDPA, 3.3 ms with OMP_WAIT_POLICY=PASSIVE; benchmarks/results/
     cpu_tuning.md section 18). flashdl's pool sleeps between calls, so torch timed after flashdl
     saw no such cost: without settle the comparison measured torch's spinning, not flashdl.
+    After SDPA's backward the spin outlasts 20 ms when the ops repeat every few tens of ms (a
+    16 x 128 float32 forward + backward: 0.36 ms timed after 20 ms of settling, 0.19 ms after 50,
+    0.23 ms with OMP_WAIT_POLICY=PASSIVE; cpu_tuning.md section 26): SETTLE_S is 50 ms.
     """
     for fn in fns:
         fn()
