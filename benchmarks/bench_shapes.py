@@ -12,7 +12,8 @@ machine state. The ratio is torch's time over flashdl's: above 1, flashdl is fas
 (cells over 10^9 score entries, batch x heads x seqlen_q x seqlen_k, skipped), causal and not, for the
 head dims in `--headdims`, and prints a ratio table (rows seqlen_q, columns seqlen_k, each cell
 "fwd ratio / fwd+bwd ratio") with the worst cell. `--sides`, `--causal` and `--max-entries` cut it down
-(the whole grid takes hours on a loaded 2-core machine). `--tiny` times the (1, 16, 2, 16) call:
+(the whole grid takes hours on a loaded 2-core machine); `--with-side N` runs only the cells with a
+side of N. `--tiny` times the (1, 16, 2, 16) call:
 eager `flashdl.attention` on NumPy and `flashdl.torch.attention` on torch against one SDPA call.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ import os
 import platform
 
 import flashdl
-from bench_cpu import alternate
+from bench_cpu import SETTLE_S, alternate
 from tables import cpu_model, emit
 
 SIDES = (16, 256, 4096, 100_000)
@@ -114,6 +115,9 @@ def issue31(args, torch):
                 for sk in sides:
                     if heads * sq * sk > args.max_entries:
                         continue
+                    if args.with_side is not None and args.with_side not in (sq, sk):
+                        cells[sq, sk] = None
+                        continue
                     # Calls under a millisecond: a scheduler hiccup is a large part of one,
                     # so more rounds go into their medians.
                     reps = args.reps * (SMALL_CELL_REPS if sq * sk <= SMALL_CELL else 1)
@@ -131,8 +135,9 @@ def issue31(args, torch):
                  "|---|" + "---|" * len(sides)]
             for sq in sides:
                 t.append(f"| {sq:,} | " + " | ".join(
-                    f"{cells[sq, sk][0]:.2f} / {cells[sq, sk][1]:.2f}" if (sq, sk) in cells
-                    else "-" for sk in sides) + " |")
+                    "-" if (sq, sk) not in cells else "n/r" if cells[sq, sk] is None
+                    else f"{cells[sq, sk][0]:.2f} / {cells[sq, sk][1]:.2f}" for sk in sides)
+                    + " |")
             tables += t + [""]
     with open("/proc/loadavg") as fh:
         load = " ".join(fh.read().split()[:3])
@@ -144,9 +149,11 @@ def issue31(args, torch):
         f"threads; torch {torch.__version__}, {torch.get_num_threads()} threads",
         f"- {args.dtype}, batch 1, {heads} heads, schedule auto; medians of {args.reps} "
         f"alternating rounds ({args.reps * SMALL_CELL_REPS} where seqlen_q x seqlen_k <= "
-        f"{SMALL_CELL:,}), each timed call after 20 ms of untimed calls of the same library "
-        "(bench_cpu.alternate); cells with more than "
-        f"{args.max_entries:.3g} score entries skipped (-)",
+        f"{SMALL_CELL:,}), each timed call after {SETTLE_S * 1e3:.0f} ms of untimed calls of the "
+        "same library (bench_cpu.alternate); cells with more than "
+        f"{args.max_entries:.3g} score entries skipped (-)"
+        + (f"; only cells with a side of {args.with_side:,} run (n/r: not run)"
+           if args.with_side is not None else ""),
         "- each cell: fwd ratio / fwd+bwd ratio, torch time / flashdl time (above 1: flashdl faster)",
         "",
     ]
@@ -168,6 +175,8 @@ def main():
     ap.add_argument("--headdims", default="64,128", help="issue31: comma-separated head dims")
     ap.add_argument("--causal", default="both", choices=["both", "no", "yes"])
     ap.add_argument("--max-entries", type=float, default=ISSUE31_MAX_ENTRIES)
+    ap.add_argument("--with-side", type=int, default=None,
+                    help="issue31: only the cells with this seqlen_q or seqlen_k (others: n/r)")
     ap.add_argument("--tiny", action="store_true", help="time the (1, 16, 2, 16) call only")
     args = ap.parse_args()
     import torch

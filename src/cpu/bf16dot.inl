@@ -225,6 +225,31 @@ struct Bf16Products {
     round_pairs(P, g.Bcp, t.mp, t.np, Pw, g.Bcp / 2);
     gemm_bf16<false, true>(t.mp, g.dp, t.np / 2, Pw, g.Bcp / 2, V, g.dp, O, g.dp);
   }
+
+  // Row r of P = exp2(S row r - ref) over np scores (np % 32 == 0) rounded straight to its
+  // bfloat16 pairs (round_pairs' layout and bits) for accumulate_pairs, with no float P stored
+  // and read back between two passes; returns the lane sums of the float P (row_exp2_lanes').
+  vec_t<float> exp_pairs(const Geometry<float>& g, const float* S, int64_t r, int64_t np,
+                         float ref) {
+    uint32_t* Pw = pw.get(g.Brp * (g.Bcp / 2)) + r * (g.Bcp / 2);
+    const float* s = S + r * g.Bcp;
+    const vec_t<float> vr = vset1(ref);
+    vec_t<float> acc = vec_t<float>{};
+    for (int64_t j = 0; j < np; j += 32) {
+      const vec_t<float> p0 = vexp2(vload(s + j) - vr), p1 = vexp2(vload(s + j + 16) - vr);
+      acc += p0;
+      acc += p1;
+      _mm512_storeu_si512(Pw + j / 2, (__m512i)_mm512_cvtne2ps_pbh((__m512)p1, (__m512)p0));
+    }
+    return acc;
+  }
+  // O += P V on the pairs exp_pairs wrote for rows [0, rows) (rows up to t.mp: zeros).
+  void accumulate_pairs(const Geometry<float>& g, const TilePair& t, int64_t rows, float* O) {
+    uint32_t* Pw = pw.get(g.Brp * (g.Bcp / 2));
+    for (int64_t r = rows; r < t.mp; ++r)
+      std::fill(Pw + r * (g.Bcp / 2), Pw + r * (g.Bcp / 2) + t.np / 2, 0u);
+    gemm_bf16<false, true>(t.mp, g.dp, t.np / 2, Pw, g.Bcp / 2, V, g.dp, O, g.dp);
+  }
 };
 
 // The KV-cache kernel's products on bfloat16 caches (KvRowsInPlace in kvcache.inl), read in

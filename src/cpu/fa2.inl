@@ -220,11 +220,27 @@ void fa2_forward_impl(const Params& p, int threads) {
         prod.scores(p, g, kt, t, S);
         const bool hidden = mask_scores(g, mask, S, t, row_max, mods.get(),
                                         static_cast<T*>(nullptr), mods.extras());
+        // Where P goes straight into O += P V (no dropout, no row to redo), the bfloat16 pair
+        // products take it as its exponentials are computed: rounded to pairs in the same pass,
+        // not stored as floats and read back (Bf16Products::exp_pairs).
+        constexpr bool kPairs = PairProducts<Prod>::value;
+        const bool direct = kPairs && p.p_dropout == 0.0f && !pair_masked(mask, t, hidden);
         for (int64_t r = 0; r < rows; ++r) {
           const T alpha = sm[r].rescale_factor(row_max[r]);
-          vstore(lanes + r * W, vload(lanes + r * W) * vset1(alpha) +
-                                    row_exp2_lanes(S + r * g.Bcp, t.np, sm[r].reference()));
+          vec_t<T> sum;
+          if constexpr (kPairs)
+            sum = direct ? prod.exp_pairs(g, S, r, t.np, sm[r].reference())
+                         : row_exp2_lanes(S + r * g.Bcp, t.np, sm[r].reference());
+          else
+            sum = row_exp2_lanes(S + r * g.Bcp, t.np, sm[r].reference());
+          vstore(lanes + r * W, vload(lanes + r * W) * vset1(alpha) + sum);
           if (alpha != T(1)) row_scale(O + r * g.dp, g.dp, alpha);
+        }
+        if constexpr (kPairs) {
+          if (direct) {
+            prod.accumulate_pairs(g, t, rows, O);
+            continue;
+          }
         }
         for (int64_t r = rows; r < t.mp; ++r) std::fill(S + r * g.Bcp, S + r * g.Bcp + t.np, T(0));
         if (p.p_dropout > 0.0f) apply_dropout(g, p, b, h, t, S);

@@ -157,13 +157,24 @@ def test_fast_path_default_options(monkeypatch):
             fdt.attention(q.clone().requires_grad_(), k, v)  # autograd
         with pytest.raises(TypeError, match="causal"):  # not a bool: the full path's refusal
             fdt.attention(q, k, v, causal=1)
-    with pytest.raises(TypeError, match=r"^q: expected a torch\.Tensor"):
-        fdt.attention(*(q.numpy(),) * 3)  # NumPy: refused, not run by flashdl.attention's path
         with pytest.raises(AssertionError, match="the op ran"):
             torch.func.vmap(lambda x: fdt.attention(x, k, v))(torch.stack([q, q]))
         with torch.no_grad():  # no autograd needed, but the fast path wants no grad flags at all
             with pytest.raises(AssertionError, match="the op ran"):
                 fdt.attention(q.clone().requires_grad_(), k, v)
+        # What the fast path leaves to the core: a refusal there takes the op (the full path).
+        for args in ((q, k.double(), v), (q, k[:, :3], v), (q.int(), k, v)):
+            with pytest.raises(AssertionError, match="the op ran"):
+                fdt.attention(*args)
+    # A strided q: the fast path's output is contiguous, equal to the op's.
+    qs = torch.randn(1, 2, 9, 16, generator=gen).transpose(1, 2)
+    fast = fdt.attention(qs, k, v)
+    with monkeypatch.context() as m:
+        m.setattr(_api, "_fast_forward_torch", lambda *a: None)
+        full = fdt.attention(qs, k, v)
+    assert fast.is_contiguous() and torch.equal(fast, full)
+    with pytest.raises(TypeError, match=r"^q: expected a torch\.Tensor"):
+        fdt.attention(*(q.numpy(),) * 3)  # NumPy: refused, not run by flashdl.attention's path
 
 
 def test_eager_forward_dispatch_only_when_something_intercepts():
