@@ -632,21 +632,30 @@ def _fast_forward(q, k, v, causal, return_lse):
     return (out, lse) if return_lse else out
 
 
+_TORCH_FAST: Optional[tuple] = None  # the torch names _fast_forward_torch uses, looked up once
+
+
+def _torch_fast_names() -> tuple:
+    global _TORCH_FAST
+    torch = sys.modules["torch"]
+    _TORCH_FAST = (torch.Tensor, torch.empty_like, torch.contiguous_format, torch.empty,
+                   torch.float32, torch.utils.dlpack.to_dlpack)
+    return _TORCH_FAST
+
+
 def _fast_forward_torch(q, k, v, causal, return_lse):
     """_fast_forward on a torch.Tensor q, outside torch.compile (the caller's checks). Every
     other check is the core's (dtypes, devices, shapes: a refusal takes the full path) except
     those it cannot make: plain tensors, no autograd, and q on the CPU (a GPU call needs the
     caller's stream, which only the full path asks torch for)."""
-    torch = sys.modules["torch"]
-    tensor = torch.Tensor
+    tensor, empty_like, contiguous, empty, float32, to_dlpack = _TORCH_FAST or _torch_fast_names()
     if (type(k) is not tensor or type(v) is not tensor or not q.is_cpu
             or q.requires_grad or k.requires_grad or v.requires_grad):
         return None
     try:
         # empty_like: a third of torch.empty's time from a shape (a tiny call's largest part).
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        lse = torch.empty(_lse_shape(q), dtype=torch.float32) if return_lse else None
-        to_dlpack = torch.utils.dlpack.to_dlpack
+        out = empty_like(q, memory_format=contiguous)
+        lse = empty(_lse_shape(q), dtype=float32) if return_lse else None
         _ext.forward_default(to_dlpack(q), to_dlpack(k), to_dlpack(v), to_dlpack(out),
                              None if lse is None else to_dlpack(lse), causal)
     except Exception:  # noqa: BLE001 - re-raised, worded, by the full path

@@ -34,6 +34,11 @@ from ._ring import shard as ring_shard
 from ._ring import unshard as ring_unshard
 from ._ulysses import ulysses_attention
 
+# What would intercept an op (looked up once: a tiny call's fast-path check runs them each call).
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_function_modes = torch._C._len_torch_function_stack
+_functorch_active = torch._C._are_functorch_transforms_active
+
 if not hasattr(torch.library, "custom_op"):
     raise ImportError("flashdl.torch needs PyTorch >= 2.4 (torch.library.custom_op), found "
                       f"{torch.__version__}")
@@ -563,9 +568,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             and softcap.__class__ is float and softcap == 0.0
             and offset.__class__ is int and offset == 0
             and block_size.__class__ is int and block_size == 128
-            and not torch._C._len_torch_dispatch_stack()
-            and not torch._C._len_torch_function_stack()
-            and not torch._C._are_functorch_transforms_active()):
+            and not _dispatch_modes() and not _function_modes()
+            and not _functorch_active()):
         result = _api._fast_forward_torch(q, k, v, causal, return_lse)
         if result is not None:
             return result

@@ -20,12 +20,12 @@ inline int64_t fa2_block_cols() { return 96; }
 template <typename T>
 struct PackedKV {
   struct Head {
-    Buffer<T> Kt, V;
+    RawBuffer<T> Kt, V;  // every tile written whole, padding included, when packed
     std::vector<char> packed;  // per tile: bit 0 K^T, bit 1 V
     int64_t key = -1;
   };
   std::vector<Head> heads = std::vector<Head>(1);
-  Buffer<T> scratch;
+  RawBuffer<T> scratch;
   Head* cur = nullptr;
   int64_t b = 0, hk = 0;
 
@@ -89,7 +89,7 @@ constexpr DType dtype_of() {
 template <typename T>
 struct Products {
   PackedKV<T> kv;
-  Buffer<T> qbuf, qtbuf, stbuf, kbuf;
+  RawBuffer<T> qbuf, qtbuf, stbuf, kbuf;  // each written whole before it is read
   const T* V = nullptr;
   bool by_keys = false;  // scores_by_keys
   int64_t qn = 0;        // columns of Q^T (the query rows, padded to a vector)
@@ -181,7 +181,10 @@ void fa2_forward_impl(const Params& p, int threads) {
   parallel_tasks(p.batch * p.nheads * g.nqb, threads, [&](Tasks& tasks, int) {
     Prod prod;
     prod.slots(together ? p.nheads_kv : 1);
-    Buffer<T> sbuf, obuf, mbuf, o0buf, xrow;
+    // S, O, O0, row_max and the lane sums are written before they are read (O and the lanes
+    // filled per task): no zero-filling as they grow.
+    RawBuffer<T> sbuf, obuf, mbuf, o0buf, lanes_buf;
+    Buffer<T> xrow;
     T* S = sbuf.get(g.Brp * g.Bcp);
     T* O = obuf.get(g.Brp * g.dp);
     T* O0 = o0buf.get(g.Brp * g.dp);
@@ -191,7 +194,6 @@ void fa2_forward_impl(const Params& p, int threads) {
     // up into sm at the end. (T values, not a std::vector of vectors: the library's templates
     // would handle those outside this file's instruction-set pragma, with another call ABI.)
     constexpr int64_t W = Simd<T>::W;
-    Buffer<T> lanes_buf;
     T* lanes = lanes_buf.get(g.Brp * W);
     for (int64_t task = 0; tasks.next(task);) {
       const int64_t per_batch = p.nheads * g.nqb, b = task / per_batch, rest = task % per_batch;

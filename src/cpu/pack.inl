@@ -149,10 +149,38 @@ void store_rows(const T* src, int64_t ld, int64_t rows, int64_t cols, T a, void*
     convert_row_out(src + r * ld, a, cols, element(dst, dt, r * row_stride), dt);
 }
 
-// A working buffer that lives as long as the thread's share of a call.
+// A working buffer that lives as long as the thread's share of a call; zero-filled as it grows.
 template <typename T>
 struct Buffer {
   std::vector<T> data;
+  T* get(int64_t n) {
+    if (static_cast<int64_t>(data.size()) < n) data.resize(static_cast<size_t>(n));
+    return data.data();
+  }
+};
+
+// An allocator whose value-less construct leaves a trivial T uninitialised.
+template <typename T>
+struct NoZeroAllocator : std::allocator<T> {
+  template <typename U>
+  struct rebind {
+    using other = NoZeroAllocator<U>;
+  };
+  template <typename U>
+  void construct(U* p) {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... A>
+  void construct(U* p, A&&... a) {
+    ::new (static_cast<void*>(p)) U(std::forward<A>(a)...);
+  }
+};
+
+// Buffer for contents its user writes before reading (the fa2 forward's tiles): not zero-filled
+// as it grows (a tiny call's buffers cost more to zero than to compute; cpu_tuning.md section 26).
+template <typename T>
+struct RawBuffer {
+  std::vector<T, NoZeroAllocator<T>> data;
   T* get(int64_t n) {
     if (static_cast<int64_t>(data.size()) < n) data.resize(static_cast<size_t>(n));
     return data.data();
