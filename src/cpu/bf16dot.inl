@@ -221,9 +221,8 @@ struct Bf16Products {
   }
 
   void accumulate(const Geometry<float>& g, const TilePair& t, const float* P, float* O) {
-    uint32_t* Pw = pw.get(g.Brp * (g.Bcp / 2));
-    round_pairs(P, g.Bcp, t.mp, t.np, Pw, g.Bcp / 2);
-    gemm_bf16<false, true>(t.mp, g.dp, t.np / 2, Pw, g.Bcp / 2, V, g.dp, O, g.dp);
+    round_pairs(P, g.Bcp, t.mp, t.np, pw.get(g.Brp * (g.Bcp / 2)), g.Bcp / 2);
+    accumulate_pairs(g, t, t.mp, O);
   }
 
   // Row r of P = exp2(S row r - ref) over np scores (np % 32 == 0) rounded straight to its

@@ -149,16 +149,6 @@ void store_rows(const T* src, int64_t ld, int64_t rows, int64_t cols, T a, void*
     convert_row_out(src + r * ld, a, cols, element(dst, dt, r * row_stride), dt);
 }
 
-// A working buffer that lives as long as the thread's share of a call; zero-filled as it grows.
-template <typename T>
-struct Buffer {
-  std::vector<T> data;
-  T* get(int64_t n) {
-    if (static_cast<int64_t>(data.size()) < n) data.resize(static_cast<size_t>(n));
-    return data.data();
-  }
-};
-
 // An allocator whose value-less construct leaves a trivial T uninitialised.
 template <typename T>
 struct NoZeroAllocator : std::allocator<T> {
@@ -176,13 +166,18 @@ struct NoZeroAllocator : std::allocator<T> {
   }
 };
 
-// Buffer for contents its user writes before reading (the fa2 forward's tiles): not zero-filled
-// as it grows (a tiny call's buffers cost more to zero than to compute; cpu_tuning.md section 26).
-template <typename T>
-struct RawBuffer {
-  std::vector<T, NoZeroAllocator<T>> data;
+// A working buffer that lives as long as the thread's share of a call; zero-filled as it grows
+// (with the default allocator).
+template <typename T, typename Alloc = std::allocator<T>>
+struct Buffer {
+  std::vector<T, Alloc> data;
   T* get(int64_t n) {
     if (static_cast<int64_t>(data.size()) < n) data.resize(static_cast<size_t>(n));
     return data.data();
   }
 };
+
+// Buffer for contents its user writes before reading (the fa2 forward's tiles): not zero-filled
+// as it grows (a tiny call's buffers cost more to zero than to compute; cpu_tuning.md section 26).
+template <typename T>
+using RawBuffer = Buffer<T, NoZeroAllocator<T>>;
