@@ -131,3 +131,58 @@ def test_bench_cuda_features_cpu_dry_run(tmp_path):
     assert "| float16 | True | 64 |" in text  # the causal dropout row
     assert "| float16 | 64 | 16 |" in text  # the varlen row: 16 packed sequences
     assert "failures" not in text
+
+
+def _sanitize_parts_harness(tmp_path, fake_tool_body):
+    """gpu_check.sh's sanitize and sanitize_parts, cut out of the script and run with a fake
+    compute-sanitizer (fake_tool_body: bash, given the test's arguments) and a fake test."""
+    text = SCRIPT.read_text()
+    funcs = "".join(text[text.index(f"\n{name}() {{"):].split("\n}\n", 1)[0] + "\n}\n"
+                    for name in ("sanitize", "sanitize_parts"))
+    tool = tmp_path / "compute-sanitizer"
+    tool.write_text("#!/usr/bin/env bash\nshift 4  # --tool T --error-exitcode 1\n" +
+                    fake_tool_body)
+    tool.chmod(0o755)
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_cuda_block_sparse").write_text("#!/bin/sh\n")
+    (tests / "test_cuda_block_sparse").chmod(0o755)
+    out = tmp_path / "out"
+    out.mkdir()
+    return funcs, {"COMPUTE_SANITIZER": str(tool), "CUDA_TESTS": str(tests), "OUTDIR": str(out),
+                   "PATH": "/usr/bin:/bin"}, out
+
+
+def test_sanitize_parts_runs_every_filter_and_keeps_each_log(tmp_path):
+    """racecheck over the block-sparse cases runs as one sanitizer per --filter, at once: each
+    part logs to its own file in OUTDIR as it goes, the step prints them all, and fails if one
+    part fails."""
+    body = ('echo "case $4"; sleep 0.3; [ "$4" != "bwd fa2" ]\n')  # $4: the filter
+    funcs, env, out = _sanitize_parts_harness(tmp_path, body)
+    start = time.monotonic()
+    res = subprocess.run(["bash", "-c", funcs + 'sanitize_parts racecheck test_cuda_block_sparse '
+                          '"fwd " "bwd fa1" "bwd fa2"'], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert time.monotonic() - start < 0.85  # the three 0.3 s parts ran at once
+    assert res.returncode == 1  # "bwd fa2" failed
+    for i, f in enumerate(("fwd ", "bwd fa1", "bwd fa2")):
+        log = (out / f"racecheck_block_sparse.part{i}.log").read_text()
+        assert f"case {f}" in log and f"case {f}" in res.stdout
+    ok = subprocess.run(["bash", "-c", funcs + 'sanitize_parts racecheck test_cuda_block_sparse '
+                         '"fwd " "bwd fa1"'], env=env, capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+
+
+def test_sanitize_parts_stops_its_parts_at_the_cap(tmp_path):
+    """The step's timeout (SIGTERM to its bash) ends the parts too: none keeps the GPU busy."""
+    funcs, env, out = _sanitize_parts_harness(tmp_path, 'echo started; exec sleep 30\n')
+    start = time.monotonic()
+    res = subprocess.run(["timeout", "1", "bash", "-c", funcs +
+                          'sanitize_parts racecheck test_cuda_block_sparse "a" "b"'],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 124
+    assert time.monotonic() - start < 10
+    time.sleep(0.2)
+    left = subprocess.run(["pgrep", "-f", "sleep 30"], capture_output=True, text=True)
+    assert left.stdout.strip() == "", "a part outlived the step"
+    assert "started" in (out / "racecheck_block_sparse.part0.log").read_text()

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 #include "flashdl/detail/macros.hpp"
 
@@ -37,8 +38,15 @@ FLASHDL_HD T fast_max(T a, T b) {
 // Per-row state {m, l} of the online softmax (the accumulator o lives with the caller).
 template <typename T>
 struct OnlineSoftmax {
-  T m = -INFINITY;  // running max of the scaled log2-domain scores
-  T l = T(0);       // running sum of exp2(t - m)
+  T m;  // running max of the scaled log2-domain scores
+  T l;  // running sum of exp2(t - m)
+
+  // A constructor, not default member initializers: nvcc 13.0 (cicc) zero-initialises the second
+  // row of a two-dimensional array of an aggregate with default member initializers (the fa2
+  // forward's sm[2][2]: its second 16-row band started at m = 0, not -inf, on the GPU: rows whose
+  // scores all lie far below 0 lost P to float16 underflow; the host compilers and the emulator
+  // are right). With a user-provided constructor every element is initialised (PTX checked).
+  FLASHDL_HD OnlineSoftmax() : m(-INFINITY), l(T(0)) {}
 
   // Step 1: a new block with row max `block_max` arrives. Returns the factor by which the
   // accumulator and l must be multiplied, and updates m. After this call, reference() is the
@@ -64,6 +72,10 @@ struct OnlineSoftmax {
     return l > T(0) ? (m + log2_of(l)) * T(kLn2) : l == T(0) ? T(-INFINITY) : l;
   }
 };
+
+// The constructor above is the fix, not a style choice: an aggregate here would bring the nvcc
+// 13.0 miscompilation back (the fa2 forward's sm[2][2]).
+static_assert(!std::is_aggregate_v<OnlineSoftmax<float>>, "keep the user-provided constructor");
 
 // Steps 3 and 4 for a row with an attention sink: a logit `sink2` (exp2 domain, finite) that joins
 // the denominator and carries no value. Given the row's state {m, l} (l = sum exp2(t - ref(m)), the

@@ -529,6 +529,54 @@ int run_repeats(const Target& t, const Cli& cli) {
   return failures;
 }
 
+// FLASHDL_TEST_DUMP=DIR: a failed forward case of run_score_mods (every one with
+// FLASHDL_TEST_DUMP_ALL set) written to DIR/<n>.bin for study off the GPU: one JSON header line (the case and its shape), then the inputs
+// as the kernel got them (float32, rounded to the dtype; q (b, sq, h, d), k and v (b, sk, hk, d)),
+// the visibility (uint8, (b, h, sq, sk): window and block mask), the slopes (float32, (b, h);
+// none without ALiBi), the float64 reference's out (as float32, shaped as q) and lse (float32,
+// (b, h, sq)), then the kernel's out and lse (float32).
+void dump_forward(const std::string& label, const Shape& s, DType dt, double softcap,
+                  const std::vector<float>& slopes, const BwdInputs& in, const Visibility& vis,
+                  const BwdOracle& ref, const Result& r) {
+  const char* dir = std::getenv("FLASHDL_TEST_DUMP");
+  if (dir == nullptr || *dir == '\0') return;
+  static int serial = 0;
+  const std::string path = std::string(dir) + "/" + std::to_string(serial++) + ".bin";
+  std::FILE* f = std::fopen(path.c_str(), "wb");
+  if (f == nullptr) {
+    std::printf("     dump: cannot write %s\n", path.c_str());
+    return;
+  }
+  std::fprintf(f,
+               "{\"label\": \"%s\", \"b\": %lld, \"sq\": %lld, \"sk\": %lld, \"h\": %lld, "
+               "\"hk\": %lld, \"d\": %lld, \"left\": %lld, \"right\": %lld, \"softcap\": %.17g, "
+               "\"slopes\": %zu}\n",
+               label.c_str(), (long long)s.b, (long long)s.sq, (long long)s.sk, (long long)s.h,
+               (long long)s.hk, (long long)s.d, (long long)s.left, (long long)s.right, softcap,
+               slopes.size());
+  auto put = [&](const void* p, size_t bytes) { std::fwrite(p, 1, bytes, f); };
+  for (const std::vector<float>* x : {&in.q, &in.k, &in.v}) {
+    std::vector<float> rounded(x->size());
+    for (size_t i = 0; i < x->size(); ++i) rounded[i] = round_to((*x)[i], dt);
+    put(rounded.data(), rounded.size() * sizeof(float));
+  }
+  std::vector<uint8_t> seen(size_t(s.b * s.h * s.sq * s.sk));
+  size_t at = 0;
+  for (int64_t b = 0; b < s.b; ++b)
+    for (int64_t h = 0; h < s.h; ++h)
+      for (int64_t i = 0; i < s.sq; ++i)
+        for (int64_t j = 0; j < s.sk; ++j) seen[at++] = vis(b, h, i, j) ? 1 : 0;
+  put(seen.data(), seen.size());
+  put(slopes.data(), slopes.size() * sizeof(float));
+  for (const std::vector<double>* x : {&ref.out, &r.out}) {
+    const std::vector<float> narrow(x->begin(), x->end());
+    put(narrow.data(), narrow.size() * sizeof(float));
+    put((x == &ref.out ? ref.lse : r.lse).data(), ref.lse.size() * sizeof(float));
+  }
+  std::fclose(f);
+  std::printf("     dump: %s\n", path.c_str());
+}
+
 // Block masks with softcap and ALiBi: the rule against the reference with the same mask and
 // modifiers, and exact zeros where only zero blocks reach (a cap applied after the block mask's
 // -inf would make those scores finite).
@@ -595,8 +643,12 @@ int run_score_mods(const Target& t, const Cli& cli) {
             if (!cli.selected(label)) continue;
             failures += run_case(label, [&] {
               const Result r = run(t, c, s, dt, dev, m, var, bwd, &mod);
-              return bwd ? check_backward(label, s, ref, lowp, dead, r, dt)
-                         : check_forward(label, s, ref, lowp_out, dead, r, dt);
+              if (bwd) return check_backward(label, s, ref, lowp, dead, r, dt);
+              const bool ok = check_forward(label, s, ref, lowp_out, dead, r, dt);
+              if (!ok || std::getenv("FLASHDL_TEST_DUMP_ALL") != nullptr)
+                dump_forward(label, s, dt, cases[ci].m.softcap, mod.naive().slopes, in, vis,
+                                    ref, r);
+              return ok;
             });
           }
       }

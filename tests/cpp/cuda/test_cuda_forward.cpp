@@ -4,7 +4,8 @@
 // untouched. Then a race test (100 identical calls, bitwise equal), dropout: the exact keep-mask
 // and accuracy with dropout (dropout_forward.hpp), and the score modifiers (softcap, ALiBi with
 // (nheads,), (batch, nheads) and padded slopes, both together; score_mod_cases.hpp) against the
-// reference with the same modifiers. Exit code 77 (skipped) when there is no CUDA device.
+// reference with the same modifiers; rows whose scores all lie far below 0. Exit code 77
+// (skipped) when there is no CUDA device.
 //
 // FLASHDL_CUDA_SMEM_LIMIT=101376 (bytes) caps the shared memory the launchers plan against, which
 // exercises the 99 KiB fallback variants (smaller tiles) that an H100 never selects.
@@ -433,6 +434,58 @@ int run_score_mods(const Target& t, const Cli& cli) {
   return failures;
 }
 
+// ---- every score far below 0 ----------------------------------------------------------------------
+// Rows whose scores all lie near -40: out is still the softmax of them (the online softmax's
+// running max starts at -inf, so P = exp(s - max) stays near 1), but a running max that started
+// at 0 would leave P = exp(-40), which float16 and bfloat16 flush to 0 (out 0, or lse -inf where
+// the sum underflows too). nvcc 13.0 once compiled the fa2 forward's per-band softmax state so
+// that its second 16-row band of every warp started at 0 (detail/softmax.hpp): only rows like
+// these showed it. K rows are u plus noise, Q rows -c u plus noise, c chosen so that q.k scale
+// is about -40; every warp's two bands, causal rows with one key, both schedules.
+int run_negative_scores(const Target& t, const Cli& cli) {
+  int failures = 0;
+  const Case cases[] = {{1, 200, 150, 2, 1, false, -1, -1, Kind::contiguous, false, false},
+                        {2, 130, 130, 2, 2, true, -1, -1, Kind::padded, false, false}};
+  for (size_t ci = 0; ci < std::size(cases); ++ci)
+    for (const int d : {64, 128}) {
+      const Case& c = cases[ci];
+      if (cli.quick && (ci != 0 || d != 64)) continue;
+      const Shape s = shape_of(c, d);
+      std::mt19937 rng(uint32_t(104729 * ci + size_t(d)));
+      const auto u = random_values(d, rng);
+      double uu = 0.0;
+      for (const float x : u) uu += double(x) * x;
+      const float cq = float(40.0 * std::sqrt(double(d)) / uu);
+      auto rows = [&](int64_t n, float scale) {  // values exact in both dtypes: one oracle
+        std::vector<float> x = random_values(n * d, rng);
+        for (int64_t i = 0; i < n * d; ++i) {
+          float& e = x[size_t(i)];
+          e = round_to(round_to(scale * u[size_t(i % d)] + 0.05f * e, DType::bfloat16),
+                       DType::float16);
+          if (round_to(e, DType::bfloat16) != e) e = 0.0f;
+        }
+        return x;
+      };
+      const auto hq = rows(s.b * s.sq * s.h, -cq);
+      const auto hk = rows(s.b * s.sk * s.hk, 1.0f);
+      const auto hv = random_values(s.b * s.sk * s.hk * d, rng);
+      const Oracle ref = reference(c, s, hq, hk, hv);
+      for (const DType dt : kDtypes) {
+        std::vector<double> lowp;
+        naive_lowp(s, hq, hk, hv, dt, lowp);
+        const GpuInputs in(t, c, s, dt, hq, hk, hv);
+        for (const Schedule sched : {Schedule::fa1, Schedule::fa2}) {
+          const std::string label = "scores near -40: " + label_of(c, d, dt, sched, 0);
+          if (!cli.selected(label)) continue;
+          failures += run_case(label, [&, sched = sched] {
+            return check(label, ref, lowp, run_gpu(t, c, s, dt, in, sched, 0), dt);
+          });
+        }
+      }
+    }
+  return failures;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -444,6 +497,7 @@ int main(int argc, char** argv) {
     failures += dropout::run_forward_accuracy(t, cli);
     failures += run_score_mods(t, cli);
     failures += run_planted(t, cli);
+    failures += run_negative_scores(t, cli);
     return failures;
   });
 }
