@@ -13,8 +13,9 @@ machine state. The ratio is torch's time over flashdl's: above 1, flashdl is fas
 head dims in `--headdims`, and prints a ratio table (rows seqlen_q, columns seqlen_k, each cell
 "fwd ratio / fwd+bwd ratio") with the worst cell. `--sides`, `--causal` and `--max-entries` cut it down
 (the whole grid takes hours on a loaded 2-core machine); `--with-side N` runs only the cells with a
-side of N. `--tiny` times the (1, 16, 2, 16) call:
-eager `flashdl.attention` on NumPy and `flashdl.torch.attention` on torch against one SDPA call.
+side of N. `--tiny` times the (1, 16, 2, 16) call: eager `flashdl.attention` on NumPy and
+`flashdl.torch.attention` on torch against one SDPA call, each in a process of its own, in a
+steady loop (best and median of --reps rounds of 20,000 calls).
 """
 from __future__ import annotations
 
@@ -76,26 +77,40 @@ def measure(torch, sq, sk, dtype_name, reps, h=8, d=64, causal=False):
     return fwd, both
 
 
-def tiny(torch, reps):
-    """Medians (s) of the (1, 16, 2, 16) call: flashdl on NumPy, flashdl.torch on torch, torch SDPA."""
-    import numpy as np
-    import torch.nn.functional as F
+# The tiny call, timed in a process of its own per callable, in a steady loop: in one process
+# the callables disturb each other's thread pools (after flashdl's calls, or after any pause,
+# torch's OpenMP workers made SDPA's tiny call take 8-60 us instead of 6.5 here), and a pause
+# before each round, as alternate() takes, measures waking the pools, not the call.
+TINY_CALLS = {
+    "flashdl.attention (NumPy)": "import flashdl; qn, kn, vn = (x.numpy() for x in (q, k, v)); "
+                                 "f = lambda: flashdl.attention(qn, kn, vn)",
+    "flashdl.torch.attention": "import flashdl.torch as fdt; f = lambda: fdt.attention(q, k, v)",
+    "torch SDPA": "import torch.nn.functional as F; "
+                  "qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v)); "
+                  "f = lambda: F.scaled_dot_product_attention(qt, kt, vt)",
+}
+TINY_LOOP = 20_000
 
-    import flashdl.torch as fdt
 
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 16, 2, 16, generator=gen) for _ in range(3))
-    qn, kn, vn = (x.numpy() for x in (q, k, v))
-    qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
-    assert isinstance(qn, np.ndarray)
-    inner = 200
-    fns = [lambda: flashdl.attention(qn, kn, vn), lambda: fdt.attention(q, k, v),
-           lambda: F.scaled_dot_product_attention(qt, kt, vt)]
+def tiny(threads, reps):
+    """{name: (best, median)} seconds per (1, 16, 2, 16) float32 call, each callable in its own
+    process with `threads` threads: `reps` rounds of TINY_LOOP calls."""
+    import json
+    import subprocess
+    import sys
 
-    def loop(fn):
-        return lambda: [fn() for _ in range(inner)]
-
-    return [t / inner for t in alternate([loop(f) for f in fns], reps)]
+    out = {}
+    for name, setup in TINY_CALLS.items():
+        code = (f"import json, timeit, torch; torch.set_num_threads({threads}); "
+                "gen = torch.Generator().manual_seed(0); "
+                "q, k, v = (torch.randn(1, 16, 2, 16, generator=gen) for _ in range(3)); "
+                f"{setup}; f(); "
+                f"r = sorted(t / {TINY_LOOP} for t in timeit.repeat(f, number={TINY_LOOP}, "
+                f"repeat={reps})); print(json.dumps([r[0], r[len(r) // 2]]))")
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True)
+        out[name] = tuple(json.loads(res.stdout.strip().splitlines()[-1]))
+    return out
 
 
 SMALL_CELL, SMALL_CELL_REPS = 65536, 5
@@ -184,10 +199,15 @@ def main():
     threads = flashdl.info()["num_threads"]
     torch.set_num_threads(threads)
     if args.tiny:
-        fd_np, fd_th, th = tiny(torch, args.reps)
-        emit([f"(1, 16, 2, 16) float32, per call: flashdl.attention (NumPy) {fd_np*1e6:.1f} us, "
-              f"flashdl.torch.attention {fd_th*1e6:.1f} us, torch SDPA {th*1e6:.1f} us "
-              f"(medians of {args.reps} rounds of 200 calls)"], args.out)
+        res = tiny(threads, args.reps)
+        sdpa = res["torch SDPA"][0]
+        emit(["(1, 16, 2, 16) float32, per call, best / median of "
+              f"{args.reps} rounds of {TINY_LOOP:,} calls, each callable in its own process "
+              f"({threads} threads): " +
+              "; ".join(f"{n} {b*1e6:.2f} / {m*1e6:.2f} us" for n, (b, m) in res.items()) +
+              "; best against SDPA's best: " +
+              ", ".join(f"{n} {b / sdpa:.2f}x" for n, (b, _) in res.items()
+                        if n != "torch SDPA")], args.out)
         return
     if args.grid == "issue31":
         emit(issue31(args, torch), args.out)

@@ -38,6 +38,17 @@ from ._ulysses import ulysses_attention
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_modes = torch._C._len_torch_function_stack
 _functorch_active = torch._C._are_functorch_transforms_active
+_is_compiling = torch.compiler.is_compiling
+_Tensor = torch.Tensor
+# attention's defaults, by name: its fast path tests them by identity (`is`), which only the
+# default object itself passes (an equal value the caller built takes the checked path, which
+# treats it the same). Equality tests with type guards cost a tiny call 0.2 us more.
+_NO_WINDOW = (-1, -1)
+_ZERO = 0.0
+_AUTO = "auto"
+_BSHD = "bshd"
+_NO_OFFSET = 0
+_BLOCK = 128
 
 if not hasattr(torch.library, "custom_op"):
     raise ImportError("flashdl.torch needs PyTorch >= 2.4 (torch.library.custom_op), found "
@@ -467,13 +478,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-              softmax_scale: Optional[float] = None, schedule: str = "auto",
-              window_size: Tuple[int, int] = (-1, -1), dropout_p: float = 0.0,
-              seed: Optional[int] = None, offset: int = 0, block_mask: Optional[ArrayLike] = None,
-              block_size: BlockSize = 128, deterministic: bool = False,
-              alibi_slopes: Optional[ArrayLike] = None, softcap: float = 0.0,
-              bias: Optional[ArrayLike] = None, mask: Optional[ArrayLike] = None,
-              sinks: Optional[ArrayLike] = None, return_lse: bool = False, layout: str = "bshd"
+              softmax_scale: Optional[float] = None, schedule: str = _AUTO,
+              window_size: Tuple[int, int] = _NO_WINDOW, dropout_p: float = _ZERO,
+              seed: Optional[int] = None, offset: int = _NO_OFFSET,
+              block_mask: Optional[ArrayLike] = None, block_size: BlockSize = _BLOCK,
+              deterministic: bool = False, alibi_slopes: Optional[ArrayLike] = None,
+              softcap: float = _ZERO, bias: Optional[ArrayLike] = None,
+              mask: Optional[ArrayLike] = None, sinks: Optional[ArrayLike] = None,
+              return_lse: bool = False, layout: str = _BSHD
               ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """:func:`flashdl.attention` for torch tensors, differentiable with respect to q, k and v.
 
@@ -557,18 +569,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     # the op (dispatch or function modes, functorch transforms): flashdl.attention's fast path,
     # the op's own implementation without its Python (a tiny call 25 -> 13 us; cpu_tuning.md
     # section 21). Anything else, and any call the fast path declines, takes the op.
-    if (q.__class__ is torch.Tensor  # (a NumPy q is refused by the full path)
-            and not torch.compiler.is_compiling()
+    if (q.__class__ is _Tensor  # (a NumPy q is refused by the full path)
             and (causal is False or causal is True) and (return_lse is False or return_lse is True)
             and softmax_scale is None and seed is None and block_mask is None
             and alibi_slopes is None and bias is None and mask is None and sinks is None
-            and schedule == "auto" and layout == "bshd" and deterministic is False
-            and window_size.__class__ is tuple and window_size == (-1, -1)
-            and dropout_p.__class__ is float and dropout_p == 0.0
-            and softcap.__class__ is float and softcap == 0.0
-            and offset.__class__ is int and offset == 0
-            and block_size.__class__ is int and block_size == 128
-            and not _dispatch_modes() and not _function_modes()
+            and deterministic is False and schedule is _AUTO and layout is _BSHD
+            and window_size is _NO_WINDOW and dropout_p is _ZERO and softcap is _ZERO
+            and offset is _NO_OFFSET and block_size is _BLOCK
+            and not _is_compiling() and not _dispatch_modes() and not _function_modes()
             and not _functorch_active()):
         result = _api._fast_forward_torch(q, k, v, causal, return_lse)
         if result is not None:

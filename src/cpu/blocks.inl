@@ -336,8 +336,10 @@ bool mask_scores(const Geometry<T>& g, const Mask& mask, T* S, const TilePair& t
     }
     return hidden;
   }
-  const bool full = t.rows == t.mp && t.cols == t.np &&
-                    mask.block_fully_visible(t.i0, t.i0 + t.rows, t.j0, t.j0 + t.cols);
+  // Every key of every real row visible, no padding column (padding rows are filled below):
+  // one scaled max per row without the window's bounds.
+  const bool full =
+      t.cols == t.np && mask.block_fully_visible(t.i0, t.i0 + t.rows, t.j0, t.j0 + t.cols);
   for (int64_t r = 0; r < t.mp; ++r) {
     T* s = S + r * g.Bcp;
     if (r >= t.rows) {

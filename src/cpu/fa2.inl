@@ -172,6 +172,23 @@ bool heads_together(const Params& p, const Geometry<T>& g) {
   return g.nqb > 1 && p.nheads > 1 && per_head * p.nheads_kv <= kBudget;
 }
 
+// The forward's tile buffers, one set per thread, kept from call to call: their sizes are the tile
+// table's (rows x keys and rows x headdim of one tile pair), not the call's, so what a thread keeps
+// is bounded, and a stream of small calls stops allocating them (a tiny call's mallocs and frees
+// were a tenth of its time). One forward at a time per thread: the tasks of a call do not nest.
+template <typename T>
+struct ForwardTiles {
+  // S, O, O0, row_max and the lane sums are written before they are read (O and the lanes
+  // filled per task): no zero-filling as they grow.
+  RawBuffer<T> s, o, o0, row_max, lanes;
+  std::vector<detail::OnlineSoftmax<T>> sm;
+};
+template <typename T>
+ForwardTiles<T>& forward_tiles() {
+  thread_local ForwardTiles<T> tiles;
+  return tiles;
+}
+
 template <typename T, typename Prod>
 void fa2_forward_impl(const Params& p, int threads) {
   const Geometry<T> g = make_geometry<T>(p, fa2_block_rows(), fa2_block_cols(), true);
@@ -181,20 +198,19 @@ void fa2_forward_impl(const Params& p, int threads) {
   parallel_tasks(p.batch * p.nheads * g.nqb, threads, [&](Tasks& tasks, int) {
     Prod prod;
     prod.slots(together ? p.nheads_kv : 1);
-    // S, O, O0, row_max and the lane sums are written before they are read (O and the lanes
-    // filled per task): no zero-filling as they grow.
-    RawBuffer<T> sbuf, obuf, mbuf, o0buf, lanes_buf;
+    ForwardTiles<T>& tiles = forward_tiles<T>();
     Buffer<T> xrow;
-    T* S = sbuf.get(g.Brp * g.Bcp);
-    T* O = obuf.get(g.Brp * g.dp);
-    T* O0 = o0buf.get(g.Brp * g.dp);
-    T* row_max = mbuf.get(g.Brp);
-    std::vector<detail::OnlineSoftmax<T>> sm(static_cast<size_t>(g.Brp));
+    T* S = tiles.s.get(g.Brp * g.Bcp);
+    T* O = tiles.o.get(g.Brp * g.dp);
+    T* O0 = tiles.o0.get(g.Brp * g.dp);
+    T* row_max = tiles.row_max.get(g.Brp);
+    std::vector<detail::OnlineSoftmax<T>>& sm = tiles.sm;
+    if (sm.size() < static_cast<size_t>(g.Brp)) sm.resize(static_cast<size_t>(g.Brp));
     // Each row's running sum l lane by lane (W values a row, rescaled as sm's l would be), added
     // up into sm at the end. (T values, not a std::vector of vectors: the library's templates
     // would handle those outside this file's instruction-set pragma, with another call ABI.)
     constexpr int64_t W = Simd<T>::W;
-    T* lanes = lanes_buf.get(g.Brp * W);
+    T* lanes = tiles.lanes.get(g.Brp * W);
     for (int64_t task = 0; tasks.next(task);) {
       const int64_t per_batch = p.nheads * g.nqb, b = task / per_batch, rest = task % per_batch;
       const int64_t h = together ? rest % p.nheads : rest / g.nqb, hk = h / p.h_h_k_ratio;
@@ -205,7 +221,7 @@ void fa2_forward_impl(const Params& p, int threads) {
       const HeadMods<T> mods(p, b, h);
 
       std::fill(O, O + g.Brp * g.dp, T(0));
-      std::fill(sm.begin(), sm.end(), detail::OnlineSoftmax<T>{});
+      std::fill(sm.begin(), sm.begin() + g.Brp, detail::OnlineSoftmax<T>{});
       std::fill(lanes, lanes + g.Brp * W, T(0));
       bool q_loaded = false;
       for (int64_t kt = g.kt.tile_of(j_begin); j_begin < j_end && kt < g.nkb && g.kt.start(kt) < j_end;
