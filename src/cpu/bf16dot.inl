@@ -171,6 +171,16 @@ struct Bf16Products {
   void slots(int64_t n) {
     if (static_cast<int64_t>(heads.size()) != n) heads.assign(static_cast<size_t>(n), Head{});
   }
+  // PackedKV's (fa2.inl): a new call invalidates every packed head; memory over `bytes` goes back.
+  void forget() {
+    for (Head& h : heads) h.key = -1;
+  }
+  void release_if_over(int64_t bytes) {
+    int64_t held = 0;
+    for (const Head& h : heads)
+      held += static_cast<int64_t>((h.ktw.data.capacity() + h.vw.data.capacity()) * 4);
+    if (held > bytes) heads = std::vector<Head>(heads.size());
+  }
   void start(const Params& p, const Geometry<float>& g, int64_t b_, int64_t h, int64_t hk_,
              int64_t i0, int64_t rows) {
     const int64_t k = b_ * p.nheads_kv + hk_;

@@ -32,6 +32,17 @@ struct PackedKV {
   void slots(int64_t n) {
     if (static_cast<int64_t>(heads.size()) != n) heads.assign(static_cast<size_t>(n), Head{});
   }
+  // A new call: nothing packed for an earlier one is valid (same (b, kv head), other data).
+  void forget() {
+    for (Head& h : heads) h.key = -1;
+  }
+  // Gives the packed tiles' memory back when it exceeds `bytes` (kept for the next call else).
+  void release_if_over(int64_t bytes) {
+    int64_t held = 0;
+    for (const Head& h : heads)
+      held += static_cast<int64_t>((h.Kt.data.capacity() + h.V.data.capacity()) * sizeof(T));
+    if (held > bytes) heads = std::vector<Head>(heads.size());
+  }
   void select(const Params& p, const Geometry<T>& g, int64_t b_, int64_t hk_) {
     const int64_t k = b_ * p.nheads_kv + hk_;
     b = b_;
@@ -95,6 +106,8 @@ struct Products {
   int64_t qn = 0;        // columns of Q^T (the query rows, padded to a vector)
 
   void slots(int64_t n) { kv.slots(n); }
+  void forget() { kv.forget(); }
+  void release_if_over(int64_t bytes) { kv.release_if_over(bytes); }
 
   // Query rows [i0, i0 + rows) of head h, and K/V of (b, hk), for the tiles that follow.
   void start(const Params& p, const Geometry<T>& g, int64_t b, int64_t h, int64_t hk, int64_t i0,
@@ -189,6 +202,18 @@ ForwardTiles<T>& forward_tiles() {
   return tiles;
 }
 
+// The products' packed K and V, one set per thread too, forgotten at the start of every call (the
+// same (batch, kv head) holds other data then) and kept for the next one up to kKeptPackedBytes:
+// packing into memory fresh from the allocator faulted its pages in on every call wherever glibc
+// served it by mmap (16 x 2,048 d 128: 1.7 ms a call, 1.07 ms once torch's allocations had raised
+// glibc's mmap threshold; cpu_tuning.md section 27). Larger ones are given back after the call.
+constexpr int64_t kKeptPackedBytes = int64_t{8} << 20;
+template <typename Prod>
+Prod& forward_products() {
+  thread_local Prod prod;
+  return prod;
+}
+
 template <typename T, typename Prod>
 void fa2_forward_impl(const Params& p, int threads) {
   const Geometry<T> g = make_geometry<T>(p, fa2_block_rows(), fa2_block_cols(), true);
@@ -196,7 +221,8 @@ void fa2_forward_impl(const Params& p, int threads) {
   const bool zigzag = uneven_work(p);
   const bool together = heads_together(p, g);
   parallel_tasks(p.batch * p.nheads * g.nqb, threads, [&](Tasks& tasks, int) {
-    Prod prod;
+    Prod& prod = forward_products<Prod>();
+    prod.forget();
     prod.slots(together ? p.nheads_kv : 1);
     ForwardTiles<T>& tiles = forward_tiles<T>();
     Buffer<T> xrow;
@@ -286,6 +312,7 @@ void fa2_forward_impl(const Params& p, int threads) {
         lse_at(p, b, h, i0 + r) = static_cast<float>(lse);
       }
     }
+    prod.release_if_over(kKeptPackedBytes);
   });
 }
 

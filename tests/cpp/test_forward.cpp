@@ -114,6 +114,36 @@ void test_threads() {
   }
 }
 
+// Calls in turn on one thread, same shapes, other data: each gets its own result. The fa2
+// forward keeps its packed K and V per thread from call to call (ForwardTiles and
+// forward_products, fa2.inl); a packed (batch, kv head) kept valid into the next call would hand
+// it the previous call's keys. Heads packed together (heads_together), one head at a time, and
+// the few-query K Q^T path; float32, bfloat16 (its own packing) and float64.
+void test_calls_in_turn() {
+  Case together, alone, few;
+  together.name = "in turn, heads together"; together.sq = 100; together.sk = 40; together.h = 4;
+  together.hk = 2; together.d = 16;
+  alone.name = "in turn, one head at a time"; alone.b = 2; alone.sq = 60; alone.sk = 130;
+  alone.h = 2; alone.hk = 1; alone.d = 32; alone.causal = true;
+  few.name = "in turn, few queries"; few.sq = 8; few.sk = 150; few.h = 2; few.hk = 2; few.d = 64;
+  for (const Case& c : {together, alone, few})
+    for (DType dt : {DType::float32, DType::bfloat16, DType::float64}) {
+      const Problem p = problem_of(c);
+      for (uint64_t seed : {21u, 22u, 21u}) {  // A, then B (A's shapes), then A again
+        context() = c.name + " " + dtype_str(dt) + " seed " + std::to_string(seed);
+        const Inputs in = make_inputs(c, dt, seed);
+        const std::vector<double> q = in.q.values(), k = in.k.values(), v = in.v.values();
+        std::vector<double> out64, lse64, outl, lsel;
+        Naive<double>{p, q, k, v}.forward(DType::float64, out64, lse64);
+        if (dt == DType::float64) outl = out64, lsel = lse64;
+        else Naive<float>{p, q, k, v}.forward(dt, outl, lsel);
+        const Forward f = run_forward(c, in, options_of(c, Schedule::fa2, 1));
+        check_rule("out", f.out.values(), out64, outl, dt);
+        check_rule("lse", f.lse.values(), lse64, lsel, DType::float32);
+      }
+    }
+}
+
 // The comparison can fail: a causal result checked against the full-attention oracle is rejected.
 void test_rule_rejects_wrong_mask() {
   Case c;
@@ -178,5 +208,6 @@ int main() {
   run_test("forward: thread count does not change results", test_threads);
   run_test("forward: the rule rejects a wrong mask", test_rule_rejects_wrong_mask);
   run_test("forward: zero-length batch and sequences", test_zero_lengths);
+  run_test("forward: calls in turn, same shapes, other data", test_calls_in_turn);
   return finish();
 }
