@@ -155,6 +155,11 @@ def test_fast_path_default_options(monkeypatch):
                 fdt.attention(q, k, v, **kwargs)
         with pytest.raises(AssertionError, match="the op ran"):
             fdt.attention(q.clone().requires_grad_(), k, v)  # autograd
+        # Defaults spelled out by the caller (other objects than the signature's: the fast path
+        # tests those by identity first, then by value) still take the fast path.
+        fdt.attention(q, k, v, dropout_p=float("0"), softcap=float("0"), window_size=tuple([-1, -1]),
+                      offset=int("0"), block_size=int("128"), schedule="".join(["au", "to"]),
+                      layout="".join(["bs", "hd"]), deterministic=False, return_lse=False)
         with pytest.raises(TypeError, match="causal"):  # not a bool: the full path's refusal
             fdt.attention(q, k, v, causal=1)
         with pytest.raises(AssertionError, match="the op ran"):
