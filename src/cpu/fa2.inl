@@ -185,10 +185,12 @@ bool heads_together(const Params& p, const Geometry<T>& g) {
   return g.nqb > 1 && p.nheads > 1 && per_head * p.nheads_kv <= kBudget;
 }
 
-// The forward's tile buffers, one set per thread, kept from call to call: their sizes are the tile
-// table's (rows x keys and rows x headdim of one tile pair), not the call's, so what a thread keeps
-// is bounded, and a stream of small calls stops allocating them (a tiny call's mallocs and frees
-// were a tenth of its time). One forward at a time per thread: the tasks of a call do not nest.
+// The forward's tile buffers, one set per thread, kept from call to call: their sizes are one tile
+// pair's (rows x keys and rows x headdim: the tile table's, or with a block mask up to one mask
+// block's width of keys), not the sequences', so what a thread keeps is bounded, and a stream of
+// small calls stops allocating them (a tiny call's mallocs and frees were a tenth of its time).
+// One forward at a time per thread: a call's tasks do not nest (a varlen batch runs its
+// sequences one after another on each thread, each a call of its own).
 template <typename T>
 struct ForwardTiles {
   // S, O, O0, row_max and the lane sums are written before they are read (O and the lanes
