@@ -45,7 +45,7 @@ STEPS=(env build
        synccheck_forward synccheck_backward synccheck_block_sparse synccheck_kvcache
        bench pytest_cuda
        cpp_forward cpp_backward cpp_block_sparse cpp_kvcache cpp_varlen cpp_extras
-       wide_offsets profile pytest_all bench_io)
+       wide_offsets profile profile_source pytest_all bench_io)
 
 usage() {
   echo "usage: bash tools/gpu_check.sh OUTDIR [STEP ...] | --list | --detect" >&2
@@ -435,6 +435,29 @@ step_profile() {
     --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
     "$PYTHON" benchmarks/profile_cuda.py --headdims 128,64 --seqlens 4096
 }
+# Where the fa2 main kernels spend their cycles, per SASS instruction: Nsight Compute's warp
+# stall sampling of one forward and one backward (float16, d 128, seqlen 4096, as `profile`),
+# printed as its source page (CSV: each instruction with its samples, by stall reason) into
+# OUTDIR/source_forward.csv and source_backward.csv; needs ncu on PATH.
+step_profile_source() {
+  local ncu=${NCU:-ncu}
+  if ! command -v "$ncu" >/dev/null 2>&1; then
+    echo "ncu (Nsight Compute) not on PATH: profile_source not run"
+    return 0
+  fi
+  "$ncu" --kernel-name-base function --kernel-name 'regex:forward_kernel|backward_kernel' \
+    --section WarpStateStats --section SourceCounters -f -o "$OUTDIR/source" \
+    "$PYTHON" benchmarks/profile_cuda.py --headdims 128 --seqlens 4096 || return
+  local k rc=0
+  for k in forward backward; do
+    "$ncu" -i "$OUTDIR/source.ncu-rep" --kernel-name-base function \
+      --kernel-name "regex:${k}_kernel" --page source --csv --print-source sass \
+      >"$OUTDIR/source_$k.csv" || rc=$?
+    echo "source_$k.csv: $(wc -l <"$OUTDIR/source_$k.csv") lines"
+  done
+  rm -f "$OUTDIR/source.ncu-rep"  # the CSVs hold what is read; the report is large
+  return $rc
+}
 # The whole Python suite on this machine: the CPU tests too, with a GPU and its drivers present.
 # -v: every test's outcome is in the log as it finishes, so a run cut off by the budget still
 # names its failures (the junit file is written only at the end).
@@ -500,6 +523,7 @@ TABLE+=(
   "cpp_extras               150 cpp_extras.log               c"
   "wide_offsets             120 wide_offsets.log             cx"
   "profile                  180 profile.log                  px"
+  "profile_source           150 profile_source.log           px"
   "pytest_all               300 pytest_all.log               p"
   "bench_io                 300 bench_io.log                 px"
 )
