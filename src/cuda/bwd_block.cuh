@@ -114,43 +114,56 @@ __device__ __forceinline__ void prob_and_ds(float x, float y, float l2, float d,
   if (dbias.base != nullptr && ds_bias != 0.0f) atomicAdd(dbias.base + i * dbias.row + j, ds_bias);
 }
 
-// Lines 11-20 with S and dP kept in registers (the fa2 backward): each warp takes (query
-// fragment rf, key fragment nf) tiles in turn, computes both S = Q K^T and dP = dO V^T of its
-// tile on tensor cores, then P Z and dS element by element from the accumulators (map: the
-// accumulator's (row, col) of each element, learnt at kernel start), written as T at sP and sdS
-// (ld_p elements a row). No float S or dP in shared memory and no barrier between the products
-// and the softmax; the caller synchronises before P and dS are read. Operands through load_frag:
-// the kernel checks twin_loads_hold_backward at its start.
-template <typename T, int kD, bool kMasked>
+// prob_and_ds_terms for an unmasked element with no modifier, bias, mask, dropout or dBias: the
+// same arithmetic, with selects instead of its branches (which, around each element,
+// were most of the instructions of the fa2 backward's softmax step on the H100, 2026-11-27).
+// l2 = -inf (a row that sees no key, or a padding row) gives P = dS = 0.
+__device__ __forceinline__ void plain_prob_and_ds(float x, float y, float l2, float d,
+                                                  float qk_scale, float& p, float& ds) {
+  const float t = x * qk_scale;
+  const float e = t - l2;
+  const float prob = exp2f(e > 0.0f ? 0.0f : e);
+  const bool seen = l2 != -INFINITY;
+  p = seen ? prob : 0.0f;
+  ds = seen ? prob * (y - d) : 0.0f;
+}
+
+// Lines 11-20 with S and dP kept in registers (the fa2 backward): the kMTiles x kNTiles tiles
+// (query fragment rf, key fragment nf) are dealt to the kWarps warps in turn; a warp computes both
+// S = Q K^T and dP = dO V^T of its tiles on tensor cores, then P Z and dS element by element from
+// the accumulators (map: the accumulator's (row, col) of each element, learnt at kernel start),
+// written as T at sP and sdS (ld_p elements a row). No float S or dP in shared memory and no
+// barrier between the products and the softmax; the caller synchronises before P and dS are
+// read. Operands through load_frag: the kernel checks twin_loads_hold_backward at its start.
+// Where every tile of a warp has the same key fragment (kWarps a multiple of kNTiles), the
+// warp's products run side by side, each K and V fragment loaded once for all of them: one tile
+// at a time, each of its two chains of kD / 16 products waited for in turn, left the tensor
+// cores idle (the H100's source-level profile, 2026-11-27).
+template <typename T, int kD, bool kMasked, int kMTiles, int kNTiles, int kWarps>
 __device__ __forceinline__ void probs_and_ds_in_registers(
     const T* sQ, const T* sdO, const T* sK, const T* sV, int ld_qkv, T* sP, T* sdS, int ld_p,
-    int m_tiles, int n_tiles, const FragMap& map, const float* sL2, const float* sD, int64_t i0,
-    int64_t j0, const detail::Mask& mask, const detail::BlockMask& bm,
-    const detail::Dropout& drop, const ScoreModF& mod, const detail::HeadExtras& ex,
-    const DBiasAcc& dbias, int nwarps) {
+    const FragMap& map, const float* sL2, const float* sD, int64_t i0, int64_t j0,
+    const detail::Mask& mask, const detail::BlockMask& bm, const detail::Dropout& drop,
+    const ScoreModF& mod, const detail::HeadExtras& ex, const DBiasAcc& dbias) {
   const bool modded = modifies(mod) || ex.any();
-  for (int t = threadIdx.x / 32; t < m_tiles * n_tiles; t += nwarps) {
-    const int rf = t / n_tiles, nf = t % n_tiles;
-    FragAcc s, dp;
-    wmma::fill_fragment(s, 0.0f);
-    wmma::fill_fragment(dp, 0.0f);
-#pragma unroll
-    for (int kf = 0; kf < kD / kFrag; ++kf) {
-      FragA<T> a;
-      FragBt<T> b;
-      load_frag(a, sQ + rf * kFrag * ld_qkv + kf * kFrag, ld_qkv);
-      load_frag(b, sK + nf * kFrag * ld_qkv + kf * kFrag, ld_qkv);
-      wmma::mma_sync(s, a, b, s);
-      load_frag(a, sdO + rf * kFrag * ld_qkv + kf * kFrag, ld_qkv);
-      load_frag(b, sV + nf * kFrag * ld_qkv + kf * kFrag, ld_qkv);
-      wmma::mma_sync(dp, a, b, dp);
-    }
+  // No modifier, bias, mask, dropout or dBias (the same in every thread): plain_prob_and_ds.
+  const bool plain = !modded && !drop.on() && dbias.base == nullptr;
+  // P and dS of tile (rf, nf) from its accumulators, stored as T.
+  auto finish = [&](int rf, int nf, const FragAcc& s, const FragAcc& dp) {
     float p[FragAcc::num_elements], ds[FragAcc::num_elements];
+    if (!kMasked && plain) {
 #pragma unroll
-    for (int e = 0; e < FragAcc::num_elements; ++e) {
-      const int r = rf * kFrag + map.r[e], c = nf * kFrag + map.c[e];
-      prob_and_ds<kMasked>(s.x[e], dp.x[e], sL2[r], sD[r], i0 + r, j0 + c, mask.diag(i0 + r),
-                           mask, bm, drop, mod, modded, ex, dbias, p[e], ds[e]);
+      for (int e = 0; e < FragAcc::num_elements; ++e) {
+        const int r = rf * kFrag + map.r[e];
+        plain_prob_and_ds(s.x[e], dp.x[e], sL2[r], sD[r], mod.qk_scale, p[e], ds[e]);
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < FragAcc::num_elements; ++e) {
+        const int r = rf * kFrag + map.r[e], c = nf * kFrag + map.c[e];
+        prob_and_ds<kMasked>(s.x[e], dp.x[e], sL2[r], sD[r], i0 + r, j0 + c, mask.diag(i0 + r),
+                             mask, bm, drop, mod, modded, ex, dbias, p[e], ds[e]);
+      }
     }
     if (map.pairs) {  // sm_80/sm_90: adjacent pairs, half the stores
 #pragma unroll
@@ -166,6 +179,53 @@ __device__ __forceinline__ void probs_and_ds_in_registers(
         sP[at] = from_float<T>(p[e]);
         sdS[at] = from_float<T>(ds[e]);
       }
+    }
+  };
+  const int warp = threadIdx.x / 32;
+  if constexpr (kWarps % kNTiles == 0 && (kMTiles * kNTiles) % kWarps == 0) {
+    constexpr int kPer = kMTiles * kNTiles / kWarps;
+    const int nf = warp % kNTiles;
+    FragAcc s[kPer], dp[kPer];
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      wmma::fill_fragment(s[i], 0.0f);
+      wmma::fill_fragment(dp[i], 0.0f);
+    }
+#pragma unroll
+    for (int kf = 0; kf < kD / kFrag; ++kf) {
+      FragBt<T> bk, bv;
+      load_frag(bk, sK + nf * kFrag * ld_qkv + kf * kFrag, ld_qkv);
+      load_frag(bv, sV + nf * kFrag * ld_qkv + kf * kFrag, ld_qkv);
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const int rf = (warp + i * kWarps) / kNTiles;
+        FragA<T> a;
+        load_frag(a, sQ + rf * kFrag * ld_qkv + kf * kFrag, ld_qkv);
+        wmma::mma_sync(s[i], a, bk, s[i]);
+        load_frag(a, sdO + rf * kFrag * ld_qkv + kf * kFrag, ld_qkv);
+        wmma::mma_sync(dp[i], a, bv, dp[i]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) finish((warp + i * kWarps) / kNTiles, nf, s[i], dp[i]);
+  } else {
+    for (int t = warp; t < kMTiles * kNTiles; t += kWarps) {
+      const int rf = t / kNTiles, nf = t % kNTiles;
+      FragAcc s, dp;
+      wmma::fill_fragment(s, 0.0f);
+      wmma::fill_fragment(dp, 0.0f);
+#pragma unroll
+      for (int kf = 0; kf < kD / kFrag; ++kf) {
+        FragA<T> a;
+        FragBt<T> b;
+        load_frag(a, sQ + rf * kFrag * ld_qkv + kf * kFrag, ld_qkv);
+        load_frag(b, sK + nf * kFrag * ld_qkv + kf * kFrag, ld_qkv);
+        wmma::mma_sync(s, a, b, s);
+        load_frag(a, sdO + rf * kFrag * ld_qkv + kf * kFrag, ld_qkv);
+        load_frag(b, sV + nf * kFrag * ld_qkv + kf * kFrag, ld_qkv);
+        wmma::mma_sync(dp, a, b, dp);
+      }
+      finish(rf, nf, s, dp);
     }
   }
 }

@@ -88,13 +88,15 @@ __device__ __forceinline__ void pair_probs(const typename Tr::T* sQ, const typen
     T* sP = reinterpret_cast<T*>(sS);
     T* sdS = reinterpret_cast<T*>(sdP);
     if (all)
-      bwd::probs_and_ds_in_registers<T, Tr::kHeadDim, false>(
-          sQ, sdO, sK, sV, Tr::kLd, sP, sdS, Tr::kLdP, Tr::kFragsM, Tr::kFragsN, map, sL2, sD,
-          i0, j0, mask, bm, drop, mod, ex, dbias, Tr::kNWarps);
+      bwd::probs_and_ds_in_registers<T, Tr::kHeadDim, false, Tr::kFragsM, Tr::kFragsN,
+                                     Tr::kNWarps>(sQ, sdO, sK, sV, Tr::kLd, sP, sdS, Tr::kLdP,
+                                                  map, sL2, sD, i0, j0, mask, bm, drop, mod, ex,
+                                                  dbias);
     else
-      bwd::probs_and_ds_in_registers<T, Tr::kHeadDim, true>(
-          sQ, sdO, sK, sV, Tr::kLd, sP, sdS, Tr::kLdP, Tr::kFragsM, Tr::kFragsN, map, sL2, sD,
-          i0, j0, mask, bm, drop, mod, ex, dbias, Tr::kNWarps);
+      bwd::probs_and_ds_in_registers<T, Tr::kHeadDim, true, Tr::kFragsM, Tr::kFragsN,
+                                     Tr::kNWarps>(sQ, sdO, sK, sV, Tr::kLd, sP, sdS, Tr::kLdP,
+                                                  map, sL2, sD, i0, j0, mask, bm, drop, mod, ex,
+                                                  dbias);
   } else {
     bwd::scores_and_dp<T, Tr::kHeadDim>(sQ, sdO, sK, sV, Tr::kLd, sS, sdP, Tr::kLdS,
                                         Tr::kFragsM, Tr::kFragsN, Tr::kNWarps);
@@ -121,6 +123,78 @@ __device__ __forceinline__ void dq_tile(const typename Tr::T* sdS, const typenam
     load_frag(a, sdS + rf * kFrag * Tr::kLdP + kf * kFrag, Tr::kLdP);
     load_frag(b, sK + kf * kFrag * Tr::kLd + df * kFrag, Tr::kLd);
     wmma::mma_sync(acc, a, b, acc);
+  }
+}
+
+// dQ_i += dS K_j for this warp's dQ tiles (tile t = (query fragment t / kFragsD, column fragment
+// t % kFragsD), t = warp, warp + kNWarps, ...), added by atomics into the float32 accumulator at
+// gdq (query row r of the block at gdq + r * kD), rows < `rows` only. Where every tile of a warp
+// lies in one column fragment (kNWarps a multiple of kFragsD: head dims 32, 64, 128) the warp's
+// products run side by side, each K fragment loaded once for all of them, and a block of kBlockM
+// rows adds without a bounds test, at offsets known at compile time where the map is the
+// m16n8k16 layout (mma_layout), two adjacent columns per atomic (atomic_add_pair). Before, one
+// tile at a time, each product waited for and each atomic behind its own branch and address
+// arithmetic: a quarter of the d 128 backward's stall samples on the H100 (source-level profile,
+// 2026-11-27); after, the atomics' queue was 16% (single-float atomics, run 10).
+template <typename Tr>
+__device__ __forceinline__ void add_dq_tiles(const typename Tr::T* sdS, const typename Tr::T* sK,
+                                             const FragMap& map, bool mma_layout, float* gdq,
+                                             int rows, int warp) {
+  using T = typename Tr::T;
+  if constexpr (Tr::kNWarps % Tr::kFragsD == 0 && Tr::kDqTiles % Tr::kNWarps == 0) {
+    constexpr int kPer = Tr::kDqTilesPerWarp;
+    const int df = warp % Tr::kFragsD;
+    FragAcc acc[kPer];
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) wmma::fill_fragment(acc[i], 0.0f);
+#pragma unroll
+    for (int kf = 0; kf < Tr::kFragsN; ++kf) {
+      FragB<T> b;
+      load_frag(b, sK + kf * kFrag * Tr::kLd + df * kFrag, Tr::kLd);
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const int rf = (warp + i * Tr::kNWarps) / Tr::kFragsD;
+        FragA<T> a;
+        load_frag(a, sdS + rf * kFrag * Tr::kLdP + kf * kFrag, Tr::kLdP);
+        wmma::mma_sync(acc[i], a, b, acc[i]);
+      }
+    }
+    float* col = gdq + df * kFrag;
+    if (rows >= Tr::kBlockM && mma_layout) {  // offsets known at compile time, no bounds test
+      const int lane = threadIdx.x % 32;
+      float* base = col + acc_row(lane, 0) * Tr::kHeadDim + acc_col(lane, 0);
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        float* tile = base + (warp + i * Tr::kNWarps) / Tr::kFragsD * kFrag * Tr::kHeadDim;
+#pragma unroll
+        for (int e = 0; e < FragAcc::num_elements; e += 2)  // (e, e + 1): columns c, c + 1
+          atomic_add_pair(tile + (acc_row(lane, e) - acc_row(lane, 0)) * Tr::kHeadDim +
+                              (acc_col(lane, e) - acc_col(lane, 0)),
+                          acc[i].x[e], acc[i].x[e + 1]);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const int r0 = (warp + i * Tr::kNWarps) / Tr::kFragsD * kFrag;
+#pragma unroll
+        for (int e = 0; e < FragAcc::num_elements; ++e) {
+          const int r = r0 + map.r[e];
+          if (r < rows) atomicAdd(col + r * Tr::kHeadDim + map.c[e], acc[i].x[e]);
+        }
+      }
+    }
+  } else {
+    for (int t = warp; t < Tr::kDqTiles; t += Tr::kNWarps) {
+      const int rf = t / Tr::kFragsD, df = t % Tr::kFragsD;
+      FragAcc acc;
+      wmma::fill_fragment(acc, 0.0f);
+      dq_tile<Tr>(sdS, sK, rf, df, acc);
+#pragma unroll
+      for (int e = 0; e < FragAcc::num_elements; ++e) {
+        const int r = rf * kFrag + map.r[e];
+        if (r < rows) atomicAdd(gdq + r * Tr::kHeadDim + df * kFrag + map.c[e], acc.x[e]);
+      }
+    }
   }
 }
 
@@ -237,6 +311,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   fill_code_tile(codes_t, Tr::kThreads);
   __syncthreads();
   const FragMap map = accumulator_map(sS, sdP, Tr::kLdS);
+  const bool mma_layout = map_is_mma_layout(map);
   // load_frag's bfloat16 loads (as float16) are those of wmma on every architecture they are
   // compiled for (SASS, sm_80 and sm_90): a failure here is a compiler change, not a fallback.
   if (!twin_loads_hold_backward<T>(codes_t)) __trap();
@@ -317,18 +392,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         zero_nonfinite<kD, Tr::kThreads>(sK, kLd, kN);
         __syncthreads();
       }
-      float* gdq = ws_dq + ((batch * p.nheads + h) * p.seqlen_q + i0) * kD;
-      for (int t = warp; t < Tr::kDqTiles; t += Tr::kNWarps) {
-        const int rf = t / Tr::kFragsD, df = t % Tr::kFragsD;
-        FragAcc acc;
-        wmma::fill_fragment(acc, 0.0f);
-        dq_tile<Tr>(sdS, sK, rf, df, acc);
-#pragma unroll
-        for (int e = 0; e < FragAcc::num_elements; ++e) {
-          const int r = rf * kFrag + map.r[e];
-          if (r < rows) atomicAdd(gdq + r * kD + df * kFrag + map.c[e], acc.x[e]);
-        }
-      }
+      add_dq_tiles<Tr>(sdS, sK, map, mma_layout,
+                       ws_dq + ((batch * p.nheads + h) * p.seqlen_q + i0) * kD, rows, warp);
       if (slow_dq) {
         __syncthreads();  // every warp done with the zeroed K
         load_tile<kD, Tr::kThreads>(sK, kLd,

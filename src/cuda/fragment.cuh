@@ -234,6 +234,17 @@ struct FragMap {
   bool pairs;
 };
 
+// Whether a learnt map is the m16n8k16 layout of acc_row / acc_col (sm_80, sm_90), so that code
+// may use that layout's offsets, known at compile time; the same answer in every lane.
+__device__ __forceinline__ bool map_is_mma_layout(const FragMap& m) {
+  const int lane = threadIdx.x % 32;
+  bool ok = true;
+#pragma unroll
+  for (int e = 0; e < FragAcc::num_elements; ++e)
+    ok = ok && m.r[e] == acc_row(lane, e) && m.c[e] == acc_col(lane, e);
+  return __all_sync(kFullMask, ok);
+}
+
 // Learnt by every warp from two 16 x 16 float tiles at `rows` and `cols` (ld floats apart, 32-byte
 // aligned) that the whole CTA filled with their own row and column indices (fill_fragment_map).
 __device__ __forceinline__ FragMap accumulator_map(const float* rows, const float* cols, int ld) {
@@ -261,6 +272,18 @@ __device__ __forceinline__ void store_pair(T* p, float a, float b) {
     *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b);
   else
     *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+}
+
+// *p += a and *(p + 1) += b in global memory, each atomically (p 8-byte aligned): on sm_90 one
+// vector reduction (float2 atomicAdd, a RED of two floats), which halves the instructions the
+// load/store unit queues; elsewhere (sm_80, the host emulator) two float atomics.
+__device__ __forceinline__ void atomic_add_pair(float* p, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(p), make_float2(a, b));
+#else
+  atomicAdd(p, a);
+  atomicAdd(p + 1, b);
+#endif
 }
 
 // The CTA's half of accumulator_map: tile `rows` gets entry (r, c) = r, tile `cols` gets c. The

@@ -23,15 +23,13 @@ struct KeepAllRows {
 // cp.async: the caller commits and waits (__pipeline_commit / __pipeline_wait_prior) and then
 // synchronises the block; otherwise they are plain loads, visible after the same barrier.
 // One 16-byte chunk of row r of a tile: zeros where r >= rows or !keep(r), else the copy from
-// src (cp.async with vec).
-template <typename T, typename Keep>
-__device__ __forceinline__ void load_chunk(T* dst, const T* src, int r, int rows, bool vec,
+// src, by cp.async (kVec) or by eight 16-bit loads.
+template <bool kVec, typename T, typename Keep>
+__device__ __forceinline__ void load_chunk(T* dst, const T* src, int r, int rows,
                                            const Keep& keep) {
   if (r >= rows || !keep(r)) {
     *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
-    return;
-  }
-  if (vec) {
+  } else if (kVec) {
     __pipeline_memcpy_async(dst, src, 16);
   } else {
 #pragma unroll
@@ -39,24 +37,37 @@ __device__ __forceinline__ void load_chunk(T* dst, const T* src, int r, int rows
   }
 }
 
-template <int kHeadDim, int kThreads, typename T, typename Keep = KeepAllRows>
-__device__ __forceinline__ void load_tile(T* s, int ld_s, const T* g, int64_t g_stride,
-                                          int tile_rows, int rows, bool vec, Keep keep = Keep()) {
+// The loaders below branch on `vec` once, around the whole tile, never per chunk: a choice per
+// chunk was if-converted by ptxas into both paths, predicated, in every K/V block (the H100's
+// source-level profile, 2026-11-27: the eight 16-bit loads, their packing and stores issued,
+// predicated off, beside every cp.async; a quarter of the fa2 forward's stall samples).
+template <int kHeadDim, int kThreads, bool kVec, typename T, typename Keep>
+__device__ __forceinline__ void load_tile_as(T* s, int ld_s, const T* g, int64_t g_stride,
+                                             int tile_rows, int rows, const Keep& keep) {
   static_assert(kHeadDim % 8 == 0, "16-byte chunks of 8 elements");
   constexpr int kChunks = kHeadDim / 8;
   const int n = tile_rows * kChunks;
   for (int idx = threadIdx.x; idx < n; idx += kThreads) {
     const int r = idx / kChunks;
     const int c = (idx % kChunks) * 8;
-    load_chunk(s + r * ld_s + c, g + r * g_stride + c, r, rows, vec, keep);
+    load_chunk<kVec>(s + r * ld_s + c, g + r * g_stride + c, r, rows, keep);
   }
+}
+
+template <int kHeadDim, int kThreads, typename T, typename Keep = KeepAllRows>
+__device__ __forceinline__ void load_tile(T* s, int ld_s, const T* g, int64_t g_stride,
+                                          int tile_rows, int rows, bool vec, Keep keep = Keep()) {
+  if (vec)
+    load_tile_as<kHeadDim, kThreads, true>(s, ld_s, g, g_stride, tile_rows, rows, keep);
+  else
+    load_tile_as<kHeadDim, kThreads, false>(s, ld_s, g, g_stride, tile_rows, rows, keep);
 }
 
 // load_tile for a tile of compile-time height kTileRows: the loop is unrolled, and every thread's
 // chunks sit at offsets known at compile time from its first one (row and column computed once).
-template <int kTileRows, int kHeadDim, int kThreads, typename T, typename Keep = KeepAllRows>
-__device__ __forceinline__ void load_tile_rows(T* s, int ld_s, const T* g, int64_t g_stride,
-                                               int rows, bool vec, Keep keep = Keep()) {
+template <int kTileRows, int kHeadDim, int kThreads, bool kVec, typename T, typename Keep>
+__device__ __forceinline__ void load_tile_rows_as(T* s, int ld_s, const T* g, int64_t g_stride,
+                                                  int rows, const Keep& keep) {
   static_assert(kHeadDim % 8 == 0, "16-byte chunks of 8 elements");
   constexpr int kChunks = kHeadDim / 8;
   constexpr int kN = kTileRows * kChunks;
@@ -70,8 +81,17 @@ __device__ __forceinline__ void load_tile_rows(T* s, int ld_s, const T* g, int64
     const int cc = c0 / 8 + it * kRem;
     const int r = r0 + it * kQ + cc / kChunks, c = (cc % kChunks) * 8;
     if (kN % kThreads != 0 && r >= kTileRows) break;
-    load_chunk(s + r * ld_s + c, g + r * g_stride + c, r, rows, vec, keep);
+    load_chunk<kVec>(s + r * ld_s + c, g + r * g_stride + c, r, rows, keep);
   }
+}
+
+template <int kTileRows, int kHeadDim, int kThreads, typename T, typename Keep = KeepAllRows>
+__device__ __forceinline__ void load_tile_rows(T* s, int ld_s, const T* g, int64_t g_stride,
+                                               int rows, bool vec, Keep keep = Keep()) {
+  if (vec)
+    load_tile_rows_as<kTileRows, kHeadDim, kThreads, true>(s, ld_s, g, g_stride, rows, keep);
+  else
+    load_tile_rows_as<kTileRows, kHeadDim, kThreads, false>(s, ld_s, g, g_stride, rows, keep);
 }
 
 // Whether this thread's share of a (tile_rows x kHeadDim) tile of 16-bit floats in shared memory
