@@ -576,6 +576,8 @@ void launch_fa2_bwd(const Params& p, const LaunchContext& ctx) {
                      ctx.stream);
   float* l2 = ws.get<float>();
   float* d = l2 + w.stats;
+  // dq at an even float offset (2 * stats) from the allocation: 8-byte aligned, as the main
+  // kernel's paired atomics (atomic_add_pair) need.
   float* dq = w.dq > 0 ? d + w.stats : nullptr;
   if (dq != nullptr)
     FLASHDL_CUDA_CHECK(cudaMemsetAsync(dq, 0, static_cast<std::size_t>(w.dq) * sizeof(float),
