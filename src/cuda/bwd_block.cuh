@@ -52,6 +52,15 @@ __device__ __forceinline__ void scores_and_dp(const T* sQ, const T* sdO, const T
   }
 }
 
+// P = exp2(t - lse2) of an exp2-domain score t, at most 1 exactly: lse is float32, and where |t| is
+// huge (|softmax_scale * q.k| near 1e30) its rounding alone can put lse2 below the score
+// recomputed here, and exp2 overflowed (P = inf, the gradients NaN). A NaN exponent (a NaN lse2 of
+// a row that sees a NaN key) stays NaN.
+__device__ __forceinline__ float prob_of(float t, float l2) {
+  const float e = t - l2;
+  return exp2f(e > 0.0f ? 0.0f : e);
+}
+
 // Lines 13-20 for one element: P Z and dS of score x and dP value y at query i, key j (diag:
 // mask.diag(i)), row statistics l2 (lse2) and d (D). kMasked applies the window and the block
 // mask; l2 = -inf (a row with no visible key, or a padding row) gives 0 without looking at
@@ -82,11 +91,7 @@ __device__ __forceinline__ void prob_and_ds_terms(float x, float y, float l2, fl
     } else {
       t = x * mod.qk_scale;
     }
-    // P <= 1 exactly: lse is float32, and where |t| is huge (|softmax_scale * q.k| near 1e30) its
-    // rounding alone can put lse2 below the score recomputed here, and exp2 overflowed (P = inf,
-    // the gradients NaN). A NaN exponent (a NaN lse2 of a row that sees a NaN key) stays NaN.
-    const float e = t - l2;
-    const float prob = exp2f(e > 0.0f ? 0.0f : e);
+    const float prob = prob_of(t, l2);
     const float z = drop.on() ? drop.multiplier(i, j) : 1.0f;
     p = prob * z;
     ds = prob * (y * z - d);
@@ -120,9 +125,7 @@ __device__ __forceinline__ void prob_and_ds(float x, float y, float l2, float d,
 // l2 = -inf (a row that sees no key, or a padding row) gives P = dS = 0.
 __device__ __forceinline__ void plain_prob_and_ds(float x, float y, float l2, float d,
                                                   float qk_scale, float& p, float& ds) {
-  const float t = x * qk_scale;
-  const float e = t - l2;
-  const float prob = exp2f(e > 0.0f ? 0.0f : e);
+  const float prob = prob_of(x * qk_scale, l2);
   const bool seen = l2 != -INFINITY;
   p = seen ? prob : 0.0f;
   ds = seen ? prob * (y - d) : 0.0f;
