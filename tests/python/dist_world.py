@@ -38,9 +38,12 @@ def finish():
     with torch 2.13's gloo, a runloop thread may drop its last reference to a finished work
     (and the tensors it holds) while Python finalises, take the GIL, get exited and abort the
     process ("terminate called without an active exception"), about one run in five; the
-    results are on disk by then."""
+    results are on disk by then. A barrier first: rank 0 hosts the group's TCP store, and a rank
+    that ended while another was still creating a group through that store (new_group) failed the
+    other with "Connection reset by peer" (seen once on two loaded cores)."""
     import torch.distributed as dist
 
+    dist.barrier()
     dist.destroy_process_group()
     os._exit(0)
 
