@@ -10,8 +10,11 @@ Each copy runs in its own subprocess (the copy is picked once per process); the 
 run in each subprocess too, so every ratio compares numbers taken seconds apart.
 FLOPs: flash-attn's count (forward 4*b*h*s^2*d, forward+backward 3.5x that); a product 2*n^3.
 
-The issue's targets: bfloat16 fa2 forward >= 0.6x torch's bfloat16 matmul GFLOP/s and
-forward+backward >= 0.45x; float32 forward >= 0.85x torch's float32 matmul GFLOP/s.
+Targets: bfloat16 fa2 forward >= 0.85x torch's bfloat16 matmul GFLOP/s and forward+backward
+>= 0.45x; float32 forward >= 1.0x torch's float32 matmul GFLOP/s. Each ratio is printed from the
+medians of the rounds and from their best (fastest) times: on a shared machine whose capacity
+comes and goes, a single matmul round of ~40 ms swings by a third, and the best round of each is
+the steadier comparison of what the two reach.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import sys
 import time
 
 SHAPES = [(1, 2048, 8, 64), (1, 4096, 8, 128)]
+TARGETS = {("bfloat16", "fwd"): 0.85, ("bfloat16", "fwd+bwd"): 0.45, ("float32", "fwd"): 1.0}
 
 
 def measure(rounds):
@@ -65,7 +69,8 @@ def measure(rounds):
             times[name].append(time.perf_counter() - t)
     return {"isa": flashdl.info()["cpu_isa"], "threads": flashdl.info()["num_threads"],
             "gflops": {name: runs[name][1] / statistics.median(t) / 1e9
-                       for name, t in times.items()}}
+                       for name, t in times.items()},
+            "best": {name: runs[name][1] / min(t) / 1e9 for name, t in times.items()}}
 
 
 def main():
@@ -98,21 +103,23 @@ def main():
     lines = [f"# bfloat16 attention against the bfloat16 matrix product ({cpu_model()}, "
              f"{os.cpu_count()} cores)", "",
              f"{datetime.date.today()}, flashdl {flashdl.__version__}, torch {torch.__version__}, "
-             f"Python {platform.python_version()}; GFLOP/s, median of {args.rounds} rounds; "
+             f"Python {platform.python_version()}; GFLOP/s, median and best of {args.rounds} rounds; "
              f"`python benchmarks/bench_bf16.py --rounds {args.rounds}`", ""]
     for r in results:
-        g = r["gflops"]
-        mm16, mm32 = g["matmul bfloat16"], g["matmul float32"]
+        g, best = r["gflops"], r["best"]
         lines += [f"## FLASHDL_CPU_ISA={r['isa']} ({r['threads']} threads)", "",
-                  f"torch matmul 2048^3: bfloat16 {mm16:.0f} GFLOP/s, float32 {mm32:.0f} GFLOP/s",
-                  "", "| fa2 | GFLOP/s | / torch matmul of its dtype | target |",
-                  "|---|---|---|---|"]
+                  f"torch matmul 2048^3: bfloat16 {g['matmul bfloat16']:.0f} GFLOP/s (best "
+                  f"{best['matmul bfloat16']:.0f}), float32 {g['matmul float32']:.0f} (best "
+                  f"{best['matmul float32']:.0f})", "",
+                  "| fa2 | GFLOP/s (median) | / torch matmul of its dtype | GFLOP/s (best) "
+                  "| / torch matmul (best) | target |", "|---|---|---|---|---|---|"]
         for name, val in g.items():
             if name.startswith("matmul"):
                 continue
-            base = mm32 if "float32" in name else mm16
-            target = {"fwd": 0.85 if "float32" in name else 0.6, "fwd+bwd": 0.45}[name.split()[2]]
-            lines.append(f"| {name[4:]} | {val:.0f} | {val / base:.2f}x | >= {target}x |")
+            base = "matmul float32" if "float32" in name else "matmul bfloat16"
+            target = TARGETS[(name.split()[1], name.split()[2])]
+            lines.append(f"| {name[4:]} | {val:.0f} | {val / g[base]:.2f}x | {best[name]:.0f} "
+                         f"| {best[name] / best[base]:.2f}x | >= {target}x |")
         lines.append("")
     emit(lines, args.out)
 

@@ -161,7 +161,7 @@ struct Bf16Products {
   };
   std::vector<Head> heads = std::vector<Head>(1);
   Head* cur = nullptr;
-  Buffer<uint32_t> qw, pw, scratch;
+  Buffer<uint32_t> qw, pw;
   int64_t b = 0, hk = 0;
   const uint32_t* V = nullptr;
 
@@ -195,6 +195,7 @@ struct Bf16Products {
     }
     uint32_t* Q = qw.get(g.Brp * dw(g));
     const auto* src = static_cast<const uint16_t*>(p.q_ptr) + q_offset(p, b_, i0, h);
+    prefetch_rows(src, p.q_row_stride * 2, rows, g.d * 2);
     for (int64_t r = 0; r < rows; ++r) row_pairs(src + r * p.q_row_stride, g.d, Q + r * dw(g), dw(g));
     std::fill(Q + rows * dw(g), Q + g.Brp * dw(g), 0u);
   }
@@ -205,19 +206,45 @@ struct Bf16Products {
     uint32_t* Vp = cur->vw.data.data() + kt * (g.Bcp / 2) * g.dp;
     const auto* k = static_cast<const uint16_t*>(p.k_ptr) + k_offset(p, b, j0, hk);
     const auto* v = static_cast<const uint16_t*>(p.v_ptr) + v_offset(p, b, j0, hk);
-    uint32_t* words = scratch.get(dw(g));
+    prefetch_rows(k, p.k_row_stride * 2, cols, g.d * 2);
+    prefetch_rows(v, p.v_row_stride * 2, cols, g.d * 2);
     std::fill(Kt, Kt + kd(g) * g.Bcp, 0u);
-    for (int64_t j = 0; j < cols; ++j) {
-      row_pairs(k + j * p.k_row_stride, g.d, words, kd(g));
-      for (int64_t w = 0; w < kd(g); ++w) Kt[w * g.Bcp + j] = words[w];
+    // K^T: a key row's pairs are its own bytes (row_pairs), so blocks of W keys by W pairs are
+    // W x W transposes of 32-bit words in registers (transpose_lanes moves bits, whatever they
+    // mean as floats); pairs past the last whole block word by word, an odd head dim's last
+    // element as a pair with 0. (A row copy per key and a store per pair were most of a pack.)
+    constexpr int64_t W = Simd<float>::W;
+    const int64_t whole = g.d / 2, wb = whole / W * W;  // pairs read as words; those in blocks
+    for (int64_t j0 = 0; j0 < cols; j0 += W) {
+      const int64_t nr = std::min(W, cols - j0);
+      for (int64_t w0 = 0; w0 < wb; w0 += W) {
+        vec_t<float> r[W];
+        for (int64_t i = 0; i < W; ++i)
+          r[i] = i < nr ? vload(reinterpret_cast<const float*>(k + (j0 + i) * p.k_row_stride +
+                                                                2 * w0))
+                        : vec_t<float>{};
+        transpose_lanes<float>(r);
+        for (int64_t c = 0; c < W; ++c) vstore(reinterpret_cast<float*>(Kt + (w0 + c) * g.Bcp + j0), r[c]);
+      }
     }
-    const std::vector<uint16_t> zeros(static_cast<size_t>(g.d), 0);
+    for (int64_t j = 0; j < cols; ++j) {
+      const uint16_t* row = k + j * p.k_row_stride;
+      for (int64_t w = wb; w < whole; ++w) std::memcpy(Kt + w * g.Bcp + j, row + 2 * w, 4);
+      if (g.d % 2) Kt[whole * g.Bcp + j] = row[g.d - 1];
+    }
     for (int64_t pr = 0; pr < g.Bcp / 2; ++pr) {
       uint32_t* row = Vp + pr * g.dp;
       const int64_t j = 2 * pr;
-      const uint16_t* v0 = j < cols ? v + j * p.v_row_stride : zeros.data();
-      const uint16_t* v1 = j + 1 < cols ? v + (j + 1) * p.v_row_stride : zeros.data();
-      for (int64_t c = 0; c < g.d; ++c) row[c] = uint32_t{v0[c]} | (uint32_t{v1[c]} << 16);
+      if (j + 1 < cols) {
+        const uint16_t* v0 = v + j * p.v_row_stride;
+        const uint16_t* v1 = v0 + p.v_row_stride;
+        for (int64_t c = 0; c < g.d; ++c) row[c] = uint32_t{v0[c]} | (uint32_t{v1[c]} << 16);
+      } else if (j < cols) {
+        const uint16_t* v0 = v + j * p.v_row_stride;
+        for (int64_t c = 0; c < g.d; ++c) row[c] = v0[c];
+      } else {
+        std::fill(row, row + g.d, 0u);
+      }
       std::fill(row + g.d, row + g.dp, 0u);
     }
     cur->packed[kt] = 1;
@@ -235,17 +262,19 @@ struct Bf16Products {
     accumulate_pairs(g, t, t.mp, O);
   }
 
-  // Row r of P = exp2(S row r - ref) over np scores (np % 32 == 0) rounded straight to its
-  // bfloat16 pairs (round_pairs' layout and bits) for accumulate_pairs, with no float P stored
-  // and read back between two passes; returns the lane sums of the float P (row_exp2_lanes').
-  vec_t<float> exp_pairs(const Geometry<float>& g, const float* S, int64_t r, int64_t np,
+  // Row r of P = exp2(c * S row r - ref) over np scores (np % 32 == 0; c as row_exp2_lanes')
+  // rounded straight to its bfloat16 pairs (round_pairs' layout and bits) for accumulate_pairs,
+  // with no float P stored and read back between two passes; returns the lane sums of the float
+  // P (row_exp2_lanes').
+  vec_t<float> exp_pairs(const Geometry<float>& g, const float* S, int64_t r, int64_t np, float c,
                          float ref) {
     uint32_t* Pw = pw.get(g.Brp * (g.Bcp / 2)) + r * (g.Bcp / 2);
     const float* s = S + r * g.Bcp;
-    const vec_t<float> vr = vset1(ref);
+    const vec_t<float> vc = vset1(c), vr = vset1(ref);
     vec_t<float> acc = vec_t<float>{};
     for (int64_t j = 0; j < np; j += 32) {
-      const vec_t<float> p0 = vexp2(vload(s + j) - vr), p1 = vexp2(vload(s + j + 16) - vr);
+      const vec_t<float> p0 = vexp2(vload(s + j) * vc - vr);
+      const vec_t<float> p1 = vexp2(vload(s + j + 16) * vc - vr);
       acc += p0;
       acc += p1;
       _mm512_storeu_si512(Pw + j / 2, (__m512i)_mm512_cvtne2ps_pbh((__m512)p1, (__m512)p0));

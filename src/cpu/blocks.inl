@@ -356,6 +356,19 @@ bool mask_scores(const Geometry<T>& g, const Mask& mask, T* S, const TilePair& t
   return hidden;
 }
 
+// Whether mask_scores' work on a tile pair would be the scale and the row max alone (no score
+// modifiers, no bias or mask, every key of every real row visible, no padding column): then a
+// caller may leave S unscaled, take each row's max as row_max_of(s) * g.c (row_scale_max's value bit
+// for bit, as g.c > 0) and fold the scale into exp2's FMA (row_exp2_lanes' c), one pass over S
+// and a store per vector fewer (cpu_tuning.md section 28). Padding rows stay as the products left
+// them: such callers zero P's padding rows before O += P V, as after mask_scores.
+template <typename T>
+bool scale_in_exp2(const Geometry<T>& g, const Mask& mask, const TilePair& t,
+                   const detail::ScoreMod<T>* mod, const detail::HeadExtras* ex) {
+  return mod == nullptr && ex == nullptr && g.c > T(0) && t.cols == t.np &&
+         mask.block_fully_visible(t.i0, t.i0 + t.rows, t.j0, t.j0 + t.cols);
+}
+
 // S = Q K^T for the tile pair, then mask_scores (whose result it returns).
 template <typename T>
 bool masked_scores(const Geometry<T>& g, const Mask& mask, const T* Q, const T* Kt, int64_t ldkt,

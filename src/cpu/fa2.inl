@@ -264,8 +264,16 @@ void fa2_forward_impl(const Params& p, int threads) {
           q_loaded = true;
         }
         prod.scores(p, g, kt, t, S);
-        const bool hidden = mask_scores(g, mask, S, t, row_max, mods.get(),
-                                        static_cast<T*>(nullptr), mods.extras());
+        // c: the scale still to apply in exp2 (scale_in_exp2), or 1 once mask_scores applied it.
+        T c = T(1);
+        bool hidden = false;
+        if (scale_in_exp2(g, mask, t, mods.get(), mods.extras())) {
+          c = g.c;
+          for (int64_t r = 0; r < rows; ++r) row_max[r] = row_max_of(S + r * g.Bcp, t.np) * c;
+        } else {
+          hidden = mask_scores(g, mask, S, t, row_max, mods.get(), static_cast<T*>(nullptr),
+                               mods.extras());
+        }
         // Where P goes straight into O += P V (no dropout, no row to redo), the bfloat16 pair
         // products take it as its exponentials are computed: rounded to pairs in the same pass,
         // not stored as floats and read back (Bf16Products::exp_pairs).
@@ -275,10 +283,10 @@ void fa2_forward_impl(const Params& p, int threads) {
           const T alpha = sm[r].rescale_factor(row_max[r]);
           vec_t<T> sum;
           if constexpr (kPairs)
-            sum = direct ? prod.exp_pairs(g, S, r, t.np, sm[r].reference())
-                         : row_exp2_lanes(S + r * g.Bcp, t.np, sm[r].reference());
+            sum = direct ? prod.exp_pairs(g, S, r, t.np, c, sm[r].reference())
+                         : row_exp2_lanes(S + r * g.Bcp, t.np, c, sm[r].reference());
           else
-            sum = row_exp2_lanes(S + r * g.Bcp, t.np, sm[r].reference());
+            sum = row_exp2_lanes(S + r * g.Bcp, t.np, c, sm[r].reference());
           vstore(lanes + r * W, vload(lanes + r * W) * vset1(alpha) + sum);
           if (alpha != T(1)) row_scale(O + r * g.dp, g.dp, alpha);
         }

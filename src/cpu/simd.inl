@@ -120,10 +120,31 @@ inline void transpose_block(const T* src, int64_t lds, int64_t nr, T* dst, int64
   for (int c = 0; c < W; ++c) vstore(dst + c * ldd, r[c]);
 }
 
-// 2^x for float vectors: round-to-nearest split x = n + f, |f| <= 1/2, 2^f by a degree-6
-// polynomial (Cephes exp2f coefficients, relative error ~2e-7), 2^n through the exponent bits.
-// Inputs below -126 (masked scores are -inf) give exactly 0.
+// 2^x for float vectors: round-to-nearest split x = n + f, |f| <= 1/2, 2^f by a degree-5
+// polynomial (a relative minimax fit on [-1/2, 1/2]; in float32 with FMA the result is within
+// 1.7e-7 of 2^x), then times 2^n. Inputs below -126 (masked scores are -inf) give exactly 0; NaN
+// stays NaN. With AVX-512 the split is one vroundscaleps and 2^n with the zeroing one masked
+// vscalefps (cpu_tuning.md section 28); otherwise the magic-number rounding and the exponent
+// bits, with x clamped to [-126, 127].
+inline vec_t<float> exp2_poly(vec_t<float> f) {
+  vec_t<float> poly = vset1(1.326463499e-3f);
+  poly = poly * f + 9.671484574e-3f;
+  poly = poly * f + 5.550733713e-2f;
+  poly = poly * f + 2.402224253e-1f;
+  poly = poly * f + 6.931469778e-1f;
+  return poly * f + 1.0f;
+}
 inline vec_t<float> vexp2(vec_t<float> x) {
+#if FLASHDL_VEC_BYTES == 64  // the avx512 copies (isa_avx512*.cpp)
+  const __m512 xv = (__m512)x;
+  const __mmask16 keep = _mm512_cmp_ps_mask(xv, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ);
+  // (The maskz form with every lane set: GCC 12's plain form reads _mm512_undefined_ps, which
+  // -Wmaybe-uninitialized reports.)
+  const __m512 n = _mm512_maskz_roundscale_ps(static_cast<__mmask16>(0xFFFF), xv,
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const vec_t<float> poly = exp2_poly(x - (vec_t<float>)n);
+  return (vec_t<float>)_mm512_maskz_scalef_ps(keep, (__m512)poly, n);
+#else
   typedef int32_t ivec __attribute__((vector_size(FLASHDL_VEC_BYTES)));
   const vec_t<float> lo = vset1(-126.0f), hi = vset1(127.0f);
   vec_t<float> xc = x < lo ? lo : x;
@@ -131,18 +152,11 @@ inline vec_t<float> vexp2(vec_t<float> x) {
   const vec_t<float> magic = vset1(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
   const vec_t<float> t = xc + magic;
   const vec_t<float> n = t - magic;
-  const vec_t<float> f = xc - n;
   const ivec e = ((ivec)t - 0x4B400000 + 127) << 23;
-  vec_t<float> poly = vset1(1.535336188319500e-4f);
-  poly = poly * f + 1.339887440266574e-3f;
-  poly = poly * f + 9.618437357674640e-3f;
-  poly = poly * f + 5.550332471162809e-2f;
-  poly = poly * f + 2.402264791363012e-1f;
-  poly = poly * f + 6.931472028550421e-1f;
-  poly = poly * f + 1.0f;
-  const vec_t<float> r = poly * (vec_t<float>)e;
+  const vec_t<float> r = exp2_poly(xc - n) * (vec_t<float>)e;
   const ivec keep = ~(x < lo);
   return (vec_t<float>)((ivec)r & keep);
+#endif
 }
 
 // float64 is the gradient-checking path: exactness over speed.
@@ -192,6 +206,16 @@ inline T row_scale_max(T* s, int64_t n, T c) {
     vstore(s + j, t);
     m = vmax<T>(m, t);
   }
+  return hmax<T>(m);
+}
+
+// max(s), s unchanged: with c > 0, max(s) * c is row_scale_max's result bit for bit (rounding is
+// monotonic), for callers that fold the scale into exp2 (row_exp2_lanes' c).
+template <typename T>
+inline T row_max_of(const T* s, int64_t n) {
+  constexpr int W = Simd<T>::W;
+  vec_t<T> m = vset1<T>(-INFINITY);
+  for (int64_t j = 0; j < n; j += W) m = vmax<T>(m, vload(s + j));
   return hmax<T>(m);
 }
 
@@ -251,16 +275,16 @@ inline T row_modified_range_max(T* s, int64_t n, const detail::ScoreMod<T>& mod,
   return hmax<T>(m);
 }
 
-// p = exp2(t - ref) in place; returns sum(p) lane by lane (a caller that keeps a running sum adds
-// the lanes once at the end: a horizontal sum per row and tile was 7.7% of the bfloat16 forward's
-// time at head dim 64, cpu_tuning.md section 22).
+// p = exp2(c * t - ref) in place (one FMA; c = 1 where t is already scaled); returns sum(p) lane
+// by lane (a caller that keeps a running sum adds the lanes once at the end: a horizontal sum per
+// row and tile was 7.7% of the bfloat16 forward's time at head dim 64, cpu_tuning.md section 22).
 template <typename T>
-inline vec_t<T> row_exp2_lanes(T* s, int64_t n, T ref) {
+inline vec_t<T> row_exp2_lanes(T* s, int64_t n, T c, T ref) {
   constexpr int W = Simd<T>::W;
   vec_t<T> acc = vec_t<T>{};
-  const vec_t<T> vr = vset1(ref);
+  const vec_t<T> vc = vset1(c), vr = vset1(ref);
   for (int64_t j = 0; j < n; j += W) {
-    const vec_t<T> p = vexp2(vload(s + j) - vr);
+    const vec_t<T> p = vexp2(vload(s + j) * vc - vr);
     vstore(s + j, p);
     acc += p;
   }
@@ -270,7 +294,7 @@ inline vec_t<T> row_exp2_lanes(T* s, int64_t n, T ref) {
 // p = exp2(t - ref) in place; returns sum(p).
 template <typename T>
 inline T row_exp2_sum(T* s, int64_t n, T ref) {
-  return hsum<T>(row_exp2_lanes(s, n, ref));
+  return hsum<T>(row_exp2_lanes(s, n, T(1), ref));
 }
 
 // y *= a
