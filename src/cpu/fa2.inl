@@ -11,6 +11,20 @@
 inline int64_t fa2_block_rows() { return 48; }
 inline int64_t fa2_block_cols() { return 96; }
 
+// The forward's query tile: fa2_block_rows(), or kLongKeyRows where a head's packed K and V
+// (key_bytes a key, both) outgrow a core's L2 (1 MiB on the machine measured): every query tile
+// then streams them from L3 or memory once, and three times the rows make a third of those
+// passes. Measured with 2 threads (cpu_tuning.md section 29): 2,048 x 16,384 float32 d 128 +12%,
+// d 64 +12%, bfloat16 d 128 +9%; at 2,048 x 2,048, where they fit, the tile shapes were within
+// the noise of each other. Only where the longer tiles still give every thread several tasks,
+// and not with a block mask (its blocks set the query tiles).
+inline int64_t fa2_forward_block_rows(const Params& p, int64_t key_bytes, int threads) {
+  constexpr int64_t kL2 = int64_t{1} << 20, kLongKeyRows = 144;
+  if (p.block_mask_ptr != nullptr || p.seqlen_k * key_bytes <= kL2) return fa2_block_rows();
+  const int64_t tasks = p.batch * p.nheads * detail::ceil_div(p.seqlen_q, kLongKeyRows);
+  return tasks >= 4 * static_cast<int64_t>(threads) ? kLongKeyRows : fa2_block_rows();
+}
+
 // K^T and V of one (batch, kv head), tile by tile: tile kt of K^T is d x Bcp at kt * d * Bcp, tile
 // kt of V is Bcp x dp at kt * Bcp * dp, each zero-padded. Contiguous tiles keep the micro-kernel's
 // B operand in a few pages (a whole-sequence K^T row stride thrashed L1 sets). A tile is packed
@@ -218,7 +232,11 @@ Prod& forward_products() {
 
 template <typename T, typename Prod>
 void fa2_forward_impl(const Params& p, int threads) {
-  const Geometry<T> g = make_geometry<T>(p, fa2_block_rows(), fa2_block_cols(), true);
+  // Packed bytes a key: K^T and V rows of d and dp elements, bfloat16 pairs or T.
+  const int64_t key_bytes = (p.headdim + detail::round_up(p.headdim, kNR<T>)) *
+                            (PairProducts<Prod>::value ? 2 : static_cast<int64_t>(sizeof(T)));
+  const Geometry<T> g = make_geometry<T>(p, fa2_forward_block_rows(p, key_bytes, threads),
+                                         fa2_block_cols(), true);
   const Mask mask = mask_of(p);
   const bool zigzag = uneven_work(p);
   const bool together = heads_together(p, g);

@@ -55,6 +55,15 @@ def test_long_sequence(dtype, schedule, causal):
     check(*make_qkv(rng, 1, 1025, 1025, 1, 1, 64, dtype=dtype), dtype, schedule, causal)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_long_keys_take_taller_query_tiles(dtype, causal):
+    # 4,200 keys: a head's packed K and V outgrow 1 MiB in every dtype, so fa2's forward takes
+    # 144-row query tiles (fa2_forward_block_rows): 300 rows are two whole tiles and one of 12.
+    rng = np.random.default_rng(zlib.crc32(repr(("long keys", dtype, causal)).encode()))
+    check(*make_qkv(rng, 1, 300, 4200, 8, 2, 64, dtype=dtype), dtype, "fa2", causal)
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("window", [(0, 0), (3, 1), (8, -1), (-1, 2)])
 def test_sliding_window(schedule, window):
