@@ -164,6 +164,10 @@ struct Bf16Products {
   Buffer<uint32_t> qw, pw;
   int64_t b = 0, hk = 0;
   const uint32_t* V = nullptr;
+  // Q's first q_rows rows read in place from the caller's array (rows of q_ld words), the rest
+  // from qw (see start()); q_rows = 0: all from qw.
+  const uint32_t* q_in = nullptr;
+  int64_t q_ld = 0, q_rows = 0;
 
   static int64_t dw(const Geometry<float>& g) { return g.dp / 2; }
   static int64_t kd(const Geometry<float>& g) { return (g.d + 1) / 2; }
@@ -196,8 +200,20 @@ struct Bf16Products {
     uint32_t* Q = qw.get(g.Brp * dw(g));
     const auto* src = static_cast<const uint16_t*>(p.q_ptr) + q_offset(p, b_, i0, h);
     prefetch_rows(src, p.q_row_stride * 2, rows, g.d * 2);
-    for (int64_t r = 0; r < rows; ++r) row_pairs(src + r * p.q_row_stride, g.d, Q + r * dw(g), dw(g));
-    std::fill(Q + rows * dw(g), Q + g.Brp * dw(g), 0u);
+    // With one key tile, S = Q K^T reads each query row once, as the conversion to pairs would:
+    // the whole micro-kernel blocks of rows are read in place, their pairs being the rows' own
+    // bytes (even head dim, rows 4-byte aligned), and only the last block's rows are copied with
+    // their zero padding. A copy per row was a fifth of the 16,384 x 16 forward, memory-bound
+    // (cpu_tuning.md section 30). With more key tiles the rows are read once per tile, and in
+    // place, 1 KiB apart, they would share a few L1 sets.
+    const bool in_place = g.nkb == 1 && g.d % 2 == 0 && p.q_row_stride % 2 == 0 &&
+                          reinterpret_cast<uintptr_t>(src) % 4 == 0;
+    q_rows = in_place ? rows / kMR * kMR : 0;
+    q_in = reinterpret_cast<const uint32_t*>(src);
+    q_ld = p.q_row_stride / 2;
+    for (int64_t r = q_rows; r < rows; ++r)
+      row_pairs(src + r * p.q_row_stride, g.d, Q + (r - q_rows) * dw(g), dw(g));
+    std::fill(Q + (rows - q_rows) * dw(g), Q + g.Brp * dw(g), 0u);
   }
 
   void pack(const Params& p, const Geometry<float>& g, int64_t kt) {
@@ -253,8 +269,11 @@ struct Bf16Products {
   void scores(const Params& p, const Geometry<float>& g, int64_t kt, const TilePair& t, float* S) {
     if (!cur->packed[kt]) pack(p, g, kt);
     V = cur->vw.data.data() + kt * (g.Bcp / 2) * g.dp;
-    gemm_bf16<false, false>(t.mp, t.np, kd(g), qw.data.data(), dw(g),
-                     cur->ktw.data.data() + kt * kd(g) * g.Bcp, g.Bcp, S, g.Bcp);
+    const uint32_t* Kt = cur->ktw.data.data() + kt * kd(g) * g.Bcp;
+    if (q_rows > 0) gemm_bf16<false, false>(q_rows, t.np, kd(g), q_in, q_ld, Kt, g.Bcp, S, g.Bcp);
+    if (t.mp > q_rows)
+      gemm_bf16<false, false>(t.mp - q_rows, t.np, kd(g), qw.data.data(), dw(g), Kt, g.Bcp,
+                              S + q_rows * g.Bcp, g.Bcp);
   }
 
   void accumulate(const Geometry<float>& g, const TilePair& t, const float* P, float* O) {
