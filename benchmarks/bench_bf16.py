@@ -103,7 +103,8 @@ def main():
     lines = [f"# bfloat16 attention against the bfloat16 matrix product ({cpu_model()}, "
              f"{os.cpu_count()} cores)", "",
              f"{datetime.date.today()}, flashdl {flashdl.__version__}, torch {torch.__version__}, "
-             f"Python {platform.python_version()}; GFLOP/s, median and best of {args.rounds} rounds; "
+             f"Python {platform.python_version()}; GFLOP/s, median and best of {args.rounds} "
+             "rounds; "
              f"`python benchmarks/bench_bf16.py --rounds {args.rounds}`", ""]
     for r in results:
         g, best = r["gflops"], r["best"]

@@ -240,7 +240,8 @@ struct Bf16Products {
                                                                 2 * w0))
                         : vec_t<float>{};
         transpose_lanes<float>(r);
-        for (int64_t c = 0; c < W; ++c) vstore(reinterpret_cast<float*>(Kt + (w0 + c) * g.Bcp + j0), r[c]);
+        for (int64_t c = 0; c < W; ++c)
+          vstore(reinterpret_cast<float*>(Kt + (w0 + c) * g.Bcp + j0), r[c]);
       }
     }
     for (int64_t j = 0; j < cols; ++j) {

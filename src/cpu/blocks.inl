@@ -358,10 +358,10 @@ bool mask_scores(const Geometry<T>& g, const Mask& mask, T* S, const TilePair& t
 
 // Whether mask_scores' work on a tile pair would be the scale and the row max alone (no score
 // modifiers, no bias or mask, every key of every real row visible, no padding column): then a
-// caller may leave S unscaled, take each row's max as row_max_of(s) * g.c (row_scale_max's value bit
-// for bit, as g.c > 0) and fold the scale into exp2's FMA (row_exp2_lanes' c), one pass over S
-// and a store per vector fewer (cpu_tuning.md section 28). Padding rows stay as the products left
-// them: such callers zero P's padding rows before O += P V, as after mask_scores.
+// caller may leave S unscaled, take each row's max as row_max_of(s) * g.c (row_scale_max's
+// value bit for bit, as g.c > 0) and fold the scale into exp2's FMA (row_exp2_lanes' c), one
+// pass over S and a store per vector fewer (cpu_tuning.md section 28). Padding rows stay as the
+// products left them: such callers zero P's padding rows before O += P V, as after mask_scores.
 template <typename T>
 bool scale_in_exp2(const Geometry<T>& g, const Mask& mask, const TilePair& t,
                    const detail::ScoreMod<T>* mod, const detail::HeadExtras* ex) {
