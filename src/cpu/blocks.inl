@@ -279,23 +279,15 @@ T apply_extras_row(T* s, const detail::HeadExtras& ex, int64_t i, int64_t j0, in
 inline void prefetch_extras_tile(const detail::HeadExtras* ex, const Params& p, int64_t b,
                                  int64_t h, int64_t i0, int64_t rows, int64_t j0, int64_t cols,
                                  bool dbias) {
-  constexpr int64_t kLine = 64;
   if (ex == nullptr || ex->bias == nullptr || ex->bias_col != 1) return;
   const int64_t es = ex->bias_dtype == DType::float64 ? 8 : ex->bias_dtype == DType::float32 ? 4 : 2;
-  const int64_t bytes = cols * es;
-  for (int64_t i = i0; i < i0 + rows; ++i) {
-    const char* row = static_cast<const char*>(ex->bias) + ex->bias_offset(i, j0) * es;
-    for (int64_t o = 0; o < bytes; o += kLine) __builtin_prefetch(row + o, 0, 3);
-    __builtin_prefetch(row + bytes - 1, 0, 3);
-  }
+  prefetch_rows(static_cast<const char*>(ex->bias) + ex->bias_offset(i0, j0) * es,
+                ex->bias_row * es, rows, cols * es);
   if (!dbias || p.dbias_ptr == nullptr || p.dbias_col_stride != 1) return;
-  for (int64_t i = i0; i < i0 + rows; ++i) {
-    const char* row = static_cast<const char*>(p.dbias_ptr) +
-                      (b * p.dbias_batch_stride + h * p.dbias_head_stride +
-                       i * p.dbias_row_stride + j0) * es;
-    for (int64_t o = 0; o < bytes; o += kLine) __builtin_prefetch(row + o, 1, 3);
-    __builtin_prefetch(row + bytes - 1, 1, 3);
-  }
+  prefetch_rows<true>(static_cast<const char*>(p.dbias_ptr) +
+                          (b * p.dbias_batch_stride + h * p.dbias_head_stride +
+                           i0 * p.dbias_row_stride + j0) * es,
+                      p.dbias_row_stride * es, rows, cols * es);
 }
 
 // S (the tile pair's Q K^T, unscaled) scaled to the exp2 domain, with invisible keys, padding rows

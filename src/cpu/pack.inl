@@ -96,16 +96,17 @@ inline void* element(void* base, DType dt, int64_t offset) {
 }
 
 // The cache lines of rows [0, rows) of a strided array (row r: `bytes` bytes at base + r *
-// stride bytes), prefetched for reading, all before the rows are read: the rows of one head are
-// short runs far apart (a (batch, seqlen, nheads, headdim) array: headdim elements every nheads *
-// headdim), which the hardware prefetcher does not follow, and read one after another each row's
-// copy waited for its load (cpu_tuning.md section 28).
+// stride bytes), prefetched (for writing with Write), all before the rows are used: the rows of
+// one head are short runs far apart (a (batch, seqlen, nheads, headdim) array: headdim elements
+// every nheads * headdim), which the hardware prefetcher does not follow, and read one after
+// another each row's copy waited for its load (cpu_tuning.md section 28).
+template <bool Write = false>
 inline void prefetch_rows(const void* base, int64_t stride, int64_t rows, int64_t bytes) {
   constexpr int64_t kLine = 64;
   for (int64_t r = 0; r < rows; ++r) {
     const char* row = static_cast<const char*>(base) + r * stride;
-    for (int64_t o = 0; o < bytes; o += kLine) __builtin_prefetch(row + o, 0, 3);
-    __builtin_prefetch(row + bytes - 1, 0, 3);
+    for (int64_t o = 0; o < bytes; o += kLine) __builtin_prefetch(row + o, Write ? 1 : 0, 3);
+    __builtin_prefetch(row + bytes - 1, Write ? 1 : 0, 3);
   }
 }
 
