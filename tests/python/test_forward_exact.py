@@ -64,6 +64,17 @@ def test_long_keys_take_taller_query_tiles(dtype, causal):
     check(*make_qkv(rng, 1, 300, 4200, 8, 2, 64, dtype=dtype), dtype, "fa2", causal)
 
 
+@pytest.mark.parametrize("seqlen_k", [64, 288])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_whole_key_tiles(dtype, seqlen_k):
+    # Key tiles with no mask and no padding column: S stays unscaled, the scale goes into exp2
+    # (scale_in_exp2), and the bfloat16 forward rounds P to pairs as it computes it
+    # (exp_pairs); at 64 keys (one tile) it reads Q in place. 50 rows end in a micro-kernel
+    # block of 2 real rows and 4 of padding; 4 heads over 2 kv heads.
+    rng = np.random.default_rng(zlib.crc32(repr(("whole key tiles", dtype, seqlen_k)).encode()))
+    check(*make_qkv(rng, 2, 50, seqlen_k, 4, 2, 64, dtype=dtype), dtype, "fa2", False)
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("window", [(0, 0), (3, 1), (8, -1), (-1, 2)])
 def test_sliding_window(schedule, window):
