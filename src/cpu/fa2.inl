@@ -570,9 +570,16 @@ void fa2_backward_by_queries(const Params& p, const Geometry<T>& g, const Mask& 
   DBiasPartials<T> dbias(p, nthreads);
   // Thread t's partials cover (batch, kv head) pairs first_bhk[t]..last_bhk[t]: bhk = bh / group.
   std::vector<int64_t> first_bhk(static_cast<size_t>(nthreads), 0), last_bhk(nthreads, -1);
+  // Tasks ordered (batch, query tile, head) where a head has one key tile: the heads of a query
+  // tile in turn read its rows of Q, dO and O, and write those of dQ, whole, where walking one
+  // head down the sequence reads a short run every row stride (heads_together says more; the
+  // one key tile is reloaded task by task, a few rows). Else (batch, head, query tile).
+  const bool heads_inner = g.nkb == 1 && heads_together(p, g);
+  const int64_t per_batch = p.nheads * g.nqb;
   parallel_for(ntasks, nthreads, [&](int64_t begin, int64_t end, int t) {
-    first_bhk[t] = begin / g.nqb / group;
-    last_bhk[t] = (end - 1) / g.nqb / group;
+    first_bhk[t] = heads_inner ? begin / per_batch * p.nheads_kv : begin / g.nqb / group;
+    last_bhk[t] = heads_inner ? ((end - 1) / per_batch + 1) * p.nheads_kv - 1
+                              : (end - 1) / g.nqb / group;
     std::vector<T>& part = dkv_part[t];
     part.assign(static_cast<size_t>((last_bhk[t] - first_bhk[t] + 1) * 2 * kv_elems), T(0));
     Buffer<T> qbuf, dobuf, l2buf, dbuf, obuf, dqbuf;
@@ -582,18 +589,28 @@ void fa2_backward_by_queries(const Params& p, const Geometry<T>& g, const Mask& 
     T* D = dbuf.get(g.Brp);
     T* O = obuf.get(g.Brp * g.dp);
     T* dQ = dqbuf.get(g.Brp * g.dp);
-    KeyBlock<T> kb_bufs;
-    int64_t loaded = -1;  // the (bhk, key tile) in kb_bufs
+    // Key tiles as loaded (and converted): one, or one per kv head where the heads of a query
+    // tile go in turn (heads_inner), each kept across that head's tasks.
+    const int64_t slots = heads_inner ? p.nheads_kv : 1;
+    std::vector<KeyBlock<T>> kb_slots(static_cast<size_t>(slots));
+    std::vector<int64_t> loaded(static_cast<size_t>(slots), -1);  // the (bhk, key tile) in each
     BackwardScratch<T> scratch;
     dbias.attach(t, p, scratch);
 #if FLASHDL_HAVE_BF16_DOT
     const bool bf16 = std::is_same_v<T, float> && p.dtype == DType::bfloat16;
-    Bf16BackwardProducts bprod;
+    std::vector<Bf16BackwardProducts> bprods(static_cast<size_t>(bf16 ? slots : 0));
 #endif
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t bh = task / g.nqb, b = bh / p.nheads, h = bh % p.nheads;
-      const int64_t hk = h / group, bhk = bh / group;
-      const int64_t qt = block_order(task % g.nqb, g.nqb, zigzag);
+      const int64_t bh = heads_inner ? task / per_batch * p.nheads + task % p.nheads
+                                     : task / g.nqb;
+      const int64_t b = bh / p.nheads, h = bh % p.nheads, hk = h / group, bhk = bh / group;
+      const auto slot = static_cast<size_t>(hk % slots);
+      KeyBlock<T>& kb_bufs = kb_slots[slot];
+#if FLASHDL_HAVE_BF16_DOT
+      Bf16BackwardProducts* bp = bf16 ? &bprods[slot] : nullptr;
+#endif
+      const int64_t qt = block_order(heads_inner ? task % per_batch / p.nheads : task % g.nqb,
+                                     g.nqb, zigzag);
       const int64_t i0 = g.qt.start(qt), rows = g.qt.size(qt);
       const int64_t j_begin = mask.block_col_begin(i0), j_end = mask.block_col_end(i0 + rows);
       const BlockMask bm = detail::block_mask_of(p, b, h);
@@ -611,18 +628,18 @@ void fa2_backward_by_queries(const Params& p, const Geometry<T>& g, const Mask& 
           load_query_tile(p, g, b, h, qt, Q, dO, L2, D, O);
 #if FLASHDL_HAVE_BF16_DOT
           if constexpr (std::is_same_v<T, float>)
-            if (bf16) bprod.queries(g, tp, Q, dO);
+            if (bf16) bp->queries(g, tp, Q, dO);
 #endif
           q_loaded = true;
         }
-        if (loaded != bhk * g.nkb + kt) {
+        if (loaded[slot] != bhk * g.nkb + kt) {
           kb_bufs.load(p, g, b, hk, tp.j0, tp.cols);
 #if FLASHDL_HAVE_BF16_DOT
           if constexpr (std::is_same_v<T, float>)
-            if (bf16) bprod.keys(g, kb_bufs.K.data.data(), kb_bufs.Kt.data.data(),
-                                 kb_bufs.Vt.data.data());
+            if (bf16) bp->keys(g, kb_bufs.K.data.data(), kb_bufs.Kt.data.data(),
+                               kb_bufs.Vt.data.data());
 #endif
-          loaded = bhk * g.nkb + kt;
+          loaded[slot] = bhk * g.nkb + kt;
         }
         T* dK = dK_head + kt * g.Bcp * g.dp;
         T* dV = dV_head + kt * g.Bcp * g.dp;
@@ -632,7 +649,7 @@ void fa2_backward_by_queries(const Params& p, const Geometry<T>& g, const Mask& 
 #if FLASHDL_HAVE_BF16_DOT
         if constexpr (std::is_same_v<T, float>) {
           if (bf16) {
-            backward_block(g, p, mask, b, h, tp, L2, D, bprod, dK, dV, dQ, scratch);
+            backward_block(g, p, mask, b, h, tp, L2, D, *bp, dK, dV, dQ, scratch);
             continue;
           }
         }
