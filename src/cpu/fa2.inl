@@ -572,8 +572,9 @@ void fa2_backward_by_queries(const Params& p, const Geometry<T>& g, const Mask& 
   std::vector<int64_t> first_bhk(static_cast<size_t>(nthreads), 0), last_bhk(nthreads, -1);
   // Tasks ordered (batch, query tile, head) where a head has one key tile: the heads of a query
   // tile in turn read its rows of Q, dO and O, and write those of dQ, whole, where walking one
-  // head down the sequence reads a short run every row stride (heads_together says more; the
-  // one key tile is reloaded task by task, a few rows). Else (batch, head, query tile).
+  // head down the sequence reads a short run every row stride (heads_together says more; each
+  // kv head's key tile is kept in a slot of its own, below). Else (batch, head, query tile).
+  // Either way a thread's static slice, so the partials' sums stay bitwise reproducible.
   const bool heads_inner = g.nkb == 1 && heads_together(p, g);
   const int64_t per_batch = p.nheads * g.nqb;
   parallel_for(ntasks, nthreads, [&](int64_t begin, int64_t end, int t) {
