@@ -590,9 +590,16 @@ void fa2_backward_by_queries(const Params& p, const Geometry<T>& g, const Mask& 
     T* D = dbuf.get(g.Brp);
     T* O = obuf.get(g.Brp * g.dp);
     T* dQ = dqbuf.get(g.Brp * g.dp);
-    // Key tiles as loaded (and converted): one, or one per kv head where the heads of a query
-    // tile go in turn (heads_inner), each kept across that head's tasks.
-    const int64_t slots = heads_inner ? p.nheads_kv : 1;
+    // Key tiles as loaded (and converted), kept in slots across tasks: one per kv head where the
+    // heads of a query tile go in turn (heads_inner); every key tile of the (batch, kv head) at
+    // hand where they fit kKeptKeyTiles (its query tiles, one task after another, each walk all
+    // of them: reloading a tile for every pair was ~13% of a float32 4,096 x 1,024 d 128
+    // backward; cpu_tuning.md section 34; not for bfloat16, whose products keep a task's query
+    // rows beside its key tile); else one.
+    constexpr int64_t kKeptKeyTiles = int64_t{4} << 20;  // bytes: K, K^T and V^T of each tile
+    const bool keep_tiles = !heads_inner && g.nkb > 1 && p.dtype != DType::bfloat16 &&
+                            g.nkb * 3 * g.Bcp * g.dp * int64_t{sizeof(T)} <= kKeptKeyTiles;
+    const int64_t slots = heads_inner ? p.nheads_kv : keep_tiles ? g.nkb : 1;
     std::vector<KeyBlock<T>> kb_slots(static_cast<size_t>(slots));
     std::vector<int64_t> loaded(static_cast<size_t>(slots), -1);  // the (bhk, key tile) in each
     BackwardScratch<T> scratch;
@@ -605,11 +612,6 @@ void fa2_backward_by_queries(const Params& p, const Geometry<T>& g, const Mask& 
       const int64_t bh = heads_inner ? task / per_batch * p.nheads + task % p.nheads
                                      : task / g.nqb;
       const int64_t b = bh / p.nheads, h = bh % p.nheads, hk = h / group, bhk = bh / group;
-      const auto slot = static_cast<size_t>(hk % slots);
-      KeyBlock<T>& kb_bufs = kb_slots[slot];
-#if FLASHDL_HAVE_BF16_DOT
-      Bf16BackwardProducts* bp = bf16 ? &bprods[slot] : nullptr;
-#endif
       const int64_t qt = block_order(heads_inner ? task % per_batch / p.nheads : task % g.nqb,
                                      g.nqb, zigzag);
       const int64_t i0 = g.qt.start(qt), rows = g.qt.size(qt);
@@ -625,6 +627,11 @@ void fa2_backward_by_queries(const Params& p, const Geometry<T>& g, const Mask& 
         if (!pair_in_mask(g, bm, qt, kt)) continue;  // a zero block: never loaded or computed
         const TilePair tp = tile_pair(g, qt, kt);
         if (mask_tile_empty(&ex, tp.i0, tp.rows, tp.j0, tp.cols)) continue;
+        const auto slot = static_cast<size_t>(heads_inner ? hk % slots : keep_tiles ? kt : 0);
+        KeyBlock<T>& kb_bufs = kb_slots[slot];
+#if FLASHDL_HAVE_BF16_DOT
+        Bf16BackwardProducts* bp = bf16 ? &bprods[slot] : nullptr;  // one slot a task
+#endif
         if (!q_loaded) {
           load_query_tile(p, g, b, h, qt, Q, dO, L2, D, O);
 #if FLASHDL_HAVE_BF16_DOT
