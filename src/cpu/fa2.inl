@@ -594,14 +594,16 @@ void fa2_backward_by_queries(const Params& p, const Geometry<T>& g, const Mask& 
     // heads of a query tile go in turn (heads_inner); every key tile of the (batch, kv head) at
     // hand where they fit kKeptKeyTiles (its query tiles, one task after another, each walk all
     // of them: reloading a tile for every pair was ~13% of a float32 4,096 x 1,024 d 128
-    // backward; cpu_tuning.md section 34; not for bfloat16, whose products keep a task's query
-    // rows beside its key tile); else one.
-    constexpr int64_t kKeptKeyTiles = int64_t{4} << 20;  // bytes: K, K^T and V^T of each tile
-    const bool keep_tiles = !heads_inner && g.nkb > 1 && p.dtype != DType::bfloat16 &&
-                            g.nkb * 3 * g.Bcp * g.dp * int64_t{sizeof(T)} <= kKeptKeyTiles;
+    // backward; cpu_tuning.md section 34); else one. The bfloat16 products hold a task's query
+    // rows beside the key tile: with a slot a tile, each slot converts them once a task.
+    constexpr int64_t kKeptKeyTiles = int64_t{4} << 20;  // bytes: K, K^T and V^T of each tile,
+    const int64_t tile_units = p.dtype == DType::bfloat16 ? 5 : 3;  // (+ the pairs in bfloat16)
+    const bool keep_tiles = !heads_inner && g.nkb > 1 &&
+                            g.nkb * tile_units * g.Bcp * g.dp * int64_t{sizeof(T)} <= kKeptKeyTiles;
     const int64_t slots = heads_inner ? p.nheads_kv : keep_tiles ? g.nkb : 1;
     std::vector<KeyBlock<T>> kb_slots(static_cast<size_t>(slots));
     std::vector<int64_t> loaded(static_cast<size_t>(slots), -1);  // the (bhk, key tile) in each
+    std::vector<int64_t> queried(static_cast<size_t>(slots), -1);  // the task whose rows each has
     BackwardScratch<T> scratch;
     dbias.attach(t, p, scratch);
 #if FLASHDL_HAVE_BF16_DOT
@@ -629,17 +631,19 @@ void fa2_backward_by_queries(const Params& p, const Geometry<T>& g, const Mask& 
         if (mask_tile_empty(&ex, tp.i0, tp.rows, tp.j0, tp.cols)) continue;
         const auto slot = static_cast<size_t>(heads_inner ? hk % slots : keep_tiles ? kt : 0);
         KeyBlock<T>& kb_bufs = kb_slots[slot];
-#if FLASHDL_HAVE_BF16_DOT
-        Bf16BackwardProducts* bp = bf16 ? &bprods[slot] : nullptr;  // one slot a task
-#endif
         if (!q_loaded) {
           load_query_tile(p, g, b, h, qt, Q, dO, L2, D, O);
-#if FLASHDL_HAVE_BF16_DOT
-          if constexpr (std::is_same_v<T, float>)
-            if (bf16) bp->queries(g, tp, Q, dO);
-#endif
           q_loaded = true;
         }
+#if FLASHDL_HAVE_BF16_DOT
+        Bf16BackwardProducts* bp = bf16 ? &bprods[slot] : nullptr;
+        if constexpr (std::is_same_v<T, float>) {
+          if (bf16 && queried[slot] != task) {
+            bp->queries(g, tp, Q, dO);
+            queried[slot] = task;
+          }
+        }
+#endif
         if (loaded[slot] != bhk * g.nkb + kt) {
           kb_bufs.load(p, g, b, hk, tp.j0, tp.cols);
 #if FLASHDL_HAVE_BF16_DOT
