@@ -175,7 +175,9 @@ def test_sanitize_parts_runs_every_filter_and_keeps_each_log(tmp_path):
 
 def test_sanitize_parts_stops_its_parts_at_the_cap(tmp_path):
     """The step's timeout (SIGTERM to its bash) ends the parts too: none keeps the GPU busy."""
-    funcs, env, out = _sanitize_parts_harness(tmp_path, 'echo started; exec sleep 30\n')
+    # A duration no other process on the machine sleeps for, matched whole (pgrep -x): "sleep 30"
+    # alone also matched a neighbour's "sleep 300" and failed the test.
+    funcs, env, out = _sanitize_parts_harness(tmp_path, 'echo started; exec sleep 29.731\n')
     start = time.monotonic()
     res = subprocess.run(["timeout", "1", "bash", "-c", funcs +
                           'sanitize_parts racecheck test_cuda_block_sparse "a" "b"'],
@@ -183,6 +185,6 @@ def test_sanitize_parts_stops_its_parts_at_the_cap(tmp_path):
     assert res.returncode == 124
     assert time.monotonic() - start < 10
     time.sleep(0.2)
-    left = subprocess.run(["pgrep", "-f", "sleep 30"], capture_output=True, text=True)
+    left = subprocess.run(["pgrep", "-fx", "sleep 29.731"], capture_output=True, text=True)
     assert left.stdout.strip() == "", "a part outlived the step"
     assert "started" in (out / "racecheck_block_sparse.part0.log").read_text()
