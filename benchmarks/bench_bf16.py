@@ -33,6 +33,11 @@ SHAPES = [(1, 2048, 8, 64), (1, 4096, 8, 128)]
 TARGETS = {("bfloat16", "fwd"): 0.85, ("bfloat16", "fwd+bwd"): 0.45, ("float32", "fwd"): 1.0}
 
 
+def base_of(name):
+    """The matmul run an attention run is compared with: torch's matmul of its dtype."""
+    return "matmul float32" if "float32" in name else "matmul bfloat16"
+
+
 def measure(rounds):
     """One kernel copy (this process's FLASHDL_CPU_ISA): every timing, medians over rounds."""
     import ml_dtypes
@@ -71,9 +76,6 @@ def measure(rounds):
     # Round by round, each attention run against its dtype's matmul of the same round (taken
     # about a second apart): the median of those ratios follows the machine's capacity as it
     # comes and goes, where a ratio of medians pairs rounds that ran under different loads.
-    def base_of(name):
-        return "matmul float32" if "float32" in name else "matmul bfloat16"
-
     paired = {name: statistics.median(
         (runs[name][1] / t) / (runs[base_of(name)][1] / tb)
         for t, tb in zip(times[name], times[base_of(name)]))
@@ -130,7 +132,7 @@ def main():
         for name, val in g.items():
             if name.startswith("matmul"):
                 continue
-            base = "matmul float32" if "float32" in name else "matmul bfloat16"
+            base = base_of(name)
             target = TARGETS[(name.split()[1], name.split()[2])]
             lines.append(f"| {name[4:]} | {val:.0f} | {val / g[base]:.2f}x | {best[name]:.0f} "
                          f"| {best[name] / best[base]:.2f}x | {r['paired'][name]:.2f}x "

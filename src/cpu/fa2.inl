@@ -629,7 +629,7 @@ void fa2_backward_by_queries(const Params& p, const Geometry<T>& g, const Mask& 
         if (!pair_in_mask(g, bm, qt, kt)) continue;  // a zero block: never loaded or computed
         const TilePair tp = tile_pair(g, qt, kt);
         if (mask_tile_empty(&ex, tp.i0, tp.rows, tp.j0, tp.cols)) continue;
-        const auto slot = static_cast<size_t>(heads_inner ? hk % slots : keep_tiles ? kt : 0);
+        const auto slot = static_cast<size_t>(heads_inner ? hk : keep_tiles ? kt : 0);
         KeyBlock<T>& kb_bufs = kb_slots[slot];
         if (!q_loaded) {
           load_query_tile(p, g, b, h, qt, Q, dO, L2, D, O);
