@@ -10,12 +10,29 @@
 
 constexpr int kNRb = 32;  // C columns per micro-kernel tile: two vectors of 16 float32
 
-// C[kMR x 32] (+)= A[kMR x 2kp] B[2kp x 32]: A row r is kp words at A + r * lda (TransA: word p
-// of row r at A + p * lda + r), B row p (pair p) 32 words at B + p * ldb.
-template <bool TransA, bool Accumulate>
+// What micro_kernel_bf16 does with a finished C tile, row by row (c0: columns 0-15, c1: 16-31).
+// StoreTile: C = (or +=) the tile, C[r] at C + r * ldc.
+template <bool Accumulate>
+struct StoreTile {
+  float* C;
+  int64_t ldc;
+  void operator()(int r, __m512 c0, __m512 c1) const {
+    float* row = C + r * ldc;
+    if (Accumulate) {
+      c0 = _mm512_add_ps(c0, _mm512_loadu_ps(row));
+      c1 = _mm512_add_ps(c1, _mm512_loadu_ps(row + 16));
+    }
+    _mm512_storeu_ps(row, c0);
+    _mm512_storeu_ps(row + 16, c1);
+  }
+};
+
+// The tile's products against A[kMR x 2kp] B[2kp x 32] handed to `epi` (StoreTile, or the fa2
+// forward's ExpTile): A row r is kp words at A + r * lda (TransA: word p of row r at
+// A + p * lda + r), B row p (pair p) 32 words at B + p * ldb.
+template <bool TransA, typename Epilogue>
 inline void micro_kernel_bf16(int64_t kp, const uint32_t* __restrict A, int64_t lda,
-                              const uint32_t* __restrict B, int64_t ldb, float* __restrict C,
-                              int64_t ldc) {
+                              const uint32_t* __restrict B, int64_t ldb, Epilogue&& epi) {
   __m512 c0[kMR], c1[kMR];
 #pragma GCC unroll 6
   for (int r = 0; r < kMR; ++r) c0[r] = c1[r] = _mm512_setzero_ps();
@@ -31,15 +48,7 @@ inline void micro_kernel_bf16(int64_t kp, const uint32_t* __restrict A, int64_t 
     }
   }
 #pragma GCC unroll 6
-  for (int r = 0; r < kMR; ++r) {
-    float* row = C + r * ldc;
-    if (Accumulate) {
-      c0[r] = _mm512_add_ps(c0[r], _mm512_loadu_ps(row));
-      c1[r] = _mm512_add_ps(c1[r], _mm512_loadu_ps(row + 16));
-    }
-    _mm512_storeu_ps(row, c0[r]);
-    _mm512_storeu_ps(row + 16, c1[r]);
-  }
+  for (int r = 0; r < kMR; ++r) epi(r, c0[r], c1[r]);
 }
 
 // C[m x n] (+)= A[m x 2kp] B[2kp x n] in words as above; m % kMR == 0, n % 32 == 0.
@@ -48,8 +57,8 @@ void gemm_bf16(int64_t m, int64_t n, int64_t kp, const uint32_t* A, int64_t lda,
                int64_t ldb, float* C, int64_t ldc) {
   for (int64_t j = 0; j < n; j += kNRb)
     for (int64_t i = 0; i < m; i += kMR)
-      micro_kernel_bf16<TransA, Accumulate>(kp, TransA ? A + i : A + i * lda, lda, B + j, ldb,
-                                            C + i * ldc + j, ldc);
+      micro_kernel_bf16<TransA>(kp, TransA ? A + i : A + i * lda, lda, B + j, ldb,
+                                StoreTile<Accumulate>{C + i * ldc + j, ldc});
 }
 
 // A bfloat16 row of d values as ceil(d / 2) words of pairs (elements 2w, 2w + 1; the half past
@@ -275,6 +284,56 @@ struct Bf16Products {
     if (t.mp > q_rows)
       gemm_bf16<false, false>(t.mp - q_rows, t.np, kd(g), qw.data.data(), dw(g), Kt, g.Bcp,
                               S + q_rows * g.Bcp, g.Bcp);
+  }
+
+  // The epilogue of scores_exp: a row's scores s to P = exp2(c s - ref[r]) as bfloat16 pairs
+  // (round_pairs' layout and bits) at Pw + r * ldw, their float lanes added to sums + 16 r
+  // (stored where `first`), and over[r] set where some c s - ref[r] passes kStaleSlack or is NaN.
+  struct ExpTile {
+    __m512 vc;
+    const float* ref;
+    uint32_t* Pw;
+    int64_t ldw;
+    float* sums;
+    uint8_t* over;
+    bool first;
+    void operator()(int r, __m512 s0, __m512 s1) const {
+      const __m512 vr = _mm512_set1_ps(ref[r]), slack = _mm512_set1_ps(kStaleSlack);
+      const __m512 t0 = _mm512_fmsub_ps(s0, vc, vr), t1 = _mm512_fmsub_ps(s1, vc, vr);
+      over[r] |= (_mm512_cmp_ps_mask(t0, slack, _CMP_NLE_UQ) |
+                  _mm512_cmp_ps_mask(t1, slack, _CMP_NLE_UQ)) != 0;
+      const __m512 p0 = (__m512)vexp2((vec_t<float>)t0), p1 = (__m512)vexp2((vec_t<float>)t1);
+      __m512 sum = _mm512_add_ps(p0, p1);
+      if (!first) sum = _mm512_add_ps(sum, _mm512_loadu_ps(sums + 16 * r));
+      _mm512_storeu_ps(sums + 16 * r, sum);
+      _mm512_storeu_si512(Pw + r * ldw, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    }
+  };
+  // How far a tile's scaled score may pass its row's reference (log2 domain) and still go
+  // through scores_exp against it: P up to 2^8, as FlashAttention-4's conditional rescale allows.
+  static constexpr float kStaleSlack = 8.0f;
+
+  // Key tile kt's S = Q K^T straight to P = exp2(c S - ref[r]) in the pairs accumulate_pairs
+  // reads, in the micro-kernel's epilogue: no S stored, no pass for the row max, none for exp2
+  // (ref[r]: the row's reference from earlier tiles, finite; padding rows' anything finite).
+  // sums: 16 lanes a row of P's float sums; over[r]: whether row r's P is not to be used (a
+  // score past its reference by more than kStaleSlack, or NaN), which the caller redoes.
+  void scores_exp(const Params& p, const Geometry<float>& g, int64_t kt, const TilePair& t,
+                  float c, const float* ref, float* sums, uint8_t* over) {
+    if (!cur->packed[kt]) pack(p, g, kt);
+    V = cur->vw.data.data() + kt * (g.Bcp / 2) * g.dp;
+    const uint32_t* Kt = cur->ktw.data.data() + kt * kd(g) * g.Bcp;
+    uint32_t* Pw = pw.get(g.Brp * (g.Bcp / 2));
+    std::fill(over, over + t.mp, uint8_t{0});
+    const __m512 vc = _mm512_set1_ps(c);
+    for (int64_t j = 0; j < t.np; j += kNRb)
+      for (int64_t i = 0; i < t.mp; i += kMR) {
+        const bool in_place = i < q_rows;
+        const uint32_t* A = in_place ? q_in + i * q_ld : qw.data.data() + (i - q_rows) * dw(g);
+        micro_kernel_bf16<false>(kd(g), A, in_place ? q_ld : dw(g), Kt + j, g.Bcp,
+                                 ExpTile{vc, ref + i, Pw + i * (g.Bcp / 2) + j / 2, g.Bcp / 2,
+                                         sums + 16 * i, over + i, j == 0});
+      }
   }
 
   void accumulate(const Geometry<float>& g, const TilePair& t, const float* P, float* O) {

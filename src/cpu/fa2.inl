@@ -211,6 +211,9 @@ struct ForwardTiles {
   // filled per task): no zero-filling as they grow.
   RawBuffer<T> s, o, o0, row_max, lanes;
   std::vector<detail::OnlineSoftmax<T>> sm;
+  // stale_reference_tile's: each row's P lane sums and whether the row is redone.
+  RawBuffer<T> tile_lanes;
+  std::vector<uint8_t> over;
 };
 template <typename T>
 ForwardTiles<T>& forward_tiles() {
@@ -238,6 +241,47 @@ Prod& forward_products() {
 template <typename T>
 inline T rescale_row(detail::OnlineSoftmax<T>& sm, T block_max) {
   return block_max <= sm.m && sm.m > -INFINITY ? T(1) : sm.rescale_factor(block_max);
+}
+
+// A plain key tile (every score visible, no score mod, no dropout) of rows that have all seen
+// earlier tiles, through the bfloat16 pair products' scores_exp: P = exp2(c S - m) against each
+// row's max m from the earlier tiles, computed in the S micro-kernel's epilogue, O and the row's
+// sums left unscaled and m unchanged, as FlashAttention-4's conditional rescale does (P up to
+// 2^kStaleSlack; exact all the same, m being only the reference P and lse are taken against).
+// Rows where a score passes m by more than that, or is NaN, are redone as other tiles are, from S
+// computed again (the max grows past the slack in few tiles after a row's first). Drops S's store,
+// the pass for each row's max and the one reading S back for exp2 (cpu_tuning.md section 35).
+template <typename Prod>
+void stale_reference_tile(const Params& p, const Geometry<float>& g, int64_t kt, const TilePair& t,
+                          int64_t rows, Prod& prod, ForwardTiles<float>& tiles,
+                          detail::OnlineSoftmax<float>* sm, float* lanes, float* S, float* O) {
+  constexpr int64_t W = Simd<float>::W;
+  static_assert(PairProducts<Prod>::value && W == 16, "scores_exp's sums are 16 lanes a row");
+  float* ref = tiles.row_max.get(g.Brp);
+  float* sums = tiles.tile_lanes.get(g.Brp * W);
+  if (tiles.over.size() < static_cast<size_t>(g.Brp)) tiles.over.resize(static_cast<size_t>(g.Brp));
+  uint8_t* over = tiles.over.data();
+  for (int64_t r = 0; r < t.mp; ++r) ref[r] = r < rows ? sm[r].reference() : 0.0f;
+  prod.scores_exp(p, g, kt, t, g.c, ref, sums, over);
+  bool redo = false;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (over[r]) {
+      redo = true;
+      continue;
+    }
+    vstore(lanes + r * W, vload(lanes + r * W) + vload(sums + r * W));
+  }
+  if (redo) {
+    prod.scores(p, g, kt, t, S);
+    for (int64_t r = 0; r < rows; ++r) {
+      if (!over[r]) continue;
+      const float alpha = rescale_row(sm[r], row_max_of(S + r * g.Bcp, t.np) * g.c);
+      const vec_t<float> sum = prod.exp_pairs(g, S, r, t.np, g.c, sm[r].reference());
+      vstore(lanes + r * W, vload(lanes + r * W) * vset1(alpha) + sum);
+      if (alpha != 1.0f) row_scale(O + r * g.dp, g.dp, alpha);
+    }
+  }
+  prod.accumulate_pairs(g, t, rows, O);
 }
 
 template <typename T, typename Prod>
@@ -290,6 +334,14 @@ void fa2_forward_impl(const Params& p, int threads) {
         if (!q_loaded) {
           prod.start(p, g, b, h, hk, i0, rows);
           q_loaded = true;
+        }
+        if constexpr (PairProducts<Prod>::value) {
+          if (p.p_dropout == 0.0f && scale_in_exp2(g, mask, t, mods.get(), mods.extras()) &&
+              std::all_of(sm.begin(), sm.begin() + rows,
+                          [](const detail::OnlineSoftmax<T>& s) { return s.m > -INFINITY; })) {
+            stale_reference_tile(p, g, kt, t, rows, prod, tiles, sm.data(), lanes, S, O);
+            continue;
+          }
         }
         prod.scores(p, g, kt, t, S);
         // c: the scale still to apply in exp2 (scale_in_exp2), or 1 once mask_scores applied it.

@@ -75,6 +75,42 @@ def test_whole_key_tiles(dtype, seqlen_k):
     check(*make_qkv(rng, 2, 50, seqlen_k, 4, 2, 64, dtype=dtype), dtype, "fa2", False)
 
 
+@pytest.mark.parametrize("jump", [1.0, 2.5, 8.0])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scores_past_the_running_max(dtype, jump):
+    # Three whole key tiles (96 keys each) whose second has its keys scaled by `jump`: a row's
+    # scores there pass its max from the first tile by 0 to a few units (2.5) or by far more
+    # than 8 in the log2 domain (8.0). The bfloat16 forward takes a plain tile after a row's first
+    # against the row's earlier max, unscaled (stale_reference_tile), and redoes the rows whose
+    # scores pass it by more than 8; at 2.5 some rows are redone and some keep P up to 2^8.
+    rng = np.random.default_rng(zlib.crc32(repr(("past the max", dtype, jump)).encode()))
+    q, k, v = make_qkv(rng, 1, 50, 288, 4, 2, 64, dtype=dtype)
+    k[:, 96:192] = (f64(k[:, 96:192]) * jump).astype(k.dtype)
+    check(q, k, v, dtype, "fa2", False)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_nonfinite_key_in_a_later_tile(dtype, bad):
+    # A NaN or infinite key in the second of three whole key tiles, seen by every row: each row
+    # follows the float64 reference schedule (NaN where it is: an infinite score's row, lse too;
+    # a -inf score is P = 0), also where the bfloat16 forward computes that tile against the rows' earlier max.
+    rng = np.random.default_rng(zlib.crc32(repr(("nonfinite later", dtype, bad)).encode()))
+    q, k, v = make_qkv(rng, 1, 50, 288, 4, 2, 64, dtype=dtype)
+    k[:, 150, :, 3] = bad
+    out, lse = flashdl.attention(q, k, v, schedule="fa2", return_lse=True)
+    out64, lse64 = flashdl.attention(f64(q), f64(k), f64(v), schedule="reference",
+                                     return_lse=True)
+    for got, want in ((out, out64), (lse, lse64)):
+        got = f64(got)
+        assert np.array_equal(np.isnan(got), np.isnan(want))
+        fin = np.isfinite(want)
+        assert np.isfinite(got[fin]).all()
+        np.testing.assert_allclose(got[fin], want[fin], rtol=2e-2, atol=2e-2)
+    if bad == np.inf:
+        assert np.isnan(out64).any() and np.isfinite(out64).any()
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("window", [(0, 0), (3, 1), (8, -1), (-1, 2)])
 def test_sliding_window(schedule, window):
