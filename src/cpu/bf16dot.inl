@@ -286,9 +286,12 @@ struct Bf16Products {
                               S + q_rows * g.Bcp, g.Bcp);
   }
 
-  // The epilogue of scores_exp: a row's scores s to P = exp2(c s - ref[r]) as bfloat16 pairs
-  // (round_pairs' layout and bits) at Pw + r * ldw, their float lanes added to sums + 16 r
-  // (stored where `first`), and over[r] set where some c s - ref[r] passes kStaleSlack or is NaN.
+  // The epilogue of scores_exp: a row's scores s to P = exp2(c s + log2(e) bias - ref[r]) as
+  // bfloat16 pairs (round_pairs' layout and bits) at Pw + r * ldw, their float lanes added to
+  // sums + 16 r (stored where `first`), and over[r] set where some exponent passes kStaleSlack or
+  // is NaN. Bias: void (none), uint16_t (bfloat16) or float, 32 values of row r at
+  // bias + r * bias_ld (rows from bias_rows on: the last one's, for padding rows).
+  template <typename Bias>
   struct ExpTile {
     __m512 vc;
     const float* ref;
@@ -297,9 +300,29 @@ struct Bf16Products {
     float* sums;
     uint8_t* over;
     bool first;
+    const Bias* bias;
+    int64_t bias_ld, bias_rows;
+
+    static __m512 widen(const uint16_t* x) {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
+    }
+    // c s - ref, then + log2(e) bias: a zero bias gives the plain tile's exponents bit for bit.
+    __m512 exponent(int r, int half, __m512 s, __m512 vr) const {
+      const __m512 t = _mm512_fmsub_ps(s, vc, vr);
+      if constexpr (std::is_void_v<Bias>) {
+        return t;
+      } else {
+        const Bias* x = bias + (r < bias_rows ? r : bias_rows - 1) * bias_ld + 16 * half;
+        __m512 b;
+        if constexpr (std::is_same_v<Bias, uint16_t>) b = widen(x);
+        else b = _mm512_loadu_ps(x);
+        return _mm512_fmadd_ps(b, _mm512_set1_ps(static_cast<float>(detail::kLog2e)), t);
+      }
+    }
     void operator()(int r, __m512 s0, __m512 s1) const {
       const __m512 vr = _mm512_set1_ps(ref[r]), slack = _mm512_set1_ps(kStaleSlack);
-      const __m512 t0 = _mm512_fmsub_ps(s0, vc, vr), t1 = _mm512_fmsub_ps(s1, vc, vr);
+      const __m512 t0 = exponent(r, 0, s0, vr), t1 = exponent(r, 1, s1, vr);
       over[r] |= (_mm512_cmp_ps_mask(t0, slack, _CMP_NLE_UQ) |
                   _mm512_cmp_ps_mask(t1, slack, _CMP_NLE_UQ)) != 0;
       const __m512 p0 = (__m512)vexp2((vec_t<float>)t0), p1 = (__m512)vexp2((vec_t<float>)t1);
@@ -309,17 +332,20 @@ struct Bf16Products {
       _mm512_storeu_si512(Pw + r * ldw, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
     }
   };
-  // How far a tile's scaled score may pass its row's reference (log2 domain) and still go
-  // through scores_exp against it: P up to 2^8, as FlashAttention-4's conditional rescale allows.
+  // How far a tile's exponent may pass its row's reference (log2 domain) and still go through
+  // scores_exp against it: P up to 2^8, as FlashAttention-4's conditional rescale allows.
   static constexpr float kStaleSlack = 8.0f;
 
-  // Key tile kt's S = Q K^T straight to P = exp2(c S - ref[r]) in the pairs accumulate_pairs
-  // reads, in the micro-kernel's epilogue: no S stored, no pass for the row max, none for exp2
-  // (ref[r]: the row's reference from earlier tiles, finite; padding rows' anything finite).
-  // sums: 16 lanes a row of P's float sums; over[r]: whether row r's P is not to be used (a
-  // score past its reference by more than kStaleSlack, or NaN), which the caller redoes.
+  // Key tile kt's S = Q K^T straight to P = exp2(c S + log2(e) bias - ref[r]) in the pairs
+  // accumulate_pairs reads, in the micro-kernel's epilogue: no S stored, no pass for the row max,
+  // none for exp2 (ref[r]: the row's reference from earlier tiles, finite; padding rows' anything
+  // finite). Bias (ExpTile's): the tile's t.rows x t.np values, row r at bias + r * bias_ld.
+  // sums: 16 lanes a row of P's float sums; over[r]: whether row r's P is not to be used (an
+  // exponent past its reference by more than kStaleSlack, or NaN), which the caller redoes.
+  template <typename Bias>
   void scores_exp(const Params& p, const Geometry<float>& g, int64_t kt, const TilePair& t,
-                  float c, const float* ref, float* sums, uint8_t* over) {
+                  float c, const float* ref, float* sums, uint8_t* over, const Bias* bias,
+                  int64_t bias_ld) {
     if (!cur->packed[kt]) pack(p, g, kt);
     V = cur->vw.data.data() + kt * (g.Bcp / 2) * g.dp;
     const uint32_t* Kt = cur->ktw.data.data() + kt * kd(g) * g.Bcp;
@@ -330,9 +356,13 @@ struct Bf16Products {
       for (int64_t i = 0; i < t.mp; i += kMR) {
         const bool in_place = i < q_rows;
         const uint32_t* A = in_place ? q_in + i * q_ld : qw.data.data() + (i - q_rows) * dw(g);
+        const int64_t bi = std::min(i, t.rows - 1);  // a block of padding rows: the last row's
+        const Bias* x = nullptr;
+        if constexpr (!std::is_void_v<Bias>) x = bias + bi * bias_ld + j;
         micro_kernel_bf16<false>(kd(g), A, in_place ? q_ld : dw(g), Kt + j, g.Bcp,
-                                 ExpTile{vc, ref + i, Pw + i * (g.Bcp / 2) + j / 2, g.Bcp / 2,
-                                         sums + 16 * i, over + i, j == 0});
+                                 ExpTile<Bias>{vc, ref + i, Pw + i * (g.Bcp / 2) + j / 2,
+                                               g.Bcp / 2, sums + 16 * i, over + i, j == 0, x,
+                                               bias_ld, t.rows - bi});
       }
   }
 

@@ -243,18 +243,37 @@ inline T rescale_row(detail::OnlineSoftmax<T>& sm, T block_max) {
   return block_max <= sm.m && sm.m > -INFINITY ? T(1) : sm.rescale_factor(block_max);
 }
 
-// A plain key tile (every score visible, no score mod, no dropout) of rows that have all seen
-// earlier tiles, through the bfloat16 pair products' scores_exp: P = exp2(c S - m) against each
-// row's max m from the earlier tiles, computed in the S micro-kernel's epilogue, O and the row's
-// sums left unscaled and m unchanged, as FlashAttention-4's conditional rescale does (P up to
+// Whether key tile t can go through stale_reference_tile (given rows that have all seen a key):
+// every score visible and kept by the mask, if any; no score mod, no dropout; a bias, if any,
+// bfloat16 or float32 with its keys contiguous (read in place in the micro-kernel's epilogue).
+inline bool stale_reference_ok(const Params& p, const Geometry<float>& g, const Mask& mask,
+                               const TilePair& t, const detail::ScoreMod<float>* mod,
+                               const detail::HeadExtras* ex) {
+  if (mod != nullptr || p.p_dropout != 0.0f || !(g.c > 0.0f) || t.cols != t.np ||
+      !mask.block_fully_visible(t.i0, t.i0 + t.rows, t.j0, t.j0 + t.cols))
+    return false;
+  if (ex == nullptr) return true;
+  if (ex->bias != nullptr &&
+      (ex->bias_col != 1 ||
+       (ex->bias_dtype != DType::bfloat16 && ex->bias_dtype != DType::float32)))
+    return false;
+  return ex->keep == nullptr || mask_tile_full(ex, t.i0, t.rows, t.j0, t.cols);
+}
+
+// A key tile that stale_reference_ok admits, of rows that have all seen earlier tiles, through
+// the bfloat16 pair products' scores_exp: P = exp2(c S + log2(e) bias - m) against each row's
+// max m from the earlier tiles, computed in the S micro-kernel's epilogue, O and the row's sums
+// left unscaled and m unchanged, as FlashAttention-4's conditional rescale does (P up to
 // 2^kStaleSlack; exact all the same, m being only the reference P and lse are taken against).
-// Rows where a score passes m by more than that, or is NaN, are redone as other tiles are, from S
-// computed again (the max grows past the slack in few tiles after a row's first). Drops S's store,
-// the pass for each row's max and the one reading S back for exp2 (cpu_tuning.md section 35).
+// Rows where an exponent passes m by more than that, or is NaN, are redone as other tiles are,
+// from S computed again (the max grows past the slack in few tiles after a row's first). Drops
+// S's store, the pass for each row's max (and the bias) and the one reading S back for exp2
+// (cpu_tuning.md section 35). ex: the head's bias and mask (every score of the tile kept).
 template <typename Prod>
 void stale_reference_tile(const Params& p, const Geometry<float>& g, int64_t kt, const TilePair& t,
-                          int64_t rows, Prod& prod, ForwardTiles<float>& tiles,
-                          detail::OnlineSoftmax<float>* sm, float* lanes, float* S, float* O) {
+                          int64_t rows, const detail::HeadExtras* ex, Prod& prod,
+                          ForwardTiles<float>& tiles, detail::OnlineSoftmax<float>* sm,
+                          float* lanes, float* S, float* O) {
   constexpr int64_t W = Simd<float>::W;
   static_assert(PairProducts<Prod>::value && W == 16, "scores_exp's sums are 16 lanes a row");
   float* ref = tiles.row_max.get(g.Brp);
@@ -262,7 +281,20 @@ void stale_reference_tile(const Params& p, const Geometry<float>& g, int64_t kt,
   if (tiles.over.size() < static_cast<size_t>(g.Brp)) tiles.over.resize(static_cast<size_t>(g.Brp));
   uint8_t* over = tiles.over.data();
   for (int64_t r = 0; r < t.mp; ++r) ref[r] = r < rows ? sm[r].reference() : 0.0f;
-  prod.scores_exp(p, g, kt, t, g.c, ref, sums, over);
+  detail::HeadExtras bias_only;  // the bias alone (the mask keeps every score here)
+  if (ex != nullptr && ex->bias != nullptr) {
+    bias_only = *ex;
+    bias_only.keep = nullptr;
+    const void* x = element(ex->bias, ex->bias_dtype, ex->bias_offset(t.i0, t.j0));
+    if (ex->bias_dtype == DType::bfloat16)
+      prod.scores_exp(p, g, kt, t, g.c, ref, sums, over, static_cast<const uint16_t*>(x),
+                      ex->bias_row);
+    else
+      prod.scores_exp(p, g, kt, t, g.c, ref, sums, over, static_cast<const float*>(x),
+                      ex->bias_row);
+  } else {
+    prod.scores_exp(p, g, kt, t, g.c, ref, sums, over, static_cast<const void*>(nullptr), 0);
+  }
   bool redo = false;
   for (int64_t r = 0; r < rows; ++r) {
     if (over[r]) {
@@ -275,8 +307,17 @@ void stale_reference_tile(const Params& p, const Geometry<float>& g, int64_t kt,
     prod.scores(p, g, kt, t, S);
     for (int64_t r = 0; r < rows; ++r) {
       if (!over[r]) continue;
-      const float alpha = rescale_row(sm[r], row_max_of(S + r * g.Bcp, t.np) * g.c);
-      const vec_t<float> sum = prod.exp_pairs(g, S, r, t.np, g.c, sm[r].reference());
+      float* s = S + r * g.Bcp;
+      float c = g.c, row_max;
+      if (bias_only.bias != nullptr) {  // as mask_scores does it
+        row_scale_max(s, t.np, g.c);
+        row_max = apply_extras_row(s, bias_only, t.i0 + r, t.j0, 0, t.cols);
+        c = 1.0f;
+      } else {
+        row_max = row_max_of(s, t.np) * g.c;
+      }
+      const float alpha = rescale_row(sm[r], row_max);
+      const vec_t<float> sum = prod.exp_pairs(g, S, r, t.np, c, sm[r].reference());
       vstore(lanes + r * W, vload(lanes + r * W) * vset1(alpha) + sum);
       if (alpha != 1.0f) row_scale(O + r * g.dp, g.dp, alpha);
     }
@@ -335,11 +376,15 @@ void fa2_forward_impl(const Params& p, int threads) {
           prod.start(p, g, b, h, hk, i0, rows);
           q_loaded = true;
         }
+        if (kt + 1 < g.nkb)  // the next tile's bias rows, a step ahead (each in its own page)
+          prefetch_extras_tile(mods.extras(), p, b, h, i0, rows, g.kt.start(kt + 1),
+                               g.kt.size(kt + 1), false);
         if constexpr (PairProducts<Prod>::value) {
-          if (p.p_dropout == 0.0f && scale_in_exp2(g, mask, t, mods.get(), mods.extras()) &&
+          if (stale_reference_ok(p, g, mask, t, mods.get(), mods.extras()) &&
               std::all_of(sm.begin(), sm.begin() + rows,
                           [](const detail::OnlineSoftmax<T>& s) { return s.m > -INFINITY; })) {
-            stale_reference_tile(p, g, kt, t, rows, prod, tiles, sm.data(), lanes, S, O);
+            stale_reference_tile(p, g, kt, t, rows, mods.extras(), prod, tiles, sm.data(), lanes,
+                                 S, O);
             continue;
           }
         }

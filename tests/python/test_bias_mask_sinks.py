@@ -3,8 +3,10 @@
 A float64 oracle with the sink as one more logit of no value, and the same naive algorithm in the
 input precision, judge out, lse, dq, dk, dv, dbias and dsinks by flash-attn's 2x rule (3x for the
 gradients); hypothesis draws broadcast patterns (size-1 axes, stride 0, transposed views), dtypes,
-causal, windows, GQA. A zero bias and an all-True mask give plain attention bitwise; varlen takes
-the bias per packed row; bad input is refused naming the argument; inputs are never written.
+causal, windows, GQA. A zero bias and an all-True mask give plain attention bitwise on a key tile
+with padding columns (over whole key tiles the plain forward folds the scale into exp2's FMA and
+a row's first tile differs by that rounding: cpu_tuning.md section 36); varlen takes the bias
+per packed row; bad input is refused naming the argument; inputs are never written.
 """
 
 from __future__ import annotations
@@ -170,6 +172,26 @@ def test_oracle_rule(case, dtype, schedule):
     q, k, v, dout, kw = draw_inputs(rng, case, dtype)
     got = run(q, k, v, dout, schedule, **kw)
     check_all(got, q, k, v, dout, dtype, **oracle_kw(kw))
+
+
+@pytest.mark.parametrize("bias_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("jump", [0.0, 12.0])
+def test_bias_over_whole_key_tiles(bias_dtype, jump):
+    """Three whole key tiles (96 keys each): after a row's first tile the bfloat16 fa2 forward
+    adds the bias in the S micro-kernel's epilogue, against the row's earlier max; `jump` added
+    to the second tile's bias takes every row past that max by more than 8 (log2 domain), and
+    those rows are redone. The mask hides one score of the first tile and keeps all of the
+    others (its later tiles take the same path as no mask); a bias broadcast over the batch."""
+    rng = np.random.default_rng(7 + int(jump) + (bias_dtype == "bfloat16"))
+    q, k, v = make_qkv(rng, 2, 50, 288, 4, 2, 64, "bfloat16")
+    dout = make(rng, q.shape, "bfloat16")
+    bias = rng.standard_normal((1, 4, 50, 288)) * 2
+    bias[..., 96:192] += jump
+    bias = bias.astype(np_dtype(bias_dtype))
+    mask = np.ones((1, 1, 50, 288), bool)
+    mask[..., 5, 10] = False
+    got = run(q, k, v, dout, "fa2", bias=bias, mask=mask)
+    check_all(got, q, k, v, dout, "bfloat16", bias=bias, mask=mask)
 
 
 def test_softcap_alibi_then_bias_order():
