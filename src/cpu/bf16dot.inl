@@ -366,9 +366,10 @@ struct Bf16Products {
       }
   }
 
-  void accumulate(const Geometry<float>& g, const TilePair& t, const float* P, float* O) {
+  void accumulate(const Geometry<float>& g, const TilePair& t, const float* P, float* O,
+                  bool fresh) {
     round_pairs(P, g.Bcp, t.mp, t.np, pw.get(g.Brp * (g.Bcp / 2)), g.Bcp / 2);
-    accumulate_pairs(g, t, t.mp, O);
+    accumulate_pairs(g, t, t.mp, O, fresh);
   }
 
   // Row r of P = exp2(c * S row r - ref) over np scores (np % 32 == 0; c as row_exp2_lanes')
@@ -390,12 +391,17 @@ struct Bf16Products {
     }
     return acc;
   }
-  // O += P V on the pairs exp_pairs wrote for rows [0, rows) (rows up to t.mp: zeros).
-  void accumulate_pairs(const Geometry<float>& g, const TilePair& t, int64_t rows, float* O) {
+  // O += P V on the pairs exp_pairs wrote for rows [0, rows) (rows up to t.mp: zeros); fresh:
+  // O = P V (O's earlier contents not read).
+  void accumulate_pairs(const Geometry<float>& g, const TilePair& t, int64_t rows, float* O,
+                        bool fresh = false) {
     uint32_t* Pw = pw.get(g.Brp * (g.Bcp / 2));
     for (int64_t r = rows; r < t.mp; ++r)
       std::fill(Pw + r * (g.Bcp / 2), Pw + r * (g.Bcp / 2) + t.np / 2, 0u);
-    gemm_bf16<false, true>(t.mp, g.dp, t.np / 2, Pw, g.Bcp / 2, V, g.dp, O, g.dp);
+    if (fresh)
+      gemm_bf16<false, false>(t.mp, g.dp, t.np / 2, Pw, g.Bcp / 2, V, g.dp, O, g.dp);
+    else
+      gemm_bf16<false, true>(t.mp, g.dp, t.np / 2, Pw, g.Bcp / 2, V, g.dp, O, g.dp);
   }
 };
 

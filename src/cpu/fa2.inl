@@ -179,9 +179,12 @@ struct Products {
       std::fill(s + t.cols, s + t.np, T(0));
     }
   }
-  // O += P V for the key tile of the last scores() call.
-  void accumulate(const Geometry<T>& g, const TilePair& t, const T* P, T* O) {
-    gemm<T, false, true>(t.mp, g.dp, t.np, P, g.Bcp, V, g.dp, O, g.dp);
+  // O += P V for the key tile of the last scores() call; fresh: O = P V (O not read).
+  void accumulate(const Geometry<T>& g, const TilePair& t, const T* P, T* O, bool fresh) {
+    if (fresh)
+      gemm<T, false, false>(t.mp, g.dp, t.np, P, g.Bcp, V, g.dp, O, g.dp);
+    else
+      gemm<T, false, true>(t.mp, g.dp, t.np, P, g.Bcp, V, g.dp, O, g.dp);
   }
 };
 
@@ -361,7 +364,10 @@ void fa2_forward_impl(const Params& p, int threads) {
       const BlockMask bm = detail::block_mask_of(p, b, h);
       const HeadMods<T> mods(p, b, h);
 
-      std::fill(O, O + g.Brp * g.dp, T(0));
+      // O is written by the first tile's O = P V (o_live from then on), not zero-filled first:
+      // with few key tiles the fill and the first product's reads of O were a few per cent of
+      // the forward (cpu_tuning.md section 37).
+      bool o_live = false;
       std::fill(sm.begin(), sm.begin() + g.Brp, detail::OnlineSoftmax<T>{});
       std::fill(lanes, lanes + g.Brp * W, T(0));
       bool q_loaded = false;
@@ -380,7 +386,7 @@ void fa2_forward_impl(const Params& p, int threads) {
           prefetch_extras_tile(mods.extras(), p, b, h, i0, rows, g.kt.start(kt + 1),
                                g.kt.size(kt + 1), false);
         if constexpr (PairProducts<Prod>::value) {
-          if (stale_reference_ok(p, g, mask, t, mods.get(), mods.extras()) &&
+          if (o_live && stale_reference_ok(p, g, mask, t, mods.get(), mods.extras()) &&
               std::all_of(sm.begin(), sm.begin() + rows,
                           [](const detail::OnlineSoftmax<T>& s) { return s.m > -INFINITY; })) {
             stale_reference_tile(p, g, kt, t, rows, mods.extras(), prod, tiles, sm.data(), lanes,
@@ -413,27 +419,31 @@ void fa2_forward_impl(const Params& p, int threads) {
           else
             sum = row_exp2_lanes(S + r * g.Bcp, t.np, c, sm[r].reference());
           vstore(lanes + r * W, vload(lanes + r * W) * vset1(alpha) + sum);
-          if (alpha != T(1)) row_scale(O + r * g.dp, g.dp, alpha);
+          if (alpha != T(1) && o_live) row_scale(O + r * g.dp, g.dp, alpha);
         }
+        const bool fresh = !o_live;
+        o_live = true;
         if constexpr (kPairs) {
           if (direct) {
-            prod.accumulate_pairs(g, t, rows, O);
+            prod.accumulate_pairs(g, t, rows, O, fresh);
             continue;
           }
         }
         for (int64_t r = rows; r < t.mp; ++r) std::fill(S + r * g.Bcp, S + r * g.Bcp + t.np, T(0));
         if (p.p_dropout > 0.0f) apply_dropout(g, p, b, h, t, S);
         if (!pair_masked(mask, t, hidden)) {
-          prod.accumulate(g, t, S, O);
+          prod.accumulate(g, t, S, O, fresh);
           continue;
         }
+        if (fresh) std::fill(O, O + g.Brp * g.dp, T(0));
         std::copy(O, O + rows * g.dp, O0);
-        prod.accumulate(g, t, S, O);
+        prod.accumulate(g, t, S, O, false);
         redo_nonfinite_rows(g, mask, t, S, O0, O,
                             element(p.v_ptr, p.dtype, v_offset(p, b, t.j0, hk)), p.dtype,
                             p.v_row_stride, xrow, hidden ? mods.extras() : nullptr,
                             PairProducts<Prod>::value);
       }
+      if (!o_live) std::fill(O, O + g.Brp * g.dp, T(0));  // no key tile: every row empty
       for (int64_t r = 0; r < rows; ++r) {
         sm[r].l = hsum<T>(vload(lanes + r * W));
         T o_scale = sm[r].inv_l(), lse = sm[r].lse();
