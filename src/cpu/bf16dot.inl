@@ -291,7 +291,10 @@ struct Bf16Products {
   // sums + 16 r (stored where `first`), and over[r] set where some exponent passes kStaleSlack or
   // is NaN. Bias: void (none), uint16_t (bfloat16) or float, 32 values of row r at
   // bias + r * bias_ld (rows from bias_rows on: the last one's, for padding rows).
-  template <typename Bias>
+  // kOwnMax (a row's first tile, no bias, the whole row in one block of 32 columns): ref[r] is
+  // the row's own max (columns from `valid` on at -inf) times c, computed here and written to
+  // own_ref[r].
+  template <typename Bias, bool kOwnMax = false>
   struct ExpTile {
     __m512 vc;
     const float* ref;
@@ -302,6 +305,8 @@ struct Bf16Products {
     bool first;
     const Bias* bias;
     int64_t bias_ld, bias_rows;
+    float* own_ref;
+    __mmask16 valid0, valid1;
 
     static __m512 widen(const uint16_t* x) {
       return _mm512_castsi512_ps(_mm512_slli_epi32(
@@ -321,7 +326,18 @@ struct Bf16Products {
       }
     }
     void operator()(int r, __m512 s0, __m512 s1) const {
-      const __m512 vr = _mm512_set1_ps(ref[r]), slack = _mm512_set1_ps(kStaleSlack);
+      __m512 vr;
+      if constexpr (kOwnMax) {
+        const __m512 ninf = _mm512_set1_ps(-INFINITY);
+        s0 = _mm512_mask_mov_ps(ninf, valid0, s0);
+        s1 = _mm512_mask_mov_ps(ninf, valid1, s1);
+        const float m = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)) * vc[0];
+        own_ref[r] = m;
+        vr = _mm512_set1_ps(detail::softmax_reference_point(m));
+      } else {
+        vr = _mm512_set1_ps(ref[r]);
+      }
+      const __m512 slack = _mm512_set1_ps(kStaleSlack);
       const __m512 t0 = exponent(r, 0, s0, vr), t1 = exponent(r, 1, s1, vr);
       over[r] |= (_mm512_cmp_ps_mask(t0, slack, _CMP_NLE_UQ) |
                   _mm512_cmp_ps_mask(t1, slack, _CMP_NLE_UQ)) != 0;
@@ -342,10 +358,12 @@ struct Bf16Products {
   // finite). Bias (ExpTile's): the tile's t.rows x t.np values, row r at bias + r * bias_ld.
   // sums: 16 lanes a row of P's float sums; over[r]: whether row r's P is not to be used (an
   // exponent past its reference by more than kStaleSlack, or NaN), which the caller redoes.
+  // own_ref non-null (no bias, t.np == 32: a row's first tile): each row's reference is its own
+  // max over the tile's t.cols keys times c, written to own_ref (ExpTile's kOwnMax).
   template <typename Bias>
   void scores_exp(const Params& p, const Geometry<float>& g, int64_t kt, const TilePair& t,
                   float c, const float* ref, float* sums, uint8_t* over, const Bias* bias,
-                  int64_t bias_ld) {
+                  int64_t bias_ld, float* own_ref = nullptr) {
     if (!cur->packed[kt]) pack(p, g, kt);
     V = cur->vw.data.data() + kt * (g.Bcp / 2) * g.dp;
     const uint32_t* Kt = cur->ktw.data.data() + kt * kd(g) * g.Bcp;
@@ -359,10 +377,24 @@ struct Bf16Products {
         const int64_t bi = std::min(i, t.rows - 1);  // a block of padding rows: the last row's
         const Bias* x = nullptr;
         if constexpr (!std::is_void_v<Bias>) x = bias + bi * bias_ld + j;
+        if constexpr (std::is_void_v<Bias>) {
+          if (own_ref != nullptr) {  // t.np == 32: one block of columns
+            const auto valid = [&](int64_t c0) {
+              const int64_t n = std::clamp<int64_t>(t.cols - c0, 0, 16);
+              return static_cast<__mmask16>((uint32_t{1} << n) - 1);
+            };
+            micro_kernel_bf16<false>(
+                kd(g), A, in_place ? q_ld : dw(g), Kt, g.Bcp,
+                ExpTile<void, true>{vc, nullptr, Pw + i * (g.Bcp / 2), g.Bcp / 2, sums + 16 * i,
+                                    over + i, true, nullptr, 0, 0, own_ref + i, valid(0),
+                                    valid(16)});
+            continue;
+          }
+        }
         micro_kernel_bf16<false>(kd(g), A, in_place ? q_ld : dw(g), Kt + j, g.Bcp,
                                  ExpTile<Bias>{vc, ref + i, Pw + i * (g.Bcp / 2) + j / 2,
                                                g.Bcp / 2, sums + 16 * i, over + i, j == 0, x,
-                                               bias_ld, t.rows - bi});
+                                               bias_ld, t.rows - bi, nullptr, 0, 0});
       }
   }
 

@@ -214,8 +214,8 @@ struct ForwardTiles {
   // filled per task): no zero-filling as they grow.
   RawBuffer<T> s, o, o0, row_max, lanes;
   std::vector<detail::OnlineSoftmax<T>> sm;
-  // stale_reference_tile's: each row's P lane sums and whether the row is redone.
-  RawBuffer<T> tile_lanes;
+  // stale_reference_tile's: each row's P lane sums, its own max, and whether it is redone.
+  RawBuffer<T> tile_lanes, tile_max;
   std::vector<uint8_t> over;
 };
 template <typename T>
@@ -246,6 +246,15 @@ inline T rescale_row(detail::OnlineSoftmax<T>& sm, T block_max) {
   return block_max <= sm.m && sm.m > -INFINITY ? T(1) : sm.rescale_factor(block_max);
 }
 
+// Whether key tile t can go through stale_reference_tile as a task's first tile (own = true):
+// one block of 32 columns (up to 32 keys), every key visible, no score mod, bias, mask or dropout.
+inline bool own_reference_ok(const Params& p, const Geometry<float>& g, const Mask& mask,
+                             const TilePair& t, const detail::ScoreMod<float>* mod,
+                             const detail::HeadExtras* ex) {
+  return t.np == 32 && mod == nullptr && ex == nullptr && p.p_dropout == 0.0f && g.c > 0.0f &&
+         mask.block_fully_visible(t.i0, t.i0 + t.rows, t.j0, t.j0 + t.cols);
+}
+
 // Whether key tile t can go through stale_reference_tile (given rows that have all seen a key):
 // every score visible and kept by the mask, if any; no score mod, no dropout; a bias, if any,
 // bfloat16 or float32 with its keys contiguous (read in place in the micro-kernel's epilogue).
@@ -272,20 +281,29 @@ inline bool stale_reference_ok(const Params& p, const Geometry<float>& g, const 
 // from S computed again (the max grows past the slack in few tiles after a row's first). Drops
 // S's store, the pass for each row's max (and the bias) and the one reading S back for exp2
 // (cpu_tuning.md section 35). ex: the head's bias and mask (every score of the tile kept).
+// own (own_reference_ok; a task's first tile, O not yet written): each row's reference is its
+// own max, taken in the epilogue from the row's 32 columns in registers; O = P V (section 38).
 template <typename Prod>
-void stale_reference_tile(const Params& p, const Geometry<float>& g, int64_t kt, const TilePair& t,
-                          int64_t rows, const detail::HeadExtras* ex, Prod& prod,
-                          ForwardTiles<float>& tiles, detail::OnlineSoftmax<float>* sm,
-                          float* lanes, float* S, float* O) {
+void stale_reference_tile(const Params& p, const Geometry<float>& g, const Mask& mask, int64_t kt,
+                          const TilePair& t, int64_t rows, const detail::HeadExtras* ex,
+                          Prod& prod, ForwardTiles<float>& tiles,
+                          detail::OnlineSoftmax<float>* sm, float* lanes, float* S, float* O,
+                          bool own) {
   constexpr int64_t W = Simd<float>::W;
   static_assert(PairProducts<Prod>::value && W == 16, "scores_exp's sums are 16 lanes a row");
   float* ref = tiles.row_max.get(g.Brp);
   float* sums = tiles.tile_lanes.get(g.Brp * W);
   if (tiles.over.size() < static_cast<size_t>(g.Brp)) tiles.over.resize(static_cast<size_t>(g.Brp));
   uint8_t* over = tiles.over.data();
+  float* own_max = tiles.tile_max.get(g.Brp);
   for (int64_t r = 0; r < t.mp; ++r) ref[r] = r < rows ? sm[r].reference() : 0.0f;
   detail::HeadExtras bias_only;  // the bias alone (the mask keeps every score here)
-  if (ex != nullptr && ex->bias != nullptr) {
+  if (own) {
+    prod.scores_exp(p, g, kt, t, g.c, ref, sums, over, static_cast<const void*>(nullptr), 0,
+                    own_max);
+    for (int64_t r = 0; r < rows; ++r)
+      if (!over[r]) sm[r].m = own_max[r];
+  } else if (ex != nullptr && ex->bias != nullptr) {
     bias_only = *ex;
     bias_only.keep = nullptr;
     const void* x = element(ex->bias, ex->bias_dtype, ex->bias_offset(t.i0, t.j0));
@@ -308,11 +326,15 @@ void stale_reference_tile(const Params& p, const Geometry<float>& g, int64_t kt,
   }
   if (redo) {
     prod.scores(p, g, kt, t, S);
+    if (own) mask_scores(g, mask, S, t, own_max);  // padding columns at -inf, S scaled
     for (int64_t r = 0; r < rows; ++r) {
       if (!over[r]) continue;
       float* s = S + r * g.Bcp;
       float c = g.c, row_max;
-      if (bias_only.bias != nullptr) {  // as mask_scores does it
+      if (own) {
+        row_max = own_max[r];
+        c = 1.0f;
+      } else if (bias_only.bias != nullptr) {  // as mask_scores does it
         row_scale_max(s, t.np, g.c);
         row_max = apply_extras_row(s, bias_only, t.i0 + r, t.j0, 0, t.cols);
         c = 1.0f;
@@ -322,10 +344,10 @@ void stale_reference_tile(const Params& p, const Geometry<float>& g, int64_t kt,
       const float alpha = rescale_row(sm[r], row_max);
       const vec_t<float> sum = prod.exp_pairs(g, S, r, t.np, c, sm[r].reference());
       vstore(lanes + r * W, vload(lanes + r * W) * vset1(alpha) + sum);
-      if (alpha != 1.0f) row_scale(O + r * g.dp, g.dp, alpha);
+      if (alpha != 1.0f && !own) row_scale(O + r * g.dp, g.dp, alpha);
     }
   }
-  prod.accumulate_pairs(g, t, rows, O);
+  prod.accumulate_pairs(g, t, rows, O, own);
 }
 
 template <typename T, typename Prod>
@@ -386,11 +408,13 @@ void fa2_forward_impl(const Params& p, int threads) {
           prefetch_extras_tile(mods.extras(), p, b, h, i0, rows, g.kt.start(kt + 1),
                                g.kt.size(kt + 1), false);
         if constexpr (PairProducts<Prod>::value) {
-          if (o_live && stale_reference_ok(p, g, mask, t, mods.get(), mods.extras()) &&
-              std::all_of(sm.begin(), sm.begin() + rows,
-                          [](const detail::OnlineSoftmax<T>& s) { return s.m > -INFINITY; })) {
-            stale_reference_tile(p, g, kt, t, rows, mods.extras(), prod, tiles, sm.data(), lanes,
-                                 S, O);
+          const bool own = !o_live && own_reference_ok(p, g, mask, t, mods.get(), mods.extras());
+          if (own || (o_live && stale_reference_ok(p, g, mask, t, mods.get(), mods.extras()) &&
+                      std::all_of(sm.begin(), sm.begin() + rows,
+                                  [](const detail::OnlineSoftmax<T>& s) { return s.m > -INFINITY; }))) {
+            stale_reference_tile(p, g, mask, kt, t, rows, mods.extras(), prod, tiles, sm.data(),
+                                 lanes, S, O, own);
+            o_live = true;
             continue;
           }
         }

@@ -75,6 +75,16 @@ def test_whole_key_tiles(dtype, seqlen_k):
     check(*make_qkv(rng, 2, 50, seqlen_k, 4, 2, 64, dtype=dtype), dtype, "fa2", False)
 
 
+@pytest.mark.parametrize("seqlen_k", [1, 16, 25, 32])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_short_key_tile(dtype, seqlen_k):
+    # Up to 32 keys, one key tile: the bfloat16 forward takes each row's max in the S
+    # micro-kernel's epilogue, the columns past seqlen_k masked there (stale_reference_tile's
+    # own mode); 50 rows end in a block of 2 real rows and 4 of padding.
+    rng = np.random.default_rng(zlib.crc32(repr(("short key tile", dtype, seqlen_k)).encode()))
+    check(*make_qkv(rng, 2, 50, seqlen_k, 4, 2, 64, dtype=dtype), dtype, "fa2", False)
+
+
 @pytest.mark.parametrize("jump", [1.0, 2.5, 8.0])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_scores_past_the_running_max(dtype, jump):
@@ -89,15 +99,18 @@ def test_scores_past_the_running_max(dtype, jump):
     check(q, k, v, dtype, "fa2", False)
 
 
+@pytest.mark.parametrize("seqlen_k", [288, 20])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_nonfinite_key_in_a_later_tile(dtype, bad):
-    # A NaN or infinite key in the second of three whole key tiles, seen by every row: each row
-    # follows the float64 reference schedule (NaN where it is: an infinite score's row, lse too;
-    # a -inf score is P = 0), also where the bfloat16 forward computes that tile against the rows' earlier max.
-    rng = np.random.default_rng(zlib.crc32(repr(("nonfinite later", dtype, bad)).encode()))
-    q, k, v = make_qkv(rng, 1, 50, 288, 4, 2, 64, dtype=dtype)
-    k[:, 150, :, 3] = bad
+def test_nonfinite_key_in_a_later_tile(dtype, bad, seqlen_k):
+    # A NaN or infinite key in the second of three whole key tiles (or in a single tile of 20
+    # keys), seen by every row: each row follows the float64 reference schedule (NaN where it
+    # is: an infinite score's row, lse too; a -inf score is P = 0), also where the bfloat16
+    # forward computes that tile against the rows' earlier max (or its own, in the epilogue).
+    seed = zlib.crc32(repr(("nonfinite later", dtype, bad, seqlen_k)).encode())
+    rng = np.random.default_rng(seed)
+    q, k, v = make_qkv(rng, 1, 50, seqlen_k, 4, 2, 64, dtype=dtype)
+    k[:, min(150, seqlen_k - 5), :, 3] = bad
     out, lse = flashdl.attention(q, k, v, schedule="fa2", return_lse=True)
     out64, lse64 = flashdl.attention(f64(q), f64(k), f64(v), schedule="reference",
                                      return_lse=True)
