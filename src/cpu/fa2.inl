@@ -408,10 +408,10 @@ void fa2_forward_impl(const Params& p, int threads) {
           prefetch_extras_tile(mods.extras(), p, b, h, i0, rows, g.kt.start(kt + 1),
                                g.kt.size(kt + 1), false);
         if constexpr (PairProducts<Prod>::value) {
+          const auto started = [](const detail::OnlineSoftmax<T>& s) { return s.m > -INFINITY; };
           const bool own = !o_live && own_reference_ok(p, g, mask, t, mods.get(), mods.extras());
           if (own || (o_live && stale_reference_ok(p, g, mask, t, mods.get(), mods.extras()) &&
-                      std::all_of(sm.begin(), sm.begin() + rows,
-                                  [](const detail::OnlineSoftmax<T>& s) { return s.m > -INFINITY; }))) {
+                      std::all_of(sm.begin(), sm.begin() + rows, started))) {
             stale_reference_tile(p, g, mask, kt, t, rows, mods.extras(), prod, tiles, sm.data(),
                                  lanes, S, O, own);
             o_live = true;
