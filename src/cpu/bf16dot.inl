@@ -276,10 +276,15 @@ struct Bf16Products {
     cur->packed[kt] = 1;
   }
 
-  void scores(const Params& p, const Geometry<float>& g, int64_t kt, const TilePair& t, float* S) {
+  // Key tile kt's K^T pairs, packed on first use; V set to its value pairs.
+  const uint32_t* key_tile(const Params& p, const Geometry<float>& g, int64_t kt) {
     if (!cur->packed[kt]) pack(p, g, kt);
     V = cur->vw.data.data() + kt * (g.Bcp / 2) * g.dp;
-    const uint32_t* Kt = cur->ktw.data.data() + kt * kd(g) * g.Bcp;
+    return cur->ktw.data.data() + kt * kd(g) * g.Bcp;
+  }
+
+  void scores(const Params& p, const Geometry<float>& g, int64_t kt, const TilePair& t, float* S) {
+    const uint32_t* Kt = key_tile(p, g, kt);
     if (q_rows > 0) gemm_bf16<false, false>(q_rows, t.np, kd(g), q_in, q_ld, Kt, g.Bcp, S, g.Bcp);
     if (t.mp > q_rows)
       gemm_bf16<false, false>(t.mp - q_rows, t.np, kd(g), qw.data.data(), dw(g), Kt, g.Bcp,
@@ -308,10 +313,6 @@ struct Bf16Products {
     float* own_ref;
     __mmask16 valid0, valid1;
 
-    static __m512 widen(const uint16_t* x) {
-      return _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
-    }
     // c s - ref, then + log2(e) bias: a zero bias gives the plain tile's exponents bit for bit.
     __m512 exponent(int r, int half, __m512 s, __m512 vr) const {
       const __m512 t = _mm512_fmsub_ps(s, vc, vr);
@@ -320,7 +321,7 @@ struct Bf16Products {
       } else {
         const Bias* x = bias + (r < bias_rows ? r : bias_rows - 1) * bias_ld + 16 * half;
         __m512 b;
-        if constexpr (std::is_same_v<Bias, uint16_t>) b = widen(x);
+        if constexpr (std::is_same_v<Bias, uint16_t>) b = (__m512)vload_bf16(x);  // blocks.inl
         else b = _mm512_loadu_ps(x);
         return _mm512_fmadd_ps(b, _mm512_set1_ps(static_cast<float>(detail::kLog2e)), t);
       }
@@ -331,7 +332,7 @@ struct Bf16Products {
         const __m512 ninf = _mm512_set1_ps(-INFINITY);
         s0 = _mm512_mask_mov_ps(ninf, valid0, s0);
         s1 = _mm512_mask_mov_ps(ninf, valid1, s1);
-        const float m = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)) * vc[0];
+        const float m = hmax<float>(vmax<float>((vec_t<float>)s0, (vec_t<float>)s1)) * vc[0];
         own_ref[r] = m;
         vr = _mm512_set1_ps(detail::softmax_reference_point(m));
       } else {
@@ -364,12 +365,16 @@ struct Bf16Products {
   void scores_exp(const Params& p, const Geometry<float>& g, int64_t kt, const TilePair& t,
                   float c, const float* ref, float* sums, uint8_t* over, const Bias* bias,
                   int64_t bias_ld, float* own_ref = nullptr) {
-    if (!cur->packed[kt]) pack(p, g, kt);
-    V = cur->vw.data.data() + kt * (g.Bcp / 2) * g.dp;
-    const uint32_t* Kt = cur->ktw.data.data() + kt * kd(g) * g.Bcp;
+    const uint32_t* Kt = key_tile(p, g, kt);
     uint32_t* Pw = pw.get(g.Brp * (g.Bcp / 2));
     std::fill(over, over + t.mp, uint8_t{0});
     const __m512 vc = _mm512_set1_ps(c);
+    // kOwnMax's columns that hold keys, in each of the block's two vectors
+    const auto keys_in = [&](int64_t c0) {
+      const int64_t n = std::clamp<int64_t>(t.cols - c0, 0, 16);
+      return static_cast<__mmask16>((uint32_t{1} << n) - 1);
+    };
+    const __mmask16 valid0 = keys_in(0), valid1 = keys_in(16);
     for (int64_t j = 0; j < t.np; j += kNRb)
       for (int64_t i = 0; i < t.mp; i += kMR) {
         const bool in_place = i < q_rows;
@@ -378,16 +383,11 @@ struct Bf16Products {
         const Bias* x = nullptr;
         if constexpr (!std::is_void_v<Bias>) x = bias + bi * bias_ld + j;
         if constexpr (std::is_void_v<Bias>) {
-          if (own_ref != nullptr) {  // t.np == 32: one block of columns
-            const auto valid = [&](int64_t c0) {
-              const int64_t n = std::clamp<int64_t>(t.cols - c0, 0, 16);
-              return static_cast<__mmask16>((uint32_t{1} << n) - 1);
-            };
+          if (own_ref != nullptr) {  // t.np == 32: one block of columns (j == 0)
             micro_kernel_bf16<false>(
                 kd(g), A, in_place ? q_ld : dw(g), Kt, g.Bcp,
                 ExpTile<void, true>{vc, nullptr, Pw + i * (g.Bcp / 2), g.Bcp / 2, sums + 16 * i,
-                                    over + i, true, nullptr, 0, 0, own_ref + i, valid(0),
-                                    valid(16)});
+                                    over + i, true, nullptr, 0, 0, own_ref + i, valid0, valid1});
             continue;
           }
         }

@@ -296,7 +296,8 @@ void stale_reference_tile(const Params& p, const Geometry<float>& g, const Mask&
   if (tiles.over.size() < static_cast<size_t>(g.Brp)) tiles.over.resize(static_cast<size_t>(g.Brp));
   uint8_t* over = tiles.over.data();
   float* own_max = tiles.tile_max.get(g.Brp);
-  for (int64_t r = 0; r < t.mp; ++r) ref[r] = r < rows ? sm[r].reference() : 0.0f;
+  if (!own)  // own: each row's reference comes from its own scores
+    for (int64_t r = 0; r < t.mp; ++r) ref[r] = r < rows ? sm[r].reference() : 0.0f;
   detail::HeadExtras bias_only;  // the bias alone (the mask keeps every score here)
   if (own) {
     prod.scores_exp(p, g, kt, t, g.c, ref, sums, over, static_cast<const void*>(nullptr), 0,
