@@ -12,7 +12,8 @@ first call; docs/jax.md says how they are built without jax and which XLA FFI ve
 
 Also here: attention_with_kvcache (the append a donatable functional update) and merge_states
 (_jax_kvcache), ring_attention for shard_map over a sequence-sharded mesh axis (_jax_ring); the
-dense calls are partitioned over batch and heads under jax.jit sharding (_jax_partition).
+dense calls are partitioned over batch and heads under jax.jit sharding (_jax_partition);
+dot_product_attention, jax.nn.dot_product_attention's signature and semantics (_jax_dpa).
 
 flashdl.attention (the eager DLPack entry point) also takes JAX arrays, but cannot be traced.
 """
@@ -32,8 +33,8 @@ from ._api import _block_sparse, _dropout_p, _layout, _LayoutErrors, _scalars, _
 from ._api import _full_rank, _unsigned
 from ._jax_partition import partitioned
 
-__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "merge_states",
-           "ring_attention", "ring_permute", "ring_unpermute"]
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "dot_product_attention",
+           "merge_states", "ring_attention", "ring_permute", "ring_unpermute"]
 
 _FWD, _BWD = "flashdl_attention_fwd", "flashdl_attention_bwd"
 _VARLEN_FWD, _VARLEN_BWD = "flashdl_attention_varlen_fwd", "flashdl_attention_varlen_bwd"
@@ -657,3 +658,4 @@ def _static_int(name, x) -> int:
 
 from ._jax_kvcache import attention_with_kvcache, merge_states  # noqa: E402
 from ._jax_ring import ring_attention, ring_permute, ring_unpermute  # noqa: E402
+from ._jax_dpa import dot_product_attention  # noqa: E402
