@@ -196,6 +196,17 @@ def dot_product_attention(query: Any, key: Any, value: Any, bias: Any = None, ma
             query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
             local_window_size=local_window_size, implementation=implementation,
             return_residual=return_residual)
+    return _attend(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+                   query_seq_lengths=query_seq_lengths,
+                   key_value_seq_lengths=key_value_seq_lengths,
+                   local_window_size=local_window_size, return_residual=return_residual)
+
+
+def _attend(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
+            key_value_seq_lengths, local_window_size, return_residual, dropout_p=0.0,
+            seed=None):
+    """dot_product_attention's work, with flashdl's dropout (the Flax adapter's): dropout_p on
+    the probabilities, the Philox mask keyed by seed (see flashdl.jax.attention)."""
     from . import jax as fj
 
     is_causal = _checks.flag("is_causal", is_causal)
@@ -251,7 +262,8 @@ def dot_product_attention(query: Any, key: Any, value: Any, bias: Any = None, ma
             bias = bias.astype(_bias_dtype(bias, q.dtype))
         out, lse = fj.attention(q[:, :Tp], k[:, :Sp], v[:, :Sp], softmax_scale=scale,
                                 window_size=window_lr, bias=rows_keys(bias),
-                                mask=rows_keys(mask), return_lse=True)
+                                mask=rows_keys(mask), return_lse=True, dropout_p=dropout_p,
+                                seed=seed)
         lse = jnp.swapaxes(lse, 1, 2)  # (B, T', N)
         empty = lse == -jnp.inf
         if Tp < T:

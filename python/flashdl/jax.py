@@ -13,7 +13,8 @@ first call; docs/jax.md says how they are built without jax and which XLA FFI ve
 Also here: attention_with_kvcache (the append a donatable functional update) and merge_states
 (_jax_kvcache), ring_attention for shard_map over a sequence-sharded mesh axis (_jax_ring); the
 dense calls are partitioned over batch and heads under jax.jit sharding (_jax_partition);
-dot_product_attention, jax.nn.dot_product_attention's signature and semantics (_jax_dpa).
+dot_product_attention, jax.nn.dot_product_attention's signature and semantics (_jax_dpa), and
+flax_attention, an attention_fn for Flax's attention modules (_jax_flax).
 
 flashdl.attention (the eager DLPack entry point) also takes JAX arrays, but cannot be traced.
 """
@@ -34,7 +35,7 @@ from ._api import _full_rank, _unsigned
 from ._jax_partition import partitioned
 
 __all__ = ["attention", "attention_varlen", "attention_with_kvcache", "dot_product_attention",
-           "merge_states", "ring_attention", "ring_permute", "ring_unpermute"]
+           "flax_attention", "merge_states", "ring_attention", "ring_permute", "ring_unpermute"]
 
 _FWD, _BWD = "flashdl_attention_fwd", "flashdl_attention_bwd"
 _VARLEN_FWD, _VARLEN_BWD = "flashdl_attention_varlen_fwd", "flashdl_attention_varlen_bwd"
@@ -659,3 +660,4 @@ def _static_int(name, x) -> int:
 from ._jax_kvcache import attention_with_kvcache, merge_states  # noqa: E402
 from ._jax_ring import ring_attention, ring_permute, ring_unpermute  # noqa: E402
 from ._jax_dpa import dot_product_attention  # noqa: E402
+from ._jax_flax import flax_attention  # noqa: E402
