@@ -7,6 +7,9 @@ fullgraph=True) and torch.export see one op each instead of breaking the graph a
 Python call. The forward saves q, k, v, out and lse (and, with dropout, the seed tensor and the
 offset, not the mask); the backward recomputes the attention matrix and the dropout mask block
 by block (flashdl.attention_backward), as FlashAttention does, instead of storing them.
+
+In eager mode (nothing compiling, exporting, tracing or intercepting ops) attention skips the ops:
+a plain autograd.Function calls the extension directly, with the same results bit for bit.
 """
 
 from __future__ import annotations
@@ -16,9 +19,9 @@ from typing import List, Literal, Optional, Tuple, Union, overload
 import numpy as np
 import torch
 
-from . import _api, _checks, _sdpa
+from . import _api, _checks, _ext, _sdpa
 from ._api import (_FLOATS_FWD, ArrayLike, BlockSize, _as_bshd, _block_sparse, _compact,
-                   _cu_seqlens, _full_rank,
+                   _cu_seqlens, _extras, _full_rank,
                    _dropout, _int32_index, _layout, _LayoutErrors, _lse_shape, _max_seqlen,
                    _scalars, _score_mods, _varlen_lse_shape)
 from ._api import attention as _attention
@@ -434,6 +437,192 @@ def _call(op, arrays, heads_first, varlen, *args):
         return op(*args)
 
 
+# ---- the eager path ------------------------------------------------------------------------------
+#
+# Outside torch.compile, export and tracing, attention needs none of what the custom ops give:
+# their dispatch, their registered autograd and the option processing that the NumPy-level API
+# repeats in each of the forward and the backward cost a small training step more than its
+# attention (cpu_tuning.md section 39). There attention is a plain autograd.Function over the
+# extension: the options processed once a call (_op_options, as for the ops), the same core calls
+# with the same arguments, so the results are the ops' bit for bit (test_torch checks it).
+
+_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_is_tracing = torch._C._get_tracing_state
+_grad_enabled = torch.is_grad_enabled
+_to_dlpack = torch.utils.dlpack.to_dlpack
+_empty, _empty_like = torch.empty, torch.empty_like
+_float32, _contiguous = torch.float32, torch.contiguous_format
+# Tests set this False to run the ops where the eager path would run.
+_EAGER_PATH = True
+# _op_options of attention's defaults, by causal.
+_DEFAULT_OPTIONS = {c: (c, None, _AUTO, [-1, -1], 0.0, None, 0, None, [128, 128], None, 0.0, False,
+                        None, None, None) for c in (False, True)}
+
+
+def _eager_ok(tensors) -> bool:
+    """Whether a call may take the eager path: not under torch.compile, export or torch.jit
+    tracing, no dispatch or function mode (FakeTensorMode, FunctionalTensorMode, proxy modes,
+    FlopCounterMode), no functorch transform (vmap, grad), and every tensor a plain one (or a
+    Parameter): anything that would see the op gets the op."""
+    if (not _EAGER_PATH or _is_compiling() or _dispatch_modes() or _function_modes()
+            or _functorch_active() or _is_tracing() is not None):
+        return False
+    for x in tensors:
+        if x is not None and x.__class__ not in _TENSOR_TYPES:
+            return False
+    return True
+
+
+def _capsule(x):
+    """What the extension reads for a tensor that needs no grad (Frame.export, Frame.dest)."""
+    return _to_dlpack(x) if x.__class__ is _Tensor and x.is_cpu else x
+
+
+def _contiguous_like(x):
+    """A contiguous uninitialised tensor shaped and typed like x (Frame.empty)."""
+    return _empty_like(x) if x.is_contiguous() else _empty_like(x, memory_format=_contiguous)
+
+
+class _EagerCall:
+    """One attention call's options as the extension's keywords (as _api.attention and
+    attention_backward make them from the ops' arguments), made once for its forward and its
+    backward; `plain`: every option at its default but causal (forward_default's call)."""
+
+    __slots__ = ("arrays", "bhsd", "kw", "bias", "sinks", "deterministic", "plain")
+
+    def __init__(self, arrays, bhsd, options):
+        (causal, softmax_scale, schedule, window, dropout_p, seed, offset, block_mask, block_size,
+         alibi_slopes, softcap, deterministic, bias, mask, sinks) = options
+        self.arrays, self.bhsd, self.deterministic = arrays, bhsd, deterministic
+        kw = {"causal": causal}
+        if softmax_scale is not None:
+            kw["softmax_scale"] = softmax_scale
+        if window[0] != -1 or window[1] != -1:
+            kw.update(window_left=window[0], window_right=window[1])
+        if schedule != "auto":
+            kw["schedule"] = schedule
+        if dropout_p != 0.0:
+            kw.update(dropout_p=dropout_p, seed=_seed_int(seed), offset=offset)
+        elif offset != 0:
+            kw["offset"] = offset
+        # (block_mask, block_size, alibi_slopes and softcap as _op_options checked them)
+        if block_mask is not None or block_size[0] != 128 or block_size[1] != 128:
+            kw.update(block_mask=block_mask, block_size_q=block_size[0],
+                      block_size_k=block_size[1])
+        if alibi_slopes is not None or softcap != 0.0:
+            kw.update(alibi_slopes=alibi_slopes, softcap=softcap)
+        if bias is not None or mask is not None or sinks is not None:
+            kw.update(_extras(sinks, bias, mask))
+        self.kw, self.bias, self.sinks = kw, bias, sinks
+        self.plain = len(kw) == 1
+
+    def failed(self, err, tensors, names, arrays, bhsd):
+        """Re-raises err of a call the extension refused as the full path words it: the checks
+        Frame makes before the call first (_checks.readable), then _LayoutErrors' wording."""
+        for name, x in zip(names, tensors):
+            _checks.readable(name, x)
+        with _LayoutErrors(arrays, bhsd):
+            raise err
+
+    def forward(self, q, k, v):
+        """(out, lse) of tensors that need no grad (the Function detaches them)."""
+        out = _contiguous_like(q)
+        lse = _empty(_lse_shape(q), dtype=_float32, device=q.device)
+        try:
+            if q.is_neg() or k.is_neg() or v.is_neg():  # to_dlpack would drop the sign
+                raise ValueError("a negative-bit view")
+            if self.plain and q.is_cpu:
+                _ext.forward_default(_capsule(q), _capsule(k), _capsule(v), _capsule(out),
+                                     _capsule(lse), self.kw["causal"])
+            else:
+                _ext.forward(_capsule(q), _capsule(k), _capsule(v), _capsule(out),
+                             _capsule(lse), stream=_stream(q), **self.kw)
+        except Exception as err:  # noqa: BLE001 - re-raised, worded as the full path words it
+            self.failed(err, (q, k, v), ("q", "k", "v"), self.arrays, self.bhsd)
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse):
+        """(dq, dk, dv, dbias or None, dsinks or None) as the backward op computes them, from
+        tensors that need no grad."""
+        dout = _last_dim_contiguous(dout)
+        dq, dk, dv = _contiguous_like(q), _contiguous_like(k), _contiguous_like(v)
+        kw = self.kw
+        dbias = dsinks = None
+        if self.bias is not None or self.sinks is not None or q.is_cuda or self.deterministic:
+            kw = dict(kw, stream=_stream(q), deterministic=self.deterministic)
+            if self.bias is not None:
+                dbias = _empty(self.bias.shape, dtype=self.bias.dtype, device=q.device)
+                kw["dbias"] = _capsule(dbias)
+            if self.sinks is not None:
+                dsinks = _empty((q.shape[2],), dtype=_float32, device=q.device)
+                kw["dsinks"] = _capsule(dsinks)
+        try:
+            if dout.is_neg():
+                raise ValueError("a negative-bit view")
+            if dout.requires_grad:  # (create_graph)
+                dout = dout.detach()
+            _ext.backward(_capsule(dout), _capsule(q), _capsule(k), _capsule(v), _capsule(out),
+                          _capsule(lse), _capsule(dq), _capsule(dk), _capsule(dv), **kw)
+        except Exception as err:  # noqa: BLE001 - re-raised, worded as the full path words it
+            self.failed(err, (dout,), ("dout",), (q, k, v), False)
+        return dq, dk, dv, dbias, dsinks
+
+
+def _stream(x) -> int:
+    """The caller's current stream on the device of x (0 off CUDA), as Frame takes it."""
+    return int(torch.cuda.current_stream(x.device).cuda_stream) if x.is_cuda else 0
+
+
+class _EagerAttention(torch.autograd.Function):
+    """attention's autograd outside compilation: call (an _EagerCall) runs the forward and the
+    backward; bias and sinks are inputs for their gradients. The tensors are saved detached
+    (sharing their version counters: an in-place change before the backward is still caught)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, sinks, call):
+        q, k, v = q.detach(), k.detach(), v.detach()
+        out, lse = call.forward(q, k, v)
+        ctx.save_for_backward(q, k, v, out.detach(), lse, bias, sinks)
+        ctx.call = call
+        # lse is returned for callers that want it (return_lse=True); no gradient flows into it.
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        if _grad_enabled():  # create_graph=True: no double backward
+            return _EagerAttention._once_backward(ctx, dout, _dlse)
+        q, k, v, out, lse, _bias, _sinks = ctx.saved_tensors
+        dq, dk, dv, dbias, dsinks = ctx.call.backward(dout, q, k, v, out, lse)
+        needs = ctx.needs_input_grad
+        return (dq, dk, dv, dbias if needs[3] else None, dsinks if needs[4] else None, None)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def _once_backward(ctx, dout, _dlse):
+        return _EagerAttention.backward(ctx, dout, _dlse)
+
+
+# autograd.Function.apply without its Python wrapper (a fifth of the eager forward's own time
+# at 16 x 16): what the wrapper adds is for functorch transforms, which take the op here, and
+# its unwrapping of dead functorch wrappers, done below.
+_function_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, _EagerAttention)
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+
+
+def _eager_attention(arrays, bhsd, q, k, v, options):
+    """(out, lse) of the eager path: through _EagerAttention where autograd needs it."""
+    call = _EagerCall(arrays, bhsd, options)
+    bias, sinks = call.bias, call.sinks
+    if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or
+                            (bias is not None and bias.requires_grad) or
+                            (sinks is not None and sinks.requires_grad)):
+        return _function_apply(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v),
+                               None if bias is None else _unwrap_if_dead(bias),
+                               None if sinks is None else _unwrap_if_dead(sinks), call)
+    return call.forward(q.detach(), k.detach(), v.detach())
+
+
 def _cu_tensor(name, x):
     """cu_seqlens for the varlen ops: a tensor, integer dtypes narrowed to int32 where their
     values fit (a GPU tensor of another integer dtype is refused, naming the conversion)."""
@@ -490,9 +679,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """:func:`flashdl.attention` for torch tensors, differentiable with respect to q, k and v.
 
-    The call is the custom op ``flashdl::attention_forward`` (its backward
-    ``flashdl::attention_backward``), so ``torch.compile`` (``fullgraph=True`` included, also with
-    dropout) and ``torch.export`` keep it as one op in their graphs.
+    Under ``torch.compile`` (``fullgraph=True`` included, also with dropout), ``torch.export``,
+    tracing, dispatch modes and functorch transforms the call is the custom op
+    ``flashdl::attention_forward`` (its backward ``flashdl::attention_backward``), which their
+    graphs keep as one op; in eager mode it is a plain ``autograd.Function`` over the same
+    kernels (no op dispatch), with the same results bit for bit.
 
     Parameters
     ----------
@@ -586,15 +777,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         result = _api._fast_forward_torch(q, k, v, causal, return_lse)
         if result is not None:
             return result
+        # Declined (autograd, a GPU tensor, a refusal): the eager path with the default options.
+        if _EAGER_PATH and _is_tracing() is None and k.__class__ in _TENSOR_TYPES and \
+                v.__class__ in _TENSOR_TYPES:
+            out, lse = _eager_attention((q, k, v), False, q, k, v, _DEFAULT_OPTIONS[causal])
+            return (out, lse) if return_lse else out
     bhsd = _layout(layout)
     return_lse = _checks.flag("return_lse", return_lse)
     _tensors({"q": q, "k": k, "v": v}, "flashdl.torch.attention")
     arrays = (q, k, v)
     if bhsd:
         q, k, v = (_as_bshd(n, x) for n, x in (("q", q), ("k", k), ("v", v)))
-    out, lse = _call(_attention_forward, arrays, bhsd, False, q, k, v, *_op_options(
-        q, causal, softmax_scale, schedule, window_size, dropout_p, seed, offset, block_mask,
-        block_size, deterministic, alibi_slopes, softcap, sinks, bias, mask))
+    options = _op_options(q, causal, softmax_scale, schedule, window_size, dropout_p, seed,
+                          offset, block_mask, block_size, deterministic, alibi_slopes, softcap,
+                          sinks, bias, mask)
+    if _eager_ok((q, k, v) + options[-3:] + (options[5], options[7], options[9])):
+        out, lse = _eager_attention(arrays, bhsd, q, k, v, options)
+    else:
+        out, lse = _call(_attention_forward, arrays, bhsd, False, q, k, v, *options)
     if bhsd:
         out = out.transpose(1, 2)
     return (out, lse) if return_lse else out

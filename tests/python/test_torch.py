@@ -148,6 +148,7 @@ def test_fast_path_default_options(monkeypatch):
                 assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
     with monkeypatch.context() as m:
         m.setattr(fdt, "_call", no_op)
+        m.setattr(fdt, "_EAGER_PATH", False)  # (else the eager path runs what it declines)
         for kwargs in ({"softmax_scale": 0.5}, {"window_size": (2, 0)}, {"schedule": "fa2"},
                        {"dropout_p": 0.1}, {"softcap": 1.0}, {"layout": "bhsd"}, {"seed": 3},
                        {"block_size": 64}, {"deterministic": True}):
@@ -222,3 +223,153 @@ def test_eager_forward_dispatch_only_when_something_intercepts():
     mapped = torch.func.vmap(lambda x: flashdl.torch.attention(x, k, v, causal=True))(q2)
     assert torch.equal(mapped[0], plain)
     assert torch.equal(mapped[1], flashdl.torch.attention(q.flip(1), k, v, causal=True))
+
+
+# (batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, dtype) and attention's keywords; "bias",
+# "sinks" and "alibi" stand for tensors made by _eager_case (bias and sinks with gradients).
+EAGER_CASES = {
+    "plain": ((1, 16, 16, 8, 8, 64, torch.float32), {}),
+    "causal": ((2, 21, 37, 2, 2, 16, torch.float32), dict(causal=True)),
+    "dropout fixed seed and offset": ((1, 19, 23, 2, 2, 32, torch.float32),
+                                      dict(dropout_p=0.25, seed=2**63 + 5, offset=3)),
+    "dropout drawn seed": ((1, 9, 9, 2, 1, 16, torch.float32), dict(dropout_p=0.3)),
+    "gqa window scale": ((2, 30, 30, 4, 2, 16, torch.float32),
+                         dict(window_size=(5, 2), softmax_scale=0.3, schedule="fa2")),
+    "bias mask sinks": ((2, 12, 20, 4, 2, 16, torch.float32),
+                        dict(bias="bias", mask="mask", sinks="sinks")),
+    "bhsd softcap alibi": ((1, 13, 17, 4, 4, 32, torch.float32),
+                           dict(layout="bhsd", softcap=5.0, alibi_slopes="alibi", causal=True)),
+    "bfloat16 causal return_lse": ((1, 40, 40, 2, 2, 64, torch.bfloat16),
+                                   dict(causal=True, return_lse=True)),
+    "float64 block mask": ((1, 33, 40, 2, 2, 16, torch.float64),
+                           dict(block_mask="blocks", block_size=16)),
+}
+
+
+def _eager_case(shape, kwargs):
+    """Leaf tensors q, k, v (and bias, sinks) that require grad, and attention's keywords."""
+    b, sq, sk, h, hk, d, dt = shape
+    bhsd = kwargs.get("layout") == "bhsd"
+    q = randn(*((b, h, sq, d) if bhsd else (b, sq, h, d)), dtype=dt, seed=1, requires_grad=True)
+    k, v = (randn(*((b, hk, sk, d) if bhsd else (b, sk, hk, d)), dtype=dt, seed=s,
+                  requires_grad=True) for s in (2, 3))
+    made = {"bias": randn(1, h, sq, sk, seed=4, requires_grad=True),
+            "mask": torch.rand(b, 1, sq, sk, generator=torch.Generator().manual_seed(5)) > 0.2,
+            "sinks": randn(h, seed=6, requires_grad=True),
+            "alibi": torch.linspace(0.1, 1.0, h),
+            "blocks": torch.tensor([[True, False, True], [True, True, False], [False, True, True]])}
+    kwargs = {n: made[x] if isinstance(x, str) and x in made else x for n, x in kwargs.items()}
+    return (q, k, v), kwargs
+
+
+def _run_attention(leaves, kwargs, path_is_eager, monkeypatch):
+    """out, lse (with return_lse) and every leaf's gradient, by the eager path or the ops."""
+    import flashdl.torch as fdt
+
+    def no_op(*args, **kw):
+        raise AssertionError("the op ran")
+
+    leaves = [x.detach().clone().requires_grad_(x.requires_grad) for x in leaves]
+    q, k, v = leaves[:3]
+    kw = dict(kwargs)
+    for name in ("bias", "sinks"):
+        if name in kw:
+            kw[name] = leaves[3 + ("bias", "sinks").index(name)]
+    with monkeypatch.context() as m:
+        if path_is_eager:
+            m.setattr(fdt, "_call", no_op)
+        else:
+            m.setattr(fdt, "_EAGER_PATH", False)
+        torch.manual_seed(123)  # the drawn seed's case
+        res = fdt.attention(q, k, v, **kw)
+        out, lse = res if kw.get("return_lse") else (res, None)
+        dout = randn(*out.shape, dtype=out.dtype, seed=9)
+        grads = torch.autograd.grad(out, [x for x in leaves if x.requires_grad], dout)
+    return [out, lse] + list(grads)
+
+
+@pytest.mark.parametrize("case", EAGER_CASES.values(), ids=EAGER_CASES.keys())
+def test_eager_path_is_the_ops_bitwise(case, monkeypatch):
+    """Outside compilation flashdl.torch.attention is a plain autograd.Function over the
+    extension (no op runs), with the same outputs and gradients as the custom ops, bit for bit."""
+    (q, k, v), kwargs = _eager_case(*case)
+    leaves = [q, k, v] + [kwargs[n] for n in ("bias", "sinks") if n in kwargs]
+    eager = _run_attention(leaves, kwargs, True, monkeypatch)
+    ops = _run_attention(leaves, kwargs, False, monkeypatch)
+    assert len(eager) == len(ops) == 2 + len(leaves)
+    for a, b in zip(eager, ops):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+            assert torch.equal(a, b)
+    assert all(g.abs().sum() > 0 for g in eager[2:])  # (every gradient computed)
+
+
+def test_eager_path_autograd_rules():
+    """The eager path's autograd: no gradient without requires_grad, lse without gradient, an
+    in-place change of a saved input caught, double backward refused, errors worded as the ops'
+    (the heads-first layout hint included)."""
+    q, k, v = (randn(1, 6, 2, 8, seed=s, requires_grad=True) for s in range(3))
+    out, lse = flashdl.torch.attention(q, k, v, causal=True, softcap=2.0, return_lse=True)
+    assert out.grad_fn is not None and lse.grad_fn is None and not lse.requires_grad
+    with torch.no_grad():
+        assert flashdl.torch.attention(q, k, v, softcap=2.0).grad_fn is None
+    assert flashdl.torch.attention(q.detach(), k.detach(), v.detach(),
+                                   softcap=2.0).grad_fn is None
+    # only k requires grad: dq and dv are not computed for the caller
+    kg = k.detach().clone().requires_grad_()
+    (dk,) = torch.autograd.grad(flashdl.torch.attention(q.detach(), kg, v.detach()).sum(), kg)
+    assert dk.shape == k.shape
+    x = q.detach().clone().requires_grad_()
+    y = x * 1
+    out = flashdl.torch.attention(y, k, v, softcap=2.0)
+    y.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+    out = flashdl.torch.attention(q, k, v, softcap=2.0)
+    (dq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        dq.sum().backward()
+    with pytest.raises(ValueError, match="layout='bhsd'"):
+        flashdl.torch.attention(q, k.transpose(1, 2), v.transpose(1, 2), softcap=2.0)
+    with pytest.raises(TypeError, match="negative bit"):
+        flashdl.torch.attention(torch._neg_view(q.detach()), k, v, softcap=2.0)
+
+
+def test_compile_export_and_modes_take_the_ops():
+    """torch.compile, torch.export, make_fx and dispatch modes see the custom ops (forward and
+    backward), not the eager path's Function."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    ops = torch.ops.flashdl
+    q, k, v = (randn(1, 8, 2, 16, seed=s, requires_grad=True) for s in range(3))
+
+    def f(q, k, v):
+        return flashdl.torch.attention(q, k, v, causal=True)
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(f, backend=backend, fullgraph=True)
+        got = compiled(q, k, v)
+    finally:
+        torch._dynamo.reset()
+    targets = [str(n.target) for gm in graphs for n in gm.graph.nodes]
+    assert any("flashdl.attention_forward" in t for t in targets), targets
+    assert torch.equal(got, f(q, k, v))
+
+    class Block(torch.nn.Module):
+        def forward(self, q, k, v):
+            return f(q, k, v)
+
+    exported = torch.export.export(Block(), (q.detach(), k.detach(), v.detach()))
+    assert any(n.target is ops.attention_forward.default for n in exported.graph.nodes)
+
+    gm = make_fx(lambda q, k, v: torch.autograd.grad(f(q, k, v).sum(), (q, k, v)))(q, k, v)
+    targets = [n.target for n in gm.graph.nodes]
+    assert ops.attention_forward.default in targets and ops.attention_backward.default in targets
