@@ -73,11 +73,13 @@ Cache check_cache(const TensorView& q, const TensorView& k_cache, const TensorVi
                 "(batch,): the cache row of each sequence");
     c.capacity = k_cache.shape[1];
   } else {
-    if (k_cache.shape[0] != batch)
-      fail(ErrorKind::value, "k_cache: batch " + std::to_string(k_cache.shape[0]) +
-                                 " does not match the batch of q, " + std::to_string(batch) +
-                                 " (a paged cache needs block_table; another number of cache "
-                                 "rows, cache_batch_idx)");
+    // Sequence b reads (and appends to) cache row b, as flash-attn without cache_batch_idx: a
+    // cache preallocated for a larger batch is fine, its rows from the batch of q on untouched.
+    if (k_cache.shape[0] < batch)
+      fail(ErrorKind::value, "k_cache: " + std::to_string(k_cache.shape[0]) +
+                                 " cache rows for the batch of q, " + std::to_string(batch) +
+                                 "; expected at least one row per sequence (a paged cache "
+                                 "needs block_table; other rows, cache_batch_idx)");
     c.capacity = k_cache.shape[1];
   }
   if (c.paged && x.cache_batch_idx.defined())

@@ -25,19 +25,34 @@ void merge_states(const std::vector<TensorView>& outs, const std::vector<TensorV
                                "), got " + std::to_string(lses.size()));
   const char* olay = "(batch, seqlen, nheads, headdim)";
   const char* llay = "(batch, nheads, seqlen)";
-  check_rank("out", out, 4, olay);
-  check_rank("lse", lse, 3, llay);
-  const auto& n = out.shape;
+  // The caller's arrays first, by their names: out and lse are allocated from outs[0] and
+  // lses[0], so a wrong rank or dtype there is the caller's, not the outputs'.
+  for (size_t i = 0; i < outs.size(); ++i) {
+    check_rank(("outs[" + std::to_string(i) + "]").c_str(), outs[i], 4, olay);
+    check_rank(("lses[" + std::to_string(i) + "]").c_str(), lses[i], 3, llay);
+  }
+  const DType dt = outs[0].dtype;
+  if (dt != DType::float16 && dt != DType::bfloat16 && dt != DType::float32 &&
+      dt != DType::float64)
+    fail(ErrorKind::type, std::string("outs[0]: expected dtype float16, bfloat16, float32 or "
+                                      "float64, got ") + dtype_name(dt));
+  const auto& n = outs[0].shape;
   for (size_t i = 0; i < outs.size(); ++i) {
     const std::string on = "outs[" + std::to_string(i) + "]", ln = "lses[" + std::to_string(i) + "]";
-    check_rank(on.c_str(), outs[i], 4, olay);
-    check_rank(ln.c_str(), lses[i], 3, llay);
     check_shape(on.c_str(), outs[i], {n[0], n[1], n[2], n[3]}, "(the shape of outs[0])");
     check_shape(ln.c_str(), lses[i], {n[0], n[2], n[1]}, "(batch, nheads, seqlen) of outs[0]");
-    check_dtype(on.c_str(), outs[i], out.dtype, "the dtype of outs[0]");
+    check_dtype(on.c_str(), outs[i], dt, "the dtype of outs[0]");
     check_dtype(ln.c_str(), lses[i], DType::float32, "lse is always float32");
-    check_device(on.c_str(), outs[i], out.device);
-    check_device(ln.c_str(), lses[i], out.device);
+    check_device(on.c_str(), outs[i], outs[0].device);
+    check_device(ln.c_str(), lses[i], outs[0].device);
+  }
+  check_rank("out", out, 4, olay);
+  check_rank("lse", lse, 3, llay);
+  check_shape("out", out, {n[0], n[1], n[2], n[3]}, "(the shape of outs[0])");
+  check_dtype("out", out, dt, "the dtype of outs[0]");
+  check_device("out", out, outs[0].device);
+  for (size_t i = 0; i < outs.size(); ++i) {
+    const std::string on = "outs[" + std::to_string(i) + "]", ln = "lses[" + std::to_string(i) + "]";
     check_no_overlap("out", out, on.c_str(), outs[i]);
     check_no_overlap("out", out, ln.c_str(), lses[i]);
     check_no_overlap("lse", lse, on.c_str(), outs[i]);
@@ -49,10 +64,6 @@ void merge_states(const std::vector<TensorView>& outs, const std::vector<TensorV
   check_no_overlap("lse", lse, "out", out);
   check_no_self_overlap("out", out);
   check_no_self_overlap("lse", lse);
-  if (out.dtype != DType::float16 && out.dtype != DType::bfloat16 &&
-      out.dtype != DType::float32 && out.dtype != DType::float64)
-    fail(ErrorKind::type, std::string("out: expected dtype float16, bfloat16, float32 or float64, "
-                                      "got ") + dtype_name(out.dtype));
   for (size_t i = 0; i < outs.size(); ++i)
     check_last_dim_contiguous(("outs[" + std::to_string(i) + "]").c_str(), outs[i]);
   check_last_dim_contiguous("out", out);

@@ -440,14 +440,43 @@ void check_score_mods(const Options& o, const Shapes& s, Device device,
     const int64_t rows = a.rank == 2 ? a.shape[0] : 1, row_stride = a.rank == 2 ? a.strides[0] : 0;
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t h = 0; h < s.nheads; ++h) {
+        // Compared in float32, the slopes' own type: float32(1e30) is the limit itself, though
+        // it exceeds 1e30 as a double (1.0000000150474662e30).
         const float x = base[r * row_stride + h * a.strides[a.rank - 1]];
-        if (!(std::fabs(x) <= kMaxMod))
+        if (!(std::fabs(x) <= static_cast<float>(kMaxMod)))
           fail(ErrorKind::value, "alibi_slopes: expected finite slopes of at most 1e30 in "
                                  "magnitude, got " + num_str(x) +
                                      " at " + (a.rank == 2 ? "[" + std::to_string(r) + ", " : "[") +
                                      std::to_string(h) + "]");
       }
   }
+}
+
+// Whether a host boolean mask keeps every score (no zero byte among its elements; an axis of
+// stride 0 is read once). Stops at the first zero, so a mask that hides something costs little.
+static bool keeps_every_score(const TensorView& m) {
+  if (m.device.type != DeviceType::cpu) return false;  // device memory is not read here
+  const auto* base = static_cast<const uint8_t*>(m.data);
+  const int last = m.rank - 1;
+  const int64_t n = m.strides[last] == 0 ? 1 : m.shape[last];
+  int64_t outer = 1;
+  for (int a = 0; a < last; ++a) outer *= m.strides[a] == 0 ? 1 : m.shape[a];
+  for (int64_t r = 0; r < outer; ++r) {
+    int64_t off = 0, rest = r;
+    for (int a = last - 1; a >= 0; --a) {
+      const int64_t extent = m.strides[a] == 0 ? 1 : m.shape[a];
+      off += (rest % extent) * m.strides[a];
+      rest /= extent;
+    }
+    const uint8_t* row = base + off;
+    if (m.strides[last] == 1) {
+      if (std::memchr(row, 0, static_cast<size_t>(n)) != nullptr) return false;
+    } else {
+      for (int64_t j = 0; j < n; ++j)
+        if (row[j * m.strides[last]] == 0) return false;
+    }
+  }
+  return true;
 }
 
 // The bias, mask and dbias fields of Params: dense rank-4 views (batch, nheads, rows, keys) or
@@ -487,7 +516,9 @@ static void set_extra_params(Params& p, const Options& o, const Shapes& s) {
       p.dbias_col_stride = o.dbias.strides[o.dbias.rank - 1];
     }
   }
-  if (o.mask.defined() && o.mask.numel() > 0) {
+  // A mask that hides nothing is no mask: the call is plain attention bit for bit (and takes
+  // the plain kernels), for host arrays; a device mask is not read here.
+  if (o.mask.defined() && o.mask.numel() > 0 && !keeps_every_score(o.mask)) {
     axes(o.mask, st, n);
     p.mask_ptr = static_cast<const uint8_t*>(o.mask.data);
     p.mask_batch_stride = st[0];

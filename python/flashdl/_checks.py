@@ -49,11 +49,17 @@ def flag(name: str, x) -> bool:
 def real(name: str, x, expected: str) -> float:
     """A real number as a float: int or float (Python's, NumPy's), never a bool, a string or an
     array. NaN and infinities pass as floats; the core refuses them by name."""
-    if type(x) is float or type(x) is int:  # the common case, without the ABC check below
-        return float(x)
-    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
+    if type(x) is float:  # the common case, without the ABC check below
+        return x
+    if type(x) is not int and (isinstance(x, (bool, np.bool_)) or
+                               not isinstance(x, numbers.Real)):
         raise TypeError(f"{name}: expected {expected}, got {describe(x)}" + _static_hint(name, x))
-    return float(x)
+    try:
+        return float(x)
+    except OverflowError:  # an int (or a Fraction) beyond float64's range
+        what = f"an int of {x.bit_length()} bits" if isinstance(x, int) else describe(x)
+        raise ValueError(f"{name}: expected {expected}, got {what}, beyond the range of a "
+                         "float") from None
 
 
 def finite(name: str, x: float, expected: str) -> float:
@@ -110,7 +116,7 @@ def readable(name: str, x) -> None:
             return
         if str(dtype) == "bfloat16":  # ml_dtypes: crosses as a uint16 view (Frame.export)
             _READABLE_NUMPY.add(dtype)
-            return
+            return readable(name, x)  # the alignment check above, also on the first call
         if dtype.kind not in _DLPACK_KINDS or (dtype.kind == "f" and dtype.itemsize > 8) or \
                 (dtype.kind == "c" and dtype.itemsize > 16):
             raise TypeError(f"{name}: unsupported dtype {dtype} (a NumPy dtype that cannot "

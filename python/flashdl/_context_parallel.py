@@ -17,10 +17,10 @@ import torch.distributed as dist
 
 from . import _checks, _ulysses
 from ._dist_check import Agreement, group_rank, require_initialized
-from ._ring import _RingAttention
+from ._ring import _RingAttention, ring_args
+from ._ring_plan import check_layout
 from ._ring import shard as ring_shard
 from ._ring import unshard as ring_unshard
-from ._ring_plan import check_layout, global_window
 
 
 def context_parallel_groups(ring_size: int, ulysses_size: int
@@ -262,9 +262,10 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         out.sum().backward()
         full = ft.context_parallel_unshard(out.detach(), ring, uly)
     """
+    return_lse = _checks.flag("return_lse", return_lse)
+    window, softmax_scale = ring_args("context_parallel_attention", q, k, v, causal,
+                                      softmax_scale, window_size, layout)
     require_initialized("ring_group")
-    check_layout(layout)
-    window = global_window(causal, window_size)
     _check(q, k, v, ring_group, ulysses_group, layout)
     _ulysses.last_bytes_sent.update(forward=0, backward=0, lse=0)
     qh, kh, vh = _ulysses.to_heads(q, k, v, ulysses_group, 1)

@@ -16,6 +16,17 @@ import torch
 import torch.distributed as dist
 
 
+def torch_tensors(fn: str, **arrays) -> None:
+    """TypeError naming the first of arrays that is not a torch.Tensor (torch.distributed moves
+    tensors): before any collective, so every rank raises it alike."""
+    for name, x in arrays.items():
+        if not isinstance(x, torch.Tensor):
+            t = type(x)
+            what = t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+            raise TypeError(f"{name}: {fn} takes torch tensors (over torch.distributed), got "
+                            f"{what}; flashdl.jax.ring_attention shards JAX arrays")
+
+
 def require_initialized(name: str = "group") -> None:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(f"{name}: torch.distributed is not initialised "

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import operator
 from typing import TypedDict
 
-from . import _ext
+from . import _checks, _ext
 
 
 class Info(TypedDict):
@@ -85,8 +84,7 @@ def set_num_threads(n: int) -> None:
     1
     >>> flashdl.set_num_threads(0)                 # back to the default
     """
-    try:
-        n = operator.index(n)
-    except TypeError:
-        raise TypeError(f"n: expected an int, got {type(n).__name__}") from None
-    _ext.set_num_threads(n)
+    # The core takes a C int: a larger one would otherwise reach nanobind's "incompatible
+    # function arguments".
+    _ext.set_num_threads(_checks.integer("n", n, "an int in [0, 2**31) (0: the default)",
+                                         0, 2**31))

@@ -57,8 +57,10 @@ def _check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, batch_
     if cache_seqlens.shape != (b,):
         raise ValueError(f"cache_seqlens: expected shape ({b},) (batch of q), got "
                          f"{tuple(cache_seqlens.shape)}")
-    if block_table is None and batch_idx is None and k_cache.shape[0] != b:
-        raise ValueError(f"k_cache: expected batch {b} (that of q), got {k_cache.shape[0]}")
+    if block_table is None and batch_idx is None and k_cache.shape[0] < b:
+        # Sequence i reads cache row i (flash-attn's rule): a cache of more rows is fine.
+        raise ValueError(f"k_cache: {k_cache.shape[0]} cache rows for the batch of q, {b}; "
+                         "expected at least one row per sequence")
     if block_table is not None and block_table.shape[0] != b:
         raise ValueError(f"block_table: expected {b} rows (batch of q), got "
                          f"{block_table.shape[0]}")

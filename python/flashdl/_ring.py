@@ -25,7 +25,8 @@ import torch.distributed as dist
 from . import _checks
 from ._api import attention as _attention
 from ._api import attention_backward as _attention_backward
-from ._dist_check import Agreement, global_rank, group_rank, require_initialized
+from ._api import _scalars
+from ._dist_check import Agreement, global_rank, group_rank, require_initialized, torch_tensors
 from ._ring_plan import Block, chunks_of, check_layout, global_window, last_step
 from ._ring_plan import pair_block
 
@@ -306,10 +307,18 @@ class _RingAttention(torch.autograd.Function):
                 None)
 
 
-def ring_apply(q, k, v, group, causal, softmax_scale, window_size, layout):
-    """The differentiable ring over `group` after the checks every rank agrees on: (out, lse)."""
+def ring_args(fn, q, k, v, causal, softmax_scale, window_size, layout):
+    """The checks of one rank's own arguments, by flashdl.attention's rules, before any
+    collective: (global window, softmax_scale)."""
+    torch_tensors(fn, q=q, k=k, v=v)
     check_layout(layout)
-    window = global_window(causal, window_size)
+    _, softmax_scale, _, _ = _scalars(False, softmax_scale, "auto", (-1, -1))
+    return global_window(causal, window_size), softmax_scale
+
+
+def ring_apply(q, k, v, group, window, softmax_scale, layout):
+    """The differentiable ring over `group` (arguments checked by ring_args) after the checks
+    every rank agrees on: (out, lse)."""
     group_rank(group)
     check_shards(q, k, v, layout, [group])
     return _RingAttention.apply(q, k, v, group, window, softmax_scale, layout)
@@ -390,6 +399,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         out.sum().backward()
         out = ft.ring_attention(q, k, v, causal=True, window_size=(128, 0))  # sliding window
     """
+    return_lse = _checks.flag("return_lse", return_lse)
+    window, softmax_scale = ring_args("ring_attention", q, k, v, causal, softmax_scale,
+                                      window_size, layout)
     require_initialized()
-    out, lse = ring_apply(q, k, v, group, causal, softmax_scale, window_size, layout)
+    out, lse = ring_apply(q, k, v, group, window, softmax_scale, layout)
     return (out, lse) if return_lse else out

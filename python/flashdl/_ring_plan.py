@@ -34,12 +34,13 @@ def check_layout(layout: str) -> None:
 
 def global_window(causal: bool, window_size) -> Tuple[int, int]:
     """(left, right) of the global rule, unbounded sides as a huge int; causal fixes right = 0
-    (flashdl's rule: causal is the window (-1, 0) and overrides right)."""
-    try:
-        left, right = (int(x) for x in window_size)
-    except (TypeError, ValueError):
-        raise TypeError("window_size: expected a pair (left, right) of ints, -1 for unbounded, "
-                        f"got {window_size!r}") from None
+    (flashdl's rule: causal is the window (-1, 0) and overrides right). causal and window_size
+    are checked by flashdl.attention's rules (a bool; a pair of ints, a float refused)."""
+    from . import _checks
+    from ._api import _window
+
+    causal = _checks.flag("causal", causal)
+    left, right = _window(window_size)
     if left < -1 or right < -1:
         raise ValueError("window_size: expected (left, right) with each >= 0 or -1 for "
                          f"unbounded, got ({left}, {right})")

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import torch
 
+from . import _checks
+
 # flashdl's argument name -> PyTorch's, for the leading "name:" of a core error.
 _TORCH_NAMES = {"q": "query", "k": "key", "v": "value", "softmax_scale": "scale"}
 
 
 def check_layout(query, key, value, enable_gqa):
     """Rank 3 (batch, seq, dim) or 4 (batch, heads, seq, dim) tensors, heads as torch allows."""
+    enable_gqa = _checks.flag("enable_gqa", enable_gqa)  # torch: "must be bool"
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
@@ -37,9 +40,10 @@ def check_layout(query, key, value, enable_gqa):
                          f"(grouped-query attention), or as many heads as query")
 
 
-def check_mask(attn_mask, shape):
+def check_mask(attn_mask, shape, query_dtype):
     """None, a bool mask (True = take part in attention) or a float mask (added to the scores),
-    broadcastable to the scores' shape: flashdl's mask or bias."""
+    broadcastable to the scores' shape: flashdl's mask or bias. As torch: a float mask is float32
+    or the dtype of query."""
     if attn_mask is None:
         return
     if not isinstance(attn_mask, torch.Tensor):
@@ -53,9 +57,10 @@ def check_mask(attn_mask, shape):
     if not fits:
         raise ValueError(f"attn_mask: shape {tuple(attn_mask.shape)} does not broadcast to "
                          f"the scores' shape {tuple(shape)}")
-    if attn_mask.dtype != torch.bool and attn_mask.dtype not in (
-            torch.float32, torch.float16, torch.bfloat16, torch.float64):
-        raise TypeError(f"attn_mask: expected a bool or float mask, got {attn_mask.dtype}")
+    if attn_mask.dtype not in (torch.bool, torch.float32, query_dtype):
+        raise TypeError(f"attn_mask: expected dtype torch.bool, torch.float32 or that of query "
+                        f"({query_dtype}), as torch's scaled_dot_product_attention, got "
+                        f"{attn_mask.dtype}")
 
 
 def mask_args(attn_mask, rank3, seqlen_k, keep):

@@ -22,7 +22,10 @@ from typing import List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from ._dist_check import Agreement, global_rank, group_rank, require_initialized
+from . import _checks
+from ._api import _dropout_p, _scalars
+from ._dist_check import Agreement, global_rank, group_rank, require_initialized, torch_tensors
+from ._ring_plan import global_window
 
 # Bytes this process sent in the all-to-alls of its last ulysses_attention (or
 # context_parallel_attention) call: the forward's (q, k, v, out), the backward's once it has run
@@ -260,6 +263,14 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     """
     from . import torch as ft
 
+    # This rank's own arguments by flashdl.attention's rules, before any collective (the
+    # attention call after the all-to-all checks the rest).
+    torch_tensors("ulysses_attention", q=q, k=k, v=v)
+    return_lse = _checks.flag("return_lse", return_lse)
+    causal, softmax_scale, schedule, window_size = _scalars(causal, softmax_scale, schedule,
+                                                            window_size)
+    global_window(causal, window_size)  # the values too (each side >= -1)
+    dropout_p = _dropout_p(dropout_p)
     require_initialized()
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     if varlen and (cu_seqlens_q is None or cu_seqlens_k is None):
@@ -268,7 +279,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     if varlen:
         cu_seqlens_q, cu_seqlens_k = (torch.as_tensor(x) for x in (cu_seqlens_q, cu_seqlens_k))
     agree, rank, world = _validate(q, k, v, group, varlen, cu_seqlens_q, cu_seqlens_k)
-    dropout = float(dropout_p) > 0
+    dropout = dropout_p > 0
     if dropout and seed is None:
         agree.maximum("seed", int(torch.randint(0, 2**62, (1,))) if rank == 0 else 0)
     shared = agree.settle([group], q.device)

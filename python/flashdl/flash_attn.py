@@ -106,6 +106,26 @@ def _maybe_contiguous(x):
     return x.contiguous() if isinstance(x, torch.Tensor) and x.stride(-1) != 1 else x
 
 
+# flashdl's own entry point for each drop-in, named when an array is not a torch tensor.
+_NATIVE = {"flash_attn_func": "flashdl.attention", "flash_attn_kvpacked_func": "flashdl.attention",
+           "flash_attn_qkvpacked_func": "flashdl.attention",
+           "flash_attn_varlen_func": "flashdl.attention_varlen",
+           "flash_attn_varlen_kvpacked_func": "flashdl.attention_varlen",
+           "flash_attn_varlen_qkvpacked_func": "flashdl.attention_varlen",
+           "flash_attn_with_kvcache": "flashdl.attention_with_kvcache"}
+
+
+def _tensors(fn, **arrays):
+    """TypeError naming the first of arrays that is not a torch.Tensor: flash-attn's functions
+    take torch tensors; flashdl's own (named) take NumPy, JAX and CuPy arrays too."""
+    for name, x in arrays.items():
+        if not isinstance(x, torch.Tensor):
+            t = type(x)
+            what = t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+            raise TypeError(f"{name}: {fn} takes torch tensors (as flash-attn), got {what}; "
+                            f"use {_NATIVE[fn]} for NumPy, JAX or CuPy arrays")
+
+
 def _score_mods(softcap, alibi_slopes):
     """flashdl's softcap and alibi_slopes keywords for flash-attn's arguments."""
     softcap = _checks.finite("softcap", _checks.real("softcap", softcap, "a float"),
@@ -114,11 +134,10 @@ def _score_mods(softcap, alibi_slopes):
     return dict(softcap=softcap if softcap > 0 else 0.0, alibi_slopes=alibi_slopes)
 
 
-def _packed(name, x, axis, n, layout):
+def _packed(fn, name, x, axis, n, layout):
     """Refuses a packed tensor whose packing axis is not n long (it would otherwise be sliced)."""
     shape = tuple(getattr(x, "shape", ()))
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor {layout}, got {type(x).__name__}")
+    _tensors(fn, **{name: x})
     if len(shape) != len(layout.split(",")) or shape[axis] != n:
         raise ValueError(f"{name}: expected shape {layout} with {n} on axis {axis}, "
                          f"got {shape}")
@@ -231,8 +250,9 @@ def _empty_probs(q):
     return torch.empty(0, dtype=q.dtype, device=q.device)
 
 
-def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+def _dense(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
            deterministic, return_attn_probs):
+    _tensors(fn, q=q, k=k, v=v)
     mods = _score_mods(softcap, alibi_slopes)
     q, k, v = (_maybe_contiguous(x) for x in (q, k, v))
     window = _window(window_size)
@@ -253,9 +273,10 @@ def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alib
     return out, lse, probs
 
 
-def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
             softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
             return_attn_probs, block_table=None, seqused_k=None):
+    _tensors(fn, q=q, k=k, v=v)
     mods = _score_mods(softcap, alibi_slopes)
     q, k, v = (_maybe_contiguous(x) for x in (q, k, v))
     window = _window(window_size)
@@ -378,8 +399,8 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     >>> out.shape
     torch.Size([2, 16, 4, 8])
     """
-    return _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                  deterministic, return_attn_probs)
+    return _dense("flash_attn_func", q, k, v, dropout_p, softmax_scale, causal, window_size,
+                  softcap, alibi_slopes, deterministic, return_attn_probs)
 
 
 @overload
@@ -442,8 +463,9 @@ def flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = 0.0,
     >>> flash_attn.flash_attn_qkvpacked_func(qkv, causal=True).shape
     torch.Size([2, 16, 4, 8])
     """
-    _packed("qkv", qkv, 2, 3, "(batch, seqlen, 3, nheads, headdim)")
-    return _dense(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal,
+    fn = "flash_attn_qkvpacked_func"
+    _packed(fn, "qkv", qkv, 2, 3, "(batch, seqlen, 3, nheads, headdim)")
+    return _dense(fn, qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal,
                   window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
 
 
@@ -507,8 +529,10 @@ def flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float
     >>> flash_attn.flash_attn_kvpacked_func(q, kv, causal=True).shape
     torch.Size([1, 8, 4, 16])
     """
-    _packed("kv", kv, 2, 2, "(batch, seqlen_k, 2, nheads_kv, headdim)")
-    return _dense(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size,
+    fn = "flash_attn_kvpacked_func"
+    _tensors(fn, q=q)
+    _packed(fn, "kv", kv, 2, 2, "(batch, seqlen_k, 2, nheads_kv, headdim)")
+    return _dense(fn, q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size,
                   softcap, alibi_slopes, deterministic, return_attn_probs)
 
 
@@ -600,9 +624,9 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     >>> flash_attn.flash_attn_varlen_func(q, k, v, cu, cu, 7, 7, causal=True).shape
     torch.Size([10, 2, 8])
     """
-    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                   return_attn_probs, block_table, seqused_k)
+    return _varlen("flash_attn_varlen_func", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                   max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
+                   alibi_slopes, deterministic, return_attn_probs, block_table, seqused_k)
 
 
 @overload
@@ -672,8 +696,9 @@ def flash_attn_varlen_qkvpacked_func(qkv: torch.Tensor, cu_seqlens: torch.Tensor
     >>> flash_attn.flash_attn_varlen_qkvpacked_func(torch.randn(9, 3, 2, 8), cu, 5).shape
     torch.Size([9, 2, 8])
     """
-    _packed("qkv", qkv, 1, 3, "(total, 3, nheads, headdim)")
-    return _varlen(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen,
+    fn = "flash_attn_varlen_qkvpacked_func"
+    _packed(fn, "qkv", qkv, 1, 3, "(total, 3, nheads, headdim)")
+    return _varlen(fn, qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen,
                    max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap,
                    alibi_slopes, deterministic, return_attn_probs)
 
@@ -748,8 +773,10 @@ def flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, cu_seqlen
     >>> flash_attn.flash_attn_varlen_kvpacked_func(q, kv, cu, cu, 5, 5).shape
     torch.Size([9, 2, 8])
     """
-    _packed("kv", kv, 1, 2, "(total_k, 2, nheads_kv, headdim)")
-    return _varlen(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    fn = "flash_attn_varlen_kvpacked_func"
+    _tensors(fn, q=q)
+    _packed(fn, "kv", kv, 1, 2, "(total_k, 2, nheads_kv, headdim)")
+    return _varlen(fn, q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                    max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
                    alibi_slopes, deterministic, return_attn_probs)
 
@@ -820,6 +847,13 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     >>> out.shape, torch.equal(k_cache[:, 3], k[:, 0])
     (torch.Size([2, 1, 2, 16]), True)
     """
+    _tensors("flash_attn_with_kvcache", q=q, k_cache=k_cache, v_cache=v_cache)
+    if rotary_cos is not None and rotary_sin is not None and k is None:
+        # flash-attn: "If rotary cos/sin are provided, new key / value to be appended to KV cache
+        # must also be provided" (only one of the tables: flashdl's "both or neither" below).
+        raise ValueError("rotary_cos: rotary embedding is given, so the new keys and values to "
+                         "append to the cache (k and v) must be given too, as in flash-attn; "
+                         "flashdl.attention_with_kvcache also rotates q alone")
     batch = q.shape[0]
     if cache_seqlens is None:
         cache_seqlens = torch.full((batch,), k_cache.shape[1] - (0 if k is None else k.shape[1]),

@@ -1036,7 +1036,7 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     seq = 1 if rank3 else 2  # the seq axis in PyTorch's layout
     sq, sk = query.shape[seq], key.shape[seq]
     shape = (query.shape[0], sq, sk) if rank3 else (query.shape[0], query.shape[1], sq, sk)
-    _sdpa.check_mask(attn_mask, shape)
+    _sdpa.check_mask(attn_mask, shape, query.dtype)
     keep, causal, window = _sdpa.causal_args(is_causal, sq, sk)
     bias, mask = _sdpa.mask_args(attn_mask, rank3, sk, keep)
 

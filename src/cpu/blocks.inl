@@ -138,8 +138,6 @@ struct HeadMods {
   const detail::HeadExtras* extras() const { return ex.any() ? &ex : nullptr; }
 };
 
-// Whether the boolean mask hides every element of the tile pair (its rows and keys that exist):
-// such pairs are skipped before anything is loaded, as zero blocks of a block mask are.
 // Whether the boolean mask keeps every element of the tile pair: mask_scores then leaves the
 // mask out for it (a padding or block mask is all True on most tiles).
 inline bool mask_tile_full(const detail::HeadExtras* ex, int64_t i0, int64_t rows, int64_t j0,
@@ -157,6 +155,8 @@ inline bool mask_tile_full(const detail::HeadExtras* ex, int64_t i0, int64_t row
   return true;
 }
 
+// Whether the boolean mask hides every element of the tile pair (its rows and keys that exist):
+// such pairs are skipped before anything is loaded, as zero blocks of a block mask are.
 inline bool mask_tile_empty(const detail::HeadExtras* ex, int64_t i0, int64_t rows, int64_t j0,
                             int64_t cols) {
   if (ex == nullptr || ex->keep == nullptr) return false;
@@ -167,6 +167,19 @@ inline bool mask_tile_empty(const detail::HeadExtras* ex, int64_t i0, int64_t ro
     if (any) return false;
   }
   return true;
+}
+
+// The extras a tile pair needs: ex itself where the mask hides some score of the tile; where it
+// keeps every one, the bias alone (in bias_only), or null without a bias, so that the tile takes
+// the plain path (scale folded into exp2, the stale-reference tiles) bit for bit as with no mask.
+inline const detail::HeadExtras* tile_extras(const detail::HeadExtras* ex, const TilePair& t,
+                                             detail::HeadExtras& bias_only) {
+  if (ex == nullptr || ex->keep == nullptr || !mask_tile_full(ex, t.i0, t.rows, t.j0, t.cols))
+    return ex;
+  if (ex->bias == nullptr) return nullptr;
+  bias_only = *ex;
+  bias_only.keep = nullptr;
+  return &bias_only;
 }
 
 // Row i's bias over keys [j0 + a, j0 + e) added to s[a, e) (exp2 domain: times log2 e), and keys

@@ -386,6 +386,7 @@ void fa2_forward_impl(const Params& p, int threads) {
       const int64_t j_begin = mask.block_col_begin(i0), j_end = mask.block_col_end(i0 + rows);
       const BlockMask bm = detail::block_mask_of(p, b, h);
       const HeadMods<T> mods(p, b, h);
+      detail::HeadExtras bias_only;  // tile_extras' bias without the mask
 
       // O is written by the first tile's O = P V (o_live from then on), not zero-filled first:
       // with few key tiles the fill and the first product's reads of O were a few per cent of
@@ -401,6 +402,8 @@ void fa2_forward_impl(const Params& p, int threads) {
         // costs 16 columns, not 32); the bfloat16 pair kernels work on whole 32-column groups.
         const TilePair t = tile_pair(g, qt, kt, PairProducts<Prod>::value ? kNR<T> : Simd<T>::W);
         if (mask_tile_empty(mods.extras(), t.i0, t.rows, t.j0, t.cols)) continue;
+        // A tile whose mask keeps every score is a plain tile (or a bias-only one).
+        const detail::HeadExtras* ex = tile_extras(mods.extras(), t, bias_only);
         if (!q_loaded) {
           prod.start(p, g, b, h, hk, i0, rows);
           q_loaded = true;
@@ -410,10 +413,10 @@ void fa2_forward_impl(const Params& p, int threads) {
                                g.kt.size(kt + 1), false);
         if constexpr (PairProducts<Prod>::value) {
           const auto started = [](const detail::OnlineSoftmax<T>& s) { return s.m > -INFINITY; };
-          const bool own = !o_live && own_reference_ok(p, g, mask, t, mods.get(), mods.extras());
-          if (own || (o_live && stale_reference_ok(p, g, mask, t, mods.get(), mods.extras()) &&
+          const bool own = !o_live && own_reference_ok(p, g, mask, t, mods.get(), ex);
+          if (own || (o_live && stale_reference_ok(p, g, mask, t, mods.get(), ex) &&
                       std::all_of(sm.begin(), sm.begin() + rows, started))) {
-            stale_reference_tile(p, g, mask, kt, t, rows, mods.extras(), prod, tiles, sm.data(),
+            stale_reference_tile(p, g, mask, kt, t, rows, ex, prod, tiles, sm.data(),
                                  lanes, S, O, own);
             o_live = true;
             continue;
@@ -423,12 +426,11 @@ void fa2_forward_impl(const Params& p, int threads) {
         // c: the scale still to apply in exp2 (scale_in_exp2), or 1 once mask_scores applied it.
         T c = T(1);
         bool hidden = false;
-        if (scale_in_exp2(g, mask, t, mods.get(), mods.extras())) {
+        if (scale_in_exp2(g, mask, t, mods.get(), ex)) {
           c = g.c;
           for (int64_t r = 0; r < rows; ++r) row_max[r] = row_max_of(S + r * g.Bcp, t.np) * c;
         } else {
-          hidden = mask_scores(g, mask, S, t, row_max, mods.get(), static_cast<T*>(nullptr),
-                               mods.extras());
+          hidden = mask_scores(g, mask, S, t, row_max, mods.get(), static_cast<T*>(nullptr), ex);
         }
         // Where P goes straight into O += P V (no dropout, no row to redo), the bfloat16 pair
         // products take it as its exponentials are computed: rounded to pairs in the same pass,

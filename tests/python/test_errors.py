@@ -290,3 +290,128 @@ def test_score_mod_errors_torch():
     assert torch.equal(good, torch.from_numpy(SLOPES))
     for x, y in zip((q, k, v), (Q, K, V)):
         assert np.array_equal(x.detach().numpy(), y)
+
+
+# --- every entry point by attention's rules, in the caller's words (issue 52) --------------------
+
+def test_slope_limit_checked_in_float32():
+    """The limit 1e30 is checked in the slopes' float32: float32(1e30) itself is accepted, the next
+    float32 refused, and the message's number exceeds the limit it states."""
+    at_limit = np.full(4, np.float32(1e30))
+    out = flashdl.attention(Q, K, V, alibi_slopes=at_limit)
+    assert out.shape == Q.shape
+    over = np.full(4, np.nextafter(np.float32(1e30), np.float32(np.inf)))
+    err = expect(ValueError, "alibi_slopes", flashdl.attention, Q, K, V, alibi_slopes=over)
+    got = float(re.search(r"got (\S+) at", str(err))[1])
+    assert got > 1e30, str(err)
+
+
+@pytest.mark.parametrize("arg", ["softmax_scale", "dropout_p", "softcap"])
+def test_ints_beyond_float_range_are_value_errors(arg):
+    """10**400 does not fit a float: ValueError naming the argument, not OverflowError."""
+    err = expect(ValueError, arg, flashdl.attention, Q, K, V, **{arg: 10**400})
+    assert str(err).startswith(arg + ":") and "beyond the range of a float" in str(err)
+
+
+def test_ints_beyond_float_range_torch_and_flash_attn():
+    torch = pytest.importorskip("torch")
+    import flashdl.flash_attn as fa
+    import flashdl.torch as ft
+
+    q, k, v = (torch.from_numpy(x) for x in (Q, K, V))
+    for arg in ("softmax_scale", "dropout_p"):
+        expect(ValueError, arg, ft.attention, q, k, v, **{arg: 10**400})
+        expect(ValueError, arg, fa.flash_attn_func, q, k, v, **{arg: 10**400})
+
+
+def test_set_num_threads_beyond_int():
+    """The core takes a C int: a larger count is a ValueError naming n, not nanobind's
+    "incompatible function arguments"; a bool is not a count."""
+    err = expect(ValueError, "n", flashdl.set_num_threads, 2**40)
+    assert "incompatible" not in str(err)
+    expect(TypeError, "n", flashdl.set_num_threads, True)
+    assert flashdl.info()["num_threads"] >= 1
+
+
+MERGE_CASES = {  # (exception, the argument named, arguments)
+    "int32 outputs": (TypeError, "out_a", (OUT.astype(np.int32), LSE, OUT.astype(np.int32), LSE)),
+    "int32 out_b": (TypeError, "out_b", (OUT, LSE, OUT.astype(np.int32), LSE)),
+    "rank-2 lse": (ValueError, "lse_a", (OUT, LSE[0], OUT, LSE[0])),
+    "rank-2 lse_b": (ValueError, "lse_b", (OUT, LSE, OUT, LSE[0])),
+    "float64 lse": (TypeError, "lse_a", (OUT, LSE.astype(np.float64), OUT, LSE)),
+}
+
+
+@pytest.mark.parametrize("case", MERGE_CASES)
+def test_merge_states_names_the_callers_arguments(case):
+    """merge_states allocates out and lse from out_a and lse_a: a wrong dtype or rank there is
+    the caller's argument, never the outputs' (out, lse)."""
+    exc, arg, args = MERGE_CASES[case]
+    err = expect(exc, arg, flashdl.merge_states, *args)
+    assert str(err).startswith(arg + ":"), str(err)
+
+
+def test_merge_states_misaligned_names_the_fix():
+    """A misaligned input (the first bfloat16 array of a process included) is refused by name,
+    saying what to pass instead."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    from flashdl import _checks
+
+    _checks._READABLE_NUMPY.discard(np.dtype(ml_dtypes.bfloat16))  # as in a fresh process
+    for dtype in (np.float32, ml_dtypes.bfloat16):
+        o = OUT.astype(dtype)
+        buf = np.zeros(o.nbytes + 8, np.uint8)
+        mis = np.ndarray(o.shape, dtype, buffer=buf, offset=1)
+        mis[...] = o
+        for args, name in (((mis, LSE, o, LSE), "out_a"), ((o, LSE, mis, LSE), "out_b")):
+            err = expect(ValueError, name, flashdl.merge_states, *args)
+            assert "not aligned" in str(err) and f"{name}.copy()" in str(err), str(err)
+
+
+def _distributed_entry_points():
+    torch = pytest.importorskip("torch")
+    import flashdl.torch as ft
+
+    return torch, {
+        "ring_attention": ft.ring_attention,
+        "ulysses_attention": ft.ulysses_attention,
+        "context_parallel_attention": lambda *a, **kw: ft.context_parallel_attention(
+            *a, ring_group=None, ulysses_group=None, **kw)}
+
+
+BAD_SCALARS = {  # (exception, argument, keywords): attention refuses each the same way
+    "window float": (TypeError, "window_size", dict(window_size=(1.5, 0))),
+    "window -2": (ValueError, "window_size", dict(window_size=(-2, 0))),
+    "window int": (TypeError, "window_size", dict(window_size=3)),
+    "causal str": (TypeError, "causal", dict(causal="yes")),
+    "softmax_scale nan": (ValueError, "softmax_scale", dict(softmax_scale=float("nan"))),
+    "softmax_scale 10**400": (ValueError, "softmax_scale", dict(softmax_scale=10**400)),
+    "softmax_scale str": (TypeError, "softmax_scale", dict(softmax_scale="1")),
+    "return_lse int": (TypeError, "return_lse", dict(return_lse=1)),
+}
+
+
+@pytest.mark.parametrize("fn", ["ring_attention", "ulysses_attention",
+                                "context_parallel_attention"])
+@pytest.mark.parametrize("case", BAD_SCALARS)
+def test_distributed_entry_points_check_arguments_as_attention(case, fn):
+    """ring, Ulysses and context-parallel attention refuse what flashdl.torch.attention refuses,
+    with its exception and argument, before needing a process group (none is initialised here):
+    (1.5, 0) is not run as (1, 0)."""
+    torch, fns = _distributed_entry_points()
+    import flashdl.torch as ft
+
+    exc, arg, kw = BAD_SCALARS[case]
+    q = torch.zeros(1, 4, 2, 8)
+    ref = expect(exc, arg, ft.attention, q, q, q, **kw)
+    err = expect(exc, arg, fns[fn], q, q, q, **kw)
+    assert str(err).split(",")[0] == str(ref).split(",")[0], (str(err), str(ref))
+
+
+@pytest.mark.parametrize("fn", ["ring_attention", "ulysses_attention",
+                                "context_parallel_attention"])
+def test_distributed_entry_points_refuse_numpy_by_name(fn):
+    """NumPy arrays: a TypeError naming q and what the function takes, not an AttributeError."""
+    _, fns = _distributed_entry_points()
+    err = expect(TypeError, "q", fns[fn], Q, K, V)
+    assert f"{fn} takes torch tensors" in str(err), str(err)

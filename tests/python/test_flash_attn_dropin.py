@@ -597,3 +597,51 @@ def test_window_size_as_a_tensor():
     q, k, v = qkv_of(1, 9, 11, 2, 2, 8)
     got = flash_attn.flash_attn_func(q, k, v, window_size=torch.tensor([3, 1]))
     assert torch.equal(got, flash_attn.flash_attn_func(q, k, v, window_size=(3, 1)))
+
+
+def test_with_kvcache_rotary_needs_new_keys_as_flash_attn():
+    """flash-attn refuses rotary_cos/rotary_sin without k and v ("If rotary cos/sin are provided,
+    new key / value to be appended to KV cache must also be provided"): so does the drop-in, as
+    an ArgumentError naming rotary_cos, and nothing is written; with k and v it runs."""
+    q, k_cache, v_cache = randn(2, 1, 2, 8, seed=1), randn(2, 6, 2, 8, seed=2), randn(2, 6, 2, 8, seed=3)
+    cos, sin = torch.ones(8, 4), torch.zeros(8, 4)
+    before = k_cache.clone(), v_cache.clone()
+    with pytest.raises(flash_attn.ArgumentError, match="^rotary_cos: .*k and v"):
+        flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, rotary_cos=cos, rotary_sin=sin,
+                                           cache_seqlens=2)
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+    k = v = randn(2, 1, 2, 8, seed=4)
+    out = flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=cos,
+                                             rotary_sin=sin, cache_seqlens=2)
+    assert out.shape == q.shape
+
+
+def test_with_kvcache_cache_of_more_rows_than_the_batch():
+    """No cache_batch_idx: rows 0..batch-1 are the sequences' (flash-attn's rule), as in serving
+    code that preallocates caches for the largest batch; the other rows are not touched."""
+    q, k, v = randn(2, 1, 4, 8, seed=1), randn(2, 1, 2, 8, seed=2), randn(2, 1, 2, 8, seed=3)
+    k_cache, v_cache = randn(5, 6, 2, 8, seed=4), randn(5, 6, 2, 8, seed=5)
+    rest = k_cache[2:].clone(), v_cache[2:].clone()
+    small = k_cache[:2].clone(), v_cache[:2].clone()
+    out = flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=3,
+                                             causal=True)
+    want = flash_attn.flash_attn_with_kvcache(q, *small, k, v, cache_seqlens=3, causal=True)
+    assert torch.equal(out, want)
+    assert torch.equal(k_cache[:2], small[0]) and torch.equal(v_cache[:2], small[1])
+    assert torch.equal(k_cache[2:], rest[0]) and torch.equal(v_cache[2:], rest[1])
+
+
+@pytest.mark.parametrize("fn", ["flash_attn_func", "flash_attn_qkvpacked_func",
+                                "flash_attn_kvpacked_func", "flash_attn_varlen_func",
+                                "flash_attn_with_kvcache"])
+def test_numpy_arrays_are_refused_naming_the_function(fn):
+    """flash-attn's functions take torch tensors: a NumPy q is a TypeError that says so and names
+    flashdl's own entry point, not "k: expected an array of the same framework as q"."""
+    x = np.zeros((1, 4, 2, 8), np.float32)
+    c = torch.tensor([0, 4], dtype=torch.int32)
+    args = {"flash_attn_func": (x, x, x), "flash_attn_qkvpacked_func": (np.zeros((1, 4, 3, 2, 8)),),
+            "flash_attn_kvpacked_func": (x, np.zeros((1, 4, 2, 2, 8))),
+            "flash_attn_varlen_func": (x[0], x[0], x[0], c, c, 4, 4),
+            "flash_attn_with_kvcache": (x, x, x)}[fn]
+    with pytest.raises(TypeError, match=rf"^(q|qkv): {fn} takes torch tensors.*use flashdl\."):
+        getattr(flash_attn, fn)(*args)

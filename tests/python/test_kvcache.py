@@ -662,9 +662,9 @@ CASES = [
      ValueError, "v_cache"),
     ("paged-v_cache-shape", True, lambda a: bad(v_cache=np.zeros((6, 4, 2, 16), np.float32))(a),
      ValueError, "v_cache"),
-    ("cache-batch-without-table", False,
-     lambda a: bad(k_cache=np.zeros((4, 10, 2, 16), np.float32),
-                   v_cache=np.zeros((4, 10, 2, 16), np.float32))(a), ValueError, "k_cache"),
+    ("cache-rows-below-batch", False,
+     lambda a: bad(k_cache=np.zeros((2, 10, 2, 16), np.float32),
+                   v_cache=np.zeros((2, 10, 2, 16), np.float32))(a), ValueError, "k_cache"),
     ("k-overlaps-cache", False, lambda a: bad(k=a["k_cache"][:, 8:])(a), ValueError,
      "k_cache"),
     ("same-array-for-both-caches", False, lambda a: bad(v_cache=a["k_cache"])(a), ValueError,
@@ -844,3 +844,56 @@ def test_decode_example_runs_and_matches_full_recompute():
                          text=True, timeout=120)
     assert got.returncode == 0, got.stdout + got.stderr
     assert got.stdout.rstrip().endswith("OK")
+
+
+@pytest.mark.parametrize("bhsd", [False, True])
+@pytest.mark.parametrize("append", [True, False])
+def test_cache_with_more_rows_than_the_batch(append, bhsd):
+    """No cache_batch_idx: sequence b reads (and appends to) cache row b, as flash-attn ("we
+    assume that the batch indices are [0, 1, ..., batch_size - 1]"), so a cache preallocated for
+    a larger batch works; its other rows stay bitwise unchanged, and the result is the call on
+    the first batch rows (the same cache cut to them)."""
+    a = kv_setup()
+    rng = np.random.default_rng(52)
+    extra = make(rng, (2,) + a["k_cache"].shape[1:]), make(rng, (2,) + a["v_cache"].shape[1:])
+    big_k, big_v = (np.concatenate([c, e]) for c, e in zip((a["k_cache"], a["v_cache"]), extra))
+    small_k, small_v = a["k_cache"].copy(), a["v_cache"].copy()
+    kw = dict(cache_seqlens=a["cache_seqlens"], causal=True, return_lse=True)
+    if append:
+        kw.update(k=a["k"], v=a["v"])
+    q = a["q"]
+    if bhsd:  # Hugging Face's cache layout, through transposed views
+        t = lambda x: np.ascontiguousarray(x.swapaxes(1, 2))  # noqa: E731
+        q, big_k, big_v, small_k, small_v = (t(x) for x in (q, big_k, big_v, small_k, small_v))
+        if append:
+            kw.update(k=t(a["k"]), v=t(a["v"]))
+        kw.update(layout="bhsd")
+    before = big_k[3:].copy(), big_v[3:].copy()
+    out, lse = flashdl.attention_with_kvcache(q, big_k, big_v, **kw)
+    want, want_lse = flashdl.attention_with_kvcache(q, small_k, small_v, **kw)
+    assert same_bits(out, want) and same_bits(lse, want_lse)
+    assert same_bits(big_k[:3], small_k) and same_bits(big_v[:3], small_v)
+    assert same_bits(big_k[3:], before[0]) and same_bits(big_v[3:], before[1])
+
+
+def test_cache_with_more_rows_than_the_batch_torch_and_jax():
+    """The same through PyTorch (in place) and JAX (read only)."""
+    torch = pytest.importorskip("torch")
+    a = kv_setup()
+    big = [torch.from_numpy(np.concatenate([c, np.full_like(c[:1], 7.0)]))
+           for c in (a["k_cache"], a["v_cache"])]
+    lens = a["cache_seqlens"]
+    out = flashdl.attention_with_kvcache(torch.from_numpy(a["q"]), *big, cache_seqlens=lens,
+                                         k=torch.from_numpy(a["k"]), v=torch.from_numpy(a["v"]))
+    want = flashdl.attention_with_kvcache(a["q"], a["k_cache"], a["v_cache"], cache_seqlens=lens,
+                                          k=a["k"], v=a["v"])
+    assert np.array_equal(out.numpy(), want)
+    assert all(bool((c[3] == 7.0).all()) for c in big)
+    jnp = pytest.importorskip("jax.numpy")
+    import flashdl.jax as fj
+
+    got = fj.attention_with_kvcache(jnp.asarray(a["q"]), *(jnp.asarray(c.numpy()) for c in big),
+                                    cache_seqlens=jnp.asarray(lens + 2))
+    want = flashdl.attention_with_kvcache(a["q"], a["k_cache"], a["v_cache"],
+                                          cache_seqlens=lens + 2)
+    assert np.array_equal(np.asarray(got), want)

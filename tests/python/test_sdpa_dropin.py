@@ -150,12 +150,13 @@ def qkv(h=2, hk=2, s=5, d=8, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("kw,exc,match", [
-    (dict(attn_mask=torch.zeros(5, 5, dtype=torch.int32)), TypeError, "^attn_mask: expected a bool "
-     "or float mask"),
+    (dict(attn_mask=torch.zeros(5, 5, dtype=torch.int32)), TypeError, "^attn_mask: expected "
+     "dtype torch.bool, torch.float32 or that of query"),
     (dict(attn_mask=torch.ones(4, 5, dtype=torch.bool)), ValueError, "^attn_mask: shape"),
     (dict(attn_mask=torch.ones(3, 1, 5, 5, dtype=torch.bool)), ValueError, "^attn_mask: shape"),
     (dict(attn_mask=[[True]]), TypeError, "^attn_mask"),
     (dict(is_causal=1), TypeError, "^is_causal"),
+    (dict(enable_gqa="yes"), TypeError, "^enable_gqa"),  # torch: "must be bool, not str"
     (dict(dropout_p=1.5), ValueError, r"^dropout_p: .* got 1\.5$"),
     (dict(scale="x"), TypeError, "^scale:"),
     (dict(scale=math.inf), ValueError, "^scale:"),
@@ -177,3 +178,31 @@ def test_layout_errors():
         sdpa(q, k, v[..., :4], enable_gqa=True)
     with pytest.raises(TypeError, match="^key: expected dtype float32"):
         sdpa(q, k.double(), v, enable_gqa=True)
+
+
+MASK_DTYPES = [torch.bool, torch.float32, torch.float16, torch.bfloat16, torch.float64,
+               torch.int32]
+
+
+@pytest.mark.parametrize("qdtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_attn_mask_dtypes_accepted_and_refused_as_torch(qdtype):
+    """torch's rule: attn_mask is bool, float32 or the dtype of query ("Expected attn_mask dtype
+    to be bool or float or to match query dtype"): a float16 mask with a float32 query is
+    refused by both; every mask dtype either both accept or both refuse."""
+    q, k, v = qkv(dtype=qdtype)
+    for mdtype in MASK_DTYPES:
+        mask = (torch.ones(5, 5, dtype=mdtype) if mdtype == torch.bool
+                else torch.zeros(5, 5).to(mdtype))
+        try:
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            torch_ok = True
+        except RuntimeError:
+            torch_ok = False
+        if torch_ok:
+            sdpa(q, k, v, attn_mask=mask)
+        else:
+            with pytest.raises(TypeError, match="^attn_mask: expected dtype"):
+                sdpa(q, k, v, attn_mask=mask)
+    if qdtype == torch.float32:  # the case that flashdl accepted before
+        with pytest.raises(TypeError, match="^attn_mask: expected dtype"):
+            sdpa(q, k, v, attn_mask=torch.zeros(5, 5, dtype=torch.float16))
