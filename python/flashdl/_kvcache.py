@@ -84,7 +84,9 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
     q : array (batch, seqlen_q, nheads, headdim)
         The new queries.
     k_cache, v_cache : array
-        Contiguous: (batch, seqlen_cache, nheads_kv, headdim). Paged (with ``block_table``):
+        Contiguous: (batch_cache, seqlen_cache, nheads_kv, headdim), sequence ``b`` in row
+        ``b`` (rows past the batch of q untouched) or in row ``cache_batch_idx[b]``. Paged (with
+        ``block_table``):
         (num_pages, page_size, nheads_kv, headdim), any page size. The dtype and device of q.
     cache_seqlens : int32 array (batch,)
         Tokens already in each sequence's cache. A host array (NumPy, a list, or a CPU tensor of the

@@ -16,7 +16,9 @@ flash-attn"):
   (tests pass on an H100).
   flash_attn_with_kvcache is flashdl.attention_with_kvcache: block_table (any page size),
   cache_seqlens (an int, a CPU int32 tensor or None), k/v appended in place, num_splits,
-  softcap, alibi_slopes, rotary_cos/rotary_sin, cache_batch_idx and cache_leftpad.
+  softcap, alibi_slopes, rotary_cos/rotary_sin, cache_batch_idx and cache_leftpad; without
+  cache_batch_idx, sequence b uses cache row b (a cache may have more rows, as in flash-attn);
+  rotary tables without new k, v are refused, as in flash-attn.
   cache_seqlens, block_table, cache_batch_idx and cache_leftpad on a GPU are copied to the host first
   (flashdl reads them there: one synchronisation); the CUDA path passes its tests on an H100.
 - softmax_lse of a query that sees no key is -inf (flashdl's contract; flash-attn gives +inf).
@@ -27,9 +29,12 @@ flash-attn"):
 - torch.compile and torch.export see flashdl.torch's custom ops (no graph break, dropout
   included), except return_attn_probs=True with dropout: the seed is then read back as an int
   (.item()) to rebuild the mask, a graph break (and a synchronisation on CUDA).
-- Invalid arguments raise flashdl's messages naming the argument: TypeError for a wrong type,
-  and for a wrong value ArgumentError, which is both a ValueError (flashdl's class) and a
-  RuntimeError (what flash-attn's C++ checks raise), so handlers written for either catch it.
+- Invalid arguments raise flashdl's messages naming the argument: TypeError for a wrong type
+  (a NumPy or JAX array included: these functions take torch tensors), and for a wrong value
+  ArgumentError, which is both a ValueError (flashdl's class) and a RuntimeError (what
+  flash-attn's C++ checks raise), so handlers written for either catch it. What flashdl accepts
+  beyond flash-attn (CPU, float32, any page size, ...) and refuses that flash-attn accepts
+  (non-finite scales, softcaps and slopes) is listed in docs/migrating.md.
 
 S_dmask (return_attn_probs=True with dropout; an empty tensor without, as flash-attn) is in
 the scaling of flash-attn's kernel (see _attn_probs below): (batch, nheads, seqlen_q, seqlen_k)
