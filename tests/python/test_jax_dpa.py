@@ -9,6 +9,7 @@ import os
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
@@ -346,3 +347,59 @@ def test_traced_scale_is_refused():
     q, k, v = arrays([(1, 4, 2, 8)] * 3)
     with pytest.raises(TypeError, match="scale"):
         jax.jit(lambda s: fj.dot_product_attention(q, k, v, scale=s))(0.5)
+
+
+@settings(max_examples=400 if THOROUGH else 80)  # about 0.15 s an example
+@given(T=st.integers(1, 12), S=st.integers(1, 12), K=st.sampled_from([1, 2]),
+       is_causal=st.booleans(),
+       window=st.one_of(st.none(), st.integers(-2, 13),
+                        st.tuples(st.integers(-3, 13), st.integers(-3, 13))),
+       lengths=st.booleans(), seed=st.integers(0, 2**16))
+def test_visibility_of_drawn_shapes_matches_the_oracle(T, S, K, is_causal, window, lengths,
+                                                       seed):
+    """The top-left causal and window mapped onto the core's bottom-right window (_plan), over
+    drawn T, S, windows (negative sides included), key and query lengths: forward and residual
+    against the float64 oracle."""
+    q, k, v = arrays([(2, T, 2, 4), (2, S, K, 4), (2, S, K, 4)], seed=seed)
+    kw = dict(is_causal=is_causal, local_window_size=window)
+    if lengths:
+        rng = np.random.default_rng(seed)
+        kw.update(query_seq_lengths=lengths_of(rng, T), key_value_seq_lengths=lengths_of(rng, S))
+    out, res = jax.jit(lambda q, k, v: fj.dot_product_attention(
+        q, k, v, return_residual=True, **kw))(q, k, v)
+    want, want_res = numpy_oracle(*(np.asarray(x) for x in (q, k, v)), **kw)
+    assert_close(out, want, 1e-12, "out")
+    assert_close(res, want_res, 1e-6, "residual")
+
+
+def numpy_oracle(q, k, v, *, is_causal, local_window_size, query_seq_lengths=None,
+                 key_value_seq_lengths=None):
+    """The oracle's semantics in NumPy (no compilation per drawn shape): out and residual."""
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    kk, vv = (np.repeat(x, N // K, axis=2) for x in (k, v))
+    s = np.einsum("btnh,bsnh->bnts", q, kk) / np.sqrt(H)
+    i, j = np.arange(T)[:, None], np.arange(S)[None, :]
+    keep = np.ones((B, 1, T, S), bool)
+    if is_causal:
+        keep &= j <= i
+    if local_window_size is not None:
+        lw = local_window_size
+        left, right = (lw, lw) if isinstance(lw, int) else lw
+        keep &= (i - left <= j) & (j <= i + right)
+    if key_value_seq_lengths is not None:
+        keep &= j < np.asarray(key_value_seq_lengths)[:, None, None, None]
+    if query_seq_lengths is not None:
+        keep &= i < np.asarray(query_seq_lengths)[:, None, None, None]
+    s = np.where(keep, s, LARGE_NEG)
+    m = s.max(-1, keepdims=True)
+    p = np.exp(s - m)
+    lse = (m + np.log(p.sum(-1, keepdims=True)))[..., 0]
+    out = np.einsum("bnts,bsnh->btnh", p / p.sum(-1, keepdims=True), vv)
+    if query_seq_lengths is not None:
+        out *= (np.arange(T)[None, :] < np.asarray(query_seq_lengths)[:, None])[:, :, None, None]
+    return out, np.swapaxes(lse, 1, 2)
+
+
+def lengths_of(rng, n):
+    return jnp.asarray(rng.integers(0, n + 1, 2), jnp.int32)
