@@ -182,7 +182,7 @@ def attention_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     >>> out.shape, float(kc[0, 3, 0, 0]), float(kc[0, 4, 0, 0])
     ((2, 1, 1, 8), 1.0, 0.0)
     """
-    from .jax import _config, _register, _resolved  # flashdl.jax imports this module
+    from .jax import _check, _check_dense, _config, _register, _resolved  # (imports this module)
     return_lse = _checks.flag("return_lse", return_lse)
     num_splits = _checks.integer("num_splits", num_splits, "an int >= 0 (0: chosen)", 0, 2**62)
     q, k_cache, v_cache = (_array(n, x, "a JAX array") for n, x in
@@ -206,7 +206,11 @@ def attention_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     _check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_batch_idx)
     _check_extras(q, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table)
     sinks, bias, mask = _bias_mask_sinks(q, k_cache, block_table, sinks, bias, mask)
-    cfg = _resolved(_config(causal, softmax_scale, window_size, "auto", softcap, False), q)
+    cfg = _config(causal, softmax_scale, window_size, "auto", softcap, False)
+    # The scalar options' values by flashdl.attention's rules at trace time (the core's ValueError
+    # naming the argument), not as XLA's INVALID_ARGUMENT when the call runs.
+    _check(_check_dense, {"q": q, "k": q, "v": q}, cfg)
+    cfg = _resolved(cfg, q)
     attrs = cfg.attrs(False)
     attrs.update(num_splits=np.int64(num_splits), has_new=k is not None,
                  has_block_table=block_table is not None, has_alibi=alibi_slopes is not None)

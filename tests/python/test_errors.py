@@ -415,3 +415,27 @@ def test_distributed_entry_points_refuse_numpy_by_name(fn):
     _, fns = _distributed_entry_points()
     err = expect(TypeError, "q", fns[fn], Q, K, V)
     assert f"{fn} takes torch tensors" in str(err), str(err)
+
+
+@pytest.mark.parametrize("case", ["window float", "window -2", "window int", "causal str",
+                                  "softmax_scale nan", "softmax_scale 10**400",
+                                  "softmax_scale 1e31", "softcap -1"])
+def test_jax_ring_and_kvcache_check_arguments_as_attention(case):
+    """flashdl.jax's ring attention and KV cache refuse what flashdl.jax.attention refuses, with
+    its exception and argument, when traced (a value such as window (-2, 0) or softcap -1 too: a
+    ValueError, not XLA's INVALID_ARGUMENT when the call runs)."""
+    jnp = pytest.importorskip("jax.numpy")
+    import flashdl.jax as fj
+
+    kw = dict(BAD_SCALARS, **{"softmax_scale 1e31": (ValueError, "softmax_scale",
+                                                     dict(softmax_scale=1e31)),
+                              "softcap -1": (ValueError, "softcap", dict(softcap=-1.0))})[case]
+    exc, arg, kw = kw
+    kw = {k: v for k, v in kw.items() if k != "return_lse"}
+    q = jnp.zeros((1, 4, 2, 8), jnp.float32)
+    ref = expect(exc, arg, fj.attention, q, q, q, **kw)
+    err = expect(exc, arg, fj.ring_attention, q, q, q, axis_name="sp", **kw)
+    assert str(err).split(",")[0] == str(ref).split(",")[0], (str(err), str(ref))
+    lens = np.array([2], np.int32)
+    err = expect(exc, arg, fj.attention_with_kvcache, q, q, q, cache_seqlens=lens, **kw)
+    assert str(err).split(",")[0] == str(ref).split(",")[0], (str(err), str(ref))
