@@ -376,7 +376,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
   const detail::Mask mask = detail::make_mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
   const detail::BlockRange kb = detail::key_blocks_for_queries(mask, m0, m0 + m_rows, kBlockN);
   const int n_begin = int(kb.begin), n_end = int(kb.end);
-  const detail::BlockMask bm = detail::block_mask_of(p, batch, head);
+  // The register-only kernel serves calls without a block mask or dropout (the launcher checks):
+  // the dense mask and no dropout as constants, so none of their tests is compiled into it.
+  const detail::BlockMask bm =
+      Tr::kRegsOnly ? detail::BlockMask{} : detail::block_mask_of(p, batch, head);
   auto cover = [&](int n) {
     const int64_t n0 = int64_t(n) * kBlockN;
     return bm.cover(m0, m0 + m_rows, n0, n0 + kBlockN < seqlen_k ? n0 + kBlockN : seqlen_k);
@@ -405,14 +408,17 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
   auto load_kv = [&](int n, int stage) {
     const int64_t n0 = int64_t(n) * kBlockN;
     const int rows = int(seqlen_k - n0 < kBlockN ? seqlen_k - n0 : kBlockN);
-    // Keys no row of this Q block may see through the block mask are zero-filled, never read.
+    // Keys no row of this Q block may see through the block mask are zero-filled, never read
+    // (the register-only kernel has no block mask: every row, the loader's whole-tile copies).
     auto keep = [&](int r) { return bm.col_any(n0 + r, m0, m0 + m_rows); };
-    load_tile_rows<kBlockN, kD, Tr::kThreads>(sK + stage * kBlockN * kLd, kLd,
-                                              gK + n0 * p.k_row_stride, p.k_row_stride, rows,
-                                              vec_load, keep);
-    load_tile_rows<kBlockN, kD, Tr::kThreads>(sV + stage * kBlockN * kLd, kLd,
-                                              gV + n0 * p.v_row_stride, p.v_row_stride, rows,
-                                              vec_load, keep);
+    auto load = [&](T* dst, const T* src, int64_t stride) {
+      if constexpr (Tr::kRegsOnly)
+        load_tile_rows<kBlockN, kD, Tr::kThreads>(dst, kLd, src, stride, rows, vec_load);
+      else
+        load_tile_rows<kBlockN, kD, Tr::kThreads>(dst, kLd, src, stride, rows, vec_load, keep);
+    };
+    load(sK + stage * kBlockN * kLd, gK + n0 * p.k_row_stride, p.k_row_stride);
+    load(sV + stage * kBlockN * kLd, gV + n0 * p.v_row_stride, p.v_row_stride);
   };
 
   // Load Q (once) and the first K/V block (stage 0).
@@ -429,7 +435,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
   fill_layout_tiles(codes_f, codes_t, Tr::kThreads);
   for (int e = threadIdx.x; e < kFrag * kFrag; e += Tr::kThreads) sRows[e] = float(e / kFrag);
   __syncthreads();
-  const detail::Dropout drop = detail::dropout_of(p, batch, head);
+  const detail::Dropout drop =
+      Tr::kRegsOnly ? detail::Dropout{} : detail::dropout_of(p, batch, head);
   // Whether the head's modifiers change any score (a slope of 0 and no cap do not): only then do
   // they run, on the shared-memory path. Rebuilt per block there, from `mods` and the slope (one
   // cached load): held across the loop they cost registers.
@@ -439,8 +446,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
   const bool has_extras = kMods && detail::has_extras(p);
   const bool prescaled = modded || (kMods && p.bias_ptr != nullptr);
   const bool layout_ok = layout_holds<T>(codes_f, codes_t);
-  const bool in_regs = layout_ok && !smem_softmax && !drop.on() &&
-                       bm.dense() && !modded && !has_extras;
+  // The register-only instantiation runs only where the launcher found no reason for the
+  // shared-memory path, and it has none to fall back to: a fragment layout other than the one
+  // every architecture flashdl compiles for (sm_80, sm_90) checked to hold is a compiler change.
+  if (Tr::kRegsOnly && !layout_ok) __trap();
+  const bool in_regs = Tr::kRegsOnly || (layout_ok && !smem_softmax && !drop.on() &&
+                                         bm.dense() && !modded && !has_extras);
   const float scale_log2 = prescaled ? 1.0f : float(p.scale_softmax_log2);
   // load_frag's bfloat16 loads (as float16) are those of wmma on every architecture they are
   // compiled for (SASS, sm_80 and sm_90): a failure here is a compiler change, not a fallback.
@@ -607,10 +618,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
       n = next;
     }
   };
-  if (in_regs)
+  if constexpr (Tr::kRegsOnly) {
     kv_loop(std::true_type{});
-  else
-    kv_loop(std::false_type{});
+  } else {
+    if (in_regs)
+      kv_loop(std::true_type{});
+    else
+      kv_loop(std::false_type{});
+  }
   __pipeline_wait_prior(0);  // no copy may still be in flight when the CTA retires
 
   // Epilogue: the lanes that own a row put its 1 / l (with dropout's 1 / (1 - p)) in the warp's
@@ -669,12 +684,19 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
 
 }  // namespace fa2
 
+// Whether a call can run the register-only kernel: nothing that needs the shared-memory softmax.
+inline bool fa2_regs_only_call(const Params& p, const LaunchContext& ctx) {
+  return !(p.p_dropout > 0.0f) && p.block_mask_ptr == nullptr && !detail::has_score_mod(p) &&
+         !detail::has_extras(p) && !ctx.fa2_smem_softmax;
+}
+
 template <typename Tr>
 void launch_fa2(const Params& p, const LaunchContext& ctx) {
-  // softcap, ALiBi, bias, mask: the modifier instantiation
-  const auto kernel = detail::has_score_mod(p) || detail::has_extras(p)
-                          ? fa2::forward_kernel<Tr, true>
-                          : fa2::forward_kernel<Tr, false>;
+  // softcap, ALiBi, bias, mask: the modifier instantiation (never the register-only one's)
+  auto kernel = fa2::forward_kernel<Tr, false>;
+  if constexpr (!Tr::kRegsOnly) {
+    if (detail::has_score_mod(p) || detail::has_extras(p)) kernel = fa2::forward_kernel<Tr, true>;
+  }
   const int64_t m_blocks = detail::ceil_div(p.seqlen_q, Tr::kBlockM);
   if (p.nheads > ctx.max_grid_y || p.batch > ctx.max_grid_z || m_blocks > INT32_MAX)
     throw Error(ErrorKind::unsupported,
@@ -690,9 +712,10 @@ void launch_fa2(const Params& p, const LaunchContext& ctx) {
   FLASHDL_CUDA_CHECK_LAUNCH("fa2 forward kernel launch");
 }
 
-// The tile of fa2_fwd_tile where the device has the shared memory; else, for the head dims whose
-// tile exceeds the smallest opt-in limit of an sm_80+ part (99 KiB: sm_86, sm_89, sm_120), half
-// as many keys per block; else a clear error.
+// The register-only kernel's tile (fa2_fwd_regs_tile) for the calls it serves where the device
+// has its shared memory; else the tile of fa2_fwd_tile where the device has the shared memory;
+// else, for the head dims whose tile exceeds the smallest opt-in limit of an sm_80+ part (99 KiB:
+// sm_86, sm_89, sm_120), half as many keys per block; else a clear error.
 template <typename T, int kHeadDim>
 void launch_fa2_forward(const Params& p, const LaunchContext& ctx) {
   using Tr = Fa2Traits<T, kHeadDim>;
@@ -700,6 +723,11 @@ void launch_fa2_forward(const Params& p, const LaunchContext& ctx) {
   using Small = Fa2Traits<T, kHeadDim, kSmall.row_frags, kSmall.block_n>;
   constexpr bool kHasSmall = fa2_fwd_has_small(kHeadDim, int(sizeof(T)));
   const auto optin = static_cast<std::size_t>(ctx.smem_optin);
+  if constexpr (fa2_fwd_has_regs(kHeadDim, int(sizeof(T)))) {
+    constexpr Fa2FwdTile kRegs = fa2_fwd_regs_tile(kHeadDim, int(sizeof(T)));
+    using Regs = Fa2Traits<T, kHeadDim, kRegs.row_frags, kRegs.block_n, true>;
+    if (Regs::kSmemBytes <= optin && fa2_regs_only_call(p, ctx)) return launch_fa2<Regs>(p, ctx);
+  }
   if (Tr::kSmemBytes <= optin) return launch_fa2<Tr>(p, ctx);
   if constexpr (kHasSmall) {
     if (Small::kSmemBytes <= optin) return launch_fa2<Small>(p, ctx);

@@ -9,6 +9,11 @@
 // whose accumulators fit the register budget and whose shared memory leaves room for two CTAs per
 // SM on an H100. Head dims whose tile needs more than the smallest sm_80+ opt-in (99 KiB) also get
 // a variant with half the keys per block.
+//
+// Calls that need no shared-memory softmax (no dropout, block mask, score modifier, bias or mask:
+// the dense and causal/windowed forward) run a register-only instantiation where it allows a
+// larger tile (fa2_fwd_regs_tile): it carries no per-warp float score scratch, and its register
+// count takes P as what it is, the scores' registers converted in place to 16-bit A operands.
 #pragma once
 
 #include <cstddef>
@@ -47,11 +52,21 @@ struct Fa2FwdTile {
   int block_n;    // keys per K/V block (Bc)
 };
 
+constexpr bool operator==(Fa2FwdTile a, Fa2FwdTile b) {
+  return a.row_frags == b.row_frags && a.block_n == b.block_n;
+}
+
 // Registers per thread for a warp's rows: the output accumulators (rows x d floats over 32 lanes)
 // and the scores counted twice (rows x kBlockN floats, then P: the A operands, or the copy the
 // shared-memory softmax holds while it writes P).
 constexpr int fa2_fwd_acc_regs(int head_dim, Fa2FwdTile t) {
   return t.row_frags * 16 * (head_dim + 2 * t.block_n) / 32;
+}
+
+// The register-only kernel's count: the output accumulators and the scores once (P takes the
+// scores' registers as they are converted, two 16-bit values per register).
+constexpr int fa2_fwd_regs_acc_regs(int head_dim, Fa2FwdTile t) {
+  return t.row_frags * 16 * (head_dim + t.block_n) / 32;
 }
 
 struct Fa2FwdLayout {
@@ -70,11 +85,16 @@ constexpr std::size_t fa2_align128(std::size_t x) { return (x + 127) / 128 * 128
 // elem_bytes: 2 (float16, bfloat16). Regions 128-byte aligned; strides padded by 8 elements (Q, K,
 // V) and 4 floats (scratch) so consecutive rows start in different banks, and kept multiples of
 // 16 bytes (wmma ldm) with every tile 32-byte aligned.
-constexpr Fa2FwdLayout fa2_fwd_layout(int head_dim, Fa2FwdTile t, int elem_bytes = 2) {
+// regs_only: the register-only kernel's scratch holds no float scores, only a 16-row band of P as
+// T (the slow P V of a masked block with a non-finite V) and the epilogue's 16 x 16 staging, so
+// its row is half as wide.
+constexpr Fa2FwdLayout fa2_fwd_layout(int head_dim, Fa2FwdTile t, int elem_bytes = 2,
+                                      bool regs_only = false) {
   Fa2FwdLayout L{};
   L.block_m = kFa2Warps * 16 * t.row_frags;
   L.ld_qkv = head_dim + 8;
-  L.ld_s = (t.block_n > 16 ? t.block_n : 16) + 4;  // the epilogue stages 16 columns at a time
+  const int cols = regs_only ? t.block_n / 2 : t.block_n;  // floats of a scratch row
+  L.ld_s = (cols > 16 ? cols : 16) + 4;  // the epilogue stages 16 columns at a time
   const std::size_t kv = std::size_t(t.block_n) * L.ld_qkv * elem_bytes;
   L.off_q = 0;
   L.off_k = fa2_align128(std::size_t(L.block_m) * L.ld_qkv * elem_bytes);
@@ -100,6 +120,25 @@ constexpr Fa2FwdTile fa2_fwd_tile(int head_dim, int elem_bytes = 2) {
   for (const Fa2FwdTile& t : order)
     if (fa2_fwd_tile_fits(head_dim, t, elem_bytes)) return t;
   return {1, 16};
+}
+
+// The register-only kernel's tile: the first of 32 rows a warp with 128, 64 or 32 keys, then 16
+// rows with 64 or 32, within the same budgets as fa2_fwd_tile counted as above. Where it is the
+// general kernel's tile no register-only kernel is instantiated (fa2_fwd_has_regs).
+constexpr bool fa2_fwd_regs_tile_fits(int head_dim, Fa2FwdTile t, int elem_bytes = 2) {
+  return fa2_fwd_regs_acc_regs(head_dim, t) <= kFa2AccRegBudget &&
+         fa2_fwd_layout(head_dim, t, elem_bytes, true).bytes <= kFa2TwoCtaSmem;
+}
+
+constexpr Fa2FwdTile fa2_fwd_regs_tile(int head_dim, int elem_bytes = 2) {
+  const Fa2FwdTile order[] = {{2, 128}, {2, 64}, {2, 32}, {1, 64}, {1, 32}};
+  for (const Fa2FwdTile& t : order)
+    if (fa2_fwd_regs_tile_fits(head_dim, t, elem_bytes)) return t;
+  return {1, 16};
+}
+
+constexpr bool fa2_fwd_has_regs(int head_dim, int elem_bytes = 2) {
+  return !(fa2_fwd_regs_tile(head_dim, elem_bytes) == fa2_fwd_tile(head_dim, elem_bytes));
 }
 
 // Whether the tile needs more than the smallest sm_80+ opt-in, and so has a half-kBlockN variant.

@@ -10,12 +10,16 @@
 
 namespace flashdl::cuda {
 
+// kRegsOnly_: the register-only instantiation (fa2_plan.hpp), which has no shared-memory softmax
+// and the smaller scratch of fa2_fwd_layout's regs_only.
 template <typename T_, int kHeadDim_, int kRowFrags_ = fa2_fwd_tile(kHeadDim_).row_frags,
-          int kBlockN_ = fa2_fwd_tile(kHeadDim_).block_n>
+          int kBlockN_ = fa2_fwd_tile(kHeadDim_).block_n, bool kRegsOnly_ = false>
 struct Fa2Traits {
   using T = T_;
+  static constexpr bool kRegsOnly = kRegsOnly_;
   static constexpr Fa2FwdTile kTile{kRowFrags_, kBlockN_};
-  static constexpr Fa2FwdLayout kLayout = fa2_fwd_layout(kHeadDim_, kTile, int(sizeof(T_)));
+  static constexpr Fa2FwdLayout kLayout =
+      fa2_fwd_layout(kHeadDim_, kTile, int(sizeof(T_)), kRegsOnly_);
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;            // keys per K/V block (Bc)
   static constexpr int kRowFrags = kRowFrags_;        // 16-row fragments per warp
@@ -47,7 +51,8 @@ struct Fa2Traits {
   static_assert(kHeadDim % kFrag == 0 && kBlockN % kFrag == 0, "whole wmma tiles");
   static_assert(kLdQKV % 8 == 0 && kLdS % 4 == 0 && kLdP % 8 == 0, "wmma ldm rules");
   static_assert(kThreads == 128, "two lanes per row in the shared-memory softmax");
-  static_assert(kColsPerLane <= 32, "one visibility bit per column of a lane");
+  static_assert(kRegsOnly || kColsPerLane <= 32, "one visibility bit per column of a lane");
+  static_assert(kLdP >= kBlockN && kLdS >= 16, "a band of P as T, the epilogue's 16 columns");
   static_assert(kOffK - kOffQ >= std::size_t(kBlockM) * kLdQKV * sizeof(T) &&
                     kOffV - kOffK >= kStages * kKVTileBytes &&
                     kOffS - kOffV >= kStages * kKVTileBytes,

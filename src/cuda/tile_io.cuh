@@ -73,6 +73,22 @@ __device__ __forceinline__ void load_tile_rows_as(T* s, int ld_s, const T* g, in
   constexpr int kN = kTileRows * kChunks;
   constexpr int kIters = (kN + kThreads - 1) / kThreads;
   const int r0 = threadIdx.x / kChunks, c0 = (threadIdx.x % kChunks) * 8;
+  // A whole tile of every row (no Keep, rows >= kTileRows) whose chunks fall evenly on the
+  // threads: the copies with no test each, a thread's addresses one constant row step apart (one
+  // 64-bit add per copy, against a row test, a keep test and the address recomputed).
+  constexpr int kStepRows = kThreads / kChunks;
+  if constexpr (kVec && std::is_same<Keep, KeepAllRows>::value && kThreads % kChunks == 0 &&
+                kN % kThreads == 0) {
+    if (rows >= kTileRows) {
+      const T* gp = g + r0 * g_stride + c0;
+      T* sp = s + r0 * ld_s + c0;
+      const int64_t g_step = int64_t(kStepRows) * g_stride;
+#pragma unroll
+      for (int it = 0; it < kIters; ++it, gp += g_step)
+        __pipeline_memcpy_async(sp + it * kStepRows * ld_s, gp, 16);
+      return;
+    }
+  }
 #pragma unroll
   for (int it = 0; it < kIters; ++it) {
     // Chunk threadIdx.x + it * kThreads, kThreads = kQ rows and kRem chunks: with kRem = 0 (head

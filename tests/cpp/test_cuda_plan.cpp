@@ -114,6 +114,45 @@ void test_fa2_forward_tiles() {
   CHECK(!fc::fa2_fwd_has_small(128));
 }
 
+// The register-only forward's tile per head dim: FlashAttention-2's 128 x 128 at d <= 64 and
+// 128 x 64 at d 96 and 128 (scores counted once: P takes their registers as 16-bit operands), in
+// two CTAs' shared memory with the half-width scratch (a band of P as T; the epilogue's 16
+// columns), the first of its preference order within both budgets; none where it is the general
+// tile (d 192, 256: no second instantiation).
+void test_fa2_forward_regs_tiles() {
+  const int expect_rows[] = {128, 128, 128, 128, 64, 64};
+  const int expect_n[] = {128, 128, 64, 64, 32, 32};
+  const bool expect_has[] = {true, true, true, true, false, false};
+  const fc::Fa2FwdTile order[] = {{2, 128}, {2, 64}, {2, 32}, {1, 64}, {1, 32}};
+  for (int i = 0; i < 6; ++i) {
+    const int d = kHeadDims[i];
+    context() = "d=" + std::to_string(d);
+    const fc::Fa2FwdTile t = fc::fa2_fwd_regs_tile(d);
+    const fc::Fa2FwdLayout L = fc::fa2_fwd_layout(d, t, 2, true);
+    CHECK_EQ(L.block_m, expect_rows[i]);
+    CHECK_EQ(t.block_n, expect_n[i]);
+    CHECK_EQ(fc::fa2_fwd_has_regs(d), expect_has[i]);
+    CHECK(fc::fa2_fwd_regs_acc_regs(d, t) <= fc::kFa2AccRegBudget);
+    CHECK(L.bytes <= fc::kFa2TwoCtaSmem);
+    CHECK(2 * (L.bytes + 1024) <= std::size_t(228 * 1024));  // two CTAs per H100 SM
+    for (const fc::Fa2FwdTile& o : order) {
+      if (o == t) break;
+      CHECK(!fc::fa2_fwd_regs_tile_fits(d, o));
+    }
+    // Regions apart and aligned as in the general layout; the scratch row holds a row of P as T
+    // (2 ld_s halves >= Bc) and the epilogue's 16 columns, and is narrower than the general one.
+    const std::size_t offs[] = {L.off_q, L.off_k, L.off_v, L.off_s, L.off_rows, L.off_rowf,
+                                L.bytes};
+    for (std::size_t o : offs) CHECK_EQ(o % 128, std::size_t(0));
+    const std::size_t kv = std::size_t(t.block_n) * L.ld_qkv * 2;
+    CHECK(L.off_v - L.off_k >= 2 * kv && L.off_s - L.off_v >= 2 * kv);
+    CHECK(L.off_rows - L.off_s >= std::size_t(4) * 16 * L.ld_s * 4);
+    CHECK_EQ(L.ld_s % 4, 0);
+    CHECK(2 * L.ld_s >= t.block_n && L.ld_s >= 20);
+    CHECK(L.ld_s < fc::fa2_fwd_layout(d, t).ld_s);
+  }
+}
+
 // The accumulator layout the register softmax assumes: a bijection of the 16 x 16 tile onto
 // (lane, element); a lane's elements with (i / 2) % 2 = h in row lane / 4 + 8 h; the 4 lanes of a
 // quad (xor 1, 2: the softmax's shuffles) hold all 16 columns of their rows.
@@ -526,6 +565,7 @@ void test_decode_num_splits() {
 
 int main() {
   run_test("cuda plan: fa2 forward tile table and layouts", test_fa2_forward_tiles);
+  run_test("cuda plan: fa2 forward register-only tiles", test_fa2_forward_regs_tiles);
   run_test("cuda plan: fa2 forward register layout", test_fa2_register_layout);
   run_test("cuda plan: fa2 forward shared-memory softmax banks", test_fa2_smem_softmax_banks);
   run_test("cuda plan: fa2 backward configs, layouts, variants", test_fa2_backward_configs);
