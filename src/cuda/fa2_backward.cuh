@@ -217,14 +217,21 @@ __device__ __forceinline__ void zero_nonfinite(T* s, int ld, int tile_rows) {
 
 // One CTA per SM is what the shared memory allows for most head dims; the bound lets ptxas use
 // the registers that leaves instead of spilling to fit two.
-// kExtras: the call has a bias or a boolean mask (Options::bias, mask; detail::has_extras). The
-// kernel without them is instantiated on its own: their code in every call cost the plain kernel
-// registers and time (ptxas sm_90 float16 d 128, 64 x 64 tiles: 218 -> 230 registers; H100,
-// the main kernel of a d 128 / d 64 backward at seqlen 4096: +8% / +16%, 2026-11-27).
-template <typename Tr, bool kExtras>
+// kCall: what the call has, one instantiation each (bwd_call, on the host):
+// - BwdCall::extras: a bias or a boolean mask (Options::bias, mask; detail::has_extras). Their code
+//   in every call cost the plain kernel registers and time (ptxas sm_90 float16 d 128, 64 x 64
+//   tiles: 218 -> 230 registers; H100, the main kernel of a d 128 / d 64 backward at seqlen 4096:
+//   +8% / +16%, 2026-11-27);
+// - BwdCall::features: a block mask, dropout or score modifiers, tested per pair at run time;
+// - BwdCall::dense: none of them (the dense, causal and windowed backward): the dense block mask,
+//   no dropout and unmodified scores are constants there, so none of their per-pair work (the
+//   block-mask lookups, the masks' 64-bit divisions, the dropout and modifier tests) is compiled
+//   in, and Q / dO come through the loader's unrolled whole-tile copies.
+template <typename Tr, BwdCall kCall>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     backward_kernel(const __grid_constant__ Params p, const ScoreModF mods, const float* ws_l2,
                     const float* ws_d, float* ws_dq, float* dbias_acc, const bool vec_load) {
+  constexpr bool kExtras = kCall == BwdCall::extras, kDense = kCall == BwdCall::dense;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   __trap();  // the launcher refuses devices below sm_80 (bfloat16 wmma, cp.async)
 #else
@@ -258,30 +265,56 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
   // Pair `it` is (query head kv_head * group + it / nm, query block m_begin + it % nm); pairs that
   // only zero blocks of the head's block mask cover are skipped, never loaded or computed.
+  auto block_mask = [&](int64_t h) {
+    return kDense ? detail::BlockMask{} : detail::block_mask_of(p, batch, h);
+  };
+  struct PairAt {
+    int64_t h, i0;  // the query head and the pair's first query row
+  };
+  auto pair_at = [&](int64_t it) {
+    return PairAt{kv_head * group + it / nm, (m_begin + it % nm) * kM};
+  };
+  // The pair after `a` in the walk order (query blocks inner, heads outer) without the 64-bit
+  // divisions of pair_at: the dense kernel visits every pair, one after another.
+  auto pair_after = [&](PairAt a) {
+    a.i0 += kM;
+    if (a.i0 == (m_begin + nm) * kM) {
+      a.i0 = m_begin * kM;
+      ++a.h;
+    }
+    return a;
+  };
   auto cover = [&](int64_t it) {
-    const int64_t h = kv_head * group + it / nm, i0 = (m_begin + it % nm) * kM;
-    const int64_t i1 = i0 + kM < seqlen_q ? i0 + kM : seqlen_q;
-    return detail::block_mask_of(p, batch, h).cover(i0, i1, n0, n0 + kv_rows);
+    const PairAt a = pair_at(it);
+    const int64_t i1 = a.i0 + kM < seqlen_q ? a.i0 + kM : seqlen_q;
+    return block_mask(a.h).cover(a.i0, i1, n0, n0 + kv_rows);
   };
   auto next_pair = [&](int64_t it) {
     while (it < total && !cover(it).any) ++it;
     return it;
   };
 
-  auto load_q = [&](int64_t it, int stage) {
-    const int64_t h = kv_head * group + it / nm, i0 = (m_begin + it % nm) * kM;
+  auto load_q = [&](PairAt a, int stage) {
+    const int64_t h = a.h, i0 = a.i0;
     const int rows = int(seqlen_q - i0 < kM ? seqlen_q - i0 : kM);
     const T* gQ = static_cast<const T*>(p.q_ptr) + batch * p.q_batch_stride +
                   h * p.q_head_stride + (seq.q0 + i0) * p.q_row_stride;
     const T* gdO = static_cast<const T*>(p.do_ptr) + batch * p.do_batch_stride +
                    h * p.do_head_stride + (seq.q0 + i0) * p.do_row_stride;
     // Query rows the head's block mask hides from every key of this block: zero-filled.
-    const detail::BlockMask bm = detail::block_mask_of(p, batch, h);
+    const detail::BlockMask bm = block_mask(h);
     auto keep = [&](int r) { return bm.row_any(i0 + r, n0, n0 + kv_rows); };
-    load_tile<kD, Tr::kThreads>(q_stage(L.off_q, stage), kLd, gQ, p.q_row_stride, kM, rows,
-                                vec_load, keep);
-    load_tile<kD, Tr::kThreads>(q_stage(L.off_do, stage), kLd, gdO, p.do_row_stride, kM, rows,
-                                vec_load, keep);
+    if constexpr (kDense) {  // every row: the loader's unrolled copies
+      load_tile_rows<kM, kD, Tr::kThreads>(q_stage(L.off_q, stage), kLd, gQ, p.q_row_stride,
+                                           rows, vec_load);
+      load_tile_rows<kM, kD, Tr::kThreads>(q_stage(L.off_do, stage), kLd, gdO, p.do_row_stride,
+                                           rows, vec_load);
+    } else {
+      load_tile<kD, Tr::kThreads>(q_stage(L.off_q, stage), kLd, gQ, p.q_row_stride, kM, rows,
+                                  vec_load, keep);
+      load_tile<kD, Tr::kThreads>(q_stage(L.off_do, stage), kLd, gdO, p.do_row_stride, kM, rows,
+                                  vec_load, keep);
+    }
     const int64_t row0 = (batch * p.nheads + h) * p.seqlen_q;  // workspace rows: max_seqlen_q
     bwd::load_stats(stat_stage(L.off_l2, stage), stat_stage(L.off_d, stage), ws_l2 + row0,
                     ws_d + row0, i0, kM, seqlen_q, Tr::kThreads);
@@ -301,7 +334,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     auto keep = [&](int r) { return flags[r] != 0; };
     load_tile<kD, Tr::kThreads>(sK, kLd, gK, p.k_row_stride, kN, kv_rows, vec_load, keep);
     load_tile<kD, Tr::kThreads>(sV, kLd, gV, p.v_row_stride, kN, kv_rows, vec_load, keep);
-    load_q(it, 0);
+    load_q(pair_at(it), 0);
   }
   __pipeline_commit();
   __syncthreads();  // the flags in S are read before the fragment map overwrites them
@@ -328,17 +361,19 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   // Two barriers per pair: this one (the pair's block visible to all; every warp done with the
   // previous pair's stage, P and dS) and pair_probs' (P and dS visible).
   bool first = true, k_nonfinite = false;
+  PairAt at = pair_at(it);
   for (int stage = 0; it < total; first = false) {
     const int64_t next = next_pair(it + 1);
+    const PairAt at_next = kDense ? pair_after(at) : pair_at(next);
     if constexpr (Tr::kStages == 2) {
       __pipeline_wait_prior(0);  // this pair's block has landed: the only copy in flight
       __syncthreads();
-      if (next < total) load_q(next, stage ^ 1);  // prefetch into the previous pair's stage
+      if (next < total) load_q(at_next, stage ^ 1);  // prefetch into the previous pair's stage
       __pipeline_commit();
     } else {
       if (!first) {
         __syncthreads();  // every warp done with the previous pair's block
-        load_q(it, 0);
+        load_q(at, 0);
       }
       __pipeline_commit();
       __pipeline_wait_prior(0);
@@ -348,14 +383,20 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // Whether K holds a NaN or Inf: masked pairs then zero them for dQ. Once, when K has
     // landed (the first pair): one more barrier per CTA (first is the same in every thread).
     if (first) k_nonfinite = __syncthreads_or(tile_has_nonfinite<kD, Tr::kThreads>(sK, kLd, kN));
-    const int64_t h = kv_head * group + it / nm, i0 = (m_begin + it % nm) * kM;
+    const int64_t h = at.h, i0 = at.i0;
     const int rows = int(seqlen_q - i0 < kM ? seqlen_q - i0 : kM);
     const T* sQ = q_stage(L.off_q, stage);
     const T* sdO = q_stage(L.off_do, stage);
+    ScoreModF mod = mods;  // dense: the call's scale, no cap, no slope (constants)
+    if constexpr (kDense) {
+      mod.cap = 0.0f;
+      mod.slope = 0.0f;
+    } else {
+      mod = head_score_mods(mods, p, batch, h);
+    }
     pair_probs<Tr, true>(sQ, sdO, sK, sV, sS, sdP, map, stat_stage(L.off_l2, stage),
-                   stat_stage(L.off_d, stage), i0, rows, n0, mask,
-                   detail::block_mask_of(p, batch, h), cover(it).all,
-                   detail::dropout_of(p, batch, h), head_score_mods(mods, p, batch, h),
+                   stat_stage(L.off_d, stage), i0, rows, n0, mask, block_mask(h), cover(it).all,
+                   kDense ? detail::Dropout{} : detail::dropout_of(p, batch, h), mod,
                    kExtras ? head_extras(p, batch, h, seq.q0) : detail::HeadExtras{},
                    kExtras ? head_dbias(p, dbias_acc, batch, h, seq.q0) : DBiasAcc{});
     const T* sP = reinterpret_cast<const T*>(sS);
@@ -404,6 +445,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       }
     }
     it = next;
+    at = at_next;
     if constexpr (Tr::kStages == 2) stage ^= 1;
   }
   __pipeline_wait_prior(0);  // no copy may still be in flight when the CTA retires
@@ -555,6 +597,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
 }  // namespace fa2bwd
 
+// The main kernel's instantiation for a call (backward_kernel's kCall).
+inline BwdCall bwd_call(const Params& p) {
+  if (detail::has_extras(p)) return BwdCall::extras;
+  if (p.p_dropout > 0.0f || p.block_mask_ptr != nullptr || detail::has_score_mod(p))
+    return BwdCall::features;
+  return BwdCall::dense;
+}
+
 // Launches for one tile variant: preprocess, the main kernel, then the dQ conversion or the
 // deterministic dQ pass, all on the caller's stream with one stream-ordered workspace.
 template <typename Tr>
@@ -594,8 +644,9 @@ void launch_fa2_bwd(const Params& p, const LaunchContext& ctx) {
     FLASHDL_CUDA_CHECK_LAUNCH("fa2 backward preprocess kernel launch");
   }
   if (p.seqlen_k > 0) {
-    const auto kernel =
-        extras ? fa2bwd::backward_kernel<Tr, true> : fa2bwd::backward_kernel<Tr, false>;
+    auto kernel = fa2bwd::backward_kernel<Tr, BwdCall::dense>;
+    if (bwd_call(p) == BwdCall::features) kernel = fa2bwd::backward_kernel<Tr, BwdCall::features>;
+    if (bwd_call(p) == BwdCall::extras) kernel = fa2bwd::backward_kernel<Tr, BwdCall::extras>;
     FLASHDL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(Tr::kMain.bytes)));
     FLASHDL_LAUNCH(dim3(static_cast<unsigned>(n_blocks), static_cast<unsigned>(p.nheads_kv), z),

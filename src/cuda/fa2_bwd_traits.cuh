@@ -7,6 +7,9 @@
 
 namespace flashdl::cuda {
 
+// What a backward call has, as far as the main kernel's instantiation goes (fa2_backward.cuh).
+enum class BwdCall { dense, features, extras };
+
 template <typename T_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
 struct Fa2BwdTraits {
   using T = T_;
