@@ -79,39 +79,71 @@ def _run_has_call(ins, k):
     return False
 
 
-def _side_meets(ins, idx, k, lines, n=64):
-    """How many instructions of the source lines the code from index k can reach within n
-    instructions, over both sides of every forward branch (each instruction counted once; a
-    conditional backward branch, a loop's back edge, is not followed)."""
-    seen = set()
+def _reach(ins, idx, k, n):
+    """{index: distance} of the instructions reachable from index k within n, over both sides of
+    every forward branch (conditional back edges not followed)."""
+    dist = {}
     frontier = [(k, 0)]
-    hits = 0
     while frontier:
         k, d = frontier.pop()
-        while 0 <= k < len(ins) and d < n and k not in seen:
-            seen.add(k)
+        while 0 <= k < len(ins) and d < n and (k not in dist or dist[k] > d):
+            dist[k] = d
             i = ins[k]
-            hits += i.src in lines
             d += 1
             if i.op in ('EXIT', 'RET') and not i.conditional:
                 break
             if _is_branch(i) and i.pred != '@!PT':
-                if i.target in idx:
+                if i.target not in idx:
                     if not i.conditional:
-                        k = idx[i.target]
-                        continue
-                    if i.target > i.addr:
-                        frontier.append((idx[i.target], d))
+                        break
                 elif not i.conditional:
-                    break
+                    k = idx[i.target]
+                    continue
+                elif i.target > i.addr:
+                    frontier.append((idx[i.target], d))
             k += 1
-    return hits
+    return dist
 
 
-def _clearly_more(a, b):
-    """a's side runs into the lines clearly more than b's (an instruction or two of a line can
-    sit on both sides of a branch: the line's bookkeeping, a hoisted address)."""
-    return a >= 2 * b + 3
+def _best_worth(ins, idx, k, prefer, avoid, join, n=256, memo=None):
+    """The most any path from index k to the join index can be worth: instructions of preferred
+    source lines less those of avoided ones, the best side taken at every forward branch (a
+    conditional backward branch, a loop's back edge, falls through)."""
+    memo = {} if memo is None else memo
+    if k in memo:
+        return memo[k]
+    worth = 0
+    start = k
+    while 0 <= k < len(ins) and k != join and n > 0:
+        i = ins[k]
+        worth += (i.src in prefer) - (i.src in avoid)
+        n -= 1
+        if i.op in ('EXIT', 'RET') and not i.conditional:
+            break
+        if _is_branch(i) and i.pred != '@!PT':
+            if i.target not in idx:
+                if not i.conditional:
+                    break
+            elif not i.conditional:
+                k = idx[i.target]
+                continue
+            elif i.target > i.addr:
+                worth += max(_best_worth(ins, idx, k + 1, prefer, avoid, join, n, memo),
+                             _best_worth(ins, idx, idx[i.target], prefer, avoid, join, n, memo))
+                break
+        k += 1
+    memo[start] = worth
+    return worth
+
+
+def _side_worths(ins, idx, k, prefer, avoid, n=256):
+    """(fall-through, taken) worth of the conditional forward branch at index k: each side's best
+    path up to the point where the two sides meet again (the nearest instruction both reach)."""
+    t = idx[ins[k].target]
+    a, b = _reach(ins, idx, k + 1, n), _reach(ins, idx, t, n)
+    common = [j for j in a if j in b]
+    join = min(common, key=lambda j: (max(a[j], b[j]), j)) if common else None
+    return tuple(_best_worth(ins, idx, at, prefer, avoid, join, n, {}) for at in (k + 1, t))
 
 
 def walk(ins, start, stop, take=None, avoid_calls=False, avoid=None, prefer=None,
@@ -120,7 +152,9 @@ def walk(ins, start, stop, take=None, avoid_calls=False, avoid=None, prefer=None
     take: address -> N (taken N times, then falls through; -1 always). avoid: source lines
     ((file basename, line) pairs) of rare work: an undecided conditional branch goes to the side
     that does not run into them when the other does; prefer: lines of common work, the side that
-    runs into them (before the avoid rule). Returns a Walk with the instructions in order
+    runs into them. A side's worth is that of its best path to where the two sides meet again:
+    the instructions of preferred lines it runs into less those of avoided ones; the branch goes
+    to the side worth clearly more (by 2 or more). Returns a Walk with the instructions in order
     and, per conditional branch met, [times taken, times fallen through]."""
     idx = _index(ins)
     if start not in idx:
@@ -149,14 +183,11 @@ def walk(ins, start, stop, take=None, avoid_calls=False, avoid=None, prefer=None
                 else:
                     go = bool(avoid_calls and _run_has_call(ins, k + 1)
                               and i.target in idx and not _run_has_call(ins, idx[i.target]))
-                    for lines, to_taken in ((prefer, True), (avoid, False)):
-                        if not lines or i.target not in idx or i.target <= i.addr:
-                            continue  # loops' back edges: their trips are --take's to give
-                        fall = _side_meets(ins, idx, k + 1, lines)
-                        taken = _side_meets(ins, idx, idx[i.target], lines)
-                        if _clearly_more(taken, fall) or _clearly_more(fall, taken):
-                            go = (taken > fall) == to_taken
-                            break
+                    # loops' back edges are not decided here: their trips are --take's to give
+                    if (prefer or avoid) and i.target in idx and i.target > i.addr:
+                        fall, taken = _side_worths(ins, idx, k, prefer or set(), avoid or set())
+                        if abs(taken - fall) >= 2:
+                            go = taken > fall
                 d = decisions.setdefault(i.addr, [0, 0])
                 d[0 if go else 1] += 1
             if go:

@@ -46,7 +46,7 @@ _FWD_SOURCES = ['src/cuda/fa2_forward.cuh', 'src/cuda/tile_io.cuh',
 _FWD_COMMON = [
     ('loop', 'main_loop:smallest'), ('avoid_calls',),
     ('prefer', 'next_copy'), ('prefer', 'cp_async'), ('prefer', 'whole_softmax'),
-    ('avoid', 'zero_fill'), ('avoid', 'plain_loads'), ('avoid', 'mask_blocks'),
+    ('avoid', 'plain_loads'), ('avoid', 'partial_tile'), ('avoid', 'mask_blocks'),
     ('avoid', 'row_window'), ('avoid', 'nonfinite_scan'), ('avoid', 'slow_pv'),
 ]
 _FWD_PATH = _FWD_COMMON + [('avoid', 'rescale'), ('then',)] + _FWD_COMMON + [('prefer', 'rescale')]
@@ -54,61 +54,92 @@ _FWD_MARKERS = {
     'main_loop': 'for (int stage = 0; n < n_end; stage ^= 1)',
     'next_copy': ['load_kv(next, stage ^ 1);', 'auto load_kv = [&](int n, int stage) {',
                   'const int rows = int(seqlen_k - n0 < kBlockN ? seqlen_k - n0 : kBlockN);',
-                  'load_tile_rows<kBlockN, kD, Tr::kThreads>(s',
-                  'gK + n0 * p.k_row_stride, p.k_row_stride, rows,',
-                  'gV + n0 * p.v_row_stride, p.v_row_stride, rows,'],
-    'cp_async': '__pipeline_memcpy_async(dst, src, 16);',
+                  'load_tile_rows<kBlockN, kD, Tr::kThreads>(dst, kLd, src, stride, rows,',
+                  'load(sK + stage * kBlockN * kLd, gK + n0 * p.k_row_stride, p.k_row_stride);',
+                  'load(sV + stage * kBlockN * kLd, gV + n0 * p.v_row_stride, p.v_row_stride);'],
+    'cp_async': ['__pipeline_memcpy_async(dst, src, 16);',
+                 '__pipeline_memcpy_async(sp + it * kStepRows * ld_s, gp, 16);',
+                 'const T* gp = g + r0 * g_stride + c0;', 'T* sp = s + r0 * ld_s + c0;',
+                 'const int64_t g_step = int64_t(kStepRows) * g_stride;'],
     'whole_softmax': 'softmax_regs<Tr, false>(acc_s, sm, scale_log2, none, none, alpha);',
-    'zero_fill': '*reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);',
     'plain_loads': 'for (int e = 0; e < 8; ++e) dst[e] = src[e];',
+    # the loader's per-chunk path, for a partial tile (its whole-tile copies have none of it)
+    'partial_tile': ['const int r = r0 + it * kQ + cc / kChunks, c = (cc % kChunks) * 8;',
+                     'if (r >= rows || !keep(r)) {',
+                     '*reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);'],
     'mask_blocks': ['for (int64_t qb = i0 / block_q; qb <= (i1 - 1) / block_q; ++qb)',
                     'for (int64_t kb = j0 / block_k; kb <= (j1 - 1) / block_k; ++kb)',
                     'const bool b = block(qb, kb);', 'if (block(qb, j / block_k)) return true;',
                     'if (block(i / block_q, kb)) return true;'],
     'row_window': 'const int64_t b = mask.col_begin(row) - n0, e = mask.col_end(row) - n0;',
-    'nonfinite_scan': ['for (int idx = threadIdx.x; idx < kN; idx += kThreads) {',
+    'nonfinite_scan': ['!full && __syncthreads_or(tile_has_nonfinite<kD, Tr::kThreads>(sVn,',
+                       'for (int idx = threadIdx.x; idx < kN; idx += kThreads) {',
                        'const uint4 u = *reinterpret_cast<const uint4*>(s + (idx / kChunks) * ld',
                        'const unsigned x = (w[q] & kExp2) ^ kExp2;'],
     'slow_pv': 'accumulate_pv_visible<Tr>(sS, pa[rf], sVn, acc_o[rf], keys, shown);',
     'rescale': 'acc_o[rf][df].x[i] *= alpha[rf][(i / 2) % 2];',
 }
 _BWD_SOURCES = ['src/cuda/fa2_backward.cuh', 'src/cuda/bwd_block.cuh', 'src/cuda/tile_io.cuh',
-                'include/flashdl/detail/block_mask.hpp', 'include/flashdl/detail/dropout.hpp',
-                'include/flashdl/detail/mask.hpp']
+                'include/flashdl/detail/block_mask.hpp', 'include/flashdl/detail/mask.hpp']
 # One (query block, key block) pair of the backward's main loop as a dense, non-causal call runs
-# it: no block mask, no dropout, no window limits; the Q/dO copy loop 4 trips; the lse/D row loop
-# skipped (the warps that do not load them); adjacent-pair stores; the whole-block layout; not the
-# first pair; the kf loop 4 trips; no non-finite K; 64-bit divisions by their 32-bit fast path.
+# it, for the warps that do not load lse/D (6 of 8): the next pair's Q/dO copy, adjacent-pair
+# P/dS stores, the whole-block dQ atomics, the kf loop 4 trips; not the first pair's non-finite
+# scan of K, the slow dQ of a masked pair with a non-finite K, window or block-mask arithmetic,
+# 64-bit division calls (their 32-bit fast path).
 _BWD_PATH = [
-    ('loop', 'main_loop'), ('avoid_calls',),
-    ('take', 'bm_visible'), ('take', 'bm_range'), ('take', 'bm_none'), ('take', 'no_dropout'),
-    ('take', 'no_left'), ('take', 'no_right'), ('take', 'copy_chunks:back=3'),
-    ('take', 'stat_rows@P1'), ('take', 'pairs'), ('take', 'first_pair@!P1'),
-    ('take', 'kf_loop=3'), ('take', 'k_nonfinite@!'), ('take', 'whole_block'),
-    ('take', 'slow_dq_reload'),
+    ('loop', 'main_loop'), ('avoid_calls',), ('take', 'kf_loop=3'),
+    ('take', 'k_nonfinite@!'),  # the && that skips the rest of slow_dq's test (K finite)
+    ('take', 'copy_chunks:back=3'),  # the run-time copy loop of the kernels without kDense
+    ('prefer', 'next_copy'), ('prefer', 'cp_async'), ('prefer', 'paired'), ('prefer', 'dq'),
+    ('prefer', 'dq_fast'),
+    ('avoid', 'plain_loads'), ('avoid', 'partial_tile'), ('avoid', 'stat_rows'),
+    ('avoid', 'nonfinite_scan'),
+    ('avoid', 'k_repair'), ('avoid', 'unpaired'), ('avoid', 'dq_bounds'),
+    ('avoid', 'mask_blocks'), ('avoid', 'window'),
 ]
 _BWD_MARKERS = {
     'main_loop': 'for (int stage = 0; it < total; first = false) {',
-    'bm_visible': 'if (blocks == nullptr) return true;',
-    'bm_range': 'if (blocks == nullptr) return {true, true};',
-    'bm_none': 'if (p.block_mask_ptr == nullptr) return m;',
-    'no_dropout': 'if (!(p.p_dropout > 0.0f)) return d;',
-    'no_left': 'if (left < 0) return 0;',
-    'no_right': 'if (right < 0) return seqlen_k;',
-    'copy_chunks': 'for (int idx = threadIdx.x; idx < n; idx += kThreads) {',
-    'stat_rows': 'for (int r = threadIdx.x; r < tile_rows; r += threads) {',
-    'pairs': 'if (map.pairs) {',
-    'first_pair': 'if (first) k_nonfinite = __syncthreads_or(',
     'kf_loop': 'for (int kf = 0; kf < Tr::kFragsM; ++kf) {',
     'k_nonfinite': 'k_nonfinite && !(cover(it).all',
-    'whole_block': 'if (rows >= Tr::kBlockM && mma_layout) {',
-    'slow_dq_reload': 'if (slow_dq) {',
+    'copy_chunks': 'for (int idx = threadIdx.x; idx < n; idx += kThreads) {',
+    # (not the call's own line: ptxas spreads its address arithmetic over other blocks)
+    'next_copy': ['load_tile_rows<kM, kD, Tr::kThreads>(q_stage(L.off_q, stage), kLd, gQ,',
+                  'load_tile_rows<kM, kD, Tr::kThreads>(q_stage(L.off_do, stage), kLd, gdO,',
+                  'const T* gQ = static_cast<const T*>(p.q_ptr) + batch * p.q_batch_stride +',
+                  'const T* gdO = static_cast<const T*>(p.do_ptr) + batch * p.do_batch_stride +',
+                  'const int64_t row0 = (batch * p.nheads + h) * p.seqlen_q;'],
+    'dq': ['if (ws_dq != nullptr) {', 'const bool slow_dq =', 'add_dq_tiles<Tr>(sdS, sK, map,',
+           'load_frag(a, sdS + rf * kFrag * Tr::kLdP + kf * kFrag, Tr::kLdP);',
+           'float* col = gdq + df * kFrag;'],
+    'cp_async': _FWD_MARKERS['cp_async'],
+    'paired': ['store_pair(sP + at, p[e], p[e + 1]);', 'store_pair(sdS + at, ds[e], ds[e + 1]);'],
+    'dq_fast': 'atomic_add_pair(tile + (acc_row(lane, e) - acc_row(lane, 0)) * Tr::kHeadDim +',
+    'partial_tile': _FWD_MARKERS['partial_tile'],
+    'plain_loads': _FWD_MARKERS['plain_loads'],
+    'stat_rows': ['sL2[r] = in ? gL2[i0 + r] : -INFINITY;', 'sD[r] = in ? gD[i0 + r] : 0.0f;'],
+    'nonfinite_scan': ['if (first) k_nonfinite = __syncthreads_or('] +
+                      _FWD_MARKERS['nonfinite_scan'][1:],
+    'k_repair': ['if (!(fabsf(to_float(x)) <= 3.40282347e38f)) x = from_float<T>(0.0f);',
+                 'zero_nonfinite<kD, Tr::kThreads>(sK, kLd, kN);',
+                 'load_tile<kD, Tr::kThreads>(sK, kLd,',
+                 "__syncthreads();  // every warp done with K's scores",
+                 '__syncthreads();  // every warp done with the zeroed K'],
+    'unpaired': ['sP[at] = from_float<T>(p[e]);', 'sdS[at] = from_float<T>(ds[e]);'],
+    'dq_bounds': 'if (r < rows) atomicAdd(col + r * Tr::kHeadDim + map.c[e], acc[i].x[e]);',
+    'mask_blocks': _FWD_MARKERS['mask_blocks'],
+    'window': ['const int64_t b = diag(i) - left;', 'const int64_t e = diag(i) + right + 1;'],
 }
 
 
 def _fwd(d):
     return {
         'title': f'fwd d{d}', 'fa2': f'fwd_h{d}', 'ftz': True,
+        # a warp's HMMA.16816 per iteration: S = QK^T and O += PV of its 32 rows, 128 keys at
+        # d 64 and 64 at d 128 (the register-only tiles), (2 * 32 * keys * d) / (16 * 8 * 16)
+        # and its cp.async copies of the next K and V blocks (16 bytes each, 128 threads)
+        # and its one barrier
+        'expect': {'HMMA': 2 * 32 * (128 if d <= 64 else 64) * d // 2048,
+                   'LDGSTS': 2 * (128 if d <= 64 else 64) * d * 2 // 16 // 128, 'BAR': 1},
         'unit': ('#include "fa2_forward.cuh"\nnamespace flashdl::cuda {\n'
                  f'template void launch_fa2_forward<__half, {d}>(const Params&, '
                  'const LaunchContext&);\n}\n'),
@@ -123,10 +154,18 @@ def _fwd(d):
 def _bwd(d):
     return {
         'title': f'bwd d{d}', 'fa2': f'bwd_h{d}', 'ftz': False,
+        # S, dP, dV, dK and dQ of a 64 x 64 pair over 8 warps; the next pair's Q and dO copies;
+        # the pair's two barriers; dQ's paired float atomics; no global load (lse/D: 2 warps)
+        'expect': {'HMMA': 5 * 64 * 64 * d // 2048 // 8, 'LDGSTS': 2 * 64 * d * 2 // 16 // 256,
+                   'BAR': 2, 'REDG': 64 * d // 2 // 256, 'LDG': 0},
         'unit': ('#include "fa2_backward.cuh"\nnamespace flashdl::cuda {\n'
                  f'template void launch_fa2_backward<__half, {d}>(const Params&, '
                  'const LaunchContext&);\n}\n'),
-        'function': [r'backward_kernelINS0_12Fa2BwdTraitsI6__halfLi%dE.*Lb0EEEv' % d],
+        # the standard tiles (64 x 64, 2 stages; not the 99 KiB fallback), dense instantiation
+        # (BwdCall::dense, 0) where there is one, else the one without extras
+        'function': [r'backward_kernelINS0_12Fa2BwdTraitsI6__halfLi%dELi64ELi64ELi2EEE'
+                     r'LNS0_7BwdCallE0EEEv' % d,
+                     r'backward_kernelINS0_12Fa2BwdTraitsI6__halfLi%dELi64ELi64ELi2EEELb0EEEv' % d],
         'sources': _BWD_SOURCES, 'markers': _BWD_MARKERS, 'path': _BWD_PATH, 'same_cta': True,
     }
 
@@ -289,6 +328,12 @@ def analyse_flashdl(key, sass, ptxas_text):
     name, ins = pick(funcs, spec['function'])
     sources = [os.path.join(ROOT, s) for s in spec['sources']]
     r = analyse(ins, path_items(spec['path']), sources, spec['markers'], spec['same_cta'])
+    for op, n in spec['expect'].items():
+        got = r['counts']['opcodes'].get(op, 0)
+        if got != n:
+            raise ReportError(f'{key}: the hot path has {got:g} {op}, the tile {n}: the walk '
+                              f'skipped or repeated work ({r["paths"]}); check it with '
+                              'hot_path.py --list and update KERNELS')
     r['function'] = name
     r['resources'] = ptxas_resources(ptxas_text, name) if ptxas_text else None
     return r
