@@ -192,8 +192,8 @@ def test_float64_matches_oracle_and_xla(case):
 @pytest.mark.skipif(XLA_F64_EMPTY_ROWS_NAN, reason="jax < 0.10.1: NaN in its float64 reference")
 def test_residual_of_hidden_rows_is_jaxs_large_negative():
     args, dout, kw = make("both_lengths_causal")
-    res = fj.dot_product_attention(*args, return_residual=True, **kw)[1]
-    want = xla(*args, return_residual=True, **kw)[1]
+    res, want = (jax.jit(lambda *a: fn(*a, return_residual=True, **kw)[1])(*args)
+                 for fn in (fj.dot_product_attention, xla))
     hidden = np.asarray(want) < -1e30
     assert hidden.any()
     np.testing.assert_array_equal(np.asarray(res)[hidden], np.asarray(want)[hidden])
@@ -217,7 +217,8 @@ def test_three_axes_layout():
 
 # float16: jax.nn's XLA implementation refuses it on the CPU (F16_F16_F32 dot precision).
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("case", ["everything", "causal_t_lt_s", "bias_keys_only"])
+@pytest.mark.parametrize("case", ["everything", "causal_t_lt_s", "bias_keys_only"] if THOROUGH
+                         else ["everything"])
 def test_low_precision_within_twice_xlas_error(dtype, case):
     """flash-attn's rule, |flashdl - oracle| <= 2 |naive_lowp - oracle| + eps(dtype), with two
     naive implementations in the input precision: jax.nn's XLA implementation and the oracle's
