@@ -327,6 +327,10 @@ def merge_states(outs: Sequence[jax.Array],
     if o0.ndim != 4:
         raise ValueError(f"outs[0]: expected (batch, seqlen, nheads, headdim), got shape "
                          f"{tuple(o0.shape)}")
+    if jnp.dtype(o0.dtype) not in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64):
+        # As flashdl.merge_states: refused when traced, not by XLA when the call runs.
+        raise TypeError(f"outs[0]: expected dtype float16, bfloat16, float32 or float64, got "
+                        f"{o0.dtype}")
     b, s, h, _ = o0.shape
     for i, (o, l) in enumerate(zip(outs, lses)):
         if o.shape != o0.shape or o.dtype != o0.dtype:

@@ -439,3 +439,14 @@ def test_jax_ring_and_kvcache_check_arguments_as_attention(case):
     lens = np.array([2], np.int32)
     err = expect(exc, arg, fj.attention_with_kvcache, q, q, q, cache_seqlens=lens, **kw)
     assert str(err).split(",")[0] == str(ref).split(",")[0], (str(err), str(ref))
+
+
+def test_jax_merge_states_refuses_integer_outputs_when_traced():
+    """An int32 output is a TypeError naming outs[0] at trace time, as flashdl.merge_states
+    refuses it, not XLA's INVALID_ARGUMENT when the call runs."""
+    jnp = pytest.importorskip("jax.numpy")
+    import flashdl.jax as fj
+
+    o, lse = jnp.zeros((1, 2, 2, 8), jnp.int32), jnp.zeros((1, 2, 2), jnp.float32)
+    err = expect(TypeError, "outs", fj.merge_states, [o, o], [lse, lse])
+    assert str(err).startswith("outs[0]: expected dtype"), str(err)
