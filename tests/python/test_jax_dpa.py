@@ -404,3 +404,29 @@ def numpy_oracle(q, k, v, *, is_causal, local_window_size, query_seq_lengths=Non
 
 def lengths_of(rng, n):
     return jnp.asarray(rng.integers(0, n + 1, 2), jnp.int32)
+
+
+def test_eager_calls_compile_once_per_configuration():
+    """Outside jax.jit, JAX dispatches each call's programs eagerly and caches them: a repeated
+    call with the same shapes and options compiles nothing (the mechanism is JAX's and the same
+    on any platform; run here on the CPU)."""
+    compiles = []
+
+    def listen(key, _duration, **_kw):
+        if key.endswith("backend_compile_duration"):
+            compiles.append(key)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        (q, k, v, bias, mask), _, kw = make("everything", seed=3)
+        kw["scale"] = 0.29  # a configuration no other test compiled
+        calls = []
+        for _ in range(3):
+            del compiles[:]
+            jax.block_until_ready(fj.dot_product_attention(q, k, v, bias, mask, **kw))
+            calls.append(len(compiles))
+        assert calls[0] > 0 and calls[1:] == [0, 0], calls
+        del compiles[:]
+        jax.block_until_ready(fj.dot_product_attention(q, k, v, bias, mask, **dict(kw, scale=0.31)))
+        assert compiles, "another scale is another configuration"
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
