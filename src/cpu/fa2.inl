@@ -493,16 +493,16 @@ void fa2_forward_impl(const Params& p, int threads) {
 // at row tile_row(g, qt) (blocks.inl).
 template <typename T>
 struct BackwardInputs {
-  // Left uninitialised on allocation: every tile's rows, padding included, are written once by
-  // prepare_backward_inputs (zero-filling them first doubled the memory traffic, which dominated
-  // long-query, few-key backward passes; benchmarks/results/cpu_tuning.md).
-  std::unique_ptr<T[]> Q, dO, L2, D;
-  int64_t rows_alloc;
+  // In a BackwardWorkspace, not zero-filled: every tile's rows, padding included, are written once
+  // by prepare_backward_inputs (zero-filling them first doubled the memory traffic, which
+  // dominated long-query, few-key backward passes; benchmarks/results/cpu_tuning.md).
+  T *Q = nullptr, *dO = nullptr, *L2 = nullptr, *D = nullptr;
+  int64_t rows_alloc = 0;
 
-  T* q(int64_t bh, int64_t i) { return Q.get() + (bh * rows_alloc + i) * dp_; }
-  T* dout(int64_t bh, int64_t i) { return dO.get() + (bh * rows_alloc + i) * dp_; }
-  T* l2(int64_t bh, int64_t i) { return L2.get() + bh * rows_alloc + i; }
-  T* d(int64_t bh, int64_t i) { return D.get() + bh * rows_alloc + i; }
+  T* q(int64_t bh, int64_t i) { return Q + (bh * rows_alloc + i) * dp_; }
+  T* dout(int64_t bh, int64_t i) { return dO + (bh * rows_alloc + i) * dp_; }
+  T* l2(int64_t bh, int64_t i) { return L2 + bh * rows_alloc + i; }
+  T* d(int64_t bh, int64_t i) { return D + bh * rows_alloc + i; }
   int64_t dp_ = 0;
 };
 
@@ -529,17 +529,16 @@ void load_query_tile(const Params& p, const Geometry<T>& g, int64_t b, int64_t h
 
 template <typename T>
 void prepare_backward_inputs(const Params& p, const Geometry<T>& g, int threads,
-                             BackwardInputs<T>& in) {
+                             BackwardWorkspace<T>& ws, BackwardInputs<T>& in) {
   in.dp_ = g.dp;
   in.rows_alloc = padded_rows(g);
-  const auto rows_all = static_cast<size_t>(p.batch * p.nheads * in.rows_alloc);
-  in.Q.reset(new T[rows_all * static_cast<size_t>(g.dp)]);
-  in.dO.reset(new T[rows_all * static_cast<size_t>(g.dp)]);
-  in.L2.reset(new T[rows_all]);
-  in.D.reset(new T[rows_all]);
+  const int64_t rows_all = p.batch * p.nheads * in.rows_alloc;
+  in.Q = ws.Q.get(rows_all * g.dp);
+  in.dO = ws.dO.get(rows_all * g.dp);
+  in.L2 = ws.L2.get(rows_all);
+  in.D = ws.D.get(rows_all);
   parallel_tasks(p.batch * p.nheads * g.nqb, threads, [&](Tasks& tasks, int) {
-    Buffer<T> obuf;
-    T* O = obuf.get(g.Brp * g.dp);
+    T* O = backward_tiles<T>().o.get(g.Brp * g.dp);
     for (int64_t task = 0; tasks.next(task);) {
       // Ordered (batch, query tile, head): a tile's rows of every head are read together
       // (heads_together says why).
@@ -557,8 +556,9 @@ void prepare_backward_inputs(const Params& p, const Geometry<T>& g, int threads,
 template <typename T>
 void fa2_backward_by_keys(const Params& p, const Geometry<T>& g, const Mask& mask, bool zigzag,
                           int threads) {
+  Workspace<T> ws;
   BackwardInputs<T> in;
-  prepare_backward_inputs(p, g, threads, in);
+  prepare_backward_inputs(p, g, threads, *ws, in);
 
   const int64_t group = p.h_h_k_ratio;
   const int64_t nbhk = p.batch * p.nheads_kv;
@@ -587,7 +587,8 @@ void fa2_backward_by_keys(const Params& p, const Geometry<T>& g, const Mask& mas
     index = key_major ? task / nbhk : task % g.nkb;
   };
   // dQ partial sums: thread t covers the (batch, kv head) pairs its static slice touches.
-  std::vector<std::vector<T>> dq_part(static_cast<size_t>(nthreads));
+  std::vector<std::vector<T>>& dq_part = ws->part;
+  if (static_cast<int>(dq_part.size()) < nthreads) dq_part.resize(static_cast<size_t>(nthreads));
   std::vector<int64_t> first_bhk(static_cast<size_t>(nthreads), 0), last_bhk(nthreads, -1);
   const int64_t head_elems = in.rows_alloc * g.dp;
   parallel_for(ntasks, nthreads, [&](int64_t begin, int64_t end, int t) {
@@ -596,17 +597,17 @@ void fa2_backward_by_keys(const Params& p, const Geometry<T>& g, const Mask& mas
     if (by_tile) dbias_tiles.open(t, begin / nbhk, (end - 1) / nbhk);
     std::vector<T>& part = dq_part[t];
     part.assign(static_cast<size_t>((last_bhk[t] - first_bhk[t] + 1) * group * head_elems), T(0));
-    KeyBlock<T> kb_bufs;
-    Buffer<T> dk_buf, dv_buf;
-    BackwardScratch<T> scratch;
+    BackwardTiles<T>& tiles = backward_tiles<T>();
+    KeyBlock<T>& kb_bufs = tiles.kb;
+    BackwardScratch<T>& scratch = tiles.scratch;
 #if FLASHDL_HAVE_BF16_DOT
     // bfloat16 inputs: the products on bfloat16 pairs (bf16dot.inl).
     const bool bf16 = std::is_same_v<T, float> && p.dtype == DType::bfloat16;
-    Bf16BackwardProducts bprod;
+    Bf16BackwardProducts& bprod = tiles.bprod;
 #endif
     if (!by_tile) dbias.attach(t, p, scratch);
-    T* dK = dk_buf.get(g.Bcp * g.dp);
-    T* dV = dv_buf.get(g.Bcp * g.dp);
+    T* dK = tiles.dk.get(g.Bcp * g.dp);
+    T* dV = tiles.dv.get(g.Bcp * g.dp);
     for (int64_t task = begin; task < end; ++task) {
       int64_t bhk, index;
       task_of(task, bhk, index);
@@ -666,8 +667,7 @@ void fa2_backward_by_keys(const Params& p, const Geometry<T>& g, const Mask& mas
 
   // dQ = scale * (sum of the partials in thread order).
   parallel_for(p.batch * p.nheads, threads, [&](int64_t begin, int64_t end, int) {
-    Buffer<T> acc_buf;
-    T* acc = acc_buf.get(g.dp);
+    T* acc = backward_tiles<T>().acc.get(g.dp);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / p.nheads, h = bh % p.nheads;
       const int64_t bhk = b * p.nheads_kv + h / group, hg = h % group;
@@ -700,7 +700,9 @@ void fa2_backward_by_queries(const Params& p, const Geometry<T>& g, const Mask& 
   const int64_t ntasks = p.batch * p.nheads * g.nqb;
   const int nthreads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, ntasks)));
   const int64_t kv_elems = g.nkb * g.Bcp * g.dp;  // one (batch, kv head)'s dK (or dV) tiles
-  std::vector<std::vector<T>> dkv_part(static_cast<size_t>(nthreads));
+  Workspace<T> ws;
+  std::vector<std::vector<T>>& dkv_part = ws->part;
+  if (static_cast<int>(dkv_part.size()) < nthreads) dkv_part.resize(static_cast<size_t>(nthreads));
   DBiasPartials<T> dbias(p, nthreads);
   // Thread t's partials cover (batch, kv head) pairs first_bhk[t]..last_bhk[t]: bhk = bh / group.
   std::vector<int64_t> first_bhk(static_cast<size_t>(nthreads), 0), last_bhk(nthreads, -1);
@@ -717,13 +719,13 @@ void fa2_backward_by_queries(const Params& p, const Geometry<T>& g, const Mask& 
                               : (end - 1) / g.nqb / group;
     std::vector<T>& part = dkv_part[t];
     part.assign(static_cast<size_t>((last_bhk[t] - first_bhk[t] + 1) * 2 * kv_elems), T(0));
-    Buffer<T> qbuf, dobuf, l2buf, dbuf, obuf, dqbuf;
-    T* Q = qbuf.get(g.Brp * g.dp);
-    T* dO = dobuf.get(g.Brp * g.dp);
-    T* L2 = l2buf.get(g.Brp);
-    T* D = dbuf.get(g.Brp);
-    T* O = obuf.get(g.Brp * g.dp);
-    T* dQ = dqbuf.get(g.Brp * g.dp);
+    BackwardTiles<T>& tiles = backward_tiles<T>();
+    T* Q = tiles.q.get(g.Brp * g.dp);
+    T* dO = tiles.dout.get(g.Brp * g.dp);
+    T* L2 = tiles.l2.get(g.Brp);
+    T* D = tiles.d.get(g.Brp);
+    T* O = tiles.o.get(g.Brp * g.dp);
+    T* dQ = tiles.dq.get(g.Brp * g.dp);
     // Key tiles as loaded (and converted), kept in slots across tasks: one per kv head where the
     // heads of a query tile go in turn (heads_inner); every key tile of the (batch, kv head) at
     // hand where they fit kKeptKeyTiles (its query tiles, one task after another, each walk all
@@ -735,14 +737,17 @@ void fa2_backward_by_queries(const Params& p, const Geometry<T>& g, const Mask& 
     const bool keep_tiles = !heads_inner && g.nkb > 1 &&
                             g.nkb * tile_units * g.Bcp * g.dp * int64_t{sizeof(T)} <= kKeptKeyTiles;
     const int64_t slots = heads_inner ? p.nheads_kv : keep_tiles ? g.nkb : 1;
-    std::vector<KeyBlock<T>> kb_slots(static_cast<size_t>(slots));
+    std::vector<KeyBlock<T>>& kb_slots = tiles.slots;
+    if (static_cast<int64_t>(kb_slots.size()) < slots) kb_slots.resize(static_cast<size_t>(slots));
     std::vector<int64_t> loaded(static_cast<size_t>(slots), -1);  // the (bhk, key tile) in each
     std::vector<int64_t> queried(static_cast<size_t>(slots), -1);  // the task whose rows each has
-    BackwardScratch<T> scratch;
+    BackwardScratch<T>& scratch = tiles.scratch;
     dbias.attach(t, p, scratch);
 #if FLASHDL_HAVE_BF16_DOT
     const bool bf16 = std::is_same_v<T, float> && p.dtype == DType::bfloat16;
-    std::vector<Bf16BackwardProducts> bprods(static_cast<size_t>(bf16 ? slots : 0));
+    std::vector<Bf16BackwardProducts>& bprods = tiles.bprods;
+    if (bf16 && static_cast<int64_t>(bprods.size()) < slots)
+      bprods.resize(static_cast<size_t>(slots));
 #endif
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = heads_inner ? task / per_batch * p.nheads + task % p.nheads
@@ -810,14 +815,15 @@ void fa2_backward_by_queries(const Params& p, const Geometry<T>& g, const Mask& 
                                     h * p.dq_head_stride),
                         p.dtype);
     }
+    tiles.release_slots_if_over();
   });
 
   dbias.finish(p, threads);
   // dK, dV = the sums of the partials in thread order (dK scaled by store_key_grads).
   parallel_for(p.batch * p.nheads_kv * g.nkb, threads, [&](int64_t begin, int64_t end, int) {
-    Buffer<T> dk_buf, dv_buf;
-    T* dK = dk_buf.get(g.Bcp * g.dp);
-    T* dV = dv_buf.get(g.Bcp * g.dp);
+    BackwardTiles<T>& tiles = backward_tiles<T>();
+    T* dK = tiles.dk.get(g.Bcp * g.dp);
+    T* dV = tiles.dv.get(g.Bcp * g.dp);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bhk = task / g.nkb, kt = task % g.nkb;
       std::fill(dK, dK + g.Bcp * g.dp, T(0));

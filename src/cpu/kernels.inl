@@ -22,6 +22,7 @@ namespace flashdl::cpu::FLASHDL_ISA_NS {
 #include "cpu/bf16dot.inl"
 #endif
 #include "cpu/fa1.inl"
+#include "cpu/bwd_memory.inl"
 #include "cpu/fa2.inl"
 #include "cpu/kvcache.inl"
 // clang-format on

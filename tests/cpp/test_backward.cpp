@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "case_checks.hpp"
@@ -142,6 +143,58 @@ void test_sram_and_threads() {
   }
 }
 
+// The backward keeps its working memory from call to call (a workspace per call in flight, tile
+// buffers per thread): calls of other shapes in between, and calls from two caller threads at
+// once, give each call's gradients bit for bit as it gave them alone.
+void test_kept_memory() {
+  std::vector<Case> cs(3);
+  cs[0].name = "by queries";  // 300 queries over one key tile
+  cs[0].b = 2; cs[0].sq = 300; cs[0].sk = 40; cs[0].h = 4; cs[0].hk = 2; cs[0].d = 64;
+  cs[1].name = "small";
+  cs[1].sq = 16; cs[1].sk = 16; cs[1].h = 8; cs[1].hk = 8; cs[1].d = 64;
+  cs[2].name = "by keys";
+  cs[2].sq = 130; cs[2].sk = 200; cs[2].h = 2; cs[2].hk = 1; cs[2].d = 128; cs[2].causal = true;
+  for (DType dt : {DType::float32, DType::bfloat16}) {
+    std::vector<Inputs> ins;
+    std::vector<Forward> fs;
+    std::vector<Grads> first;
+    for (size_t i = 0; i < cs.size(); ++i) {
+      ins.push_back(make_inputs(cs[i], dt, 30 + static_cast<int>(i)));
+      fs.push_back(run_forward(cs[i], ins[i], options_of(cs[i], Schedule::fa2, 2)));
+      first.push_back(run_backward(cs[i], ins[i], fs[i], options_of(cs[i], Schedule::fa2, 2)));
+    }
+    for (size_t i : {2, 1, 0, 1, 2, 0}) {
+      context() = "in turn: " + cs[i].name + " " + dtype_str(dt);
+      const Grads g = run_backward(cs[i], ins[i], fs[i], options_of(cs[i], Schedule::fa2, 2));
+      CHECK_MSG(bitwise_equal(g, first[i]), "differs from the call alone");
+    }
+    // Two caller threads, each its cases in another order (no CHECK off the main thread).
+    auto calls = [&](std::vector<size_t> order, std::vector<Grads>& out) {
+      for (size_t i : order) {
+        const Case& c = cs[i];
+        Grads g{Array(dt, {c.b, c.sq, c.h, c.d}, c.ol), Array(dt, {c.b, c.sk, c.hk, c.d}, c.kl),
+                Array(dt, {c.b, c.sk, c.hk, c.d}, c.vl)};
+        flashdl::backward(ins[i].dout.view(), ins[i].q.view(), ins[i].k.view(), ins[i].v.view(),
+                          fs[i].out.view(), fs[i].lse.view(), g.dq.view(), g.dk.view(),
+                          g.dv.view(), options_of(c, Schedule::fa2, 2));
+        out.push_back(std::move(g));
+      }
+    };
+    const std::vector<size_t> order_a{0, 1, 2, 0, 1, 2, 0, 1, 2};
+    const std::vector<size_t> order_b{2, 0, 1, 2, 0, 1, 1, 0, 2};
+    std::vector<Grads> got_a, got_b;
+    std::thread ta(calls, order_a, std::ref(got_a)), tb(calls, order_b, std::ref(got_b));
+    ta.join();
+    tb.join();
+    for (size_t j = 0; j < order_a.size(); ++j) {
+      context() = "two callers: " + cs[order_a[j]].name + ", " + cs[order_b[j]].name + " " +
+                  dtype_str(dt);
+      CHECK_MSG(bitwise_equal(got_a[j], first[order_a[j]]), "first caller's call differs");
+      CHECK_MSG(bitwise_equal(got_b[j], first[order_b[j]]), "second caller's call differs");
+    }
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -156,5 +209,6 @@ int main() {
   run_test("backward: float64 gradient check of every schedule", test_gradcheck);
   run_test("backward: seqlen_q 0 gives dk = dv = 0", test_no_queries);
   run_test("backward: fa1 tiny sram_bytes, thread counts", test_sram_and_threads);
+  run_test("backward: kept memory across calls and caller threads", test_kept_memory);
   return finish();
 }
