@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The project's test command (README: "Run the tests"). Steps, each printed with the time elapsed
 # since the start, and a table of their durations at the end:
-#   1. torch 2.13 (CPU), jax and transformers into the active Python (their tests skip without them)
+#   1. torch 2.13 (CPU), jax, transformers and flax into the active Python (their tests skip
+#      without them)
 #   2. flashdl with its C++ tests, one CMake tree (build/tests), installed into the active Python
 #   3. the C++ suite (ctest, label cpu)
 #   4. the documentation site: built warning-free, its doctests, every public name in the reference
@@ -59,12 +60,13 @@ quietly() {
 }
 trap 'status=$?; end_step; if [ $status -ne 0 ]; then echo; echo "[$(clock)] FAILED in: $STEP_NAME"; fi' EXIT
 
-step "1/7 frameworks: torch 2.13 (CPU), jax, transformers into $("$PYTHON" -c 'import sys; print(sys.prefix)')"
+step "1/7 frameworks: torch 2.13 (CPU), jax, transformers, flax into $("$PYTHON" -c 'import sys; print(sys.prefix)')"
 # They go into the active environment (use a virtual environment to keep them apart).
 "$PYTHON" -m pip install -q "torch==2.13.0" || echo "note: torch not installed, its tests will skip"
 "$PYTHON" -m pip install -q jax || echo "note: jax not installed, its tests will skip"
 "$PYTHON" -m pip install -q transformers \
   || echo "note: transformers not installed, its tests will skip"
+"$PYTHON" -m pip install -q flax || echo "note: flax not installed, its tests will skip"
 
 step "2/7 flashdl with its C++ tests (FLASHDL_CUDA=$FLASHDL_CUDA, CUDAARCHS=$CUDAARCHS, tree $BUILD_DIR)"
 # -v for the build's progress lines ([n/N] Building ...); the whole output is in the log.
