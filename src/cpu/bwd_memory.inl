@@ -7,17 +7,27 @@
 // small ones were zero-filled as they grew. Kept, a stream of calls (a training loop) stops
 // allocating them; cpu_tuning.md section 40.
 
-// What a call keeps whose size follows seqlen: Q, dO, lse and D of every head (BackwardInputs)
+// What a call keeps whose size follows seqlen: Q, dO, lse and D of the heads (BackwardInputs)
 // and the threads' partial sums. One workspace per backward in flight, taken from a free list
 // (Workspaces) and given back after the call: calls from two caller threads at once never share
 // one, and a workspace outlives each of the call's parallel regions.
 template <typename T>
+struct BackwardRows {
+  RawBuffer<T> Q, dO, L2, D;  // every row written by load_query_tile before it is read
+  size_t size() const {
+    return Q.data.capacity() + dO.data.capacity() + L2.data.capacity() + D.data.capacity();
+  }
+};
+
+template <typename T>
 struct BackwardWorkspace {
-  RawBuffer<T> Q, dO, L2, D;  // every row written by prepare_backward_inputs before it is read
+  BackwardRows<T> all;  // every head's (prepare_backward_inputs)
+  std::vector<BackwardRows<T>> own;  // per thread: one kv head group's (fa2_backward_by_keys)
   std::vector<std::vector<T>> part;  // per thread: dQ partials (by keys), dK and dV (by queries)
 
   int64_t bytes() const {
-    size_t n = Q.data.capacity() + dO.data.capacity() + L2.data.capacity() + D.data.capacity();
+    size_t n = all.size();
+    for (const auto& x : own) n += x.size();
     for (const auto& x : part) n += x.capacity();
     return static_cast<int64_t>(n * sizeof(T));
   }

@@ -498,11 +498,12 @@ struct BackwardInputs {
   // dominated long-query, few-key backward passes; benchmarks/results/cpu_tuning.md).
   T *Q = nullptr, *dO = nullptr, *L2 = nullptr, *D = nullptr;
   int64_t rows_alloc = 0;
+  int64_t bh0 = 0;  // the first (batch, head) held: every one, or one kv head's group (by_keys)
 
-  T* q(int64_t bh, int64_t i) { return Q + (bh * rows_alloc + i) * dp_; }
-  T* dout(int64_t bh, int64_t i) { return dO + (bh * rows_alloc + i) * dp_; }
-  T* l2(int64_t bh, int64_t i) { return L2 + bh * rows_alloc + i; }
-  T* d(int64_t bh, int64_t i) { return D + bh * rows_alloc + i; }
+  T* q(int64_t bh, int64_t i) { return Q + ((bh - bh0) * rows_alloc + i) * dp_; }
+  T* dout(int64_t bh, int64_t i) { return dO + ((bh - bh0) * rows_alloc + i) * dp_; }
+  T* l2(int64_t bh, int64_t i) { return L2 + (bh - bh0) * rows_alloc + i; }
+  T* d(int64_t bh, int64_t i) { return D + (bh - bh0) * rows_alloc + i; }
   int64_t dp_ = 0;
 };
 
@@ -528,15 +529,22 @@ void load_query_tile(const Params& p, const Geometry<T>& g, int64_t b, int64_t h
 }
 
 template <typename T>
-void prepare_backward_inputs(const Params& p, const Geometry<T>& g, int threads,
-                             BackwardWorkspace<T>& ws, BackwardInputs<T>& in) {
+void attach_inputs(const Geometry<T>& g, int64_t bh0, int64_t heads, BackwardRows<T>& rows,
+                   BackwardInputs<T>& in) {
   in.dp_ = g.dp;
   in.rows_alloc = padded_rows(g);
-  const int64_t rows_all = p.batch * p.nheads * in.rows_alloc;
-  in.Q = ws.Q.get(rows_all * g.dp);
-  in.dO = ws.dO.get(rows_all * g.dp);
-  in.L2 = ws.L2.get(rows_all);
-  in.D = ws.D.get(rows_all);
+  in.bh0 = bh0;
+  const int64_t rows_all = heads * in.rows_alloc;
+  in.Q = rows.Q.get(rows_all * g.dp);
+  in.dO = rows.dO.get(rows_all * g.dp);
+  in.L2 = rows.L2.get(rows_all);
+  in.D = rows.D.get(rows_all);
+}
+
+template <typename T>
+void prepare_backward_inputs(const Params& p, const Geometry<T>& g, int threads,
+                             BackwardWorkspace<T>& ws, BackwardInputs<T>& in) {
+  attach_inputs(g, 0, p.batch * p.nheads, ws.all, in);
   parallel_tasks(p.batch * p.nheads * g.nqb, threads, [&](Tasks& tasks, int) {
     T* O = backward_tiles<T>().o.get(g.Brp * g.dp);
     for (int64_t task = 0; tasks.next(task);) {
@@ -551,19 +559,45 @@ void prepare_backward_inputs(const Params& p, const Geometry<T>& g, int threads,
   });
 }
 
-// The backward with key tiles as tasks: dK and dV of a task stay in the thread's buffers; Q and dO
-// are converted once for all tasks (BackwardInputs) and dQ is summed in per-thread partials.
+// dQ of head (b, h), every row: scale times the sum of the partials parts[0..n) (a head's rows of
+// each thread's dQ partial, at tile_row offsets), in that order; one partial is stored as it is.
+template <typename T>
+void store_dq_head(const Params& p, const Geometry<T>& g, int64_t b, int64_t h,
+                   const T* const* parts, int n, T* acc) {
+  for (int64_t i = 0; i < p.seqlen_q; ++i) {
+    const int64_t qt = g.qt.tile_of(i), row = tile_row(g, qt) + i - g.qt.start(qt);
+    const T* src = parts[0] + row * g.dp;
+    if (n > 1) {
+      std::fill(acc, acc + g.dp, T(0));
+      for (int k = 0; k < n; ++k) row_axpby(acc, parts[k] + row * g.dp, g.dp, T(1), T(1));
+      src = acc;
+    }
+    convert_row_out(src, static_cast<T>(p.scale_softmax), g.d,
+                    element(p.dq_ptr, p.dtype,
+                            b * p.dq_batch_stride + i * p.dq_row_stride + h * p.dq_head_stride),
+                    p.dtype);
+  }
+}
+
+// The backward with key tiles as tasks: dK and dV of a task stay in the thread's buffers, dQ is
+// summed in per-thread partials over the (batch, kv head) pairs of the thread's static slice.
+// Tasks in (batch, kv head, key tile) order take one parallel region (one_region): each thread
+// converts Q and dO of its kv heads' groups itself (BackwardInputs, one group at a time; a group
+// two threads share is converted by both) and stores dQ of the heads no other thread touches;
+// the last thread to finish sums the shared ones' partials, in thread order. A small backward
+// paid a region's wake-up three times (the inputs, the tasks, the dQ sums): 16 x 16 d 64 on 2
+// threads 52 -> 30 us; cpu_tuning.md section 41. In key-tile-major order (below) every thread
+// touches every head: Q and dO converted once for all (prepare_backward_inputs), and dQ summed
+// in a region of its own.
 template <typename T>
 void fa2_backward_by_keys(const Params& p, const Geometry<T>& g, const Mask& mask, bool zigzag,
                           int threads) {
   Workspace<T> ws;
-  BackwardInputs<T> in;
-  prepare_backward_inputs(p, g, threads, *ws, in);
-
   const int64_t group = p.h_h_k_ratio;
   const int64_t nbhk = p.batch * p.nheads_kv;
   const int64_t ntasks = nbhk * g.nkb;
   const int nthreads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, ntasks)));
+  const int64_t head_elems = padded_rows(g) * g.dp;
   DBiasPartials<T> dbias(p, nthreads);
   // A broadcast bias's dBias: tasks in key-tile-major order, each thread summing dBias over the
   // (batch, head) pairs of its key tiles (DBiasKeyTiles, O(seqlen) memory) instead of a whole
@@ -580,20 +614,36 @@ void fa2_backward_by_keys(const Params& p, const Geometry<T>& g, const Mask& mas
   constexpr int64_t kManyKeyTiles = 16;
   const bool key_major =
       by_tile || (p.nheads_kv > 1 && g.nkb >= kManyKeyTiles &&
-                  p.batch * p.nheads * in.rows_alloc * g.dp * static_cast<int64_t>(sizeof(T)) <=
-                      kSmallDq);
+                  p.batch * p.nheads * head_elems * static_cast<int64_t>(sizeof(T)) <= kSmallDq);
+  const bool one_region = !key_major;
+  BackwardInputs<T> all;  // Q and dO of every head, converted before the tasks (key-tile-major)
+  if (!one_region) prepare_backward_inputs(p, g, threads, *ws, all);
   auto task_of = [&](int64_t task, int64_t& bhk, int64_t& index) {
     bhk = key_major ? task % nbhk : task / g.nkb;
     index = key_major ? task / nbhk : task % g.nkb;
   };
-  // dQ partial sums: thread t covers the (batch, kv head) pairs its static slice touches.
+  // dQ partial sums: thread t covers the (batch, kv head) pairs first_bhk[t]..last_bhk[t], those
+  // its static slice touches.
   std::vector<std::vector<T>>& dq_part = ws->part;
   if (static_cast<int>(dq_part.size()) < nthreads) dq_part.resize(static_cast<size_t>(nthreads));
-  std::vector<int64_t> first_bhk(static_cast<size_t>(nthreads), 0), last_bhk(nthreads, -1);
-  const int64_t head_elems = in.rows_alloc * g.dp;
-  parallel_for(ntasks, nthreads, [&](int64_t begin, int64_t end, int t) {
+  if (static_cast<int>(ws->own.size()) < nthreads) ws->own.resize(static_cast<size_t>(nthreads));
+  std::vector<int64_t> first_bhk(static_cast<size_t>(nthreads)), last_bhk(nthreads);
+  for (int t = 0; t < nthreads; ++t) {
+    int64_t begin, end;
+    static_slice(ntasks, nthreads, t, begin, end);
     first_bhk[t] = key_major ? 0 : begin / g.nkb;
     last_bhk[t] = key_major ? nbhk - 1 : (end - 1) / g.nkb;
+  }
+  // The head partials of (bhk, hg), in thread order, into parts; their count.
+  auto partials_of = [&](int64_t bhk, int64_t hg, const T** parts) {
+    int n = 0;
+    for (int t = 0; t < nthreads; ++t)
+      if (first_bhk[t] <= bhk && bhk <= last_bhk[t])
+        parts[n++] = dq_part[t].data() + ((bhk - first_bhk[t]) * group + hg) * head_elems;
+    return n;
+  };
+  std::atomic<int> finished{0};
+  parallel_for(ntasks, nthreads, [&](int64_t begin, int64_t end, int t) {
     if (by_tile) dbias_tiles.open(t, begin / nbhk, (end - 1) / nbhk);
     std::vector<T>& part = dq_part[t];
     part.assign(static_cast<size_t>((last_bhk[t] - first_bhk[t] + 1) * group * head_elems), T(0));
@@ -608,10 +658,24 @@ void fa2_backward_by_keys(const Params& p, const Geometry<T>& g, const Mask& mas
     if (!by_tile) dbias.attach(t, p, scratch);
     T* dK = tiles.dk.get(g.Bcp * g.dp);
     T* dV = tiles.dv.get(g.Bcp * g.dp);
+    BackwardInputs<T> own;  // one_region: Q and dO of the group of kv head `held`
+    int64_t held = -1;
+    BackwardInputs<T>& in = one_region ? own : all;
     for (int64_t task = begin; task < end; ++task) {
       int64_t bhk, index;
       task_of(task, bhk, index);
       const int64_t b = bhk / p.nheads_kv, hk = bhk % p.nheads_kv;
+      if (one_region && bhk != held) {
+        attach_inputs(g, bhk * group, group, ws->own[t], own);
+        T* O = tiles.o.get(g.Brp * g.dp);
+        for (int64_t hg = 0; hg < group; ++hg)
+          for (int64_t qt = 0; qt < g.nqb; ++qt) {
+            const int64_t bh = bhk * group + hg, t0 = tile_row(g, qt);
+            load_query_tile(p, g, b, hk * group + hg, qt, own.q(bh, t0), own.dout(bh, t0),
+                            own.l2(bh, t0), own.d(bh, t0), O);
+          }
+        held = bhk;
+      }
       const int64_t kt = block_order(index, g.nkb, zigzag);
       if (by_tile) dbias_tiles.task(t, index, kt, p, g, scratch);
       const int64_t j0 = g.kt.start(kt), cols = g.kt.size(kt);
@@ -659,32 +723,44 @@ void fa2_backward_by_keys(const Params& p, const Geometry<T>& g, const Mask& mas
       store_key_grads(p, g, b, hk, j0, cols, dK, dV);
     }
     if (by_tile) dbias_tiles.close(t, p, g);
+    if (!one_region) return;
+    // dQ of the heads only this thread touched; the last thread to get here also stores the
+    // shared ones (its acquire sees every other thread's partials, released by their add).
+    std::vector<const T*> parts(static_cast<size_t>(nthreads));
+    T* acc = tiles.acc.get(g.dp);
+    for (int64_t bhk = first_bhk[t]; bhk <= last_bhk[t]; ++bhk)
+      for (int64_t hg = 0; hg < group; ++hg)
+        if (partials_of(bhk, hg, parts.data()) == 1)
+          store_dq_head(p, g, bhk / p.nheads_kv, bhk % p.nheads_kv * group + hg, parts.data(), 1,
+                        acc);
+    if (finished.fetch_add(1, std::memory_order_acq_rel) + 1 != nthreads) return;
+    int64_t done = -1;  // first_bhk[0], last_bhk[0], first_bhk[1], ... never decrease
+    for (int u = 0; u < nthreads; ++u)
+      for (const int64_t bhk : {first_bhk[u], last_bhk[u]}) {
+        if (bhk <= done) continue;
+        done = bhk;
+        for (int64_t hg = 0; hg < group; ++hg) {
+          const int n = partials_of(bhk, hg, parts.data());
+          if (n > 1)
+            store_dq_head(p, g, bhk / p.nheads_kv, bhk % p.nheads_kv * group + hg, parts.data(),
+                          n, acc);
+        }
+      }
   });
   if (by_tile)
     dbias_tiles.finish(p, g);
   else
     dbias.finish(p, threads);  // (with by_tile it would add its empty partials: a pass for nothing)
+  if (one_region) return;
 
   // dQ = scale * (sum of the partials in thread order).
   parallel_for(p.batch * p.nheads, threads, [&](int64_t begin, int64_t end, int) {
+    std::vector<const T*> parts(static_cast<size_t>(nthreads));
     T* acc = backward_tiles<T>().acc.get(g.dp);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / p.nheads, h = bh % p.nheads;
-      const int64_t bhk = b * p.nheads_kv + h / group, hg = h % group;
-      for (int64_t i = 0; i < p.seqlen_q; ++i) {
-        const int64_t qt = g.qt.tile_of(i), row = tile_row(g, qt) + i - g.qt.start(qt);
-        std::fill(acc, acc + g.dp, T(0));
-        for (int t = 0; t < nthreads; ++t) {
-          if (bhk < first_bhk[t] || bhk > last_bhk[t]) continue;
-          const T* src = dq_part[t].data() + ((bhk - first_bhk[t]) * group + hg) * head_elems +
-                         row * g.dp;
-          row_axpby(acc, src, g.dp, T(1), T(1));
-        }
-        convert_row_out(acc, static_cast<T>(p.scale_softmax), g.d,
-                        element(p.dq_ptr, p.dtype,
-                                b * p.dq_batch_stride + i * p.dq_row_stride + h * p.dq_head_stride),
-                        p.dtype);
-      }
+      const int n = partials_of(b * p.nheads_kv + h / group, h % group, parts.data());
+      store_dq_head(p, g, b, h, parts.data(), n, acc);
     }
   });
 }
