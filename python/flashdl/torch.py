@@ -51,6 +51,7 @@ _NO_WINDOW = (-1, -1)
 _ZERO = 0.0
 _AUTO = "auto"
 _BSHD = "bshd"
+_BHSD = "bhsd"
 _NO_OFFSET = 0
 _BLOCK = 128
 
@@ -766,7 +767,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             and softmax_scale is None and seed is None and block_mask is None
             and alibi_slopes is None and bias is None and mask is None and sinks is None
             and deterministic is False and (schedule is _AUTO or schedule == _AUTO)
-            and (layout is _BSHD or layout == _BSHD)
+            and (layout is _BSHD or layout is _BHSD or layout == _BSHD or layout == _BHSD)
             and (window_size is _NO_WINDOW
                  or (window_size.__class__ is tuple and window_size == _NO_WINDOW))
             and (dropout_p is _ZERO or (dropout_p.__class__ is float and dropout_p == 0.0))
@@ -774,14 +775,28 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             and offset is _NO_OFFSET and block_size is _BLOCK
             and not _is_compiling() and not _dispatch_modes() and not _function_modes()
             and not _functorch_active()):
-        result = _api._fast_forward_torch(q, k, v, causal, return_lse)
-        if result is not None:
-            return result
-        # Declined (autograd, a GPU tensor, a refusal): the eager path with the default options.
-        if _EAGER_PATH and _is_tracing() is None and k.__class__ in _TENSOR_TYPES and \
-                v.__class__ in _TENSOR_TYPES:
-            out, lse = _eager_attention((q, k, v), False, q, k, v, _DEFAULT_OPTIONS[causal])
-            return (out, lse) if return_lse else out
+        # SDPA's layout through (batch, seqlen, nheads, headdim) views (the full path words the
+        # errors and checks the ranks of a heads-first call).
+        bhsd = layout is _BHSD or (layout is not _BSHD and layout == _BHSD)
+        arrays = (q, k, v)
+        if not bhsd or (k.__class__ in _TENSOR_TYPES and v.__class__ in _TENSOR_TYPES
+                        and q.dim() == k.dim() == v.dim() == 4):
+            if bhsd:
+                q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            result = _api._fast_forward_torch(q, k, v, causal, return_lse)
+            # Declined (autograd, a GPU tensor, a refusal): the eager path with the defaults.
+            if result is None and _EAGER_PATH and _is_tracing() is None and \
+                    k.__class__ in _TENSOR_TYPES and v.__class__ in _TENSOR_TYPES:
+                result = _eager_attention(arrays, bhsd, q, k, v, _DEFAULT_OPTIONS[causal])
+                if not return_lse:
+                    result = result[0]
+            if result is not None:
+                if not bhsd:
+                    return result
+                if return_lse:
+                    return result[0].transpose(1, 2), result[1]
+                return result.transpose(1, 2)
+            q, k, v = arrays
     bhsd = _layout(layout)
     return_lse = _checks.flag("return_lse", return_lse)
     _tensors({"q": q, "k": k, "v": v}, "flashdl.torch.attention")

@@ -150,7 +150,7 @@ def test_fast_path_default_options(monkeypatch):
         m.setattr(fdt, "_call", no_op)
         m.setattr(fdt, "_EAGER_PATH", False)  # (else the eager path runs what it declines)
         for kwargs in ({"softmax_scale": 0.5}, {"window_size": (2, 0)}, {"schedule": "fa2"},
-                       {"dropout_p": 0.1}, {"softcap": 1.0}, {"layout": "bhsd"}, {"seed": 3},
+                       {"dropout_p": 0.1}, {"softcap": 1.0}, {"seed": 3},
                        {"block_size": 64}, {"deterministic": True}):
             with pytest.raises(AssertionError, match="the op ran"):
                 fdt.attention(q, k, v, **kwargs)
@@ -172,6 +172,20 @@ def test_fast_path_default_options(monkeypatch):
         for args in ((q, k.double(), v), (q, k[:, :3], v), (q.int(), k, v)):
             with pytest.raises(AssertionError, match="the op ran"):
                 fdt.attention(*args)
+    # SDPA's layout takes the fast path too (on transposed views), with the op's results.
+    qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
+    with monkeypatch.context() as m:
+        m.setattr(fdt, "_call", no_op)
+        m.setattr(fdt, "_EAGER_PATH", False)
+        fast = fdt.attention(qh, kh, vh, causal=True, layout="bhsd", return_lse=True)
+    with monkeypatch.context() as m:
+        m.setattr(_api, "_fast_forward_torch", lambda *a: None)
+        m.setattr(fdt, "_EAGER_PATH", False)
+        full = fdt.attention(qh, kh, vh, causal=True, layout="bhsd", return_lse=True)
+    for a, b in zip(fast, full):
+        assert a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
+    with pytest.raises(ValueError, match="layout='bhsd'"):
+        fdt.attention(q[0], k[0], v[0], layout="bhsd")  # rank 3: the full path's refusal
     # A strided q: the fast path's output is contiguous, equal to the op's.
     qs = torch.randn(1, 2, 9, 16, generator=gen).transpose(1, 2)
     fast = fdt.attention(qs, k, v)
@@ -239,6 +253,8 @@ EAGER_CASES = {
                         dict(bias="bias", mask="mask", sinks="sinks")),
     "bhsd softcap alibi": ((1, 13, 17, 4, 4, 32, torch.float32),
                            dict(layout="bhsd", softcap=5.0, alibi_slopes="alibi", causal=True)),
+    "bhsd defaults causal": ((2, 13, 17, 4, 2, 32, torch.float32),
+                             dict(layout="bhsd", causal=True)),
     "bfloat16 causal return_lse": ((1, 40, 40, 2, 2, 64, torch.bfloat16),
                                    dict(causal=True, return_lse=True)),
     "float64 block mask": ((1, 33, 40, 2, 2, 16, torch.float64),
