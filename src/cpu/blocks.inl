@@ -880,19 +880,24 @@ void backward_block(const Geometry<T>& g, const Params& p, const Mask& mask, int
                  scratch);
 }
 
-// K (Bcp x dp), K^T and V^T (d x Bcp) of keys [j0, j0 + cols) of (b, hk).
+// K (Bcp x dp), K^T and V^T (d x Bcp) of keys [j0, j0 + cols) of (b, hk), zero-padded to `pad`
+// keys (-1: Bcp). The products read np = round_up(cols, kNR) keys of each: a short tile (16 keys
+// of a 96-key Bcp) padded to Bcp spent most of its load writing zeros (cpu_tuning.md section 43).
+// The bfloat16 products' pairing reads all Bcp.
 template <typename T>
 struct KeyBlock {
   Buffer<T> K, Kt, Vt, scratch;
-  void load(const Params& p, const Geometry<T>& g, int64_t b, int64_t hk, int64_t j0, int64_t cols) {
+  void load(const Params& p, const Geometry<T>& g, int64_t b, int64_t hk, int64_t j0, int64_t cols,
+            int64_t pad = -1) {
+    if (pad < 0) pad = g.Bcp;
     load_rows(element(p.k_ptr, p.dtype, k_offset(p, b, j0, hk)), p.dtype, p.k_row_stride, cols, g.d,
-              K.get(g.Bcp * g.dp), g.dp, g.Bcp);
+              K.get(g.Bcp * g.dp), g.dp, pad);
     load_rows_transposed(element(p.k_ptr, p.dtype, k_offset(p, b, j0, hk)), p.dtype,
                          p.k_row_stride, cols, g.d, Kt.get(g.d * g.Bcp), g.Bcp,
-                         scratch.get(kTransposeRows * g.dp));
+                         scratch.get(kTransposeRows * g.dp), pad);
     load_rows_transposed(element(p.v_ptr, p.dtype, v_offset(p, b, j0, hk)), p.dtype,
                          p.v_row_stride, cols, g.d, Vt.get(g.d * g.Bcp), g.Bcp,
-                         scratch.get(kTransposeRows * g.dp));
+                         scratch.get(kTransposeRows * g.dp), pad);
   }
 };
 

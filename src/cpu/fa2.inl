@@ -559,6 +559,13 @@ void prepare_backward_inputs(const Params& p, const Geometry<T>& g, int threads,
   });
 }
 
+// How far KeyBlock::load zero-pads a key tile of np product columns: np, or Bcp for the
+// bfloat16 products (their pairing reads all Bcp).
+template <typename T>
+int64_t key_pad(const Params& p, const Geometry<T>& g, int64_t np) {
+  return std::is_same_v<T, float> && p.dtype == DType::bfloat16 ? g.Bcp : np;
+}
+
 // dQ of head (b, h), every row: scale times the sum of the partials parts[0..n) (a head's rows of
 // each thread's dQ partial, at tile_row offsets), in that order; one partial is stored as it is.
 template <typename T>
@@ -679,8 +686,11 @@ void fa2_backward_by_keys(const Params& p, const Geometry<T>& g, const Mask& mas
       const int64_t kt = block_order(index, g.nkb, zigzag);
       if (by_tile) dbias_tiles.task(t, index, kt, p, g, scratch);
       const int64_t j0 = g.kt.start(kt), cols = g.kt.size(kt);
-      std::fill(dK, dK + g.Bcp * g.dp, T(0));
-      std::fill(dV, dV + g.Bcp * g.dp, T(0));
+      // The products touch nm = round_up(cols, kMR) rows of dK and dV, read np keys of K, K^T
+      // and V^T (the bfloat16 pairing all Bcp).
+      const int64_t nm = detail::round_up(cols, kMR), np = detail::round_up(cols, kNR<T>);
+      std::fill(dK, dK + nm * g.dp, T(0));
+      std::fill(dV, dV + nm * g.dp, T(0));
       const int64_t i_begin = mask.row_begin(j0), i_end = mask.row_end(j0 + cols - 1);
       bool kv_loaded = false;
       for (int64_t hg = 0; hg < group && i_begin < i_end; ++hg) {
@@ -692,7 +702,7 @@ void fa2_backward_by_keys(const Params& p, const Geometry<T>& g, const Mask& mas
           if (!pair_in_mask(g, bm, qt, kt)) continue;  // a zero block: never loaded or computed
           if (mask_tile_empty(&ex, g.qt.start(qt), g.qt.size(qt), j0, cols)) continue;
           if (!kv_loaded) {
-            kb_bufs.load(p, g, b, hk, j0, cols);
+            kb_bufs.load(p, g, b, hk, j0, cols, key_pad(p, g, np));
 #if FLASHDL_HAVE_BF16_DOT
             if constexpr (std::is_same_v<T, float>)
               if (bf16) bprod.keys(g, kb_bufs.K.data.data(), kb_bufs.Kt.data.data(),
@@ -860,7 +870,7 @@ void fa2_backward_by_queries(const Params& p, const Geometry<T>& g, const Mask& 
         }
 #endif
         if (loaded[slot] != bhk * g.nkb + kt) {
-          kb_bufs.load(p, g, b, hk, tp.j0, tp.cols);
+          kb_bufs.load(p, g, b, hk, tp.j0, tp.cols, key_pad(p, g, tp.np));
 #if FLASHDL_HAVE_BF16_DOT
           if constexpr (std::is_same_v<T, float>)
             if (bf16) bp->keys(g, kb_bufs.K.data.data(), kb_bufs.Kt.data.data(),

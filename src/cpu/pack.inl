@@ -125,16 +125,17 @@ void load_rows(const void* src, DType dt, int64_t row_stride, int64_t rows, int6
 // Rows load_rows_transposed converts at a time; its scratch holds this many rows of `cols`.
 constexpr int64_t kTransposeRows = 16;
 
-// The transpose: dst[c * ld + r] = src row r, column c, for c < cols; zeros for r in [rows, ld).
-// kTransposeRows rows are converted into scratch, then transposed in W x W register blocks
-// (transpose_block), each store a vector of one destination row. (A store per row and column
-// made this the forward's top cost over a few query rows.)
+// The transpose: dst[c * ld + r] = src row r, column c, for c < cols; zeros for r in [rows, pad)
+// (pad -1: ld). kTransposeRows rows are converted into scratch, then transposed in W x W register
+// blocks (transpose_block), each store a vector of one destination row. (A store per row and
+// column made this the forward's top cost over a few query rows.)
 template <typename T>
 void load_rows_transposed(const void* src, DType dt, int64_t row_stride, int64_t rows, int64_t cols,
-                          T* dst, int64_t ld, T* scratch) {
+                          T* dst, int64_t ld, T* scratch, int64_t pad = -1) {
   constexpr int64_t W = Simd<T>::W;
   static_assert(kTransposeRows % W == 0, "whole register blocks of rows");
-  for (int64_t c = 0; c < cols; ++c) std::fill(dst + c * ld + rows, dst + (c + 1) * ld, T(0));
+  if (pad < 0) pad = ld;
+  for (int64_t c = 0; c < cols; ++c) std::fill(dst + c * ld + rows, dst + c * ld + pad, T(0));
   for (int64_t r0 = 0; r0 < rows; r0 += kTransposeRows) {
     const int64_t n = std::min(kTransposeRows, rows - r0);
     for (int64_t i = 0; i < n; ++i)
