@@ -343,11 +343,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   T* codes_t = reinterpret_cast<T*>(sS + kFrag * Tr::kLdS);  // below the map's tiles
   fill_code_tile(codes_t, Tr::kThreads);
   __syncthreads();
-  const FragMap map = accumulator_map(sS, sdP, Tr::kLdS);
-  const bool mma_layout = map_is_mma_layout(map);
+  const FragMap learnt = accumulator_map(sS, sdP, Tr::kLdS);
+  const bool mma_layout = map_is_mma_layout(learnt);
   // load_frag's bfloat16 loads (as float16) are those of wmma on every architecture they are
   // compiled for (SASS, sm_80 and sm_90): a failure here is a compiler change, not a fallback.
-  if (!twin_loads_hold_backward<T>(codes_t)) __trap();
+  // The dense kernel takes the layout as known (a lane's lse2 / D two loads per 16-row fragment
+  // instead of one per element, its P / dS offsets constants): it holds on the same terms.
+  if (!twin_loads_hold_backward<T>(codes_t) || (kDense && !mma_layout)) __trap();
+  const FragMap map = kDense ? mma_frag_map() : learnt;
   __syncthreads();  // S and dP are overwritten below
 
   const int band = warp % Tr::kKeyBands, split = warp / Tr::kKeyBands;
@@ -361,7 +364,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   // Two barriers per pair: this one (the pair's block visible to all; every warp done with the
   // previous pair's stage, P and dS) and pair_probs' (P and dS visible).
   bool first = true, k_nonfinite = false;
-  PairAt at = pair_at(it);
+  PairAt at = it < total ? pair_at(it) : PairAt{0, 0};  // nm is 0 where no query sees a key
   for (int stage = 0; it < total; first = false) {
     const int64_t next = next_pair(it + 1);
     const PairAt at_next = kDense ? pair_after(at) : pair_at(next);

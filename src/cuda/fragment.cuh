@@ -265,6 +265,21 @@ __device__ __forceinline__ FragMap accumulator_map(const float* rows, const floa
   return m;
 }
 
+// The map of the m16n8k16 layout itself (acc_row / acc_col), for kernels that have checked it
+// holds (map_is_mma_layout): its offsets are then known to the compiler, a lane's rows two per
+// 16-row fragment (lane / 4, lane / 4 + 8), instead of read from a learnt map.
+__device__ __forceinline__ FragMap mma_frag_map() {
+  const int lane = threadIdx.x % 32;
+  FragMap m;
+#pragma unroll
+  for (int i = 0; i < FragAcc::num_elements; ++i) {
+    m.r[i] = static_cast<unsigned char>(acc_row(lane, i));
+    m.c[i] = static_cast<unsigned char>(acc_col(lane, i));
+  }
+  m.pairs = true;
+  return m;
+}
+
 // T values a, b at p and p + 1 in one 32-bit store (p 4-byte aligned).
 template <typename T>
 __device__ __forceinline__ void store_pair(T* p, float a, float b) {
