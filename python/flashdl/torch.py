@@ -576,25 +576,33 @@ def _stream(x) -> int:
 
 class _EagerAttention(torch.autograd.Function):
     """attention's autograd outside compilation: call (an _EagerCall) runs the forward and the
-    backward; bias and sinks are inputs for their gradients. The tensors are saved detached
-    (sharing their version counters: an in-place change before the backward is still caught)."""
+    backward; bias and sinks are inputs for their gradients. q, k, v, out and the gradients are
+    in the caller's layout, transposed here for a heads-first call (views, no autograd nodes of
+    their own: four fewer nodes a call). The tensors are saved detached (sharing their version
+    counters: an in-place change before the backward is still caught)."""
 
     @staticmethod
     def forward(ctx, q, k, v, bias, sinks, call):
         q, k, v = q.detach(), k.detach(), v.detach()
+        if call.bhsd:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         out, lse = call.forward(q, k, v)
-        ctx.save_for_backward(q, k, v, out.detach(), lse, bias, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, bias, sinks)
         ctx.call = call
         # lse is returned for callers that want it (return_lse=True); no gradient flows into it.
         ctx.mark_non_differentiable(lse)
-        return out, lse
+        return (out.transpose(1, 2) if call.bhsd else out.view_as(out)), lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         if _grad_enabled():  # create_graph=True: no double backward
             return _EagerAttention._once_backward(ctx, dout, _dlse)
         q, k, v, out, lse, _bias, _sinks = ctx.saved_tensors
-        dq, dk, dv, dbias, dsinks = ctx.call.backward(dout, q, k, v, out, lse)
+        call = ctx.call
+        dq, dk, dv, dbias, dsinks = call.backward(dout.transpose(1, 2) if call.bhsd else dout,
+                                                  q, k, v, out, lse)
+        if call.bhsd:
+            dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
         needs = ctx.needs_input_grad
         return (dq, dk, dv, dbias if needs[3] else None, dsinks if needs[4] else None, None)
 
@@ -611,17 +619,23 @@ _function_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, _EagerA
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
 
-def _eager_attention(arrays, bhsd, q, k, v, options):
-    """(out, lse) of the eager path: through _EagerAttention where autograd needs it."""
+def _eager_attention(arrays, bhsd, options):
+    """(out, lse) of the eager path, out in the layout of arrays (the caller's q, k, v): through
+    _EagerAttention where autograd needs it."""
     call = _EagerCall(arrays, bhsd, options)
     bias, sinks = call.bias, call.sinks
+    q, k, v = arrays
     if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or
                             (bias is not None and bias.requires_grad) or
                             (sinks is not None and sinks.requires_grad)):
         return _function_apply(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v),
                                None if bias is None else _unwrap_if_dead(bias),
                                None if sinks is None else _unwrap_if_dead(sinks), call)
-    return call.forward(q.detach(), k.detach(), v.detach())
+    q, k, v = q.detach(), k.detach(), v.detach()
+    if not bhsd:
+        return call.forward(q, k, v)
+    out, lse = call.forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    return out.transpose(1, 2), lse
 
 
 def _cu_tensor(name, x):
@@ -784,18 +798,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             if bhsd:
                 q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             result = _api._fast_forward_torch(q, k, v, causal, return_lse)
-            # Declined (autograd, a GPU tensor, a refusal): the eager path with the defaults.
-            if result is None and _EAGER_PATH and _is_tracing() is None and \
-                    k.__class__ in _TENSOR_TYPES and v.__class__ in _TENSOR_TYPES:
-                result = _eager_attention(arrays, bhsd, q, k, v, _DEFAULT_OPTIONS[causal])
-                if not return_lse:
-                    result = result[0]
             if result is not None:
                 if not bhsd:
                     return result
                 if return_lse:
                     return result[0].transpose(1, 2), result[1]
                 return result.transpose(1, 2)
+            # Declined (autograd, a GPU tensor, a refusal): the eager path with the defaults.
+            if _EAGER_PATH and _is_tracing() is None and k.__class__ in _TENSOR_TYPES and \
+                    v.__class__ in _TENSOR_TYPES:
+                out, lse = _eager_attention(arrays, bhsd, _DEFAULT_OPTIONS[causal])
+                return (out, lse) if return_lse else out
             q, k, v = arrays
     bhsd = _layout(layout)
     return_lse = _checks.flag("return_lse", return_lse)
@@ -807,9 +820,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
                           offset, block_mask, block_size, deterministic, alibi_slopes, softcap,
                           sinks, bias, mask)
     if _eager_ok((q, k, v) + options[-3:] + (options[5], options[7], options[9])):
-        out, lse = _eager_attention(arrays, bhsd, q, k, v, options)
-    else:
-        out, lse = _call(_attention_forward, arrays, bhsd, False, q, k, v, *options)
+        out, lse = _eager_attention(arrays, bhsd, options)
+        return (out, lse) if return_lse else out
+    out, lse = _call(_attention_forward, arrays, bhsd, False, q, k, v, *options)
     if bhsd:
         out = out.transpose(1, 2)
     return (out, lse) if return_lse else out
