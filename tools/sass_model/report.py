@@ -388,9 +388,9 @@ def git_describe():
     try:
         rev = subprocess.run(['git', '-C', ROOT, 'rev-parse', '--short', 'HEAD'],
                              capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(['git', '-C', ROOT, 'status', '--porcelain', '--', 'src',
+        dirty = subprocess.run(['git', '-C', ROOT, 'status', '--porcelain', '--', 'src/cuda',
                                 'include'], capture_output=True, text=True).stdout.strip()
-        return rev + (' with uncommitted changes in src/include' if dirty else '')
+        return rev + (' with uncommitted changes in src/cuda or include' if dirty else '')
     except (OSError, subprocess.CalledProcessError):
         return 'unknown'
 
