@@ -79,59 +79,57 @@ def _run_has_call(ins, k):
     return False
 
 
+def _next(ins, idx, k):
+    """Where control goes after the instruction at index k, for the look-ahead of a branch
+    decision: (next index or None at an exit, index of a forward branch's taken side or None).
+    Unconditional branches are followed; conditional backward ones (loops' back edges) fall
+    through."""
+    i = ins[k]
+    if i.op in ('EXIT', 'RET') and not i.conditional:
+        return None, None
+    if _is_branch(i) and i.pred != '@!PT':
+        if i.target not in idx:
+            return (k + 1 if i.conditional else None), None
+        if not i.conditional:
+            return idx[i.target], None
+        if i.target > i.addr:
+            return k + 1, idx[i.target]
+    return k + 1, None
+
+
 def _reach(ins, idx, k, n):
     """{index: distance} of the instructions reachable from index k within n, over both sides of
-    every forward branch (conditional back edges not followed)."""
+    every forward branch."""
     dist = {}
     frontier = [(k, 0)]
     while frontier:
         k, d = frontier.pop()
-        while 0 <= k < len(ins) and d < n and (k not in dist or dist[k] > d):
+        while k is not None and 0 <= k < len(ins) and d < n and (k not in dist or dist[k] > d):
             dist[k] = d
-            i = ins[k]
             d += 1
-            if i.op in ('EXIT', 'RET') and not i.conditional:
-                break
-            if _is_branch(i) and i.pred != '@!PT':
-                if i.target not in idx:
-                    if not i.conditional:
-                        break
-                elif not i.conditional:
-                    k = idx[i.target]
-                    continue
-                elif i.target > i.addr:
-                    frontier.append((idx[i.target], d))
-            k += 1
+            k, taken = _next(ins, idx, k)
+            if taken is not None:
+                frontier.append((taken, d))
     return dist
 
 
 def _best_worth(ins, idx, k, prefer, avoid, join, n=256, memo=None):
     """The most any path from index k to the join index can be worth: instructions of preferred
-    source lines less those of avoided ones, the best side taken at every forward branch (a
-    conditional backward branch, a loop's back edge, falls through)."""
+    source lines less those of avoided ones, the best side taken at every forward branch."""
     memo = {} if memo is None else memo
     if k in memo:
         return memo[k]
     worth = 0
     start = k
-    while 0 <= k < len(ins) and k != join and n > 0:
+    while k is not None and 0 <= k < len(ins) and k != join and n > 0:
         i = ins[k]
         worth += (i.src in prefer) - (i.src in avoid)
         n -= 1
-        if i.op in ('EXIT', 'RET') and not i.conditional:
+        k, taken = _next(ins, idx, k)
+        if taken is not None:
+            worth += max(_best_worth(ins, idx, k, prefer, avoid, join, n, memo),
+                         _best_worth(ins, idx, taken, prefer, avoid, join, n, memo))
             break
-        if _is_branch(i) and i.pred != '@!PT':
-            if i.target not in idx:
-                if not i.conditional:
-                    break
-            elif not i.conditional:
-                k = idx[i.target]
-                continue
-            elif i.target > i.addr:
-                worth += max(_best_worth(ins, idx, k + 1, prefer, avoid, join, n, memo),
-                             _best_worth(ins, idx, idx[i.target], prefer, avoid, join, n, memo))
-                break
-        k += 1
     memo[start] = worth
     return worth
 
