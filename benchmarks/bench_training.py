@@ -29,7 +29,6 @@ import os
 import statistics
 import time
 
-
 import flashdl
 from tables import cpu_model, emit
 
