@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <utility>
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
@@ -141,12 +142,31 @@ namespace {
 // span of all smaller axes (element size plus sum of |stride| x (extent - 1)). A stride of 0 on an
 // axis of extent > 1 (an expanded array) fails it and does overlap; other failures may not
 // (strides such as (2, 3) for shape (3, 2) interleave without a collision) but are refused too.
+// An axis of extent > 1 as the overlap checks see it: |stride| in bytes and extent.
+struct Axis {
+  __int128 stride, extent;
+};
+
+// Whether the n axes, sorted by stride, each stride at least the span of all smaller axes
+// (starting from the element size es): then no two elements share a byte. At most kMaxRank + 1
+// axes: an insertion sort (std::sort's threshold path drew GCC 12 -Warray-bounds false
+// positives over the five-element array).
+bool axes_never_collide(Axis* axes, int n, __int128 es) {
+  for (int i = 1; i < n; ++i)
+    for (int j = i; j > 0 && axes[j].stride < axes[j - 1].stride; --j)
+      std::swap(axes[j], axes[j - 1]);
+  __int128 span = es;
+  for (int i = 0; i < n; ++i) {
+    if (axes[i].stride < span) return false;
+    span += axes[i].stride * (axes[i].extent - 1);
+  }
+  return true;
+}
+
 bool provably_no_self_overlap(const TensorView& t, int64_t& zero_axis) {
   zero_axis = -1;
   if (t.numel() == 0) return true;
-  struct Axis {
-    __int128 stride, extent;
-  } axes[kMaxRank + 1];
+  Axis axes[kMaxRank + 1];
   int n = 0;
   const __int128 es = static_cast<__int128>(dtype_size(t.dtype));
   for (int i = 0; i < t.rank; ++i) {
@@ -158,13 +178,7 @@ bool provably_no_self_overlap(const TensorView& t, int64_t& zero_axis) {
     const __int128 st = t.strides[i] < 0 ? -static_cast<__int128>(t.strides[i]) : t.strides[i];
     axes[n++] = {st * es, t.shape[i]};
   }
-  std::sort(axes, axes + n, [](const Axis& a, const Axis& b) { return a.stride < b.stride; });
-  __int128 span = es;
-  for (int i = 0; i < n; ++i) {
-    if (axes[i].stride < span) return false;
-    span += axes[i].stride * (axes[i].extent - 1);
-  }
-  return true;
+  return axes_never_collide(axes, n, es);
 }
 
 // Whether a and b provably share no byte: disjoint spans, or (the interleaved views of one buffer,
@@ -182,9 +196,7 @@ bool provably_disjoint(const TensorView& a, const TensorView& b) {
   const intptr_t delta = reinterpret_cast<intptr_t>(b.data) - reinterpret_cast<intptr_t>(a.data);
   if (delta % es != 0) return false;
   // TensorView holds kMaxRank axes: the pair is checked as a view of rank + 1 built by hand.
-  struct Axis {
-    __int128 stride, extent;
-  } axes[kMaxRank + 1];
+  Axis axes[kMaxRank + 1];
   int n = 0;
   const __int128 d = delta < 0 ? -static_cast<__int128>(delta) : delta;
   if (d == 0) return false;
@@ -195,13 +207,7 @@ bool provably_disjoint(const TensorView& a, const TensorView& b) {
     const __int128 st = a.strides[i] < 0 ? -static_cast<__int128>(a.strides[i]) : a.strides[i];
     axes[n++] = {st * es, a.shape[i]};
   }
-  std::sort(axes, axes + n, [](const Axis& p, const Axis& q) { return p.stride < q.stride; });
-  __int128 span = es;
-  for (int i = 0; i < n; ++i) {
-    if (axes[i].stride < span) return false;
-    span += axes[i].stride * (axes[i].extent - 1);
-  }
-  return true;
+  return axes_never_collide(axes, n, es);
 }
 
 }  // namespace

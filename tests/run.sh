@@ -44,13 +44,25 @@ step() {
   STEP_START=$SECONDS
   printf '\n[%s] ==== %s\n' "$(clock)" "$1"
 }
+# Prints the lines of its input that match the extended regex $1, leading blanks dropped, cut at
+# 120 characters, each as soon as it arrives: bash's own read, no awk (mawk, Debian's default,
+# reads a pipe in 4 KB blocks, which held the build's progress back for minutes).
+progress_lines() {
+  local line
+  while IFS= read -r line; do
+    if [[ $line =~ $1 ]]; then
+      line=${line#"${line%%[![:space:]]*}"}
+      printf '%s\n' "${line:0:120}"
+    fi
+  done
+}
+
 # Runs a command with its output in $LOGS/$1.log, printing only the lines matching $2 (progress);
 # on failure, the log's last 80 lines.
 quietly() {
   local log=$LOGS/$1.log pattern=$2
   shift 2
-  if ! "$@" > >(tee "$log" | awk -v p="$pattern" \
-                 '$0 ~ p { sub(/^ +/, ""); print substr($0, 1, 120); fflush() }') 2>&1; then
+  if ! "$@" > >(tee "$log" | progress_lines "$pattern") 2>&1; then
     sleep 1
     echo "---- failed: $*  (last 80 lines of $log)"
     tail -n 80 "$log"
