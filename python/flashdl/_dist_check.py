@@ -15,16 +15,16 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ._frameworks import _type_name
+
 
 def torch_tensors(fn: str, **arrays) -> None:
     """TypeError naming the first of arrays that is not a torch.Tensor (torch.distributed moves
     tensors): before any collective, so every rank raises it alike."""
     for name, x in arrays.items():
         if not isinstance(x, torch.Tensor):
-            t = type(x)
-            what = t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
             raise TypeError(f"{name}: {fn} takes torch tensors (over torch.distributed), got "
-                            f"{what}; flashdl.jax.ring_attention shards JAX arrays")
+                            f"{_type_name(x)}; flashdl.jax.ring_attention shards JAX arrays")
 
 
 def require_initialized(name: str = "group") -> None:

@@ -60,6 +60,7 @@ import numpy as np
 import torch
 
 from . import _checks
+from ._frameworks import _type_name
 from . import torch as _fdt
 from ._api import dropout_mask as _dropout_mask
 
@@ -125,9 +126,8 @@ def _tensors(fn, **arrays):
     take torch tensors; flashdl's own (named) take NumPy, JAX and CuPy arrays too."""
     for name, x in arrays.items():
         if not isinstance(x, torch.Tensor):
-            t = type(x)
-            what = t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
-            raise TypeError(f"{name}: {fn} takes torch tensors (as flash-attn), got {what}; "
+            raise TypeError(f"{name}: {fn} takes torch tensors (as flash-attn), got "
+                            f"{_type_name(x)}; "
                             f"use {_NATIVE[fn]} for NumPy, JAX or CuPy arrays")
 
 
