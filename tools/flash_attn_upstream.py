@@ -33,8 +33,8 @@ The expression also sees `test`, the test function's name, and float16, bfloat16
     python tools/flash_attn_upstream.py --from-sdist [--version 2.8.3.post2] [-- PYTEST ARGS]
 
 PATH: tests/test_flash_attn.py itself, a flash-attn checkout (its tests/test_flash_attn.py is
-used) or an sdist tarball. --no-run writes the copy and stops. docs/flash_attn_tests.md has the
-runs and their results.
+used) or an sdist tarball. --no-run writes the copy and stops. docs/migrating/flash_attn_tests.md
+has the runs and their results.
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ SUBSTITUTIONS = [
 ]
 
 # Cases that need what flashdl lacks, for --flashdl-supported: (test function, predicate over its
-# parameters or None for every case, reason). Reasons are repeated in docs/flash_attn_tests.md.
+# parameters or None for every case, reason). Reasons are repeated in
+# docs/migrating/flash_attn_tests.md.
 UNSUPPORTED = [
     ("test_flash_attn_varlen_paged_kv_num_splits", None,
      "calls flash-attn's private _flash_attn_varlen_forward"),
