@@ -3,7 +3,8 @@
 Build: ``sphinx-build -W --keep-going -b html docs build/docs/html`` (or ``bash tools/check_docs.sh``,
 which also runs the doctests and checks that every public name is in the API reference).
 The reference is generated from the installed package's docstrings, so flashdl must be importable
-(``python -m pip install .[docs]``; an editable install picks up docstring edits at once).
+(``python -m pip install .``, then ``bash tools/check_docs.sh --deps`` for Sphinx and the theme;
+an editable install picks up docstring edits at once).
 """
 
 from __future__ import annotations

@@ -6,15 +6,40 @@
 #      output shown;
 #   3. every public name (each module's __all__, and each public class) of flashdl,
 #      flashdl.torch, flashdl.jax, flashdl.flash_attn and flashdl.transformers is in the reference.
-# Needs flashdl installed (pip install .[docs] installs Sphinx and the theme; torch, jax,
-# transformers and ml_dtypes for the examples that use them). Exits non-zero on any failure.
+# Needs flashdl installed in the active Python (the site's reference is generated from it), the
+# `docs` extra's packages (Sphinx, the theme, MyST, sphinx-copybutton), and torch, jax,
+# transformers and ml_dtypes for the examples that use them. Exits non-zero on any failure.
 #
 #   bash tools/check_docs.sh          # then open build/docs/html/index.html
+#   bash tools/check_docs.sh --deps   # first installs the docs extra's packages, as pyproject.toml
+#                                     # lists them, into the active Python; flashdl as installed
+#                                     # (pip install ".[docs]" would compile the library again)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 OUT=build/docs
 status=0
+
+if [ "${1:-}" = "--deps" ]; then
+  deps=$("$PYTHON" - <<'PY'
+import pathlib
+import re
+
+text = pathlib.Path("pyproject.toml").read_text(encoding="utf-8")
+extras = re.search(r"^\[project\.optional-dependencies\]\n(.*?)(?=^\[|\Z)", text, re.M | re.S)
+docs = re.search(r"^docs\s*=\s*\[(.*?)\]", extras.group(1), re.M | re.S) if extras else None
+if docs is None:
+    raise SystemExit("check_docs.sh: no docs extra in pyproject.toml")
+print("\n".join(re.findall(r'"([^"]+)"', docs.group(1))))
+PY
+  ) || exit 1
+  mapfile -t DEPS <<< "$deps"
+  echo "== docs: installing the docs extra's packages: ${DEPS[*]}"
+  "$PYTHON" -m pip install -q "${DEPS[@]}" || exit 1
+elif [ $# -gt 0 ]; then
+  echo "usage: bash tools/check_docs.sh [--deps]" >&2
+  exit 2
+fi
 
 echo "== docs: HTML (sphinx-build -W --keep-going)"
 # -E: a fresh environment, so that warnings of pages unchanged since the last build are reported.
