@@ -34,7 +34,8 @@ import torch.multiprocessing as mp
 
 import flashdl
 import flashdl.torch as ft
-from flashdl import _ring, _ulysses
+from flashdl import _torch_ring as _ring
+from flashdl import _torch_ulysses as _ulysses
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tables import cpu_model, emit  # noqa: E402

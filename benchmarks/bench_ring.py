@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 
 import flashdl
 import flashdl.torch as ft
-from flashdl import _ring
+from flashdl import _torch_ring as _ring
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tables import attention_flops, cpu_model, emit  # noqa: E402

@@ -7,57 +7,17 @@ the bad argument; this layer adds only what Python alone knows (array types, fra
 
 from __future__ import annotations
 
-import numbers
-import operator
-import secrets
-import sys
-from typing import TYPE_CHECKING, Any, Literal, Optional, Tuple, Union, overload
+from typing import TYPE_CHECKING, Any, Literal, Optional, Tuple, overload
 
 import numpy as np
 
-from . import _checks, _ext
-from ._frameworks import Frame, _dtype_name, _is_numpy_bfloat16
+from . import _args, _checks, _ext
+from ._args import ArrayLike, BlockSize
+from ._fast_path import forward as _fast_forward
+from ._frameworks import Frame
 
 if TYPE_CHECKING:
     import numpy.typing as npt
-
-ArrayLike = Any
-"""An array of NumPy, PyTorch, JAX or CuPy (or any CPU array with __dlpack__); the outputs come
-back in the caller's framework: the same type for NumPy, PyTorch, JAX and CuPy, NumPy arrays for
-other DLPack CPU arrays. Any, as no common array type covers these frameworks."""
-
-BlockSize = Union[int, Tuple[int, int]]
-"""block_size: an int for both, or a pair (block_q, block_k)."""
-
-_FLOATS_FWD = ("q", "k", "v")
-_FLOATS_BWD = ("dout", "q", "k", "v", "out")
-
-
-def _window(window_size):
-    try:
-        left, right = window_size
-    except (TypeError, ValueError):
-        raise TypeError("window_size: expected a pair (left, right) of ints, -1 for unbounded, "
-                        f"got {window_size!r}") from None
-    what = "a pair (left, right) of ints that fit int64, -1 for unbounded"
-    return (_checks.integer("window_size", left, what),
-            _checks.integer("window_size", right, what))
-
-
-def _unsigned(name, x, bits):
-    """x as an int in [0, 2**bits): TypeError for a non-integer (a bool too), ValueError out of
-    range."""
-    return _checks.integer(name, x, f"an int in [0, 2**{bits})", 0, 2**bits)
-
-
-def _dropout_p(dropout_p):
-    """A float; the core checks the range [0, 1) and names dropout_p."""
-    return _checks.real("dropout_p", dropout_p, "a float in [0, 1)")
-
-
-def draw_seed() -> int:
-    """A fresh random dropout seed, 63 bits from the OS (secrets), never NumPy's global state."""
-    return secrets.randbits(63)
 
 
 def _dropout_slice(batch_offset, head_offset, nheads_total):
@@ -65,124 +25,6 @@ def _dropout_slice(batch_offset, head_offset, nheads_total):
     return {name: _checks.integer(name, value, "an int") for name, value in (
         ("dropout_batch_offset", batch_offset), ("dropout_head_offset", head_offset),
         ("dropout_nheads_total", nheads_total))}
-
-
-def _dropout(dropout_p, seed, offset):
-    """(dropout_p, seed, offset) validated; seed None draws one (only when dropout_p > 0)."""
-    dropout_p = _dropout_p(dropout_p)
-    if seed is None:
-        seed = draw_seed() if dropout_p > 0 else 0
-    # The offset is a 32-bit Philox counter word (the core checks it too).
-    return dropout_p, _unsigned("seed", seed, 64), _unsigned("offset", offset, 32)
-
-
-def _block_sparse(block_mask, block_size):
-    """The extension's block-sparse keywords. block_mask: None (dense) or any CPU array that crosses
-    DLPack (NumPy, or the framework of q); the core checks dtype bool, rank, shape and device.
-    block_size: an int or a pair (block_q, block_k) of ints >= 1."""
-    what = "an int or a pair (block_q, block_k) of ints"
-    try:
-        pair = ((block_size, block_size)
-                if type(block_size) is int or isinstance(block_size, numbers.Integral)
-                else block_size)
-        bq, bk = pair
-    except (TypeError, ValueError):
-        raise TypeError(f"block_size: expected {what}, got {block_size!r}") from None
-    bq, bk = (_checks.integer("block_size", x, what) for x in (bq, bk))
-    if not (1 <= bq < 2**63 and 1 <= bk < 2**63):
-        raise ValueError(f"block_size: expected block sizes in [1, 2**63), got ({bq}, {bk})")
-    if block_mask is not None and not (isinstance(block_mask, np.ndarray)
-                                       or hasattr(block_mask, "__dlpack__")):
-        raise TypeError("block_mask: expected None or a bool array (NumPy or the framework of q) "
-                        f"of shape (nblocks_q, nblocks_k), got {type(block_mask).__name__}")
-    if block_mask is not None:
-        _checks.readable("block_mask", block_mask)
-    return dict(block_mask=block_mask, block_size_q=bq, block_size_k=bk)
-
-
-def _score_mods(alibi_slopes, softcap):
-    """The extension's score-modifier keywords. alibi_slopes: None or a float32 array that crosses
-    DLPack (NumPy, or the framework of q, on the device of q); the core checks dtype, shape and
-    device. softcap: a float >= 0 (0: off); the core checks the range."""
-    softcap = _checks.real("softcap", softcap, "a float >= 0 (0: off)")
-    if alibi_slopes is not None:
-        if not (isinstance(alibi_slopes, np.ndarray) or hasattr(alibi_slopes, "__dlpack__")):
-            raise TypeError("alibi_slopes: expected None or a float32 array (NumPy or the "
-                            "framework of q) of shape (nheads,) or (batch, nheads), "
-                            f"got {type(alibi_slopes).__name__}")
-        _checks.readable("alibi_slopes", alibi_slopes)
-        if getattr(alibi_slopes, "requires_grad", False):
-            alibi_slopes = alibi_slopes.detach()  # the slopes are not differentiated
-    return dict(alibi_slopes=alibi_slopes, softcap=float(softcap))
-
-
-def _array_arg(name, x, what):
-    """x, an array that crosses DLPack (NumPy, or the framework of q), else TypeError naming it."""
-    if not (isinstance(x, np.ndarray) or hasattr(x, "__dlpack__")):
-        raise TypeError(f"{name}: expected None or {what} (NumPy or the framework of q), "
-                        f"got {type(x).__name__}")
-    _checks.readable(name, x)
-    return x
-
-
-def _strides(x):
-    """Element strides of a NumPy array or torch tensor; None for arrays without strides (JAX)."""
-    if isinstance(x, np.ndarray):
-        return tuple(s // x.itemsize for s in x.strides) if x.itemsize else (0,) * x.ndim
-    stride = getattr(x, "stride", None)
-    return tuple(stride()) if callable(stride) else None
-
-
-def _full_rank(name, x, rank, layout):
-    """A bias or mask of rank <= `rank` as a view of rank `rank` (size-1 axes in front: NumPy
-    broadcasting); more axes than that, or none, are refused naming the argument."""
-    nd = len(getattr(x, "shape", ()))
-    if not 1 <= nd <= rank:
-        raise ValueError(f"{name}: expected an array of rank 1 to {rank} broadcastable to "
-                         f"{layout}, got rank {nd}")
-    return x[(None,) * (rank - nd)] if nd < rank else x
-
-
-def _compact(x):
-    """x with every leading axis of stride 0 (a broadcast view: np.broadcast_to, torch expand)
-    narrowed to size 1: the array dBias sums into. A view; for torch, autograd carries the
-    gradient back through it to the broadcast tensor."""
-    st = _strides(x)
-    if st is None:
-        return x
-    index = tuple(slice(0, 1) if st[a] == 0 and x.shape[a] > 1 else slice(None)
-                  for a in range(len(st) - 1))
-    return x[index] if any(i != slice(None) for i in index) else x
-
-
-def _extras(sinks, bias=None, mask=None, rank=4, for_grad=False):
-    """The extension's keywords for an attention bias, boolean mask and sinks. bias: a float
-    array broadcastable to (batch, nheads, seqlen_q, seqlen_k) ((nheads, total_q, max_seqlen_k)
-    for varlen, rank 3), fewer axes taken as leading size-1 ones; mask: a bool array of the same
-    shapes; sinks: float32 (nheads,). The core checks dtypes, shapes and devices. Torch tensors
-    that require grad cross detached (flashdl.torch returns their gradients). for_grad: the
-    backward's bias, with stride-0 axes narrowed to size 1 (the shape dbias takes)."""
-    layout = ("(batch, nheads, seqlen_q, seqlen_k)" if rank == 4
-              else "(nheads, total_q, max_seqlen_k)")
-    out = {}
-    if bias is not None:
-        bias = _full_rank("bias", _array_arg("bias", bias, "a float array"), rank, layout)
-        out["bias"] = _compact(bias) if for_grad else bias
-    if mask is not None:
-        out["mask"] = _full_rank("mask", _array_arg("mask", mask, "a bool array"), rank, layout)
-    if sinks is not None:
-        out["sinks"] = _array_arg("sinks", sinks, "a float32 array of shape (nheads,)")
-    if bias is not None and _dtype_name(bias) in ("int16", "uint16"):
-        # (16-bit integers would be read as bfloat16 where NumPy bfloat16 arrays cross as uint16)
-        raise TypeError(f"bias: unsupported dtype {_dtype_name(bias)} (expected float32, float16 "
-                        "or bfloat16)")
-    for name, x in list(out.items()):
-        if getattr(x, "requires_grad", False):
-            out[name] = x.detach()
-        elif _is_numpy_bfloat16(x):
-            out[name] = x.view(np.uint16)  # NumPy bfloat16 crosses as uint16 (see Frame.export)
-            out["dtype"] = "bfloat16"  # ... and is read as bfloat16 (q, k, v are not int16)
-    return out
 
 
 def _heads(q, rank=4):
@@ -230,131 +72,6 @@ def _in_shape_of(dbias, bias):
         return np.broadcast_to(dbias, shape)
     expand = getattr(dbias, "expand", None)
     return expand(*shape) if callable(expand) else dbias
-
-
-def _scalars(causal, softmax_scale, schedule, window_size):
-    """(causal, softmax_scale, schedule, (left, right)) as far as Python checks them (the core
-    checks the schedule's name and the values); flashdl.torch passes them on to its custom ops."""
-    if not isinstance(schedule, str):
-        raise TypeError(f"schedule: expected a str ('auto', 'fa1', 'fa2' or 'reference'), "
-                        f"got {type(schedule).__name__}")
-    if softmax_scale is not None:
-        # NaN stands for None below the Python layers (flashdl.jax's attributes): refused here
-        # alike on every entry point; the core bounds the value.
-        softmax_scale = _checks.finite(
-            "softmax_scale", _checks.real("softmax_scale", softmax_scale, "a float or None"),
-            "a finite number or None")
-    return _checks.flag("causal", causal), softmax_scale, schedule, _window(window_size)
-
-
-def _options(causal, softmax_scale, schedule, window_size, frame):
-    causal, softmax_scale, schedule, (left, right) = _scalars(causal, softmax_scale, schedule,
-                                                              window_size)
-    return dict(dtype=frame.dtype, softmax_scale=softmax_scale, causal=causal,
-                window_left=left, window_right=right, schedule=schedule, stream=frame.stream)
-
-
-_LAYOUTS = {"bshd": "(batch, seqlen, nheads, headdim)", "bhsd": "(batch, nheads, seqlen, headdim)"}
-_VARLEN_LAYOUTS = {"thd": "(total, nheads, headdim)", "htd": "(nheads, total, headdim)"}
-
-
-def _layout(layout, varlen=False):
-    """True for the heads-first layout ('bhsd', or 'htd' for packed arrays), False for flashdl's
-    own order ('bshd', 'thd')."""
-    names = _VARLEN_LAYOUTS if varlen else _LAYOUTS
-    if not isinstance(layout, str) or layout not in names:
-        (own, own_axes), (other, other_axes) = names.items()
-        raise ValueError(f"layout: expected {own!r} {own_axes} or {other!r} {other_axes}, "
-                         f"got {layout!r}")
-    return layout != next(iter(names))
-
-
-def _as_bshd(name, x, rank=4):
-    """A heads-first array ((batch, nheads, seqlen, headdim), or (nheads, total, headdim) packed)
-    as the (batch, seqlen, nheads, headdim) ((total, nheads, headdim)) view the core reads: a
-    view in NumPy, PyTorch and CuPy; JAX, which has no views, transposes."""
-    shape = tuple(getattr(x, "shape", ()))
-    if len(shape) != rank or not hasattr(x, "swapaxes"):
-        layout, axes = (("bhsd", _LAYOUTS["bhsd"]) if rank == 4
-                        else ("htd", _VARLEN_LAYOUTS["htd"]))
-        raise ValueError(f"{name}: with layout={layout!r} expected a rank-{rank} array {axes}, "
-                         f"got shape {shape}")
-    return x.swapaxes(rank - 3, rank - 2)
-
-
-def _fits(q, k, v, heads_first, same_batch=True):
-    """Whether shapes q, k, v (dense rank 4, or packed rank 3) are one call's arrays when read
-    with the heads axis before the sequence axis (heads_first) or after it; same_batch False for
-    a paged cache, whose first axis counts pages."""
-    rank = len(q)
-    if rank not in (3, 4) or len(k) != rank or len(v) != rank or k != v:
-        return False
-    h = rank - 3 if heads_first else rank - 2  # the heads axis
-    if rank == 4 and same_batch and q[0] != k[0]:
-        return False
-    return q[-1] == k[-1] and k[h] > 0 and q[h] % k[h] == 0
-
-
-class _LayoutErrors:
-    """Rewords a ValueError from the core for the caller's layout: with a heads-first layout it
-    says that the shapes quoted are in flashdl's order, and when q, k, v do not fit the layout
-    they were passed with but fit the other one (a transposition explains them), it says so and
-    names layout=. The outermost manager words the message (flashdl.torch wraps flashdl's own
-    call on transposed views)."""
-
-    def __init__(self, arrays, heads_first, varlen=False, same_batch=True, names="q, k, v"):
-        self.shapes = [tuple(getattr(x, "shape", ())) for x in arrays]
-        self.names = names
-        self.heads_first, self.varlen, self.same_batch = heads_first, varlen, same_batch
-
-    def __enter__(self):
-        return self
-
-    def _hint(self):
-        names = _VARLEN_LAYOUTS if self.varlen else _LAYOUTS
-        (own, own_axes), (other, other_axes) = names.items()
-        if self.heads_first:
-            (own, own_axes), (other, other_axes) = (other, other_axes), (own, own_axes)
-        if len(self.shapes) != 3 or _fits(*self.shapes, self.heads_first, self.same_batch) or \
-                not _fits(*self.shapes, not self.heads_first, self.same_batch):
-            return ""
-        q, k, v = self.shapes
-        return (f"; {self.names} of shapes {q}, {k}, {v} do not fit layout={own!r} {own_axes} but "
-                f"fit {other_axes}: pass layout={other!r} if that is their order")
-
-    def __exit__(self, kind, err, tb):
-        if kind is None or not issubclass(kind, ValueError):
-            return False
-        base = getattr(err, "_flashdl_base", str(err))
-        msg = base
-        if self.heads_first:
-            layout, own = (("htd", "(total, nheads, headdim)") if self.varlen
-                           else ("bhsd", "(batch, seqlen, nheads, headdim)"))
-            msg += f" (layout={layout!r}: shapes above are in flashdl's {own} order)"
-        msg += self._hint()
-        new = ValueError(msg)
-        new._flashdl_base = base  # type: ignore[attr-defined]
-        raise new from None
-
-
-def _output_like(frame, x, heads_first):
-    """An output shaped like x ((batch, seqlen, nheads, headdim), or (total, nheads, headdim)
-    packed) and the view the core writes: with a heads-first layout the output is a contiguous
-    heads-first array and the core writes it through a transposed view."""
-    shape = tuple(x.shape)
-    if not heads_first or len(shape) not in (3, 4):
-        out = frame.empty(shape, x.dtype)
-        return out, out
-    ax = len(shape) - 3  # the seqlen (total) axis; heads follow it
-    swapped = shape[:ax] + (shape[ax + 1], shape[ax]) + shape[ax + 2:]
-    out = frame.empty(swapped, x.dtype)
-    return out, out.swapaxes(ax, ax + 1)
-
-
-def _lse_shape(q):
-    shape = tuple(q.shape)
-    # A wrongly ranked q gets a placeholder; the core then reports q itself.
-    return (shape[0], shape[2], shape[1]) if len(shape) == 4 else (0, 0, 0)
 
 
 @overload
@@ -576,21 +293,21 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
             return result
     return_lse = _checks.flag("return_lse", return_lse)
     return_seed = _checks.flag("return_seed", return_seed)
-    bhsd = _layout(layout)
-    frame = Frame({"q": q, "k": k, "v": v}, _FLOATS_FWD)
+    bhsd = _args.is_heads_first(layout)
+    frame = Frame({"q": q, "k": k, "v": v}, _args.FLOATS_FWD)
     frame.refuse_autograd({"q": q, "k": k, "v": v}, "flashdl.attention",
                           "flashdl.torch.attention")
-    errors = _LayoutErrors((q, k, v), bhsd)
+    errors = _args.LayoutErrors((q, k, v), bhsd)
     if bhsd:
-        q, k, v = (_as_bshd(n, x) for n, x in (("q", q), ("k", k), ("v", v)))
-    opts = _options(causal, softmax_scale, schedule, window_size, frame)
-    opts.update(_block_sparse(block_mask, block_size))
-    opts.update(_score_mods(alibi_slopes, softcap))
-    opts.update(_extras(sinks, bias, mask))
-    dropout_p, seed, offset = _dropout(dropout_p, seed, offset)
+        q, k, v = (_args.as_bshd(n, x) for n, x in (("q", q), ("k", k), ("v", v)))
+    opts = _args.options(causal, softmax_scale, schedule, window_size, frame)
+    opts.update(_args.block_sparse(block_mask, block_size))
+    opts.update(_args.score_mods(alibi_slopes, softcap))
+    opts.update(_args.extras(sinks, bias, mask))
+    dropout_p, seed, offset = _args.dropout_args(dropout_p, seed, offset)
     opts.update(_dropout_slice(dropout_batch_offset, dropout_head_offset, dropout_nheads_total))
-    out, out_view = _output_like(frame, q, bhsd)
-    lse = frame.empty(_lse_shape(q), frame.float32())
+    out, out_view = _args.output_like(frame, q, bhsd)
+    lse = frame.empty(_args.lse_shape(q), frame.float32())
     with errors:
         _ext.forward(frame.export(q), frame.export(k), frame.export(v), frame.dest(out_view),
                      frame.dest(lse), dropout_p=dropout_p, seed=seed, offset=offset, **opts)
@@ -601,86 +318,17 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
     return result if len(result) > 1 else out
 
 
-# The common eager call, fast (a tiny call's time is mostly Python): q, k, v of one dtype, either
-# aligned native-order NumPy float16/32/64 arrays or plain CPU torch tensors (no subclass, no
-# grad; _fast_forward_torch), every option but causal and return_lse at its default (seed 0 and
-# block_size (128, 128) are flashdl.torch's spelling of the defaults). The binding's
-# forward_default takes them positionally, with no lse array unless one is returned; shapes and
-# strides are the core's to check, as in the full path. Anything else, or a call the core
-# refuses, goes down the full path, which words the error for the caller (the layout hints):
-# errors are the full path's.
-_NDARRAY = np.ndarray
-_FAST_DTYPES = frozenset(np.dtype(t) for t in (np.float16, np.float32, np.float64))
-
-
-def _fast_forward(q, k, v, causal, return_lse):
-    if type(q) is not _NDARRAY:
-        torch = sys.modules.get("torch")
-        if torch is None or type(q) is not torch.Tensor or torch.compiler.is_compiling():
-            return None
-        return _fast_forward_torch(q, k, v, causal, return_lse)
-    if not (type(k) is _NDARRAY and type(v) is _NDARRAY and q.dtype in _FAST_DTYPES
-            and k.dtype is q.dtype and v.dtype is q.dtype
-            and q.flags.aligned and k.flags.aligned and v.flags.aligned):
-        return None
-    out = np.empty(q.shape, q.dtype)
-    lse = np.empty(_lse_shape(q), np.float32) if return_lse else None
-    try:
-        _ext.forward_default(q, k, v, out, lse, causal)
-    except Exception:  # noqa: BLE001 - re-raised, worded, by the full path
-        return None
-    return (out, lse) if return_lse else out
-
-
-_TORCH_FAST: Optional[tuple] = None  # the torch names _fast_forward_torch uses, looked up once
-
-
-def _torch_fast_names() -> tuple:
-    global _TORCH_FAST
-    torch = sys.modules["torch"]
-    _TORCH_FAST = (torch.Tensor, torch.empty_like, torch.utils.dlpack.to_dlpack,
-                   torch.contiguous_format, torch.empty, torch.float32)
-    return _TORCH_FAST
-
-
-def _fast_forward_torch(q, k, v, causal, return_lse):
-    """_fast_forward on a torch.Tensor q, outside torch.compile (the caller's checks). Every
-    other check is the core's (dtypes, devices, shapes: a refusal takes the full path) except
-    those it cannot make: plain tensors, no autograd, and q on the CPU (a GPU call needs the
-    caller's stream, which only the full path asks torch for)."""
-    tensor, empty_like, to_dlpack, contiguous, empty, float32 = (_TORCH_FAST or
-                                                                 _torch_fast_names())
-    if (type(k) is not tensor or type(v) is not tensor or not q.is_cpu
-            or q.requires_grad or k.requires_grad or v.requires_grad):
-        return None
-    try:
-        # empty_like: a third of torch.empty's time from a shape (a tiny call's largest part); a
-        # fifth less again without the memory_format keyword, which a contiguous q does not need
-        # (its layout is the one asked for).
-        out = empty_like(q) if q.is_contiguous() else empty_like(q, memory_format=contiguous)
-        if not return_lse:
-            _ext.forward_default(to_dlpack(q), to_dlpack(k), to_dlpack(v), to_dlpack(out), None,
-                                 causal)
-            return out
-        lse = empty(_lse_shape(q), dtype=float32)
-        _ext.forward_default(to_dlpack(q), to_dlpack(k), to_dlpack(v), to_dlpack(out),
-                             to_dlpack(lse), causal)
-        return out, lse
-    except Exception:  # noqa: BLE001 - re-raised, worded, by the full path
-        return None
-
-
 def _backward_options(causal, softmax_scale, schedule, window_size, frame, dropout_p, seed,
                       offset, block_mask, block_size, alibi_slopes, softcap, sinks=None,
                       bias=None, mask=None, rank=4):
     """The backward's options: the forward's, with the dropout seed it used (never drawn here)."""
-    opts = _options(causal, softmax_scale, schedule, window_size, frame)
-    opts.update(_block_sparse(block_mask, block_size))
-    opts.update(_score_mods(alibi_slopes, softcap))
-    opts.update(_extras(sinks, bias, mask, rank=rank, for_grad=True))
+    opts = _args.options(causal, softmax_scale, schedule, window_size, frame)
+    opts.update(_args.block_sparse(block_mask, block_size))
+    opts.update(_args.score_mods(alibi_slopes, softcap))
+    opts.update(_args.extras(sinks, bias, mask, rank=rank, for_grad=True))
     if seed is None:
         raise TypeError("seed: expected the int seed the forward used, got None")
-    dropout_p, seed, offset = _dropout(dropout_p, seed, offset)
+    dropout_p, seed, offset = _args.dropout_args(dropout_p, seed, offset)
     opts.update(dropout_p=dropout_p, seed=seed, offset=offset)
     return opts
 
@@ -761,17 +409,17 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
     >>> dq.shape == q.shape and dk.shape == k.shape
     True
     """
-    bhsd = _layout(layout)
-    frame = Frame({"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}, _FLOATS_BWD)
-    errors = _LayoutErrors((q, k, v), bhsd)
+    bhsd = _args.is_heads_first(layout)
+    frame = Frame({"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}, _args.FLOATS_BWD)
+    errors = _args.LayoutErrors((q, k, v), bhsd)
     if bhsd:
-        dout, q, k, v, out = (_as_bshd(n, x) for n, x in (
+        dout, q, k, v, out = (_args.as_bshd(n, x) for n, x in (
             ("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out)))
     opts = _backward_options(causal, softmax_scale, schedule, window_size, frame, dropout_p, seed,
                              offset, block_mask, block_size, alibi_slopes, softcap, sinks,
                              bias, mask)
     opts.update(_dropout_slice(dropout_batch_offset, dropout_head_offset, dropout_nheads_total))
-    (dq, dq_view), (dk, dk_view), (dv, dv_view) = (_output_like(frame, x, bhsd)
+    (dq, dq_view), (dk, dk_view), (dv, dv_view) = (_args.output_like(frame, x, bhsd)
                                                    for x in (q, k, v))
     extra_kw, extras = _extra_grads(frame, q, opts, bias)
     with errors:
@@ -828,7 +476,7 @@ def dropout_mask(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, dropout_
                                             ("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)))
     if seed is None:
         raise TypeError("seed: expected an int in [0, 2**64), got None")
-    dropout_p, seed, offset = _dropout(dropout_p, seed, offset)
+    dropout_p, seed, offset = _args.dropout_args(dropout_p, seed, offset)
     try:
         mask = np.empty(shape, dtype=bool)
     except (MemoryError, ValueError):
@@ -845,56 +493,6 @@ def _count(name, x):
 
 # ---- variable-length batches (flash-attn's varlen layout) ----------------------------------------
 
-def _conversion(name, x):
-    """The one-line conversion of an index array to int32 in the caller's framework."""
-    framework = type(x).__module__.split(".")[0]
-    if framework == "torch":
-        return f"{name}.to(torch.int32)"
-    if framework in ("jax", "jaxlib"):
-        return f"{name}.astype(jnp.int32)"
-    return f"{name}.astype(np.int32)"
-
-
-def _int32_index(name, x):
-    """An index array (cu_seqlens, cache_seqlens, block_table) in int32, the dtype the core reads:
-    int32 arrays pass as they are; other integer arrays in host memory (NumPy's default int64
-    first of all, and CPU arrays of other frameworks) are converted to an int32 NumPy array when
-    every value fits; an integer array on a GPU, or values that do not fit, are refused with the
-    conversion to write. Arrays of other dtypes pass on, for the core to refuse by name."""
-    _checks.readable(name, x)
-    dtype = getattr(x, "dtype", None)
-    if dtype is None or str(dtype).split(".")[-1] == "int32":
-        return x
-    if not isinstance(x, np.ndarray):
-        try:
-            host = np.from_dlpack(x)
-        except Exception:  # a GPU array, or one NumPy cannot read: the core names it
-            if str(dtype).split(".")[-1] in ("int64", "int16", "int8", "uint8", "uint16",
-                                              "uint32", "uint64"):
-                raise TypeError(f"{name}: expected an int32 array, got {str(dtype)} in device "
-                                f"memory; convert it with {_conversion(name, x)}") from None
-            return x
-    else:
-        host = x
-    if host.dtype.kind not in "iu":
-        return x
-    if host.size and (host.min() < -2**31 or host.max() >= 2**31):
-        bad = host.max() if host.max() >= 2**31 else host.min()
-        raise ValueError(f"{name}: expected int32 values, got {bad} in an {host.dtype} array")
-    return host.astype(np.int32)
-
-
-def _cu_seqlens(name, x):
-    """cu_seqlens as the extension takes it: any CPU array that crosses DLPack (NumPy, torch,
-    JAX), integer arrays narrowed to int32 (_int32_index); the core checks dtype, rank, device
-    and the offsets themselves."""
-    if isinstance(x, np.ndarray) or hasattr(x, "__dlpack__"):
-        if getattr(x, "requires_grad", False):
-            x = x.detach()
-        return _int32_index(name, x)
-    raise TypeError(f"{name}: expected an int32 array (NumPy or the framework of q) of shape "
-                    f"(batch + 1,), got {type(x).__name__}")
-
 
 def _host_index(name, x):
     """block_table, seqused_k of attention_varlen: int32 host arrays (lists of ints, integer
@@ -903,20 +501,10 @@ def _host_index(name, x):
         values = np.asarray(x)
         if values.size and values.dtype.kind not in "iu":
             raise TypeError(f"{name}: expected an int32 array or a list of ints, got {x!r}")
-        return _int32_index(name, values.astype(np.int64))
+        return _args.int32_index(name, values.astype(np.int64))
     if not (isinstance(x, np.ndarray) or hasattr(x, "__dlpack__")):
         raise TypeError(f"{name}: expected an int32 array, got {type(x).__name__}")
-    return _int32_index(name, x)
-
-
-def _max_seqlen(name, x):
-    return _checks.integer(name, x, "an int that fits int64")
-
-
-def _varlen_lse_shape(q):
-    shape = tuple(q.shape)
-    # A wrongly ranked q gets a placeholder; the core then reports q itself.
-    return (shape[1], shape[0]) if len(shape) == 3 else (0, 0)
+    return _args.int32_index(name, x)
 
 
 @overload
@@ -1060,8 +648,8 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
     True
     """
     return_lse = _checks.flag("return_lse", return_lse)
-    heads_first = _layout(layout, varlen=True)
-    frame = Frame({"q": q, "k": k, "v": v}, _FLOATS_FWD)
+    heads_first = _args.is_heads_first(layout, varlen=True)
+    frame = Frame({"q": q, "k": k, "v": v}, _args.FLOATS_FWD)
     frame.refuse_autograd({"q": q, "k": k, "v": v}, "flashdl.attention_varlen",
                           "flashdl.torch.attention_varlen")
     paged = {}
@@ -1073,20 +661,20 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                                                                               block_table),
                      seqused_k=None if seqused_k is None else _host_index("seqused_k",
                                                                           seqused_k))
-    errors = _LayoutErrors((q, k, v) if block_table is None else (), heads_first, varlen=True)
+    errors = _args.LayoutErrors((q, k, v) if block_table is None else (), heads_first, varlen=True)
     if heads_first:
-        q, k, v = (_as_bshd(n, x, rank=3) for n, x in (("q", q), ("k", k), ("v", v)))
-    opts = _options(causal, softmax_scale, schedule, window_size, frame)
-    dropout_p, seed, offset = _dropout(dropout_p, seed, offset)
-    cu_q, cu_k = _cu_seqlens("cu_seqlens_q", cu_seqlens_q), _cu_seqlens("cu_seqlens_k",
+        q, k, v = (_args.as_bshd(n, x, rank=3) for n, x in (("q", q), ("k", k), ("v", v)))
+    opts = _args.options(causal, softmax_scale, schedule, window_size, frame)
+    dropout_p, seed, offset = _args.dropout_args(dropout_p, seed, offset)
+    cu_q, cu_k = _args.cu_seqlens("cu_seqlens_q", cu_seqlens_q), _args.cu_seqlens("cu_seqlens_k",
                                                                          cu_seqlens_k)
-    max_q, max_k = _max_seqlen("max_seqlen_q", max_seqlen_q), _max_seqlen("max_seqlen_k",
+    max_q, max_k = _args.max_seqlen("max_seqlen_q", max_seqlen_q), _args.max_seqlen("max_seqlen_k",
                                                                            max_seqlen_k)
-    opts.update(_block_sparse(block_mask, block_size))
-    opts.update(_score_mods(alibi_slopes, softcap))
-    opts.update(_extras(sinks, bias, mask, rank=3))
-    out, out_view = _output_like(frame, q, heads_first)
-    lse = frame.empty(_varlen_lse_shape(q), frame.float32())
+    opts.update(_args.block_sparse(block_mask, block_size))
+    opts.update(_args.score_mods(alibi_slopes, softcap))
+    opts.update(_args.extras(sinks, bias, mask, rank=3))
+    out, out_view = _args.output_like(frame, q, heads_first)
+    lse = frame.empty(_args.varlen_lse_shape(q), frame.float32())
     with errors:
         _ext.forward_varlen(frame.export(q), frame.export(k), frame.export(v), cu_q, cu_k, max_q,
                             max_k, frame.dest(out_view), frame.dest(lse), dropout_p=dropout_p,
@@ -1153,20 +741,20 @@ def attention_varlen_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: Ar
     >>> dq.shape, dk.shape
     ((9, 2, 8), (9, 2, 8))
     """
-    heads_first = _layout(layout, varlen=True)
-    frame = Frame({"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}, _FLOATS_BWD)
-    errors = _LayoutErrors((q, k, v), heads_first, varlen=True)
+    heads_first = _args.is_heads_first(layout, varlen=True)
+    frame = Frame({"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}, _args.FLOATS_BWD)
+    errors = _args.LayoutErrors((q, k, v), heads_first, varlen=True)
     if heads_first:
-        dout, q, k, v, out = (_as_bshd(n, x, rank=3) for n, x in (
+        dout, q, k, v, out = (_args.as_bshd(n, x, rank=3) for n, x in (
             ("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out)))
     opts = _backward_options(causal, softmax_scale, schedule, window_size, frame, dropout_p, seed,
                              offset, block_mask, block_size, alibi_slopes, softcap, sinks,
                              bias, mask, rank=3)
-    cu_q, cu_k = _cu_seqlens("cu_seqlens_q", cu_seqlens_q), _cu_seqlens("cu_seqlens_k",
+    cu_q, cu_k = _args.cu_seqlens("cu_seqlens_q", cu_seqlens_q), _args.cu_seqlens("cu_seqlens_k",
                                                                          cu_seqlens_k)
-    max_q, max_k = _max_seqlen("max_seqlen_q", max_seqlen_q), _max_seqlen("max_seqlen_k",
+    max_q, max_k = _args.max_seqlen("max_seqlen_q", max_seqlen_q), _args.max_seqlen("max_seqlen_k",
                                                                            max_seqlen_k)
-    (dq, dq_view), (dk, dk_view), (dv, dv_view) = (_output_like(frame, x, heads_first)
+    (dq, dq_view), (dk, dk_view), (dv, dv_view) = (_args.output_like(frame, x, heads_first)
                                                    for x in (q, k, v))
     extra_kw, extras = _extra_grads(frame, q, opts, bias, rank=3)
     with errors:

@@ -16,7 +16,7 @@ from . import _checks
 _KNOWN = ("NumPy", "PyTorch", "JAX", "CuPy")
 
 
-def _type_name(x) -> str:
+def type_name(x) -> str:
     t = type(x)
     return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
 
@@ -40,14 +40,14 @@ def _kind(name: str, x) -> str:
     if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__") and hasattr(x, "shape"):
         return "dlpack"
     raise TypeError(f"{name}: expected an array ({', '.join(_KNOWN)} or any object with "
-                    f"__dlpack__), got {_type_name(x)}")
+                    f"__dlpack__), got {type_name(x)}")
 
 
 # str() of a NumPy dtype costs microseconds, several times per call; dtypes are few and hashable.
 _DTYPE_NAMES: dict = {}
 
 
-def _dtype_name(x) -> str:
+def dtype_name(x) -> str:
     dtype = getattr(x, "dtype", "")
     try:
         return _DTYPE_NAMES[dtype]
@@ -58,8 +58,8 @@ def _dtype_name(x) -> str:
         return str(dtype)
 
 
-def _is_numpy_bfloat16(x) -> bool:
-    return isinstance(x, np.ndarray) and _dtype_name(x) == "bfloat16"
+def is_numpy_bfloat16(x) -> bool:
+    return isinstance(x, np.ndarray) and dtype_name(x) == "bfloat16"
 
 
 class Frame:
@@ -78,7 +78,7 @@ class Frame:
             foreign = kind == "dlpack" and type(arrays[name]) is not type(self.like)
             if kind != self.kind or foreign:
                 raise ValueError(f"{name}: expected an array of the same framework as {first} "
-                                 f"({_type_name(self.like)}), got {_type_name(arrays[name])}; "
+                                 f"({type_name(self.like)}), got {type_name(arrays[name])}; "
                                  "flashdl does not mix frameworks")
         # NumPy cannot export ml_dtypes bfloat16 over DLPack: such arrays (and the NumPy buffers
         # that hold JAX results) cross as uint16 views and the call names the dtype. Only then is
@@ -88,10 +88,10 @@ class Frame:
         self.dtype = None
         if self.kind in ("numpy", "jax", "dlpack"):
             for n in floats:
-                if _dtype_name(arrays[n]) in ("int16", "uint16"):
-                    raise TypeError(f"{n}: unsupported dtype {_dtype_name(arrays[n])} (expected "
+                if dtype_name(arrays[n]) in ("int16", "uint16"):
+                    raise TypeError(f"{n}: unsupported dtype {dtype_name(arrays[n])} (expected "
                                     "float16, bfloat16, float32 or float64)")
-            if any(_dtype_name(arrays[n]) == "bfloat16" for n in floats):
+            if any(dtype_name(arrays[n]) == "bfloat16" for n in floats):
                 self.dtype = "bfloat16"
         self._device = self._find_device()
         self.stream = self._find_stream()
@@ -114,7 +114,7 @@ class Frame:
         if self.kind == "dlpack":
             device_type, _ = x.__dlpack_device__()
             if int(device_type) != 1:
-                raise TypeError(f"{_type_name(x)} arrays off the CPU are not supported: flashdl "
+                raise TypeError(f"{type_name(x)} arrays off the CPU are not supported: flashdl "
                                 "allocates GPU outputs with PyTorch or CuPy only")
         return None
 
@@ -148,7 +148,7 @@ class Frame:
             if x.requires_grad:
                 x = x.detach()  # torch refuses to export tensors that require grad
             return _torch_capsule(x)
-        if _is_numpy_bfloat16(x):
+        if is_numpy_bfloat16(x):
             return x.view(np.uint16)
         return x
 
@@ -173,7 +173,7 @@ class Frame:
         """What the extension receives for an output."""
         if self.kind == "torch":
             return _torch_capsule(out)
-        if _is_numpy_bfloat16(out):
+        if is_numpy_bfloat16(out):
             return out.view(np.uint16)
         return out
 

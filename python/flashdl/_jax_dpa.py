@@ -30,12 +30,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _checks
+from ._jax_attention import attention
 
 _DTYPES = ("float16", "bfloat16", "float32", "float64")
 _IMPLEMENTATIONS = (None, "xla", "cudnn")
 
 
-def _as_array(name, x):
+def as_array(name, x):
     if isinstance(x, (jax.Array, np.ndarray)) or _checks.is_tracer(x):
         return jnp.asarray(x)
     try:
@@ -110,7 +111,7 @@ def _check_extra(name, x, full):
 def _check_lengths(name, x, B):
     if x is None:
         return None
-    x = _as_array(name, x)
+    x = as_array(name, x)
     if x.dtype != jnp.int32 or tuple(x.shape) != (B,):
         raise ValueError(f"{name}: expected an int32 array of shape ({B},) (one length per batch "
                          f"entry), got {x.dtype} of shape {tuple(x.shape)}")
@@ -196,24 +197,22 @@ def dot_product_attention(query: Any, key: Any, value: Any, bias: Any = None, ma
             query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
             local_window_size=local_window_size, implementation=implementation,
             return_residual=return_residual)
-    return _attend(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+    return attend(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
                    query_seq_lengths=query_seq_lengths,
                    key_value_seq_lengths=key_value_seq_lengths,
                    local_window_size=local_window_size, return_residual=return_residual)
 
 
-def _attend(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
+def attend(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
             key_value_seq_lengths, local_window_size, return_residual, dropout_p=0.0,
             seed=None):
     """dot_product_attention's work, with flashdl's dropout (the Flax adapter's): dropout_p on
     the probabilities, the Philox mask keyed by seed (see flashdl.jax.attention)."""
-    from . import jax as fj
-
     is_causal = _checks.flag("is_causal", is_causal)
     return_residual = _checks.flag("return_residual", return_residual)
     window = _window(local_window_size)
     names = ("query", "key", "value")
-    query, key, value = (_as_array(n, x) for n, x in zip(names, (query, key, value)))
+    query, key, value = (as_array(n, x) for n, x in zip(names, (query, key, value)))
     output_shape = tuple(query.shape)
     q, k, v = (_ensure_4d(n, x) for n, x in zip(names, (query, key, value)))
     B, S, K, H = k.shape
@@ -233,10 +232,10 @@ def _attend(query, key, value, bias, mask, *, scale, is_causal, query_seq_length
                          f"heads, got {N} vs {K}")
     full = (B, N, T, S)
     if bias is not None:
-        bias = _ensure_4d("bias", _as_array("bias", bias))
+        bias = _ensure_4d("bias", as_array("bias", bias))
         _check_extra("bias", bias, full)
     if mask is not None:
-        mask = _ensure_4d("mask", _as_array("mask", mask))
+        mask = _ensure_4d("mask", as_array("mask", mask))
         if mask.dtype != jnp.bool_:
             raise ValueError(f"mask: expected dtype bool (True: attend; an additive mask goes "
                              f"in bias), got {mask.dtype}")
@@ -260,7 +259,7 @@ def _attend(query, key, value, bias, mask, *, scale, is_causal, query_seq_length
             return x[:, :, :Tp if x.shape[2] != 1 else 1, :Sp]
         if bias is not None:
             bias = bias.astype(_bias_dtype(bias, q.dtype))
-        out, lse = fj.attention(q[:, :Tp], k[:, :Sp], v[:, :Sp], softmax_scale=scale,
+        out, lse = attention(q[:, :Tp], k[:, :Sp], v[:, :Sp], softmax_scale=scale,
                                 window_size=window_lr, bias=rows_keys(bias),
                                 mask=rows_keys(mask), return_lse=True, dropout_p=dropout_p,
                                 seed=seed)

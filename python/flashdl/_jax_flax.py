@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _checks
-from ._jax_dpa import _as_array, _attend
+from ._jax_dpa import as_array, attend
 
 
 def _flat(name, x, batch):
@@ -25,7 +25,7 @@ def _flat(name, x, batch):
     as q's are."""
     if x is None:
         return None
-    x = _as_array(name, x)
+    x = as_array(name, x)
     if x.ndim < 3:
         x = x[(None,) * (3 - x.ndim)]
     try:
@@ -89,7 +89,7 @@ def flax_attention(query: Any, key: Any, value: Any, bias: Any = None, mask: Any
         raise ValueError("module: flashdl never forms the attention weights, so it cannot sow "
                          "them; call the Flax module with sow_weights=False")
     names = ("query", "key", "value")
-    query, key, value = (_as_array(n, x) for n, x in zip(names, (query, key, value)))
+    query, key, value = (as_array(n, x) for n, x in zip(names, (query, key, value)))
     dtype = jnp.result_type(query, key, value) if dtype is None else jnp.dtype(dtype)
     query, key, value = (x.astype(dtype) for x in (query, key, value))
     for n, x in zip(names, (query, key, value)):
@@ -101,7 +101,7 @@ def flax_attention(query: Any, key: Any, value: Any, bias: Any = None, mask: Any
         query, key, value = (x.reshape((-1,) + tuple(x.shape[-3:])) for x in (query, key, value))
         bias, mask = _flat("bias", bias, batch), _flat("mask", mask, batch)
     if mask is not None:
-        mask = _as_array("mask", mask).astype(bool)
+        mask = as_array("mask", mask).astype(bool)
     dropout_p, seed = 0.0, None
     deterministic = _checks.flag("deterministic", deterministic)
     if not deterministic and dropout_rate != 0:
@@ -110,7 +110,7 @@ def flax_attention(query: Any, key: Any, value: Any, bias: Any = None, mask: Any
                              "deterministic is False, got None")
         dropout_p = dropout_rate
         seed = jax.random.bits(dropout_rng, (2,), jnp.uint32)
-    out = _attend(query, key, value, bias, mask, scale=None, is_causal=is_causal,
+    out = attend(query, key, value, bias, mask, scale=None, is_causal=is_causal,
                   query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
                   return_residual=False, dropout_p=dropout_p, seed=seed)
     return out.reshape(batch + tuple(out.shape[-3:])) if len(batch) > 1 else out

@@ -9,16 +9,15 @@ arrays are never written either way).
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _checks
+from . import _checks, _jax_ffi
 
-_KVCACHE, _MERGE = "flashdl_attention_kvcache", "flashdl_merge_states"
+_jax_ffi.KVCACHE, _jax_ffi.MERGE = "flashdl_attention_kvcache", "flashdl_merge_states"
 
 
 def _array(name, x, what):
@@ -182,7 +181,6 @@ def attention_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     >>> out.shape, float(kc[0, 3, 0, 0]), float(kc[0, 4, 0, 0])
     ((2, 1, 1, 8), 1.0, 0.0)
     """
-    from .jax import _check, _check_dense, _config, _register, _resolved  # (imports this module)
     return_lse = _checks.flag("return_lse", return_lse)
     num_splits = _checks.integer("num_splits", num_splits, "an int >= 0 (0: chosen)", 0, 2**62)
     q, k_cache, v_cache = (_array(n, x, "a JAX array") for n, x in
@@ -206,11 +204,11 @@ def attention_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     _check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_batch_idx)
     _check_extras(q, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table)
     sinks, bias, mask = _bias_mask_sinks(q, k_cache, block_table, sinks, bias, mask)
-    cfg = _config(causal, softmax_scale, window_size, "auto", softcap, False)
+    cfg = _jax_ffi.config(causal, softmax_scale, window_size, "auto", softcap, False)
     # The scalar options' values by flashdl.attention's rules at trace time (the core's ValueError
     # naming the argument), not as XLA's INVALID_ARGUMENT when the call runs.
-    _check(_check_dense, {"q": q, "k": q, "v": q}, cfg)
-    cfg = _resolved(cfg, q)
+    _jax_ffi.check(_jax_ffi.check_dense, {"q": q, "k": q, "v": q}, cfg)
+    cfg = _jax_ffi.resolved(cfg, q)
     attrs = cfg.attrs(False)
     attrs.update(num_splits=np.int64(num_splits), has_new=k is not None,
                  has_block_table=block_table is not None, has_alibi=alibi_slopes is not None)
@@ -236,8 +234,8 @@ def attention_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     if k is not None:
         shapes += [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)] * 2
         aliases = {1: 2, 2: 3}
-    _register()
-    call = jax.ffi.ffi_call(_KVCACHE, tuple(shapes), vmap_method="sequential",
+    _jax_ffi.register()
+    call = jax.ffi.ffi_call(_jax_ffi.KVCACHE, tuple(shapes), vmap_method="sequential",
                             input_output_aliases=aliases)
     res = call(*args, **attrs)
     out, lse = res[0], res[1]
@@ -249,22 +247,13 @@ def attention_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
 
 # ---- merge_states ------------------------------------------------------------------------------
 
-def _merge_call(outs, lses):
-    from .jax import _register
-    _register()
-    o = outs[0]
-    shapes = (jax.ShapeDtypeStruct(o.shape, o.dtype), jax.ShapeDtypeStruct(lses[0].shape,
-                                                                           jnp.float32))
-    return tuple(jax.ffi.ffi_call(_MERGE, shapes, vmap_method="broadcast_all")(*outs, *lses))
-
-
 @jax.custom_vjp
 def _merge(outs, lses):
-    return _merge_call(outs, lses)
+    return _jax_ffi.merge_call(outs, lses)
 
 
 def _merge_fwd(outs, lses):
-    out, lse = _merge_call(outs, lses)
+    out, lse = _jax_ffi.merge_call(outs, lses)
     return (out, lse), (outs, lses, out, lse)
 
 

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple, Optional, Tuple
 import jax
 import jax.numpy as jnp
 
-from . import _checks
+from . import _checks, _jax_ffi
 from ._ring_plan import Block, chunks_of, check_layout, global_window, last_step, pair_block
 
 
@@ -115,8 +115,6 @@ def _send(ring, xs, hops=1):
 
 
 def _ring_forward(ring, q, k, v):
-    from .jax import _forward
-    from ._jax_kvcache import _merge_call
     # Built from q, so that they vary over the mesh axes as q does (shard_map's typing).
     acc = jnp.zeros_like(q, jnp.float32)
     acc_lse = jnp.full_like(jnp.swapaxes(q[..., 0], 1, 2), -jnp.inf, jnp.float32)
@@ -124,8 +122,8 @@ def _ring_forward(ring, q, k, v):
     def step(plan, q, k, v, acc, acc_lse):
         for blk in plan:
             rows, keys = slice(blk.q0, blk.q1), slice(blk.k0, blk.k1)
-            out, lse = _forward(q[:, rows], k[:, keys], v[:, keys], _block_cfg(ring, blk))
-            o, l = _merge_call((acc[:, rows], out.astype(jnp.float32)),
+            out, lse = _jax_ffi.forward(q[:, rows], k[:, keys], v[:, keys], _block_cfg(ring, blk))
+            o, l = _jax_ffi.merge_call((acc[:, rows], out.astype(jnp.float32)),
                                (acc_lse[:, :, rows], lse))
             acc, acc_lse = acc.at[:, rows].set(o), acc_lse.at[:, :, rows].set(l)
         return acc, acc_lse
@@ -138,14 +136,13 @@ def _ring_forward(ring, q, k, v):
 
 
 def _ring_backward(ring, dout, q, k, v, out, lse):
-    from .jax import _backward
     dq = jnp.zeros_like(q, jnp.float32)
     dk, dv = jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32)
 
     def step(plan, dout, q, k, v, out, lse, dq, dk, dv):
         for blk in plan:
             rows, keys = slice(blk.q0, blk.q1), slice(blk.k0, blk.k1)
-            gq, gk, gv = _backward(dout[:, rows], q[:, rows], k[:, keys], v[:, keys],
+            gq, gk, gv = _jax_ffi.backward(dout[:, rows], q[:, rows], k[:, keys], v[:, keys],
                                    out[:, rows], lse[:, :, rows], _block_cfg(ring, blk))
             dq = dq.at[:, rows].add(gq.astype(jnp.float32))
             dk = dk.at[:, keys].add(gk.astype(jnp.float32))
@@ -238,11 +235,10 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: Any,
     >>> f(q, q, q).shape
     (1, 16, 2, 8)
     """
-    from .jax import _check, _check_dense, _config, _resolved
     return_lse = _checks.flag("return_lse", return_lse)
     check_layout(layout)
-    cfg = _config(causal, softmax_scale, window_size, schedule, softcap, deterministic)
-    _check(_check_dense, {"q": q, "k": k, "v": v}, cfg)
+    cfg = _jax_ffi.config(causal, softmax_scale, window_size, schedule, softcap, deterministic)
+    _jax_ffi.check(_jax_ffi.check_dense, {"q": q, "k": k, "v": v}, cfg)
     world = _world(axis_name)
     s, sk = q.shape[1], k.shape[1]
     if sk != s:
@@ -257,7 +253,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: Any,
     left, right = global_window(cfg.causal, (cfg.window_left, cfg.window_right))
     last = last_step(world, layout, c, left, right) if c else 0
     ring = _Ring(axis_name, world, layout, c, last, _plans(world, layout, c, left, right, last),
-                 _resolved(cfg, q))
+                 _jax_ffi.resolved(cfg, q))
     out, lse = _ring(ring, q, k, v)
     return (out, jax.lax.stop_gradient(lse)) if return_lse else out
 

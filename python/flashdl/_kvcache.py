@@ -15,9 +15,8 @@ from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import _checks, _ext
-from ._api import (ArrayLike, _as_bshd, _int32_index, _layout, _LayoutErrors, _lse_shape,
-                   _extras, _options, _output_like, _score_mods)
+from . import _args, _checks, _ext
+from ._args import ArrayLike
 from ._frameworks import Frame
 
 def _index_array(name, x, required):
@@ -35,9 +34,9 @@ def _index_array(name, x, required):
             raise ValueError(f"{name}: expected a list of ints, got {x!r} ({err})") from None
         if values.size and values.dtype.kind not in "iu":
             raise TypeError(f"{name}: expected a list of ints, got {x!r}")
-        return _int32_index(name, values.astype(np.int64))
+        return _args.int32_index(name, values.astype(np.int64))
     if isinstance(x, np.ndarray) or hasattr(x, "__dlpack__"):
-        return _int32_index(name, x)
+        return _args.int32_index(name, x)
     raise TypeError(f"{name}: expected an int32 array (NumPy or the framework of q), "
                     f"got {type(x).__name__}")
 
@@ -208,25 +207,25 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
             _writable(name, x, frame.kind)
     num_splits = _checks.integer("num_splits", num_splits,
                                  "an int >= 0 (0: chosen from the shape)", 0, 2**63)
-    bhsd = _layout(layout)
-    opts = _options(causal, softmax_scale, "auto", window_size, frame)
+    bhsd = _args.is_heads_first(layout)
+    opts = _args.options(causal, softmax_scale, "auto", window_size, frame)
     del opts["schedule"]
-    opts.update(_score_mods(alibi_slopes, softcap))
-    opts.update(_extras(sinks, bias, mask))
+    opts.update(_args.score_mods(alibi_slopes, softcap))
+    opts.update(_args.extras(sinks, bias, mask))
     seqlens = _index_array("cache_seqlens", cache_seqlens, True)
     table = _index_array("block_table", block_table, False)
     batch_idx = _index_array("cache_batch_idx", cache_batch_idx, False)
     leftpad = _index_array("cache_leftpad", cache_leftpad, False)
-    errors = _LayoutErrors((q, k_cache, v_cache), bhsd,
+    errors = _args.LayoutErrors((q, k_cache, v_cache), bhsd,
                            same_batch=block_table is None and cache_batch_idx is None,
                            names="q, k_cache, v_cache")
     if bhsd:
-        q, k_cache, v_cache = (_as_bshd(n, x) for n, x in (
+        q, k_cache, v_cache = (_args.as_bshd(n, x) for n, x in (
             ("q", q), ("k_cache", k_cache), ("v_cache", v_cache)))
         if k is not None:
-            k, v = _as_bshd("k", k), _as_bshd("v", v)
-    out, out_view = _output_like(frame, q, bhsd)
-    lse = frame.empty(_lse_shape(q), frame.float32())
+            k, v = _args.as_bshd("k", k), _args.as_bshd("v", v)
+    out, out_view = _args.output_like(frame, q, bhsd)
+    lse = frame.empty(_args.lse_shape(q), frame.float32())
     with errors:
         _ext.forward_kvcache(frame.export(q), frame.export(k_cache), frame.export(v_cache),
                              seqlens, None if k is None else frame.export(k),
@@ -344,7 +343,7 @@ def merge_states_list(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike], *,
         raise ValueError("outs: expected at least one partial result, got none")
     arrays = {f"outs[{i}]": o for i, o in enumerate(outs)}
     arrays.update({f"lses[{i}]": x for i, x in enumerate(lses)})
-    bhsd = _layout(layout)
+    bhsd = _args.is_heads_first(layout)
     frame = Frame(arrays, tuple(f"outs[{i}]" for i in range(len(outs))))
     # out is allocated like outs[0]: a wrongly ranked one is named here, not as out.
     shape0 = tuple(getattr(outs[0], "shape", ()))
@@ -352,11 +351,11 @@ def merge_states_list(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike], *,
         axes = "(batch, nheads, seqlen, headdim)" if bhsd else "(batch, seqlen, nheads, headdim)"
         raise ValueError(f"outs[0]: expected rank 4 {axes}, got shape {shape0}")
     if bhsd:
-        outs = [_as_bshd(f"outs[{i}]", o) for i, o in enumerate(outs)]
-    out, out_view = _output_like(frame, outs[0], bhsd)
+        outs = [_args.as_bshd(f"outs[{i}]", o) for i, o in enumerate(outs)]
+    out, out_view = _args.output_like(frame, outs[0], bhsd)
     lse = frame.empty(tuple(lses[0].shape), frame.float32()) if len(lses) else \
         frame.empty((0, 0, 0), frame.float32())
-    with _LayoutErrors((), bhsd):
+    with _args.LayoutErrors((), bhsd):
         _ext.merge_states([frame.export(o) for o in outs], [frame.export(x) for x in lses],
                           frame.dest(out_view), frame.dest(lse), dtype=frame.dtype,
                           stream=frame.stream)

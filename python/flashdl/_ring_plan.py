@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import List, NamedTuple, Optional, Tuple
 
+from . import _args, _checks
+
 LAYOUTS = ("zigzag", "contiguous")
 
 # An unbounded side of the window: larger than any sequence, so that the arithmetic needs no case.
@@ -36,11 +38,8 @@ def global_window(causal: bool, window_size) -> Tuple[int, int]:
     """(left, right) of the global rule, unbounded sides as a huge int; causal fixes right = 0
     (flashdl's rule: causal is the window (-1, 0) and overrides right). causal and window_size
     are checked by flashdl.attention's rules (a bool; a pair of ints, a float refused)."""
-    from . import _checks
-    from ._api import _window
-
     causal = _checks.flag("causal", causal)
-    left, right = _window(window_size)
+    left, right = _args.window_pair(window_size)
     if left < -1 or right < -1:
         raise ValueError("window_size: expected (left, right) with each >= 0 or -1 for "
                          f"unbounded, got ({left}, {right})")

@@ -60,9 +60,10 @@ import numpy as np
 import torch
 
 from . import _checks
-from ._frameworks import _type_name
-from . import torch as _fdt
+from . import torch as _fdl
 from ._api import dropout_mask as _dropout_mask
+from ._frameworks import type_name
+from ._torch_args import draw_seed
 
 __all__ = ["ArgumentError", "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
            "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
@@ -127,7 +128,7 @@ def _tensors(fn, **arrays):
     for name, x in arrays.items():
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: {fn} takes torch tensors (as flash-attn), got "
-                            f"{_type_name(x)}; "
+                            f"{type_name(x)}; "
                             f"use {_NATIVE[fn]} for NumPy, JAX or CuPy arrays")
 
 
@@ -162,12 +163,12 @@ def _seed(q, dropout_p, return_attn_probs):
     """The dropout seed: None (no dropout, or without return_attn_probs) lets flashdl.torch draw
     it from the generator of q's device as a tensor, which torch.compile keeps in the graph.
     return_attn_probs needs it as an int here (for flashdl.dropout_mask): the same draw
-    (flashdl.torch._draw_seed), read back with .item(), a graph break under torch.compile
+    (_torch_args.draw_seed), read back with .item(), a graph break under torch.compile
     (the probabilities are for tests, as in flash-attn)."""
     if not return_attn_probs or not isinstance(dropout_p, numbers.Real) or dropout_p <= 0:
         return None  # no dropout (or a bad dropout_p, which flashdl then reports)
     device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
-    return int(_fdt._draw_seed(device).item())
+    return int(draw_seed(device).item())
 
 
 def _visible(sq, sk, causal, window, device):
@@ -262,7 +263,7 @@ def _dense(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     q, k, v = (_maybe_contiguous(x) for x in (q, k, v))
     window = _window(window_size)
     seed = _seed(q, dropout_p, return_attn_probs)
-    out, lse = _fdt.attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
+    out, lse = _fdl.attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
                               window_size=window, dropout_p=dropout_p, seed=seed,
                               deterministic=deterministic, return_lse=True, **mods)
     if not return_attn_probs:
@@ -296,7 +297,7 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         if return_attn_probs and dropout_p > 0:
             raise NotImplementedError("block_table: return_attn_probs with dropout and paged "
                                       "keys is not implemented (use return_attn_probs=False)")
-    out, lse = _fdt.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    out, lse = _fdl.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                      max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
                                      window_size=window, dropout_p=dropout_p, seed=seed,
                                      deterministic=deterministic, return_lse=True, **mods,
@@ -883,7 +884,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                       rotary_interleaved=rotary_interleaved)
     mods = _score_mods(softcap, alibi_slopes)
     with torch.no_grad():
-        return _fdt.attention_with_kvcache(
+        return _fdl.attention_with_kvcache(
             _maybe_contiguous(q), k_cache, v_cache, cache_seqlens=cache_seqlens, k=k, v=v,
             block_table=block_table, softmax_scale=softmax_scale, causal=causal,
             window_size=_window(window_size), num_splits=num_splits,

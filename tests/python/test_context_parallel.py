@@ -20,7 +20,7 @@ if not dist.is_available():
 
 import flashdl.torch as ft  # noqa: E402
 from dist_world import finish, init, run_world  # noqa: E402
-from flashdl import _ulysses  # noqa: E402
+from flashdl import _torch_ulysses as _ulysses  # noqa: E402
 from test_ring import assert_close  # noqa: E402
 
 # (batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim), options, extras

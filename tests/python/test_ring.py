@@ -19,7 +19,7 @@ if not dist.is_available():
 
 import flashdl.torch as ft  # noqa: E402
 from dist_world import finish, init, run_world  # noqa: E402
-from flashdl import _ring  # noqa: E402
+from flashdl import _torch_ring as _ring  # noqa: E402
 from flashdl._ring_plan import chunks_of, global_window, last_step, pair_block  # noqa: E402
 
 CASES = [  # (batch, seqlen, nheads, nheads_kv, headdim, causal, layout, window_size)

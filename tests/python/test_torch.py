@@ -126,7 +126,7 @@ def test_fast_path_default_options(monkeypatch):
     """flashdl.torch.attention with default options on plain CPU tensors that need no autograd
     takes flashdl.attention's fast path (no op call): the same results bit for bit as the op,
     and the op wherever an option, autograd, a mode or a transform needs it."""
-    from flashdl import _api
+    from flashdl import _fast_path, _torch_attention, _torch_eager
 
     import flashdl.torch as fdt
 
@@ -139,16 +139,16 @@ def test_fast_path_default_options(monkeypatch):
         qd, kd, vd = (x.to(dt) for x in (q, k, v))
         for causal in (False, True):
             with monkeypatch.context() as m:
-                m.setattr(fdt, "_call", no_op)
+                m.setattr(_torch_attention, "call", no_op)
                 fast = fdt.attention(qd, kd, vd, causal=causal, return_lse=True)
             with monkeypatch.context() as m:
-                m.setattr(_api, "_fast_forward_torch", lambda *a: None)
+                m.setattr(_fast_path, "forward_torch", lambda *a: None)
                 full = fdt.attention(qd, kd, vd, causal=causal, return_lse=True)
             for a, b in zip(fast, full):
                 assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
     with monkeypatch.context() as m:
-        m.setattr(fdt, "_call", no_op)
-        m.setattr(fdt, "_EAGER_PATH", False)  # (else the eager path runs what it declines)
+        m.setattr(_torch_attention, "call", no_op)
+        m.setattr(_torch_eager, "EAGER_PATH", False)  # (else the eager path runs what it declines)
         for kwargs in ({"softmax_scale": 0.5}, {"window_size": (2, 0)}, {"schedule": "fa2"},
                        {"dropout_p": 0.1}, {"softcap": 1.0}, {"seed": 3},
                        {"block_size": 64}, {"deterministic": True}):
@@ -175,12 +175,12 @@ def test_fast_path_default_options(monkeypatch):
     # SDPA's layout takes the fast path too (on transposed views), with the op's results.
     qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
     with monkeypatch.context() as m:
-        m.setattr(fdt, "_call", no_op)
-        m.setattr(fdt, "_EAGER_PATH", False)
+        m.setattr(_torch_attention, "call", no_op)
+        m.setattr(_torch_eager, "EAGER_PATH", False)
         fast = fdt.attention(qh, kh, vh, causal=True, layout="bhsd", return_lse=True)
     with monkeypatch.context() as m:
-        m.setattr(_api, "_fast_forward_torch", lambda *a: None)
-        m.setattr(fdt, "_EAGER_PATH", False)
+        m.setattr(_fast_path, "forward_torch", lambda *a: None)
+        m.setattr(_torch_eager, "EAGER_PATH", False)
         full = fdt.attention(qh, kh, vh, causal=True, layout="bhsd", return_lse=True)
     for a, b in zip(fast, full):
         assert a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
@@ -190,7 +190,7 @@ def test_fast_path_default_options(monkeypatch):
     qs = torch.randn(1, 2, 9, 16, generator=gen).transpose(1, 2)
     fast = fdt.attention(qs, k, v)
     with monkeypatch.context() as m:
-        m.setattr(_api, "_fast_forward_torch", lambda *a: None)
+        m.setattr(_fast_path, "forward_torch", lambda *a: None)
         full = fdt.attention(qs, k, v)
     assert fast.is_contiguous() and torch.equal(fast, full)
     with pytest.raises(TypeError, match=r"^q: expected a torch\.Tensor"):
@@ -203,7 +203,7 @@ def test_eager_forward_dispatch_only_when_something_intercepts():
     autograd, a dispatch mode, a tensor subclass or a functorch transform would: same results."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from flashdl.torch import _dispatch_free
+    from flashdl._torch_ops import dispatch_free as _dispatch_free
 
     class Log(TorchDispatchMode):
         def __init__(self):
@@ -281,6 +281,7 @@ def _eager_case(shape, kwargs):
 def _run_attention(leaves, kwargs, path_is_eager, monkeypatch):
     """out, lse (with return_lse) and every leaf's gradient, by the eager path or the ops."""
     import flashdl.torch as fdt
+    from flashdl import _torch_attention, _torch_eager
 
     def no_op(*args, **kw):
         raise AssertionError("the op ran")
@@ -293,9 +294,9 @@ def _run_attention(leaves, kwargs, path_is_eager, monkeypatch):
             kw[name] = leaves[3 + ("bias", "sinks").index(name)]
     with monkeypatch.context() as m:
         if path_is_eager:
-            m.setattr(fdt, "_call", no_op)
+            m.setattr(_torch_attention, "call", no_op)
         else:
-            m.setattr(fdt, "_EAGER_PATH", False)
+            m.setattr(_torch_eager, "EAGER_PATH", False)
         torch.manual_seed(123)  # the drawn seed's case
         res = fdt.attention(q, k, v, **kw)
         out, lse = res if kw.get("return_lse") else (res, None)

@@ -22,11 +22,10 @@ from typing import List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import _checks
+from . import _args, _checks
 from ._api import attention as _attention
 from ._api import attention_backward as _attention_backward
-from ._api import _scalars
-from ._dist_check import Agreement, global_rank, group_rank, require_initialized, torch_tensors
+from ._torch_dist_check import Agreement, global_rank, group_rank, require_initialized, torch_tensors
 from ._ring_plan import Block, chunks_of, check_layout, global_window, last_step
 from ._ring_plan import pair_block
 
@@ -221,7 +220,7 @@ def _window_of(blk: Block):
     return (-1, -1) if blk.window is None else blk.window
 
 
-class _RingAttention(torch.autograd.Function):
+class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, window, softmax_scale, layout):
         ring = _Ring(group)
@@ -312,7 +311,7 @@ def ring_args(fn, q, k, v, causal, softmax_scale, window_size, layout):
     collective: (global window, softmax_scale)."""
     torch_tensors(fn, q=q, k=k, v=v)
     check_layout(layout)
-    _, softmax_scale, _, _ = _scalars(False, softmax_scale, "auto", (-1, -1))
+    _, softmax_scale, _, _ = _args.scalars(False, softmax_scale, "auto", (-1, -1))
     return global_window(causal, window_size), softmax_scale
 
 
@@ -321,7 +320,7 @@ def ring_apply(q, k, v, group, window, softmax_scale, layout):
     every rank agrees on: (out, lse)."""
     group_rank(group)
     check_shards(q, k, v, layout, [group])
-    return _RingAttention.apply(q, k, v, group, window, softmax_scale, layout)
+    return RingAttention.apply(q, k, v, group, window, softmax_scale, layout)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,

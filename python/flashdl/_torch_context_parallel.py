@@ -15,12 +15,12 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import _checks, _ulysses
-from ._dist_check import Agreement, group_rank, require_initialized
-from ._ring import _RingAttention, ring_args
+from . import _checks, _torch_ulysses
+from ._torch_dist_check import Agreement, group_rank, require_initialized
+from ._torch_ring import RingAttention, ring_args
 from ._ring_plan import check_layout
-from ._ring import shard as ring_shard
-from ._ring import unshard as ring_unshard
+from ._torch_ring import shard as ring_shard
+from ._torch_ring import unshard as ring_unshard
 
 
 def context_parallel_groups(ring_size: int, ulysses_size: int
@@ -185,7 +185,7 @@ def _check(q, k, v, ring_group, ulysses_group, layout) -> None:
         agree.fail("k", f"k: expected k and v of q's shard length {q.shape[1]}, got "
                         f"{tuple(k.shape)} and {tuple(v.shape)}")
     else:
-        _ulysses.check_heads(agree, q.shape[2], k.shape[2], uly_size)
+        _torch_ulysses.check_heads(agree, q.shape[2], k.shape[2], uly_size)
         if layout == "zigzag" and (q.shape[1] * uly_size) % 2:
             agree.fail("q", "q: layout 'zigzag' holds two chunks per ring rank, so the ring "
                             f"shard ({uly_size} x {q.shape[1]} rows) must be even")
@@ -267,10 +267,10 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                       softmax_scale, window_size, layout)
     require_initialized("ring_group")
     _check(q, k, v, ring_group, ulysses_group, layout)
-    _ulysses.last_bytes_sent.update(forward=0, backward=0, lse=0)
-    qh, kh, vh = _ulysses.to_heads(q, k, v, ulysses_group, 1)
-    out, lse = _RingAttention.apply(qh, kh, vh, ring_group, window, softmax_scale, layout)
-    out = _ulysses.to_sequence(out, ulysses_group, 1)
+    _torch_ulysses.last_bytes_sent.update(forward=0, backward=0, lse=0)
+    qh, kh, vh = _torch_ulysses.to_heads(q, k, v, ulysses_group, 1)
+    out, lse = RingAttention.apply(qh, kh, vh, ring_group, window, softmax_scale, layout)
+    out = _torch_ulysses.to_sequence(out, ulysses_group, 1)
     if not return_lse:
         return out
-    return out, _ulysses.lse_to_sequence(lse, ulysses_group, varlen=False)
+    return out, _torch_ulysses.lse_to_sequence(lse, ulysses_group, varlen=False)

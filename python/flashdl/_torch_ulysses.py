@@ -22,10 +22,10 @@ from typing import List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import _checks
-from ._api import _dropout_p, _scalars
-from ._dist_check import Agreement, global_rank, group_rank, require_initialized, torch_tensors
+from . import _args, _checks
+from ._torch_dist_check import Agreement, global_rank, group_rank, require_initialized, torch_tensors
 from ._ring_plan import global_window
+from ._torch_attention import attention, attention_varlen
 
 # Bytes this process sent in the all-to-alls of its last ulysses_attention (or
 # context_parallel_attention) call: the forward's (q, k, v, out), the backward's once it has run
@@ -261,16 +261,15 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         out.sum().backward()
         full = ft.ring_unshard(out.detach(), layout="contiguous")
     """
-    from . import torch as ft
 
     # This rank's own arguments by flashdl.attention's rules, before any collective (the
     # attention call after the all-to-all checks the rest).
     torch_tensors("ulysses_attention", q=q, k=k, v=v)
     return_lse = _checks.flag("return_lse", return_lse)
-    causal, softmax_scale, schedule, window_size = _scalars(causal, softmax_scale, schedule,
+    causal, softmax_scale, schedule, window_size = _args.scalars(causal, softmax_scale, schedule,
                                                             window_size)
     global_window(causal, window_size)  # the values too (each side >= -1)
-    dropout_p = _dropout_p(dropout_p)
+    dropout_p = _args.dropout_probability(dropout_p)
     require_initialized()
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     if varlen and (cu_seqlens_q is None or cu_seqlens_k is None):
@@ -297,7 +296,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                 block_mask=_heads_of(block_mask, rank, world, nheads, 4, virtual),
                 return_lse=True)
     if not varlen and not virtual:
-        out, lse = ft.attention(qh, kh, vh, **opts)
+        out, lse = attention(qh, kh, vh, **opts)
         return _result(out, lse, group, seq_dim, False, return_lse)
     if varlen:
         flat = (qh, kh, vh)
@@ -312,7 +311,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
               for m, cu in zip(bounds, cus)]
     if virtual:
         cus = [_virtual_cu(cu, rank, world) for cu in cus]
-    out, lse = ft.attention_varlen(*flat, cus[0], cus[1], bounds[0], bounds[1], **opts)
+    out, lse = attention_varlen(*flat, cus[0], cus[1], bounds[0], bounds[1], **opts)
     if not varlen:  # back from the virtual batch: (b sq, h, d) and (h, b sq)
         out = out.view(qh.shape)
         lse = lse.view(lse.shape[0], qh.shape[0], -1).transpose(0, 1)

@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ._frameworks import _type_name
+from ._frameworks import type_name
 
 
 def torch_tensors(fn: str, **arrays) -> None:
@@ -24,7 +24,7 @@ def torch_tensors(fn: str, **arrays) -> None:
     for name, x in arrays.items():
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: {fn} takes torch tensors (over torch.distributed), got "
-                            f"{_type_name(x)}; flashdl.jax.ring_attention shards JAX arrays")
+                            f"{type_name(x)}; flashdl.jax.ring_attention shards JAX arrays")
 
 
 def require_initialized(name: str = "group") -> None:

@@ -1,0 +1,217 @@
+"""flashdl.torch.attention outside torch.compile, export and tracing: a plain autograd.Function
+over the extension, with the custom ops' results bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _args, _checks, _ext
+from ._torch_ops import last_dim_contiguous, seed_int
+
+# What would intercept an op (looked up once: a tiny call's fast-path check runs them each call).
+dispatch_modes = torch._C._len_torch_dispatch_stack
+function_modes = torch._C._len_torch_function_stack
+functorch_active = torch._C._are_functorch_transforms_active
+is_compiling = torch.compiler.is_compiling
+_Tensor = torch.Tensor
+
+# ---- the eager path ------------------------------------------------------------------------------
+#
+# Outside torch.compile, export and tracing, attention needs none of what the custom ops give:
+# their dispatch, their registered autograd and the option processing that the NumPy-level API
+# repeats in each of the forward and the backward cost a small training step more than its
+# attention (cpu_tuning.md section 39). There attention is a plain autograd.Function over the
+# extension: the options processed once a call (op_options, as for the ops), the same core calls
+# with the same arguments, so the results are the ops' bit for bit (test_torch checks it).
+
+TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+is_tracing = torch._C._get_tracing_state
+_grad_enabled = torch.is_grad_enabled
+_to_dlpack = torch.utils.dlpack.to_dlpack
+_empty, _empty_like = torch.empty, torch.empty_like
+_float32, _contiguous = torch.float32, torch.contiguous_format
+# Tests set this False to run the ops where the eager path would run.
+EAGER_PATH = True
+# op_options of attention's defaults, by causal.
+DEFAULT_OPTIONS = {c: (c, None, "auto", [-1, -1], 0.0, None, 0, None, [128, 128], None, 0.0, False,
+                        None, None, None) for c in (False, True)}
+
+
+def eager_ok(tensors) -> bool:
+    """Whether a call may take the eager path: not under torch.compile, export or torch.jit
+    tracing, no dispatch or function mode (FakeTensorMode, FunctionalTensorMode, proxy modes,
+    FlopCounterMode), no functorch transform (vmap, grad), and every tensor a plain one (or a
+    Parameter): anything that would see the op gets the op."""
+    if (not EAGER_PATH or is_compiling() or dispatch_modes() or function_modes()
+            or functorch_active() or is_tracing() is not None):
+        return False
+    for x in tensors:
+        if x is not None and x.__class__ not in TENSOR_TYPES:
+            return False
+    return True
+
+
+def _capsule(x):
+    """What the extension reads for a tensor that needs no grad (Frame.export, Frame.dest)."""
+    return _to_dlpack(x) if x.__class__ is _Tensor and x.is_cpu else x
+
+
+def _contiguous_like(x):
+    """A contiguous uninitialised tensor shaped and typed like x (Frame.empty)."""
+    return _empty_like(x) if x.is_contiguous() else _empty_like(x, memory_format=_contiguous)
+
+
+class _EagerCall:
+    """One attention call's options as the extension's keywords (as _api.attention and
+    attention_backward make them from the ops' arguments), made once for its forward and its
+    backward; `plain`: every option at its default but causal (forward_default's call)."""
+
+    __slots__ = ("arrays", "bhsd", "kw", "bias", "sinks", "deterministic", "plain")
+
+    def __init__(self, arrays, bhsd, options):
+        (causal, softmax_scale, schedule, window, dropout_p, seed, offset, block_mask, block_size,
+         alibi_slopes, softcap, deterministic, bias, mask, sinks) = options
+        self.arrays, self.bhsd, self.deterministic = arrays, bhsd, deterministic
+        kw = {"causal": causal}
+        if softmax_scale is not None:
+            kw["softmax_scale"] = softmax_scale
+        if window[0] != -1 or window[1] != -1:
+            kw.update(window_left=window[0], window_right=window[1])
+        if schedule != "auto":
+            kw["schedule"] = schedule
+        if dropout_p != 0.0:
+            kw.update(dropout_p=dropout_p, seed=seed_int(seed), offset=offset)
+        elif offset != 0:
+            kw["offset"] = offset
+        # (block_mask, block_size, alibi_slopes and softcap as op_options checked them)
+        if block_mask is not None or block_size[0] != 128 or block_size[1] != 128:
+            kw.update(block_mask=block_mask, block_size_q=block_size[0],
+                      block_size_k=block_size[1])
+        if alibi_slopes is not None or softcap != 0.0:
+            kw.update(alibi_slopes=alibi_slopes, softcap=softcap)
+        if bias is not None or mask is not None or sinks is not None:
+            kw.update(_args.extras(sinks, bias, mask))
+        self.kw, self.bias, self.sinks = kw, bias, sinks
+        self.plain = len(kw) == 1
+
+    def failed(self, err, tensors, names, arrays, bhsd):
+        """Re-raises err of a call the extension refused as the full path words it: the checks
+        Frame makes before the call first (_checks.readable), then _args.LayoutErrors' wording."""
+        for name, x in zip(names, tensors):
+            _checks.readable(name, x)
+        with _args.LayoutErrors(arrays, bhsd):
+            raise err
+
+    def forward(self, q, k, v):
+        """(out, lse) of tensors that need no grad (the Function detaches them)."""
+        out = _contiguous_like(q)
+        lse = _empty(_args.lse_shape(q), dtype=_float32, device=q.device)
+        try:
+            if q.is_neg() or k.is_neg() or v.is_neg():  # to_dlpack would drop the sign
+                raise ValueError("a negative-bit view")
+            if self.plain and q.is_cpu:
+                _ext.forward_default(_capsule(q), _capsule(k), _capsule(v), _capsule(out),
+                                     _capsule(lse), self.kw["causal"])
+            else:
+                _ext.forward(_capsule(q), _capsule(k), _capsule(v), _capsule(out),
+                             _capsule(lse), stream=_stream(q), **self.kw)
+        except Exception as err:  # noqa: BLE001 - re-raised, worded as the full path words it
+            self.failed(err, (q, k, v), ("q", "k", "v"), self.arrays, self.bhsd)
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse):
+        """(dq, dk, dv, dbias or None, dsinks or None) as the backward op computes them, from
+        tensors that need no grad."""
+        dout = last_dim_contiguous(dout)
+        dq, dk, dv = _contiguous_like(q), _contiguous_like(k), _contiguous_like(v)
+        kw = self.kw
+        dbias = dsinks = None
+        if self.bias is not None or self.sinks is not None or q.is_cuda or self.deterministic:
+            kw = dict(kw, stream=_stream(q), deterministic=self.deterministic)
+            if self.bias is not None:
+                dbias = _empty(self.bias.shape, dtype=self.bias.dtype, device=q.device)
+                kw["dbias"] = _capsule(dbias)
+            if self.sinks is not None:
+                dsinks = _empty((q.shape[2],), dtype=_float32, device=q.device)
+                kw["dsinks"] = _capsule(dsinks)
+        try:
+            if dout.is_neg():
+                raise ValueError("a negative-bit view")
+            if dout.requires_grad:  # (create_graph)
+                dout = dout.detach()
+            _ext.backward(_capsule(dout), _capsule(q), _capsule(k), _capsule(v), _capsule(out),
+                          _capsule(lse), _capsule(dq), _capsule(dk), _capsule(dv), **kw)
+        except Exception as err:  # noqa: BLE001 - re-raised, worded as the full path words it
+            self.failed(err, (dout,), ("dout",), (q, k, v), False)
+        return dq, dk, dv, dbias, dsinks
+
+
+def _stream(x) -> int:
+    """The caller's current stream on the device of x (0 off CUDA), as Frame takes it."""
+    return int(torch.cuda.current_stream(x.device).cuda_stream) if x.is_cuda else 0
+
+
+class _EagerAttention(torch.autograd.Function):
+    """attention's autograd outside compilation: call (an _EagerCall) runs the forward and the
+    backward; bias and sinks are inputs for their gradients. q, k, v, out and the gradients are
+    in the caller's layout, transposed here for a heads-first call (views, no autograd nodes of
+    their own: four fewer nodes a call). The tensors are saved detached (sharing their version
+    counters: an in-place change before the backward is still caught)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, sinks, call):
+        q, k, v = q.detach(), k.detach(), v.detach()
+        if call.bhsd:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        out, lse = call.forward(q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse, bias, sinks)
+        ctx.call = call
+        # lse is returned for callers that want it (return_lse=True); no gradient flows into it.
+        ctx.mark_non_differentiable(lse)
+        return (out.transpose(1, 2) if call.bhsd else out.view_as(out)), lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        if _grad_enabled():  # create_graph=True: no double backward
+            return _EagerAttention._once_backward(ctx, dout, _dlse)
+        q, k, v, out, lse, _bias, _sinks = ctx.saved_tensors
+        call = ctx.call
+        dq, dk, dv, dbias, dsinks = call.backward(dout.transpose(1, 2) if call.bhsd else dout,
+                                                  q, k, v, out, lse)
+        if call.bhsd:
+            dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+        needs = ctx.needs_input_grad
+        return (dq, dk, dv, dbias if needs[3] else None, dsinks if needs[4] else None, None)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def _once_backward(ctx, dout, _dlse):
+        return _EagerAttention.backward(ctx, dout, _dlse)
+
+
+# autograd.Function.apply without its Python wrapper (a fifth of the eager forward's own time
+# at 16 x 16): what the wrapper adds is for functorch transforms, which take the op here, and
+# its unwrapping of dead functorch wrappers, done below.
+_function_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, _EagerAttention)
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+
+
+def eager_attention(arrays, bhsd, options):
+    """(out, lse) of the eager path, out in the layout of arrays (the caller's q, k, v): through
+    _EagerAttention where autograd needs it."""
+    call = _EagerCall(arrays, bhsd, options)
+    bias, sinks = call.bias, call.sinks
+    q, k, v = arrays
+    if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or
+                            (bias is not None and bias.requires_grad) or
+                            (sinks is not None and sinks.requires_grad)):
+        return _function_apply(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v),
+                               None if bias is None else _unwrap_if_dead(bias),
+                               None if sinks is None else _unwrap_if_dead(sinks), call)
+    q, k, v = q.detach(), k.detach(), v.detach()
+    if not bhsd:
+        return call.forward(q, k, v)
+    out, lse = call.forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    return out.transpose(1, 2), lse
+
