@@ -60,9 +60,8 @@ const KernelTable& kernels() {
 std::atomic<int> g_threads{0};
 
 // Below this many multiply-adds (batch x heads x seqlen_q x seqlen_k x headdim) a call runs on the
-// calling thread: waking the pool's worker costs more than the work (benchmarks/results/
-// cpu_tuning.md, section 14: the (1, 16, 2, 16) forward took about 100 us on 2 threads, 57 us
-// inline, on the loaded 2-core VM).
+// calling thread: waking the pool's worker costs more than the work (the (1, 16, 2, 16) forward
+// took about 100 us on 2 threads, 57 us inline, on the loaded 2-core VM).
 constexpr int64_t kInlineWork = int64_t{1} << 16;
 
 int threads_for(const Params& p) {
@@ -137,8 +136,8 @@ void run_batch(const std::vector<Params>& problems, void (*run)(const Params&)) 
 // over the threads, where fa2 packs every key tile for a query tile of a few rows and has fewer
 // tasks than threads. Rows: seqlen_q x the GQA group, per kv head. The bounds are where the
 // KV-cache kernel was faster at every head layout and dtype measured (8/8 heads at headdim 64,
-// 32/8 at 128, float32 and bfloat16, 1,024 to 65,536 keys: 1.11-9.4x;
-// benchmarks/results/cpu_tuning.md, sections 9, 12 and 13).
+// 32/8 at 128, float32 and bfloat16, 1,024 to 65,536 keys: 1.11-9.4x; benchmarks/results/
+// cpu_tuning.md has the tables).
 bool decode_shaped(const Params& p) {
   const int64_t rows = p.seqlen_q * p.h_h_k_ratio;
   const int64_t max_rows = p.seqlen_k >= 65536  ? 64

@@ -212,9 +212,9 @@ struct Bf16Products {
     // With one key tile, S = Q K^T reads each query row once, as the conversion to pairs would:
     // the whole micro-kernel blocks of rows are read in place, their pairs being the rows' own
     // bytes (even head dim, rows 4-byte aligned), and only the last block's rows are copied with
-    // their zero padding. A copy per row was a fifth of the 16,384 x 16 forward, memory-bound
-    // (cpu_tuning.md section 30). With more key tiles the rows are read once per tile, and in
-    // place, 1 KiB apart, they would share a few L1 sets.
+    // their zero padding. A copy per row was a fifth of the 16,384 x 16 forward, memory-bound.
+    // With more key tiles the rows are read once per tile, and in place, 1 KiB apart, they would
+    // share a few L1 sets.
     const bool in_place = g.nkb == 1 && g.d % 2 == 0 && p.q_row_stride % 2 == 0 &&
                           reinterpret_cast<uintptr_t>(src) % 4 == 0;
     q_rows = in_place ? rows / kMR * kMR : 0;

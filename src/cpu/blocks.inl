@@ -365,7 +365,7 @@ bool mask_scores(const Geometry<T>& g, const Mask& mask, T* S, const TilePair& t
 // modifiers, no bias or mask, every key of every real row visible, no padding column): then a
 // caller may leave S unscaled, take each row's max as row_max_of(s) * g.c (row_scale_max's
 // value bit for bit, as g.c > 0) and fold the scale into exp2's FMA (row_exp2_lanes' c), one
-// pass over S and a store per vector fewer (cpu_tuning.md section 28). Padding rows stay as the
+// pass over S and a store per vector fewer. Padding rows stay as the
 // products left them: such callers zero P's padding rows before O += P V, as after mask_scores.
 template <typename T>
 bool scale_in_exp2(const Geometry<T>& g, const Mask& mask, const TilePair& t,
@@ -882,7 +882,7 @@ void backward_block(const Geometry<T>& g, const Params& p, const Mask& mask, int
 
 // K (Bcp x dp), K^T and V^T (d x Bcp) of keys [j0, j0 + cols) of (b, hk), zero-padded to `pad`
 // keys (-1: Bcp). The products read np = round_up(cols, kNR) keys of each: a short tile (16 keys
-// of a 96-key Bcp) padded to Bcp spent most of its load writing zeros (cpu_tuning.md section 43).
+// of a 96-key Bcp) padded to Bcp spent most of its load writing zeros.
 // The bfloat16 products' pairing reads all Bcp.
 template <typename T>
 struct KeyBlock {

@@ -5,7 +5,7 @@
 // serves allocations over 128 KiB by mmap, so every call faulted those pages in again (128 x 16
 // d 64: a third of the one-thread backward's samples in the kernel's page-fault path), and the
 // small ones were zero-filled as they grew. Kept, a stream of calls (a training loop) stops
-// allocating them; cpu_tuning.md section 40.
+// allocating them.
 
 // What a call keeps whose size follows seqlen: Q, dO, lse and D of the heads (BackwardInputs)
 // and the threads' partial sums. One workspace per backward in flight, taken from a free list

@@ -14,7 +14,7 @@ inline int64_t fa2_block_cols() { return 96; }
 // The forward's query tile: fa2_block_rows(), or kLongKeyRows where a head's packed K and V
 // (key_bytes a key, both) outgrow a core's L2 (1 MiB on the machine measured): every query tile
 // then streams them from L3 or memory once, and three times the rows make a third of those
-// passes. Measured with 2 threads (cpu_tuning.md section 29): 2,048 x 16,384 float32 d 128 +12%,
+// passes. Measured with 2 threads: 2,048 x 16,384 float32 d 128 +12%,
 // d 64 +12%, bfloat16 d 128 +9%; at 2,048 x 2,048, where they fit, the tile shapes were within
 // the noise of each other. Only where the longer tiles still give every thread several tasks,
 // and not with a block mask (its blocks set the query tiles).
@@ -100,7 +100,7 @@ struct PackedKV {
 // are, Q^T as the packed operand) and transpose S, instead of S = Q K^T on a packed K^T. The
 // transposition then costs seqlen_q x seqlen_k elements of S per head instead of seqlen_k x d of
 // K (once per head and thread, for all its query tiles): fewer where a head has fewer query rows
-// than about half the head dim (benchmarks/results/cpu_tuning.md, section 19).
+// than about half the head dim.
 inline bool scores_by_keys(const Params& p) { return 2 * p.seqlen_q <= p.headdim; }
 
 // The DType whose elements are T (products in T read such inputs in place).
@@ -134,7 +134,7 @@ struct Products {
       return;
     }
     // Q^T straight from the caller's rows (a scalar transpose of a converted Q was a sixth of a
-    // 16 x 16 forward; cpu_tuning.md section 26).
+    // 16 x 16 forward).
     qn = detail::round_up(rows, static_cast<int64_t>(Simd<T>::W));
     load_rows_transposed(q, p.dtype, p.q_row_stride, rows, g.d, qtbuf.get(g.d * qn), qn,
                          kv.scratch.get(kTransposeRows * g.dp));
@@ -194,7 +194,7 @@ struct Products {
 // query tiles. A head's query rows are d values in every nheads * d of a (batch, seqlen, nheads,
 // headdim) array; walking one head down a long sequence reads a short run every row stride, and
 // with seqlen_q = 16,384 over 16 keys that made the forward 4.6x slower than 8x the work of
-// 2,048 queries (cpu_tuning.md, section 23). Across the heads of a tile the rows are read whole.
+// 2,048 queries). Across the heads of a tile the rows are read whole.
 template <typename T>
 bool heads_together(const Params& p, const Geometry<T>& g) {
   constexpr int64_t kBudget = int64_t{2} << 20;  // bytes of packed K and V, every kv head
@@ -228,7 +228,7 @@ ForwardTiles<T>& forward_tiles() {
 // same (batch, kv head) holds other data then) and kept for the next one up to kKeptPackedBytes:
 // packing into memory fresh from the allocator faulted its pages in on every call wherever glibc
 // served it by mmap (16 x 2,048 d 128: 1.7 ms a call, 1.07 ms once torch's allocations had raised
-// glibc's mmap threshold; cpu_tuning.md section 27). Larger ones are given back after the call.
+// glibc's mmap threshold). Larger ones are given back after the call.
 constexpr int64_t kKeptPackedBytes = int64_t{8} << 20;
 template <typename Prod>
 Prod& forward_products() {
@@ -279,10 +279,10 @@ inline bool stale_reference_ok(const Params& p, const Geometry<float>& g, const 
 // 2^kStaleSlack; exact all the same, m being only the reference P and lse are taken against).
 // Rows where an exponent passes m by more than that, or is NaN, are redone as other tiles are,
 // from S computed again (the max grows past the slack in few tiles after a row's first). Drops
-// S's store, the pass for each row's max (and the bias) and the one reading S back for exp2
-// (cpu_tuning.md section 35). ex: the head's bias and mask (every score of the tile kept).
+// S's store, the pass for each row's max (and the bias) and the one reading S back for exp2.
+// ex: the head's bias and mask (every score of the tile kept).
 // own (own_reference_ok; a task's first tile, O not yet written): each row's reference is its
-// own max, taken in the epilogue from the row's 32 columns in registers; O = P V (section 38).
+// own max, taken in the epilogue from the row's 32 columns in registers; O = P V.
 template <typename Prod>
 void stale_reference_tile(const Params& p, const Geometry<float>& g, const Mask& mask, int64_t kt,
                           const TilePair& t, int64_t rows, const detail::HeadExtras* ex,
@@ -390,7 +390,7 @@ void fa2_forward_impl(const Params& p, int threads) {
 
       // O is written by the first tile's O = P V (o_live from then on), not zero-filled first:
       // with few key tiles the fill and the first product's reads of O were a few per cent of
-      // the forward (cpu_tuning.md section 37).
+      // the forward.
       bool o_live = false;
       std::fill(sm.begin(), sm.begin() + g.Brp, detail::OnlineSoftmax<T>{});
       std::fill(lanes, lanes + g.Brp * W, T(0));
@@ -593,7 +593,7 @@ void store_dq_head(const Params& p, const Geometry<T>& g, int64_t b, int64_t h,
 // two threads share is converted by both) and stores dQ of the heads no other thread touches;
 // the last thread to finish sums the shared ones' partials, in thread order. A small backward
 // paid a region's wake-up three times (the inputs, the tasks, the dQ sums): 16 x 16 d 64 on 2
-// threads 52 -> 30 us; cpu_tuning.md section 41. In key-tile-major order (below) every thread
+// threads 52 -> 30 us. In key-tile-major order (below) every thread
 // touches every head: Q and dO converted once for all (prepare_backward_inputs), and dQ summed
 // in a region of its own.
 template <typename T>
@@ -616,7 +616,7 @@ void fa2_backward_by_keys(const Params& p, const Geometry<T>& g, const Mask& mas
   // whole across the kv heads instead of head by head down the sequence (as heads_together, for
   // the forward; at 16 x 16,384 that walk was 45% of the time). With few key tiles a thread's
   // static slice would hold whole tile indices, the short last tile's on one thread alone
-  // (128 x 128 d 128: 1.4x slower); cpu_tuning.md, section 24.
+  // (128 x 128 d 128: 1.4x slower).
   constexpr int64_t kSmallDq = int64_t{1} << 20;  // bytes of one thread's dQ partials
   constexpr int64_t kManyKeyTiles = 16;
   const bool key_major =
@@ -816,7 +816,7 @@ void fa2_backward_by_queries(const Params& p, const Geometry<T>& g, const Mask& 
     // heads of a query tile go in turn (heads_inner); every key tile of the (batch, kv head) at
     // hand where they fit kKeptKeyTiles (its query tiles, one task after another, each walk all
     // of them: reloading a tile for every pair was ~13% of a float32 4,096 x 1,024 d 128
-    // backward; cpu_tuning.md section 34); else one. The bfloat16 products hold a task's query
+    // backward); else one. The bfloat16 products hold a task's query
     // rows beside the key tile: with a slot a tile, each slot converts them once a task.
     constexpr int64_t kKeptKeyTiles = int64_t{4} << 20;  // bytes: K, K^T and V^T of each tile,
     const int64_t tile_units = p.dtype == DType::bfloat16 ? 5 : 3;  // (+ the pairs in bfloat16)
@@ -930,8 +930,8 @@ void fa2_backward_by_queries(const Params& p, const Geometry<T>& g, const Mask& 
 // Which loop is outer in the backward. Keys (by_keys, FlashAttention-2's order) reuse Q and dO
 // converted once for all key tiles; queries (by_queries) reload each key tile for every query tile
 // but drop by_keys' per-call copies of Q and dO, its dQ partials and their reduction, all of size
-// seqlen_q, which dominate where there are few key tiles per query tile. Measured
-// (benchmarks/results/cpu_tuning.md, section 8): by_queries 1.2-3.5x faster from 4 query tiles per
+// seqlen_q, which dominate where there are few key tiles per query tile. Measured on two threads:
+// by_queries 1.2-3.5x faster from 4 query tiles per
 // key tile up (256 x 16 to 100,000 x 16, 1024 x 256), within noise at 2048 x 1024 and 4096 x 1024,
 // 1.5x slower at 2048 x 2048. Its dK/dV partials (threads x every key tile) are capped in size.
 inline int64_t backward_query_tiles_per_key_tile() { return 4; }

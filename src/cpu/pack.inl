@@ -99,7 +99,7 @@ inline void* element(void* base, DType dt, int64_t offset) {
 // stride bytes), prefetched (for writing with Write), all before the rows are used: the rows of
 // one head are short runs far apart (a (batch, seqlen, nheads, headdim) array: headdim elements
 // every nheads * headdim), which the hardware prefetcher does not follow, and read one after
-// another each row's copy waited for its load (cpu_tuning.md section 28).
+// another each row's copy waited for its load.
 template <bool Write = false>
 inline void prefetch_rows(const void* base, int64_t stride, int64_t rows, int64_t bytes) {
   constexpr int64_t kLine = 64;
@@ -194,6 +194,6 @@ struct Buffer {
 };
 
 // Buffer for contents its user writes before reading (the fa2 forward's tiles): not zero-filled
-// as it grows (a tiny call's buffers cost more to zero than to compute; cpu_tuning.md section 26).
+// as it grows (a tiny call's buffers cost more to zero than to compute).
 template <typename T>
 using RawBuffer = Buffer<T, NoZeroAllocator<T>>;

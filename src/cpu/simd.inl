@@ -37,7 +37,7 @@ inline vec_t<T> vmax(vec_t<T> a, vec_t<T> b) {
 // Horizontal reductions in log2(W) steps: the vector's upper half folded onto its lower half
 // until two lanes remain. (A lane-by-lane loop is a chain of W - 1 dependent operations: the
 // compiler may not reorder it, and in a short row's softmax that chain was the largest part of
-// mask_scores; cpu_tuning.md section 26.)
+// mask_scores.)
 template <typename T, int N>
 struct Lanes {
   typedef T vec __attribute__((vector_size(N * sizeof(T))));
@@ -89,7 +89,7 @@ inline T hsum(vec_t<T> v) {
 // rows (i, i + B) with i & B == 0, the B-column blocks off the diagonal of their 2B x 2B block
 // (row i's columns c with c & B against row i + B's columns c - B). Each stage is W two-source
 // shuffles, where a scalar transpose is W * W loads and stores (a 16 x 16 tile's S^T -> S and
-// Q -> Q^T were a sixth of a 16 x 16 forward; cpu_tuning.md section 26).
+// Q -> Q^T were a sixth of a 16 x 16 forward).
 template <typename T, int B, size_t... C>
 inline void transpose_stage(vec_t<T>* r, std::index_sequence<C...>) {
   constexpr int W = Simd<T>::W;
@@ -124,7 +124,7 @@ inline void transpose_block(const T* src, int64_t lds, int64_t nr, T* dst, int64
 // polynomial (a relative minimax fit on [-1/2, 1/2]; in float32 with FMA the result is within
 // 1.7e-7 of 2^x), then times 2^n. Inputs below -126 (masked scores are -inf) give exactly 0; NaN
 // stays NaN. With AVX-512 the split is one vroundscaleps and 2^n with the zeroing one masked
-// vscalefps (cpu_tuning.md section 28); otherwise the magic-number rounding and the exponent
+// vscalefps; otherwise the magic-number rounding and the exponent
 // bits, with x clamped to [-126, 127].
 inline vec_t<float> exp2_poly(vec_t<float> f) {
   vec_t<float> poly = vset1(1.326463499e-3f);
@@ -277,7 +277,7 @@ inline T row_modified_range_max(T* s, int64_t n, const detail::ScoreMod<T>& mod,
 
 // p = exp2(c * t - ref) in place (one FMA; c = 1 where t is already scaled); returns sum(p) lane
 // by lane (a caller that keeps a running sum adds the lanes once at the end: a horizontal sum per
-// row and tile was 7.7% of the bfloat16 forward's time at head dim 64, cpu_tuning.md section 22).
+// row and tile was 7.7% of the bfloat16 forward's time at head dim 64).
 template <typename T>
 inline vec_t<T> row_exp2_lanes(T* s, int64_t n, T c, T ref) {
   constexpr int W = Simd<T>::W;

@@ -27,7 +27,7 @@ namespace {
 // condition variable, and the caller spins for up to kCallerSpin for the workers to finish before
 // it sleeps. A sleeping thread's wake-up cost 25-50 us on the 2-vCPU VM measured (a futex wake
 // crosses to the other virtual CPU), more than a small call's whole kernel, and a backward runs
-// three or four regions back to back (benchmarks/results/cpu_tuning.md, section 20).
+// three or four regions back to back.
 constexpr auto kWorkerSpin = std::chrono::microseconds(100);
 constexpr auto kCallerSpin = std::chrono::microseconds(500);
 
@@ -196,7 +196,7 @@ int default_num_threads() {
     if (n > 0) return n;
   }
   // Asked once: glibc reads /sys/devices/system/cpu/online for it, about 6 us, which was half of
-  // a tiny call's time when no thread count was set (cpu_tuning.md, section 17).
+  // a tiny call's time when no thread count was set.
   static const unsigned hw = std::thread::hardware_concurrency();
   return hw > 0 ? static_cast<int>(hw) : 1;
 }
