@@ -1,10 +1,13 @@
-// The public entry points: validate (validate.cpp), fill Params, dispatch to a backend.
+// The public entry points: validate (validate.cpp), fill Params (fill_params.cpp), dispatch to a
+// backend (dispatch.cpp).
 #include "flashdl/api.hpp"
 
 #include <cstring>
 #include <string>
 
 #include "backend.hpp"
+#include "dispatch.hpp"
+#include "fill_params.hpp"
 #include "flashdl/detail/philox.hpp"
 #include "validate.hpp"
 

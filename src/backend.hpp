@@ -1,4 +1,5 @@
-// The interface api.cpp dispatches to. Each backend receives a validated Params and trusts it.
+// The interface dispatch.cpp (and varlen.cpp's per-sequence batches) call. Each backend receives
+// a validated Params and trusts it.
 #pragma once
 
 #include <cstdint>
@@ -11,8 +12,9 @@
 namespace flashdl {
 
 // The new keys and values of a KV-cache call (src/kvcache.cpp), (batch, seqlen_new, nheads_kv,
-// headdim) with element strides, to be written into the cache at positions
-// seqused_k[b] - seqlen_new onward. seqlen_new 0 (or null pointers): nothing to append.
+// headdim) with element strides, to be written into the cache by the backend (cpu::, cuda::
+// forward_kvcache) at positions seqused_k[b] - seqlen_new onward. seqlen_new 0 (or null
+// pointers): nothing to append.
 struct KvAppend {
   const void* k_ptr = nullptr;
   const void* v_ptr = nullptr;
@@ -64,6 +66,9 @@ void backward_batch(const std::vector<Params>& problems);
 // dsinks[h] = -sum over batches and rows of exp(sink_h - lse) * rowsum(dout * out), from the
 // arrays of a backward Params (after its kernels; the same for every schedule). Deterministic.
 void sinks_backward(const Params& params);
+// Attention over a KV cache (Params.seqused_k and block_table in host memory, checked): the
+// rotary embedding and the append (src/cpu/kvcache.cpp), then the attention.
+void forward_kvcache(const Params& params, const KvAppend& append);
 std::string isa_name();       // the vector kernels picked at run time
 int num_threads();            // threads the next call uses
 void set_num_threads(int n);  // 0: default

@@ -1,17 +1,17 @@
 // Attention over a KV cache (flash-attn's flash_attn_with_kvcache): validated whole, then the new
 // keys and values are appended to the cache (the one place flashdl writes a caller's array, and
 // only after every check has passed), then one forward call reads the cache through
-// Params.seqused_k (and Params.block_table when it is paged). CUDA arrays: the append and the
-// attention are the CUDA backend's (cuda::forward_kvcache), on the device.
+// Params.seqused_k (and Params.block_table when it is paged). The append and the attention are
+// the backend's (cpu::forward_kvcache, cuda::forward_kvcache on the device).
 #include <algorithm>
 #include <array>
-#include <cstring>
 #include <string>
 #include <vector>
 
 #include "backend.hpp"
+#include "dispatch.hpp"
+#include "fill_params.hpp"
 #include "flashdl/api.hpp"
-#include "flashdl/detail/kv_cache.hpp"
 #include "rotary.hpp"
 #include "validate.hpp"
 
@@ -94,12 +94,8 @@ Cache check_cache(const TensorView& q, const TensorView& k_cache, const TensorVi
   if (hk == 0 ? q.shape[2] != 0 : q.shape[2] % hk != 0)
     fail(ErrorKind::value, "k_cache: nheads_kv " + std::to_string(hk) +
                                " must divide nheads of q, " + std::to_string(q.shape[2]));
-  check_dtype("k_cache", k_cache, q.dtype, "the dtype of q");
-  check_dtype("v_cache", v_cache, q.dtype, "the dtype of q");
-  check_device("k_cache", k_cache, q.device);
-  check_device("v_cache", v_cache, q.device);
-  check_last_dim_contiguous("k_cache", k_cache);
-  check_last_dim_contiguous("v_cache", v_cache);
+  check_storage("k_cache", k_cache, q.dtype, "the dtype of q", q.device);
+  check_storage("v_cache", v_cache, q.dtype, "the dtype of q", q.device);
 
   if (k_new.defined() != v_new.defined())
     fail(ErrorKind::value, std::string(k_new.defined() ? "v" : "k") +
@@ -112,12 +108,8 @@ Cache check_cache(const TensorView& q, const TensorView& k_cache, const TensorVi
                 "(batch of q, seqlen_new, nheads_kv and headdim of k_cache)");
     check_shape("v", v_new, {batch, k_new.shape[1], k_cache.shape[2], k_cache.shape[3]},
                 "(the shape of k)");
-    check_dtype("k", k_new, k_cache.dtype, "the dtype of k_cache");
-    check_dtype("v", v_new, k_cache.dtype, "the dtype of k_cache");
-    check_device("k", k_new, q.device);
-    check_device("v", v_new, q.device);
-    check_last_dim_contiguous("k", k_new);
-    check_last_dim_contiguous("v", v_new);
+    check_storage("k", k_new, k_cache.dtype, "the dtype of k_cache", q.device);
+    check_storage("v", v_new, k_cache.dtype, "the dtype of k_cache", q.device);
     c.seqlen_new = k_new.shape[1];
   }
 
@@ -230,22 +222,6 @@ TensorView as_dense(const TensorView& cache, int64_t batch, int64_t capacity, bo
   return r;
 }
 
-// Rows [used - seqlen_new, used) of every sequence of the cache = the new keys (or values).
-void append_rows(const Params& p, const Cache& c, const TensorView& src, bool values) {
-  const auto es = static_cast<int64_t>(dtype_size(src.dtype));
-  char* base = static_cast<char*>(const_cast<void*>(values ? p.v_ptr : p.k_ptr));
-  const auto* from = static_cast<const char*>(src.data);
-  for (int64_t b = 0; b < p.batch; ++b)
-    for (int64_t j = 0; j < c.seqlen_new; ++j)
-      for (int64_t hk = 0; hk < p.nheads_kv; ++hk) {
-        const int64_t pos = c.visible[b] - c.seqlen_new + j;  // counted from cache_leftpad
-        const int64_t dst = values ? detail::v_cache_offset(p, b, pos, hk)
-                                   : detail::k_cache_offset(p, b, pos, hk);
-        const int64_t off = b * src.strides[0] + j * src.strides[1] + hk * src.strides[2];
-        std::memcpy(base + dst * es, from + off * es, static_cast<size_t>(p.headdim * es));
-      }
-}
-
 }  // namespace
 
 void forward_kvcache(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
@@ -327,61 +303,32 @@ void forward_kvcache(const TensorView& q, const TensorView& k_cache, const Tenso
     p.page_size = c.page_size;
   }
   p.num_splits = options.num_splits;
-  if (q.device.type != DeviceType::cpu) {
-    // On the device of q, on the call's stream: the CUDA backend plans (and may still refuse)
-    // first, then copies seqused_k and the page table over, appends and attends. The host loop
-    // below must not touch device memory.
-    if (s.batch == 0) return;
-    KvAppend a;
-    if (k_new.defined()) {
-      a.k_ptr = k_new.data;
-      a.v_ptr = v_new.data;
-      a.seqlen_new = c.seqlen_new;
-      a.k_batch_stride = k_new.strides[0];
-      a.k_row_stride = k_new.strides[1];
-      a.k_head_stride = k_new.strides[2];
-      a.v_batch_stride = v_new.strides[0];
-      a.v_row_stride = v_new.strides[1];
-      a.v_head_stride = v_new.strides[2];
-    }
-    if (rot.on) {
-      a.rotary_cos = extras.rotary_cos.data;
-      a.rotary_sin = extras.rotary_sin.data;
-      a.rotary_cos_stride = extras.rotary_cos.strides[0];
-      a.rotary_sin_stride = extras.rotary_sin.strides[0];
-      a.rotary_dim = rot.dim;
-      a.rotary_interleaved = rot.interleaved;
-      a.rotary_per_row_q = rot.per_row_q;
-      a.cache_seqlens = c.seqlens.data();
-    }
-    cuda::forward_kvcache(p, a);
-    return;
-  }
-  // Rotary embedding: q and the new keys rotated into buffers (q at cache_seqlens + row when
-  // causal or windowed, else at cache_seqlens; key row j at cache_seqlens + j), read from there.
-  std::vector<unsigned char> q_rot, k_rot;
-  TensorView k_src = k_new;
-  if (rot.on) {
-    if (k_new.defined() && c.seqlen_new > 0) {
-      k_rot = rotate_rows(k_new, extras, rot, c.seqlens, true);
-      k_src = contiguous_view(k_new, k_rot);
-    }
-    if (s.batch > 0 && s.seqlen_q > 0 && s.nheads > 0) {
-      q_rot = rotate_rows(q, extras, rot, c.seqlens, rot.per_row_q);
-      const TensorView qv = contiguous_view(q, q_rot);
-      p.q_ptr = qv.data;
-      p.q_batch_stride = qv.strides[0];
-      p.q_row_stride = qv.strides[1];
-      p.q_head_stride = qv.strides[2];
-    }
-  }
-  // Every check has passed: now the cache may be written.
+  if (s.batch == 0) return;
+  // The backend (cpu/kvcache.cpp, cuda/kvcache.cu) rotates, appends and attends; every check has
+  // passed, so the cache may now be written.
+  KvAppend a;
   if (k_new.defined()) {
-    append_rows(p, c, k_src, false);
-    append_rows(p, c, v_new, true);
+    a.k_ptr = k_new.data;
+    a.v_ptr = v_new.data;
+    a.seqlen_new = c.seqlen_new;
+    a.k_batch_stride = k_new.strides[0];
+    a.k_row_stride = k_new.strides[1];
+    a.k_head_stride = k_new.strides[2];
+    a.v_batch_stride = v_new.strides[0];
+    a.v_row_stride = v_new.strides[1];
+    a.v_head_stride = v_new.strides[2];
   }
-  if (s.batch == 0 || s.seqlen_q == 0 || s.nheads == 0) return;
-  dispatch_forward(p);
+  if (rot.on) {
+    a.rotary_cos = extras.rotary_cos.data;
+    a.rotary_sin = extras.rotary_sin.data;
+    a.rotary_cos_stride = extras.rotary_cos.strides[0];
+    a.rotary_sin_stride = extras.rotary_sin.strides[0];
+    a.rotary_dim = rot.dim;
+    a.rotary_interleaved = rot.interleaved;
+    a.rotary_per_row_q = rot.per_row_q;
+    a.cache_seqlens = c.seqlens.data();
+  }
+  dispatch_kvcache(p, a);
 }
 
 }  // namespace flashdl

@@ -10,7 +10,7 @@
 #include "cpu/convert.hpp"
 #include "flashdl/api.hpp"
 #include "flashdl/detail/softmax.hpp"
-#include "validate.hpp"
+#include "checks.hpp"
 
 namespace flashdl {
 

@@ -1,4 +1,4 @@
-// Rotary embedding for the KV-cache call: checks and the host rotation (src/rotary.cpp).
+// Rotary embedding for the KV-cache call: the checks of its tables (src/rotary.cpp).
 #pragma once
 
 #include <cstdint>
@@ -21,15 +21,5 @@ struct Rotary {
 Rotary check_rotary(const KvCacheExtras& x, const TensorView& q,
                     const std::vector<int32_t>& seqlens, int64_t seqlen_new, int64_t capacity,
                     const Options& o);
-
-// x (batch, rows, heads, d) rotated into a contiguous buffer of its dtype, row i of sequence b
-// at position first[b] + i (per_row) or first[b]: float32 arithmetic (float64 for float64),
-// rounded once.
-std::vector<unsigned char> rotate_rows(const TensorView& x, const KvCacheExtras& e,
-                                       const Rotary& r, const std::vector<int32_t>& first,
-                                       bool per_row);
-
-// A contiguous (batch, rows, heads, d) view of buf, otherwise like x.
-TensorView contiguous_view(const TensorView& x, std::vector<unsigned char>& buf);
 
 }  // namespace flashdl

@@ -1,6 +1,8 @@
 #include "flashdl/tensor.hpp"
 
-#include "flashdl/api.hpp"
+#include <string>
+
+#include "flashdl/error.hpp"
 
 namespace flashdl {
 

@@ -1,38 +1,16 @@
-// Validation (the only place) and the filling of Params from validated views.
+// Validation of the attention entry points' arguments and options, and nothing else: Params are
+// filled in fill_params.cpp and dispatched in dispatch.cpp, after these checks have passed.
 #include "validate.hpp"
 
 #include <algorithm>
-#include <charconv>
 #include <cmath>
-#include <cstring>
 #include <string>
 #include <utility>
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
-
-#include "backend.hpp"
 
 namespace flashdl::validate {
 
 namespace {
 
-// Byte range [lo, hi) the view can touch; empty views touch nothing.
-struct Extent {
-  uintptr_t lo = 0, hi = 0;
-};
-
-Extent extent(const TensorView& t) {
-  if (t.numel() == 0 || t.data == nullptr) return {};
-  const auto base = reinterpret_cast<intptr_t>(t.data);
-  const auto es = static_cast<intptr_t>(dtype_size(t.dtype));
-  intptr_t lo = base, hi = base;
-  for (int i = 0; i < t.rank; ++i) {
-    const intptr_t span = static_cast<intptr_t>(t.strides[i]) * (t.shape[i] - 1) * es;
-    (span < 0 ? lo : hi) += span;
-  }
-  return {static_cast<uintptr_t>(lo), static_cast<uintptr_t>(hi + es)};
-}
 
 constexpr double kMaxScale = 1e30;
 
@@ -42,206 +20,6 @@ bool is_float_storage(DType d) {
 }
 
 }  // namespace
-
-// Plain string arithmetic, no iostreams: with an ostringstream here, every error message that
-// printed a shape killed the Python process (SIGSEGV) on the H100 machine, in pytest workers that
-// had also loaded torch, CuPy and JAX.
-std::string shape_str(const TensorView& t) {
-  std::string s = "(";
-  for (int i = 0; i < t.rank; ++i) s += (i ? ", " : "") + std::to_string(t.shape[i]);
-  s += t.rank == 1 ? ",)" : ")";
-  return s;
-}
-
-std::string shape_str(std::initializer_list<int64_t> shape) {
-  TensorView t;
-  t.rank = static_cast<int>(shape.size());
-  int i = 0;
-  for (int64_t s : shape) t.shape[i++] = s;
-  return shape_str(t);
-}
-
-// std::to_chars without a precision writes the shortest text that reads back to the same value,
-// so a dropout_p of 1.5 prints as "1.5" (std::to_string gives "1.500000", and 1e-9 as "0.000000").
-// A float prints as the shortest float text: the 0.3 a caller wrote, not 0.300000012.
-template <typename T>
-static std::string shortest(T x) {
-  char buf[64];
-  const auto r = std::to_chars(buf, buf + sizeof buf, x);
-  return std::string(buf, r.ptr);
-}
-
-std::string num_str(double x) { return shortest(x); }
-std::string num_str(float x) { return shortest(x); }
-
-[[noreturn]] void fail(ErrorKind kind, const std::string& msg) { throw Error(kind, msg); }
-
-void check_defined(const char* name, const TensorView& t) {
-  if (t.rank <= 0 || t.rank > kMaxRank)
-    fail(ErrorKind::value, std::string(name) + ": expected an array of rank 1 to 4, got rank " +
-                               std::to_string(t.rank));
-  for (int i = 0; i < t.rank; ++i)
-    if (t.shape[i] < 0)
-      fail(ErrorKind::value, std::string(name) + ": negative extent in shape " + shape_str(t));
-  if (t.data == nullptr && t.numel() > 0)
-    fail(ErrorKind::value, std::string(name) + ": null data pointer for a non-empty array");
-}
-
-void check_rank(const char* name, const TensorView& t, int rank, const char* layout) {
-  check_defined(name, t);
-  if (t.rank != rank)
-    fail(ErrorKind::value, std::string(name) + ": expected rank " + std::to_string(rank) + " " +
-                               layout + ", got shape " + shape_str(t));
-}
-
-void check_shape(const char* name, const TensorView& t, std::initializer_list<int64_t> shape,
-                 const char* layout) {
-  int i = 0;
-  bool ok = t.rank == static_cast<int>(shape.size());
-  for (int64_t s : shape) ok = ok && t.shape[i++] == s;
-  if (!ok)
-    fail(ErrorKind::value, std::string(name) + ": expected shape " + shape_str(shape) + " " +
-                               layout + ", got " + shape_str(t));
-}
-
-void check_dtype(const char* name, const TensorView& t, DType expected, const char* why) {
-  if (t.dtype != expected)
-    fail(ErrorKind::type, std::string(name) + ": expected dtype " + dtype_name(expected) + " (" +
-                              why + "), got " + dtype_name(t.dtype));
-}
-
-void check_host_int32(const char* name, const TensorView& t, int rank, const char* layout) {
-  check_rank(name, t, rank, layout);
-  check_dtype(name, t, DType::int32, "indices and lengths are int32");
-  if (t.device.type != DeviceType::cpu)
-    fail(ErrorKind::value, std::string(name) + ": expected an array on the CPU (host memory), got " +
-                               device_name(t.device.type) + ":" + std::to_string(t.device.id));
-}
-
-void check_device(const char* name, const TensorView& t, Device expected) {
-  if (t.device != expected)
-    fail(ErrorKind::value, std::string(name) + ": expected an array on " +
-                               device_name(expected.type) + ":" + std::to_string(expected.id) +
-                               " (the device of q), got " + device_name(t.device.type) + ":" +
-                               std::to_string(t.device.id));
-}
-
-void check_last_dim_contiguous(const char* name, const TensorView& t) {
-  const int last = t.rank - 1;
-  // Empty arrays hold no element to reach, and exporters give them arbitrary (often 0) strides.
-  if (t.numel() > 0 && t.shape[last] > 1 && t.strides[last] != 1)
-    fail(ErrorKind::value, std::string(name) + ": the last dimension must be contiguous (stride 1), "
-                               "got stride " + std::to_string(t.strides[last]));
-}
-
-namespace {
-
-// Whether no two distinct indices of t address overlapping bytes, by a sufficient condition that
-// holds for every view made by slicing (with steps), transposing or selecting from a contiguous
-// array: the axes of extent > 1, sorted by |stride|, each have a stride (in bytes) at least the
-// span of all smaller axes (element size plus sum of |stride| x (extent - 1)). A stride of 0 on an
-// axis of extent > 1 (an expanded array) fails it and does overlap; other failures may not
-// (strides such as (2, 3) for shape (3, 2) interleave without a collision) but are refused too.
-// An axis of extent > 1 as the overlap checks see it: |stride| in bytes and extent.
-struct Axis {
-  __int128 stride, extent;
-};
-
-// Whether the n axes, sorted by stride, each stride at least the span of all smaller axes
-// (starting from the element size es): then no two elements share a byte. At most kMaxRank + 1
-// axes: an insertion sort (std::sort's threshold path drew GCC 12 -Warray-bounds false
-// positives over the five-element array).
-bool axes_never_collide(Axis* axes, int n, __int128 es) {
-  for (int i = 1; i < n; ++i)
-    for (int j = i; j > 0 && axes[j].stride < axes[j - 1].stride; --j)
-      std::swap(axes[j], axes[j - 1]);
-  __int128 span = es;
-  for (int i = 0; i < n; ++i) {
-    if (axes[i].stride < span) return false;
-    span += axes[i].stride * (axes[i].extent - 1);
-  }
-  return true;
-}
-
-bool provably_no_self_overlap(const TensorView& t, int64_t& zero_axis) {
-  zero_axis = -1;
-  if (t.numel() == 0) return true;
-  Axis axes[kMaxRank + 1];
-  int n = 0;
-  const __int128 es = static_cast<__int128>(dtype_size(t.dtype));
-  for (int i = 0; i < t.rank; ++i) {
-    if (t.shape[i] <= 1) continue;
-    if (t.strides[i] == 0) {
-      zero_axis = i;
-      return false;
-    }
-    const __int128 st = t.strides[i] < 0 ? -static_cast<__int128>(t.strides[i]) : t.strides[i];
-    axes[n++] = {st * es, t.shape[i]};
-  }
-  return axes_never_collide(axes, n, es);
-}
-
-// Whether a and b provably share no byte: disjoint spans, or (the interleaved views of one buffer,
-// e.g. k and v sliced from a packed kv) the same shape and strides at a whole-element distance,
-// where the two together are one view with a leading axis of extent 2 and stride that distance,
-// proven free of self-overlap above.
-bool provably_disjoint(const TensorView& a, const TensorView& b) {
-  const Extent x = extent(a), y = extent(b);
-  if (!(x.lo < x.hi && y.lo < y.hi && x.lo < y.hi && y.lo < x.hi)) return true;
-  if (a.rank != b.rank || a.rank >= kMaxRank + 1 || dtype_size(a.dtype) != dtype_size(b.dtype))
-    return false;
-  for (int i = 0; i < a.rank; ++i)
-    if (a.shape[i] != b.shape[i] || (a.shape[i] > 1 && a.strides[i] != b.strides[i])) return false;
-  const auto es = static_cast<intptr_t>(dtype_size(a.dtype));
-  const intptr_t delta = reinterpret_cast<intptr_t>(b.data) - reinterpret_cast<intptr_t>(a.data);
-  if (delta % es != 0) return false;
-  // TensorView holds kMaxRank axes: the pair is checked as a view of rank + 1 built by hand.
-  Axis axes[kMaxRank + 1];
-  int n = 0;
-  const __int128 d = delta < 0 ? -static_cast<__int128>(delta) : delta;
-  if (d == 0) return false;
-  axes[n++] = {d, 2};
-  for (int i = 0; i < a.rank; ++i) {
-    if (a.shape[i] <= 1) continue;
-    if (a.strides[i] == 0) return false;
-    const __int128 st = a.strides[i] < 0 ? -static_cast<__int128>(a.strides[i]) : a.strides[i];
-    axes[n++] = {st * es, a.shape[i]};
-  }
-  return axes_never_collide(axes, n, es);
-}
-
-}  // namespace
-
-void check_no_overlap(const char* out_name, const TensorView& out, const char* in_name,
-                      const TensorView& in) {
-  if (provably_disjoint(out, in)) return;
-  fail(ErrorKind::value,
-       std::string(out_name) + ": output memory overlaps " + in_name +
-           " (their memory spans intersect, and flashdl accepts intersecting spans only for "
-           "views of the same shape and strides whose elements interleave without sharing "
-           "one); flashdl never writes into an input or into one output through another, pass "
-           "a separate array");
-}
-
-void check_no_self_overlap(const char* name, const TensorView& t) {
-  int64_t zero_axis = -1;
-  if (provably_no_self_overlap(t, zero_axis)) return;
-  if (zero_axis >= 0)
-    fail(ErrorKind::value, std::string(name) + ": the array is written but addresses one element "
-                               "through several indices (stride 0 on axis " +
-                               std::to_string(zero_axis) + " of extent " +
-                               std::to_string(t.shape[zero_axis]) +
-                               ", e.g. an expanded or broadcast array); pass an array with memory "
-                               "of its own, such as a contiguous copy");
-  std::string strides = "(";
-  for (int i = 0; i < t.rank; ++i) strides += (i ? ", " : "") + std::to_string(t.strides[i]);
-  strides += t.rank == 1 ? ",)" : ")";
-  fail(ErrorKind::value, std::string(name) + ": the array is written, and its strides " + strides +
-                             " for shape " + shape_str(t) +
-                             " may address one element through two indices (flashdl writes "
-                             "only views whose strides, sorted by size, each reach past the span "
-                             "of the smaller axes); pass a contiguous array");
-}
 
 // The dropout slice options (Options::dropout_batch_offset and its siblings). With dropout, the
 // stream key of the last plane, (batch - 1 + batch offset) * nheads_total + nheads_total - 1,
@@ -288,14 +66,10 @@ Shapes check_attention_args(const TensorView& q, const TensorView& k, const Tens
   if (!is_float_storage(q.dtype))
     fail(ErrorKind::type, std::string("q: expected dtype float16, bfloat16, float32 or float64, got ") +
                               dtype_name(q.dtype));
-  check_dtype("k", k, q.dtype, "the dtype of q");
-  check_dtype("v", v, q.dtype, "the dtype of q");
-  check_dtype("out", out, q.dtype, "the dtype of q");
-  check_dtype("lse", lse, DType::float32, "lse is always float32");
-
-  for (auto [name, t] : {std::pair<const char*, const TensorView*>{"k", &k}, {"v", &v},
-                         {"out", &out}, {"lse", &lse}})
-    check_device(name, *t, q.device);
+  for (auto [name, t] : {NamedView{"k", &k}, {"v", &v}, {"out", &out}})
+    check_storage(name, *t, q.dtype, "the dtype of q", q.device);
+  check_storage("lse", lse, DType::float32, "lse is always float32", q.device);
+  check_last_dim_contiguous("q", q);
 
   Shapes s{q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3]};
   if (k.shape[0] != s.batch)
@@ -325,11 +99,7 @@ Shapes check_attention_args(const TensorView& q, const TensorView& k, const Tens
     fail(ErrorKind::value, "q: headdim must be in 1..256, got " + std::to_string(s.headdim));
   }
 
-  for (auto [name, t] : {std::pair<const char*, const TensorView*>{"q", &q}, {"k", &k}, {"v", &v},
-                         {"out", &out}, {"lse", &lse}})
-    check_last_dim_contiguous(name, *t);
-
-  for (auto [name, t] : {std::pair<const char*, const TensorView*>{"q", &q}, {"k", &k}, {"v", &v}}) {
+  for (auto [name, t] : {NamedView{"q", &q}, {"k", &k}, {"v", &v}}) {
     check_no_overlap("out", out, name, *t);
     check_no_overlap("lse", lse, name, *t);
   }
@@ -458,83 +228,6 @@ void check_score_mods(const Options& o, const Shapes& s, Device device,
   }
 }
 
-// Whether a host boolean mask keeps every score (no zero byte among its elements; an axis of
-// stride 0 is read once). Stops at the first zero, so a mask that hides something costs little.
-static bool keeps_every_score(const TensorView& m) {
-  if (m.device.type != DeviceType::cpu) return false;  // device memory is not read here
-  const auto* base = static_cast<const uint8_t*>(m.data);
-  const int last = m.rank - 1;
-  const int64_t n = m.strides[last] == 0 ? 1 : m.shape[last];
-  int64_t outer = 1;
-  for (int a = 0; a < last; ++a) outer *= m.strides[a] == 0 ? 1 : m.shape[a];
-  for (int64_t r = 0; r < outer; ++r) {
-    int64_t off = 0, rest = r;
-    for (int a = last - 1; a >= 0; --a) {
-      const int64_t extent = m.strides[a] == 0 ? 1 : m.shape[a];
-      off += (rest % extent) * m.strides[a];
-      rest /= extent;
-    }
-    const uint8_t* row = base + off;
-    if (m.strides[last] == 1) {
-      if (std::memchr(row, 0, static_cast<size_t>(n)) != nullptr) return false;
-    } else {
-      for (int64_t j = 0; j < n; ++j)
-        if (row[j * m.strides[last]] == 0) return false;
-    }
-  }
-  return true;
-}
-
-// The bias, mask and dbias fields of Params: dense rank-4 views (batch, nheads, rows, keys) or
-// varlen rank-3 ones (nheads, rows, keys) with batch stride 0; a broadcast axis (size 1 or
-// stride 0) gets stride 0, and bias_batch/heads/rows are 1 there. Empty arrays set nothing.
-static void set_extra_params(Params& p, const Options& o, const Shapes& s) {
-  auto axes = [](const TensorView& t, int64_t (&st)[4], int64_t (&n)[3]) {
-    const int lead = 4 - t.rank;  // 1 for varlen: no batch axis
-    for (int a = 0; a < 3; ++a) {
-      const int ta = a - lead;
-      const bool real = ta >= 0 && t.shape[ta] > 1 && t.strides[ta] != 0;
-      st[a] = real ? t.strides[ta] : 0;
-      n[a] = real ? t.shape[ta] : 1;
-    }
-    st[3] = t.strides[t.rank - 1];
-  };
-  int64_t st[4], n[3];
-  if (o.bias.defined() && o.bias.numel() > 0) {
-    axes(o.bias, st, n);
-    p.bias_ptr = o.bias.data;
-    p.bias_dtype = o.bias.dtype;
-    p.bias_batch_stride = st[0];
-    p.bias_head_stride = st[1];
-    p.bias_row_stride = st[2];
-    p.bias_col_stride = st[3];
-    p.bias_batch = n[0];
-    p.bias_heads = n[1];
-    p.bias_rows = n[2];
-    if (o.dbias.defined()) {
-      // dbias has the bias's shape; the axes the bias broadcasts along are the ones dBias sums
-      // over (validated: size 1 there, never stride 0 with a larger size).
-      const int lead = 4 - o.dbias.rank;  // 1 for varlen: no batch axis
-      p.dbias_ptr = o.dbias.data;
-      p.dbias_batch_stride = (lead == 0 && n[0] > 1) ? o.dbias.strides[0] : 0;
-      p.dbias_head_stride = n[1] > 1 ? o.dbias.strides[1 - lead] : 0;
-      p.dbias_row_stride = n[2] > 1 ? o.dbias.strides[2 - lead] : 0;
-      p.dbias_col_stride = o.dbias.strides[o.dbias.rank - 1];
-    }
-  }
-  // A mask that hides nothing is no mask: the call is plain attention bit for bit (and takes
-  // the plain kernels), for host arrays; a device mask is not read here.
-  if (o.mask.defined() && o.mask.numel() > 0 && !keeps_every_score(o.mask)) {
-    axes(o.mask, st, n);
-    p.mask_ptr = static_cast<const uint8_t*>(o.mask.data);
-    p.mask_batch_stride = st[0];
-    p.mask_head_stride = st[1];
-    p.mask_row_stride = st[2];
-    p.mask_col_stride = st[3];
-  }
-  (void)s;
-}
-
 // A float32 (nheads,) array of the problem's device: the sinks, or (written) their gradient.
 static void check_per_head(const char* name, const TensorView& t, const Shapes& s, Device device) {
   check_defined(name, t);
@@ -640,176 +333,6 @@ void check_extras(const Options& o, const Shapes& s, Device device,
   }
 }
 
-bool dbias_written_by_kernels(const Params& p) {
-  return p.device.type == DeviceType::cpu && p.dbias_ptr != nullptr &&
-         p.schedule != Schedule::reference && p.bias_batch == p.batch &&
-         p.bias_heads == p.nheads && p.bias_rows == p.seqlen_q && p.window_left < 0 &&
-         p.window_right < 0 && p.block_mask_ptr == nullptr && p.mask_ptr == nullptr;
-}
-
-void advise_huge_pages(const TensorView& t) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  if (!t.defined() || t.device.type != DeviceType::cpu || t.data == nullptr) return;
-  const auto es = static_cast<int64_t>(dtype_size(t.dtype));
-  int64_t expect = 1;
-  for (int a = t.rank - 1; a >= 0; --a) {  // row-major contiguous only
-    if (t.shape[a] != 1 && t.strides[a] != expect) return;
-    expect *= t.shape[a];
-  }
-  const int64_t bytes = expect * es;
-  constexpr uintptr_t kHuge = uintptr_t{1} << 21;
-  if (bytes < int64_t{4} << 20) return;
-  const auto begin = reinterpret_cast<uintptr_t>(t.data);
-  const uintptr_t lo = (begin + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t hi = (begin + static_cast<uintptr_t>(bytes)) & ~(kHuge - 1);
-  if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);  // advice: errors ignored
-#else
-  (void)t;
-#endif
-}
-
-void zero_extra_grads(const Options& o, bool zero_dbias) {
-  if (o.dsinks.defined() && o.dsinks.device.type == DeviceType::cpu)
-    for (int64_t h = 0; h < o.dsinks.shape[0]; ++h)
-      static_cast<float*>(o.dsinks.data)[h * o.dsinks.strides[0]] = 0.0f;
-  const TensorView& d = o.dbias;
-  if (zero_dbias && d.defined() && d.device.type == DeviceType::cpu && d.numel() > 0) {
-    // Every float dtype's +0 is all zero bits. Rank 3 (varlen) or 4, any strides.
-    const auto es = static_cast<int64_t>(dtype_size(d.dtype));
-    int64_t n[4] = {1, 1, 1, 1}, st[4] = {0, 0, 0, 0};
-    for (int a = 0; a < d.rank; ++a) {
-      n[4 - d.rank + a] = d.shape[a];
-      st[4 - d.rank + a] = d.strides[a];
-    }
-    for (int64_t a = 0; a < n[0]; ++a)
-      for (int64_t b = 0; b < n[1]; ++b)
-        for (int64_t c = 0; c < n[2]; ++c) {
-          char* row = static_cast<char*>(d.data) + (a * st[0] + b * st[1] + c * st[2]) * es;
-          if (st[3] == 1) {  // a contiguous row at once
-            std::memset(row, 0, static_cast<size_t>(n[3] * es));
-            continue;
-          }
-          for (int64_t e = 0; e < n[3]; ++e)
-            std::memset(row + e * st[3] * es, 0, static_cast<size_t>(es));
-        }
-  }
-}
-
-void refuse_bias_and_mask(const Options& o, const char* path) {
-  if (o.bias.defined())
-    fail(ErrorKind::not_implemented, std::string("bias: not yet on the ") + path + " path");
-  if (o.mask.defined())
-    fail(ErrorKind::not_implemented, std::string("mask: not yet on the ") + path + " path");
-}
-
-#define FLASHDL_SET_STRIDES(P, prefix, t) \
-  P.prefix##_batch_stride = (t).strides[0];  \
-  P.prefix##_row_stride = (t).strides[1];    \
-  P.prefix##_head_stride = (t).strides[2]
-
-Params make_params(const TensorView& q, const TensorView& k, const TensorView& v,
-                   const TensorView& out, const TensorView& lse, const Options& o,
-                   const Shapes& s) {
-  Params p{};
-  p.dtype = q.dtype;
-  p.device = q.device;
-  p.q_ptr = q.data;
-  p.k_ptr = k.data;
-  p.v_ptr = v.data;
-  p.o_ptr = out.data;
-  p.lse_ptr = static_cast<float*>(lse.data);
-  p.batch = s.batch;
-  p.seqlen_q = s.seqlen_q;
-  p.seqlen_k = s.seqlen_k;
-  p.nheads = s.nheads;
-  p.nheads_kv = s.nheads_kv;
-  p.headdim = s.headdim;
-  p.h_h_k_ratio = s.nheads_kv > 0 ? s.nheads / s.nheads_kv : 1;
-  FLASHDL_SET_STRIDES(p, q, q);
-  FLASHDL_SET_STRIDES(p, k, k);
-  FLASHDL_SET_STRIDES(p, v, v);
-  FLASHDL_SET_STRIDES(p, o, out);
-  p.lse_batch_stride = lse.strides[0];
-  p.lse_head_stride = lse.strides[1];
-  p.lse_row_stride = lse.strides[2];
-
-  const double scale = std::isnan(o.softmax_scale)
-                           ? 1.0 / std::sqrt(static_cast<double>(s.headdim > 0 ? s.headdim : 1))
-                           : static_cast<double>(o.softmax_scale);
-  p.scale_softmax = scale;
-  p.scale_softmax_log2 = scale * 1.4426950408889634074;
-
-  p.is_causal = o.causal;
-  p.window_left = o.window_left;
-  p.window_right = o.causal ? 0 : o.window_right;
-  // A window that bounds nothing on either side is plain attention.
-  if (p.window_left >= 0 && p.window_left >= s.seqlen_k + s.seqlen_q) p.window_left = -1;
-  if (p.window_right >= 0 && p.window_right >= s.seqlen_k + s.seqlen_q) p.window_right = -1;
-
-  const TensorView& bm = o.block_mask;
-  if (bm.defined() && bm.numel() > 0) {
-    const bool full = bm.rank == 4;
-    p.block_mask_ptr = static_cast<const uint8_t*>(bm.data);
-    p.block_mask_batch_stride = full && bm.shape[0] > 1 ? bm.strides[0] : 0;
-    p.block_mask_head_stride = full && bm.shape[1] > 1 ? bm.strides[1] : 0;
-    p.block_mask_row_stride = bm.strides[bm.rank - 2];
-  }
-  // A block at least as long as the sequence is one block either way; capping it keeps the
-  // kernels' tile arithmetic far from overflow.
-  p.block_q = std::min(o.block_size_q, std::max<int64_t>(s.seqlen_q, 1));
-  p.block_k = std::min(o.block_size_k, std::max<int64_t>(s.seqlen_k, 1));
-
-  const TensorView& slopes = o.alibi_slopes;
-  if (slopes.defined() && slopes.numel() > 0) {
-    p.alibi_slopes_ptr = static_cast<const float*>(slopes.data);
-    p.alibi_batch_stride = slopes.rank == 2 ? slopes.strides[0] : 0;
-    p.alibi_head_stride = slopes.strides[slopes.rank - 1];
-  }
-  p.softcap = o.softcap;
-  set_extra_params(p, o, s);
-  if (o.sinks.defined()) {
-    p.sinks_ptr = static_cast<const float*>(o.sinks.data);
-    p.sinks_stride = o.sinks.strides[0];
-  }
-  if (o.dsinks.defined()) {
-    p.dsinks_ptr = static_cast<float*>(o.dsinks.data);
-    p.dsinks_stride = o.dsinks.strides[0];
-  }
-
-  p.p_dropout = o.dropout_p;
-  p.seed = o.seed;
-  p.offset = o.offset;
-  p.dropout_batch_offset = o.dropout_batch_offset;
-  p.dropout_head_offset = o.dropout_head_offset;
-  p.dropout_nheads = o.dropout_nheads_total == 0 ? s.nheads : o.dropout_nheads_total;
-  p.schedule = o.schedule == Schedule::automatic ? Schedule::fa2 : o.schedule;
-  p.auto_schedule = o.schedule == Schedule::automatic;
-  p.deterministic = o.deterministic;
-  p.stream = o.stream;
-  p.sram_bytes = o.sram_bytes;
-  p.num_threads = o.num_threads;
-  return p;
-}
-
-void dispatch_forward(const Params& p) {
-  if (p.device.type == DeviceType::cpu) return cpu::forward(p);
-  if (!cuda::compiled())
-    fail(ErrorKind::unsupported, "q: a CUDA array was given but flashdl was built without the CUDA "
-                                 "backend");
-  cuda::forward(p);
-}
-
-void dispatch_backward(const Params& p) {
-  if (p.device.type == DeviceType::cpu) {
-    cpu::backward(p);  // dbias was zeroed by the entry point (zero_extra_grads)
-    if (p.dsinks_ptr != nullptr) cpu::sinks_backward(p);
-    return;
-  }
-  if (!cuda::compiled())
-    fail(ErrorKind::unsupported, "q: a CUDA array was given but flashdl was built without the CUDA "
-                                 "backend");
-  cuda::backward(p);
-}
 
 // The backward's checks beyond check_attention_args: dout, dq, dk, dv.
 Shapes check_backward_args(const TensorView& dout, const TensorView& q, const TensorView& k,
@@ -823,21 +346,15 @@ Shapes check_backward_args(const TensorView& dout, const TensorView& q, const Te
   check_rank("dq", dq, 4, qlay);
   check_rank("dk", dk, 4, klay);
   check_rank("dv", dv, 4, klay);
-  for (auto [name, t] : {std::pair<const char*, const TensorView*>{"dout", &dout}, {"dq", &dq},
-                         {"dk", &dk}, {"dv", &dv}}) {
-    check_dtype(name, *t, q.dtype, "the dtype of q");
-    check_device(name, *t, q.device);
-  }
+  for (auto [name, t] : {NamedView{"dout", &dout}, {"dq", &dq}, {"dk", &dk}, {"dv", &dv}})
+    check_storage(name, *t, q.dtype, "the dtype of q", q.device);
   check_shape("dout", dout, {s.batch, s.seqlen_q, s.nheads, s.headdim}, "(the shape of q)");
   check_shape("dq", dq, {s.batch, s.seqlen_q, s.nheads, s.headdim}, "(the shape of q)");
   check_shape("dk", dk, {s.batch, s.seqlen_k, s.nheads_kv, s.headdim}, "(the shape of k)");
   check_shape("dv", dv, {s.batch, s.seqlen_k, s.nheads_kv, s.headdim}, "(the shape of v)");
-  for (auto [name, t] : {std::pair<const char*, const TensorView*>{"dout", &dout}, {"dq", &dq},
-                         {"dk", &dk}, {"dv", &dv}})
-    check_last_dim_contiguous(name, *t);
-  const std::pair<const char*, const TensorView*> inputs[] = {
+  const NamedView inputs[] = {
       {"dout", &dout}, {"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"lse", &lse}};
-  const std::pair<const char*, const TensorView*> grads[] = {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}};
+  const NamedView grads[] = {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}};
   for (auto [gname, g] : grads)
     for (auto [iname, in] : inputs) check_no_overlap(gname, *g, iname, *in);
   check_no_overlap("dq", dq, "dk", dk);
@@ -847,22 +364,6 @@ Shapes check_backward_args(const TensorView& dout, const TensorView& q, const Te
     for (auto [gname, g] : grads) check_no_self_overlap(gname, *g);
 
   return s;
-}
-
-Params make_backward_params(const TensorView& dout, const TensorView& q, const TensorView& k,
-                            const TensorView& v, const TensorView& out, const TensorView& lse,
-                            const TensorView& dq, const TensorView& dk, const TensorView& dv,
-                            const Options& options, const Shapes& s) {
-  Params p = make_params(q, k, v, out, lse, options, s);
-  p.do_ptr = dout.data;
-  p.dq_ptr = dq.data;
-  p.dk_ptr = dk.data;
-  p.dv_ptr = dv.data;
-  FLASHDL_SET_STRIDES(p, do, dout);
-  FLASHDL_SET_STRIDES(p, dq, dq);
-  FLASHDL_SET_STRIDES(p, dk, dk);
-  FLASHDL_SET_STRIDES(p, dv, dv);
-  return p;
 }
 
 }  // namespace flashdl::validate

@@ -5,12 +5,14 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
-#include <tuple>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "backend.hpp"
 #include "cpu/threads.hpp"
+#include "dispatch.hpp"
+#include "fill_params.hpp"
 #include "flashdl/api.hpp"
 #include "validate.hpp"
 
@@ -19,7 +21,6 @@ namespace flashdl {
 namespace {
 
 using namespace validate;
-
 
 // A rank-3 (total, heads, headdim) array as the rank-4 batch-1 view (1, total, heads, headdim).
 TensorView as_batch1(const TensorView& t) {
@@ -143,7 +144,6 @@ VarlenBatch check_varlen_layout(const TensorView& q, const TensorView& k, const 
   return vb;
 }
 
-
 // The block mask of a packed call is sized by its batch of sequences and max_seqlen, not by the
 // batch-1 views the other checks see.
 Shapes mask_extents(const VarlenBatch& vb, const Shapes& whole, int64_t max_seqlen_q,
@@ -231,12 +231,8 @@ bool gather_paged(const TensorView& q, const TensorView& k, const TensorView& v,
     check_shape("v", v, {k.shape[0], k.shape[1], k.shape[2], k.shape[3]}, "(the shape of k)");
   else
     check_shape("v", v, {k.shape[0], k.shape[1], k.shape[2]}, "(the shape of k)");
-  check_dtype("k", k, q.dtype, "the dtype of q");
-  check_dtype("v", v, q.dtype, "the dtype of q");
-  check_device("k", k, q.device);
-  check_device("v", v, q.device);
-  check_last_dim_contiguous("k", k);
-  check_last_dim_contiguous("v", v);
+  check_storage("k", k, q.dtype, "the dtype of q", q.device);
+  check_storage("v", v, q.dtype, "the dtype of q", q.device);
   const int hd = paged ? 3 : 2;  // the headdim axis
   if (k.shape[hd] != q.shape[2])
     fail(ErrorKind::value, "k: headdim " + std::to_string(k.shape[hd]) +

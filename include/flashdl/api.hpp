@@ -1,34 +1,18 @@
-// The public entry points. Every call validates its arguments in one place (api.cpp), picks the
-// backend from the tensors' device and the schedule from the options, and throws flashdl::Error
-// naming the bad argument. Outputs are written in place (destination passing); inputs are never
+// The public entry points. Every call validates its arguments before anything else
+// (src/validate.cpp), picks the backend from the tensors' device and the schedule from the
+// options, and throws flashdl::Error (error.hpp) naming the bad argument. Outputs are written in place (destination passing); inputs are never
 // written.
 #pragma once
 
-#include <stdexcept>
+#include <cstdint>
 #include <string>
 #include <vector>
 
-#include "flashdl/params.hpp"
+#include "flashdl/error.hpp"
+#include "flashdl/options.hpp"
 #include "flashdl/tensor.hpp"
 
 namespace flashdl {
-
-enum class ErrorKind : int {
-  value = 0,        // a bad shape, stride, option value: Python ValueError
-  type = 1,         // a bad dtype or array type: Python TypeError
-  unsupported = 2,  // valid request this build or device cannot serve: Python RuntimeError
-  runtime = 3,      // a failure while running (CUDA error, allocation): Python RuntimeError
-  not_implemented = 4,  // a feature not yet on this path (backend, entry): NotImplementedError
-};
-
-class Error : public std::runtime_error {
- public:
-  Error(ErrorKind kind, const std::string& what) : std::runtime_error(what), kind_(kind) {}
-  ErrorKind kind() const { return kind_; }
-
- private:
-  ErrorKind kind_;
-};
 
 // q (batch, seqlen_q, nheads, headdim); k, v (batch, seqlen_k, nheads_kv, headdim);
 // out like q (dtype of q); lse float32 (batch, nheads, seqlen_q).

@@ -13,7 +13,7 @@
 #include <string>
 
 #include "fa1_plan.hpp"
-#include "flashdl/api.hpp"
+#include "flashdl/error.hpp"
 #include "flashdl/detail/tiles.hpp"
 
 namespace flashdl::cuda {

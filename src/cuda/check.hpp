@@ -8,7 +8,7 @@
 #include <cstddef>
 #include <string>
 
-#include "flashdl/api.hpp"
+#include "flashdl/error.hpp"
 
 namespace flashdl::cuda {
 

@@ -1,6 +1,6 @@
 // The CUDA half of backend.hpp in a build without the CUDA backend.
 #include "backend.hpp"
-#include "flashdl/api.hpp"
+#include "flashdl/error.hpp"
 
 #ifndef FLASHDL_CUDA_REASON
 #define FLASHDL_CUDA_REASON "FLASHDL_CUDA=OFF, FLASHDL_CUDA=ON builds it"

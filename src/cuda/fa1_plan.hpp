@@ -12,7 +12,7 @@
 #include <cstdint>
 #include <string>
 
-#include "flashdl/api.hpp"
+#include "flashdl/error.hpp"
 #include "flashdl/detail/tiles.hpp"
 
 namespace flashdl::cuda {

@@ -1,7 +1,7 @@
 // The CUDA backend's entry: device discovery (safe with no driver: the static runtime reports an
 // error, never aborts) and the forward and backward dispatch (device guard, device limits, dtype x
 // head dim at compile time, schedule at run time), attention over a KV cache and merge_states
-// (kvcache.cu, merge.cu). Params arrive validated by api.cpp (kvcache.cpp, merge.cpp).
+// (kvcache.cu, merge.cu). Params arrive validated (validate.cpp, kvcache.cpp, merge.cpp).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -155,7 +155,7 @@ void forward(const Params& params) {
     FLASHDL_HEADDIM_SWITCH(p.headdim, kHeadDim, [&] {
       switch (p.schedule) {
         case Schedule::fa1: return launch_fa1_forward<T, kHeadDim>(p, ctx);
-        case Schedule::automatic:  // api.cpp resolves automatic to fa2 already
+        case Schedule::automatic:  // fill_params.cpp resolves automatic to fa2 already
         case Schedule::fa2: return launch_fa2_forward<T, kHeadDim>(p, ctx);
         default: no_kernel(p);
       }

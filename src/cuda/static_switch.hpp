@@ -11,7 +11,7 @@
 
 #include <string>
 
-#include "flashdl/api.hpp"
+#include "flashdl/error.hpp"
 #include "flashdl/tensor.hpp"
 
 #define FLASHDL_DTYPE_SWITCH(DTYPE, T, ...)                                                  \

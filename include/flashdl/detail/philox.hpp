@@ -35,7 +35,7 @@ FLASHDL_HD Philox4 philox4x32_10(Philox4 ctr, uint32_t k0, uint32_t k1) {
 
 // A uniform number in [0, 1) with 24 random bits for element (bh, row, col) of stream
 // (seed, offset), bh = batch * nheads + head. The counter is (col, row, bh, offset) and the key
-// the 64-bit seed, so distinct (seed, offset, element) never share a draw; api.cpp keeps offset
+// the 64-bit seed, so distinct (seed, offset, element) never share a draw; validation keeps offset
 // below 2^32 (bh, row and col are far below it for any array that fits in memory).
 FLASHDL_HD float dropout_uniform(uint64_t seed, uint64_t offset, uint64_t bh, uint64_t row,
                                  uint64_t col) {
