@@ -18,6 +18,9 @@ from ._frameworks import Frame
 
 if TYPE_CHECKING:
     import numpy.typing as npt
+    from typing_extensions import Unpack
+
+    from ._args import AttentionOptions, VarlenOptions
 
 
 def _dropout_slice(batch_offset, head_offset, nheads_total):
@@ -75,70 +78,23 @@ def _in_shape_of(dbias, bias):
 
 
 @overload
-def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
-              softmax_scale: Optional[float] = ..., schedule: str = ...,
-              return_lse: Literal[False] = ..., window_size: Tuple[int, int] = ...,
-              dropout_p: float = ..., seed: Optional[int] = ..., offset: int = ...,
-              dropout_batch_offset: int = ..., dropout_head_offset: int = ...,
-              dropout_nheads_total: int = ...,
-              return_seed: Literal[False] = ..., block_mask: Optional[ArrayLike] = ...,
-              block_size: BlockSize = ...,
-              alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...,
-              bias: Optional[ArrayLike] = ..., mask: Optional[ArrayLike] = ...,
-              sinks: Optional[ArrayLike] = ...,
-              layout: str = ...) -> ArrayLike: ...
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, return_lse: Literal[False] = ...,
+              return_seed: Literal[False] = ..., **options: Unpack[AttentionOptions]) -> ArrayLike: ...
 @overload
-def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
-              softmax_scale: Optional[float] = ..., schedule: str = ...,
-              return_lse: Literal[True], window_size: Tuple[int, int] = ...,
-              dropout_p: float = ..., seed: Optional[int] = ..., offset: int = ...,
-              dropout_batch_offset: int = ..., dropout_head_offset: int = ...,
-              dropout_nheads_total: int = ...,
-              return_seed: Literal[False] = ..., block_mask: Optional[ArrayLike] = ...,
-              block_size: BlockSize = ...,
-              alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...,
-              bias: Optional[ArrayLike] = ..., mask: Optional[ArrayLike] = ...,
-              sinks: Optional[ArrayLike] = ..., layout: str = ...
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, return_lse: Literal[True],
+              return_seed: Literal[False] = ..., **options: Unpack[AttentionOptions]
               ) -> Tuple[ArrayLike, ArrayLike]: ...
 @overload
-def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
-              softmax_scale: Optional[float] = ..., schedule: str = ...,
-              return_lse: Literal[False] = ..., window_size: Tuple[int, int] = ...,
-              dropout_p: float = ..., seed: Optional[int] = ..., offset: int = ...,
-              dropout_batch_offset: int = ..., dropout_head_offset: int = ...,
-              dropout_nheads_total: int = ...,
-              return_seed: Literal[True], block_mask: Optional[ArrayLike] = ...,
-              block_size: BlockSize = ...,
-              alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...,
-              bias: Optional[ArrayLike] = ..., mask: Optional[ArrayLike] = ...,
-              sinks: Optional[ArrayLike] = ..., layout: str = ...
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, return_lse: Literal[False] = ...,
+              return_seed: Literal[True], **options: Unpack[AttentionOptions]
               ) -> Tuple[ArrayLike, int]: ...
 @overload
-def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
-              softmax_scale: Optional[float] = ..., schedule: str = ...,
-              return_lse: Literal[True], window_size: Tuple[int, int] = ...,
-              dropout_p: float = ..., seed: Optional[int] = ..., offset: int = ...,
-              dropout_batch_offset: int = ..., dropout_head_offset: int = ...,
-              dropout_nheads_total: int = ...,
-              return_seed: Literal[True], block_mask: Optional[ArrayLike] = ...,
-              block_size: BlockSize = ...,
-              alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...,
-              bias: Optional[ArrayLike] = ..., mask: Optional[ArrayLike] = ...,
-              sinks: Optional[ArrayLike] = ..., layout: str = ...
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, return_lse: Literal[True],
+              return_seed: Literal[True], **options: Unpack[AttentionOptions]
               ) -> Tuple[ArrayLike, ArrayLike, int]: ...
 @overload
-def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
-              softmax_scale: Optional[float] = ..., schedule: str = ...,
-              return_lse: bool = ..., window_size: Tuple[int, int] = ...,
-              dropout_p: float = ..., seed: Optional[int] = ..., offset: int = ...,
-              dropout_batch_offset: int = ..., dropout_head_offset: int = ...,
-              dropout_nheads_total: int = ...,
-              return_seed: bool = ..., block_mask: Optional[ArrayLike] = ...,
-              block_size: BlockSize = ...,
-              alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...,
-              bias: Optional[ArrayLike] = ..., mask: Optional[ArrayLike] = ...,
-              sinks: Optional[ArrayLike] = ...,
-              layout: str = ...) -> Any: ...
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, return_lse: bool = ...,
+              return_seed: bool = ..., **options: Unpack[AttentionOptions]) -> Any: ...
 
 
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
@@ -510,45 +466,17 @@ def _host_index(name, x):
 @overload
 def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
                      cu_seqlens_k: ArrayLike, max_seqlen_q: int, max_seqlen_k: int, *,
-                     causal: bool = ..., softmax_scale: Optional[float] = ...,
-                     schedule: str = ..., return_lse: Literal[False] = ...,
-                     window_size: Tuple[int, int] = ..., dropout_p: float = ...,
-                     seed: Optional[int] = ..., offset: int = ...,
-                     block_mask: Optional[ArrayLike] = ..., block_size: BlockSize = ...,
-                     alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...,
-                     bias: Optional[ArrayLike] = ..., mask: Optional[ArrayLike] = ...,
-                     sinks: Optional[ArrayLike] = ...,
-                     layout: str = ..., block_table: Optional[ArrayLike] = ...,
-                     seqused_k: Optional[ArrayLike] = ...
+                     return_lse: Literal[False] = ..., **options: Unpack[VarlenOptions]
                      ) -> ArrayLike: ...
 @overload
 def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
                      cu_seqlens_k: ArrayLike, max_seqlen_q: int, max_seqlen_k: int, *,
-                     causal: bool = ..., softmax_scale: Optional[float] = ...,
-                     schedule: str = ..., return_lse: Literal[True],
-                     window_size: Tuple[int, int] = ..., dropout_p: float = ...,
-                     seed: Optional[int] = ..., offset: int = ...,
-                     block_mask: Optional[ArrayLike] = ..., block_size: BlockSize = ...,
-                     alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...,
-                     bias: Optional[ArrayLike] = ..., mask: Optional[ArrayLike] = ...,
-                     sinks: Optional[ArrayLike] = ...,
-                     layout: str = ..., block_table: Optional[ArrayLike] = ...,
-                     seqused_k: Optional[ArrayLike] = ...
+                     return_lse: Literal[True], **options: Unpack[VarlenOptions]
                      ) -> Tuple[ArrayLike, ArrayLike]: ...
 @overload
 def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
                      cu_seqlens_k: ArrayLike, max_seqlen_q: int, max_seqlen_k: int, *,
-                     causal: bool = ..., softmax_scale: Optional[float] = ...,
-                     schedule: str = ..., return_lse: bool = ...,
-                     window_size: Tuple[int, int] = ..., dropout_p: float = ...,
-                     seed: Optional[int] = ..., offset: int = ...,
-                     block_mask: Optional[ArrayLike] = ..., block_size: BlockSize = ...,
-                     alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...,
-                     bias: Optional[ArrayLike] = ..., mask: Optional[ArrayLike] = ...,
-                     sinks: Optional[ArrayLike] = ...,
-                     layout: str = ..., block_table: Optional[ArrayLike] = ...,
-                     seqused_k: Optional[ArrayLike] = ...
-                     ) -> Any: ...
+                     return_lse: bool = ..., **options: Unpack[VarlenOptions]) -> Any: ...
 
 
 def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,

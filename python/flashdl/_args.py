@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numbers
 import secrets
-from typing import Any, Tuple, Union
+from typing import TYPE_CHECKING, Any, Optional, Tuple, Union
 
 import numpy as np
 
@@ -22,6 +22,53 @@ other DLPack CPU arrays. Any, as no common array type covers these frameworks.""
 
 BlockSize = Union[int, Tuple[int, int]]
 """block_size: an int for both, or a pair (block_q, block_k)."""
+
+if TYPE_CHECKING:
+    from typing_extensions import TypedDict
+
+    class _Options(TypedDict, total=False):
+        """The keyword options that attention and attention_varlen of every front end share: the
+        typing overloads take them as **options: Unpack[...] (the implementations name each with
+        its default and document it)."""
+
+        causal: bool
+        softmax_scale: Optional[float]
+        schedule: str
+        window_size: Tuple[int, int]
+        dropout_p: float
+        seed: Optional[int]
+        offset: int
+        block_mask: Optional[ArrayLike]
+        block_size: BlockSize
+        alibi_slopes: Optional[ArrayLike]
+        softcap: float
+        bias: Optional[ArrayLike]
+        mask: Optional[ArrayLike]
+        sinks: Optional[ArrayLike]
+        layout: str
+
+    class AttentionOptions(_Options, total=False):
+        """flashdl.attention's: also the dropout slice."""
+
+        dropout_batch_offset: int
+        dropout_head_offset: int
+        dropout_nheads_total: int
+
+    class VarlenOptions(_Options, total=False):
+        """flashdl.attention_varlen's: also the paged keys and values."""
+
+        block_table: Optional[ArrayLike]
+        seqused_k: Optional[ArrayLike]
+
+    class TorchOptions(_Options, total=False):
+        """flashdl.torch.attention's: also the backward's determinism."""
+
+        deterministic: bool
+
+    class TorchVarlenOptions(VarlenOptions, total=False):
+        """flashdl.torch.attention_varlen's."""
+
+        deterministic: bool
 
 
 FLOATS_FWD = ("q", "k", "v")

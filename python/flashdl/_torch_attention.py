@@ -4,7 +4,7 @@ custom ops under torch.compile, export and tracing, the eager autograd.Function 
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Tuple, Union, overload
+from typing import TYPE_CHECKING, Literal, Optional, Tuple, Union, overload
 
 import torch
 
@@ -15,6 +15,11 @@ from ._torch_args import check_tensors, cu_tensor, int64, op_options
 from ._torch_eager import (DEFAULT_OPTIONS, TENSOR_TYPES, dispatch_modes, eager_attention, eager_ok,
                            function_modes, functorch_active, is_compiling, is_tracing)
 from ._torch_ops import attention_forward_op, call, varlen_forward_op
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from ._args import TorchOptions, TorchVarlenOptions
 
 _Tensor = torch.Tensor
 # attention's defaults, by name: its fast path tests them by identity (`is`) first, which the
@@ -31,34 +36,15 @@ _BLOCK = 128
 
 
 @overload
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
-              softmax_scale: Optional[float] = ..., schedule: str = ...,
-              window_size: Tuple[int, int] = ..., dropout_p: float = ...,
-              seed: Optional[int] = ..., offset: int = ..., block_mask: Optional[ArrayLike] = ...,
-              block_size: BlockSize = ..., deterministic: bool = ...,
-              alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...,
-              bias: Optional[ArrayLike] = ..., mask: Optional[ArrayLike] = ...,
-              sinks: Optional[ArrayLike] = ..., return_lse: Literal[False] = ..., layout: str = ...) -> torch.Tensor: ...
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+              return_lse: Literal[False] = ..., **options: Unpack[TorchOptions]) -> torch.Tensor: ...
 @overload
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
-              softmax_scale: Optional[float] = ..., schedule: str = ...,
-              window_size: Tuple[int, int] = ..., dropout_p: float = ...,
-              seed: Optional[int] = ..., offset: int = ..., block_mask: Optional[ArrayLike] = ...,
-              block_size: BlockSize = ..., deterministic: bool = ...,
-              alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...,
-              bias: Optional[ArrayLike] = ..., mask: Optional[ArrayLike] = ...,
-              sinks: Optional[ArrayLike] = ..., return_lse: Literal[True], layout: str = ...
-              ) -> Tuple[torch.Tensor, torch.Tensor]: ...
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: Literal[True],
+              **options: Unpack[TorchOptions]) -> Tuple[torch.Tensor, torch.Tensor]: ...
 @overload
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
-              softmax_scale: Optional[float] = ..., schedule: str = ...,
-              window_size: Tuple[int, int] = ..., dropout_p: float = ...,
-              seed: Optional[int] = ..., offset: int = ..., block_mask: Optional[ArrayLike] = ...,
-              block_size: BlockSize = ..., deterministic: bool = ...,
-              alibi_slopes: Optional[ArrayLike] = ..., softcap: float = ...,
-              bias: Optional[ArrayLike] = ..., mask: Optional[ArrayLike] = ...,
-              sinks: Optional[ArrayLike] = ..., return_lse: bool = ...,
-              layout: str = ...) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]: ...
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool = ...,
+              **options: Unpack[TorchOptions]
+              ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]: ...
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -210,42 +196,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 @overload
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      cu_seqlens_q: ArrayLike, cu_seqlens_k: ArrayLike, max_seqlen_q: int,
-                     max_seqlen_k: int, *, causal: bool = ...,
-                     softmax_scale: Optional[float] = ..., schedule: str = ...,
-                     window_size: Tuple[int, int] = ..., dropout_p: float = ...,
-                     seed: Optional[int] = ..., offset: int = ...,
-                     block_mask: Optional[ArrayLike] = ..., block_size: BlockSize = ...,
-                     deterministic: bool = ..., alibi_slopes: Optional[ArrayLike] = ...,
-                     softcap: float = ..., bias: Optional[ArrayLike] = ...,
-                     mask: Optional[ArrayLike] = ..., sinks: Optional[ArrayLike] = ..., return_lse: Literal[False] = ...,
-                     layout: str = ..., block_table: Optional[ArrayLike] = ...,
-                     seqused_k: Optional[ArrayLike] = ...) -> torch.Tensor: ...
+                     max_seqlen_k: int, *, return_lse: Literal[False] = ...,
+                     **options: Unpack[TorchVarlenOptions]) -> torch.Tensor: ...
 @overload
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      cu_seqlens_q: ArrayLike, cu_seqlens_k: ArrayLike, max_seqlen_q: int,
-                     max_seqlen_k: int, *, causal: bool = ...,
-                     softmax_scale: Optional[float] = ..., schedule: str = ...,
-                     window_size: Tuple[int, int] = ..., dropout_p: float = ...,
-                     seed: Optional[int] = ..., offset: int = ...,
-                     block_mask: Optional[ArrayLike] = ..., block_size: BlockSize = ...,
-                     deterministic: bool = ..., alibi_slopes: Optional[ArrayLike] = ...,
-                     softcap: float = ..., bias: Optional[ArrayLike] = ...,
-                     mask: Optional[ArrayLike] = ..., sinks: Optional[ArrayLike] = ..., return_lse: Literal[True],
-                     layout: str = ..., block_table: Optional[ArrayLike] = ...,
-                     seqused_k: Optional[ArrayLike] = ...) -> Tuple[torch.Tensor, torch.Tensor]: ...
+                     max_seqlen_k: int, *, return_lse: Literal[True],
+                     **options: Unpack[TorchVarlenOptions]) -> Tuple[torch.Tensor, torch.Tensor]: ...
 @overload
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      cu_seqlens_q: ArrayLike, cu_seqlens_k: ArrayLike, max_seqlen_q: int,
-                     max_seqlen_k: int, *, causal: bool = ...,
-                     softmax_scale: Optional[float] = ..., schedule: str = ...,
-                     window_size: Tuple[int, int] = ..., dropout_p: float = ...,
-                     seed: Optional[int] = ..., offset: int = ...,
-                     block_mask: Optional[ArrayLike] = ..., block_size: BlockSize = ...,
-                     deterministic: bool = ..., alibi_slopes: Optional[ArrayLike] = ...,
-                     softcap: float = ..., bias: Optional[ArrayLike] = ...,
-                     mask: Optional[ArrayLike] = ..., sinks: Optional[ArrayLike] = ..., return_lse: bool = ...,
-                     layout: str = ..., block_table: Optional[ArrayLike] = ...,
-                     seqused_k: Optional[ArrayLike] = ...
+                     max_seqlen_k: int, *, return_lse: bool = ...,
+                     **options: Unpack[TorchVarlenOptions]
                      ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]: ...
 
 
