@@ -1,7 +1,11 @@
 // The public entry points. Every call validates its arguments before anything else
 // (src/validate.cpp), picks the backend from the tensors' device and the schedule from the
-// options, and throws flashdl::Error (error.hpp) naming the bad argument. Outputs are written in place (destination passing); inputs are never
-// written.
+// options, and throws flashdl::Error (error.hpp) naming the bad argument. Outputs are written in
+// place (destination passing); inputs are never written.
+//
+// The public API is this header and those it includes (error.hpp, options.hpp, tensor.hpp).
+// params.hpp and detail/ are not part of it: they are what the CPU and CUDA kernels share (the
+// flat Params a backend receives, and the host+device math both backends run).
 #pragma once
 
 #include <cstdint>
