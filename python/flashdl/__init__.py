@@ -17,10 +17,10 @@ naive attention; `flashdl.info()` says what this build and machine offer.
 
 from typing import TYPE_CHECKING
 
-from ._api import (attention, attention_backward, attention_varlen, attention_varlen_backward,
-                   dropout_mask)
+from ._api import attention, attention_backward, dropout_mask
 from ._info import info, set_num_threads
 from ._kvcache import attention_with_kvcache, merge_states, merge_states_list
+from ._varlen import attention_varlen, attention_varlen_backward
 
 __version__ = info()["version"]
 __all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward",

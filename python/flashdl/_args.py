@@ -408,3 +408,65 @@ def varlen_lse_shape(q):
     shape = tuple(q.shape)
     # A wrongly ranked q gets a placeholder; the core then reports q itself.
     return (shape[1], shape[0]) if len(shape) == 3 else (0, 0)
+
+
+def heads(q, rank=4):
+    """nheads of a (batch, seqlen, nheads, headdim) q (or (total, nheads, headdim) for varlen); 0
+    for a wrongly ranked q, which the core then names."""
+    shape = tuple(q.shape)
+    return shape[rank - 2] if len(shape) == rank else 0
+
+
+def extra_grads(frame, q, opts, given_bias, rank=4):
+    """The backward's extra outputs: dbias (the bias's dtype, in the shape of the bias the core
+    sees) when a bias is given, dsinks (float32 (nheads,)) when sinks are; as (keywords for the
+    extension, a function that turns the filled arrays into what the caller gets)."""
+    kw, arrays = {}, []
+    bias = opts.get("bias")
+    if bias is not None:
+        dbias = frame.empty(tuple(bias.shape), given_bias.dtype)
+        kw["dbias"] = frame.dest(dbias)
+        arrays.append(("dbias", dbias))
+    if opts.get("sinks") is not None:
+        dsinks = frame.empty((heads(q, rank),), frame.float32())
+        kw["dsinks"] = frame.dest(dsinks)
+        arrays.append(("dsinks", dsinks))
+
+    def finish():
+        result = []
+        for name, x in arrays:
+            x = frame.finish(x)
+            if name == "dbias":
+                x = in_shape_of(x, given_bias)
+            result.append(x)
+        return tuple(result)
+    return kw, finish
+
+
+def in_shape_of(dbias, bias):
+    """dbias (the compact gradient) in the shape of the bias the caller gave: leading size-1
+    axes dropped, axes the caller broadcast with a stride of 0 broadcast back (a view holding the
+    gradient of the shared value)."""
+    shape = tuple(bias.shape)
+    dbias = dbias.reshape(tuple(dbias.shape)[len(dbias.shape) - len(shape):])
+    if tuple(dbias.shape) == shape:
+        return dbias
+    if isinstance(dbias, np.ndarray):
+        return np.broadcast_to(dbias, shape)
+    expand = getattr(dbias, "expand", None)
+    return expand(*shape) if callable(expand) else dbias
+
+
+def backward_options(causal, softmax_scale, schedule, window_size, frame, dropout_p, seed,
+                      offset, block_mask, block_size, alibi_slopes, softcap, sinks=None,
+                      bias=None, mask=None, rank=4):
+    """The backward's options: the forward's, with the dropout seed it used (never drawn here)."""
+    opts = options(causal, softmax_scale, schedule, window_size, frame)
+    opts.update(block_sparse(block_mask, block_size))
+    opts.update(score_mods(alibi_slopes, softcap))
+    opts.update(extras(sinks, bias, mask, rank=rank, for_grad=True))
+    if seed is None:
+        raise TypeError("seed: expected the int seed the forward used, got None")
+    dropout_p, seed, offset = dropout_args(dropout_p, seed, offset)
+    opts.update(dropout_p=dropout_p, seed=seed, offset=offset)
+    return opts

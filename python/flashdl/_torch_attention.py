@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Literal, Optional, Tuple, Union, overload
 import torch
 
 from . import _args, _checks, _fast_path, _torch_eager
-from ._api import attention_varlen as _attention_varlen
+from ._varlen import attention_varlen as _attention_varlen
 from ._args import ArrayLike, BlockSize
 from ._torch_args import check_tensors, cu_tensor, int64, op_options
 from ._torch_eager import (DEFAULT_OPTIONS, TENSOR_TYPES, dispatch_modes, eager_attention, eager_ok,

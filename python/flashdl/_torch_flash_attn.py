@@ -5,8 +5,10 @@ probabilities in the scaling of flash-attn's kernel that return_attn_probs=True 
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
+from typing import Any, Callable, Tuple, TypeVar, Union
 
 import torch
 
@@ -15,6 +17,48 @@ from . import torch as _fdl
 from ._api import dropout_mask as _dropout_mask
 from ._frameworks import type_name
 from ._torch_args import draw_seed
+
+
+# return_attn_probs=True: (out, softmax_lse, S_dmask); False: out alone.
+WithProbs = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+OutOrProbs = Union[torch.Tensor, WithProbs]
+
+
+class ArgumentError(ValueError, RuntimeError):
+    """An invalid argument: flashdl's ``ValueError``, and the ``RuntimeError`` flash-attn raises.
+
+    Handlers written for either catch it.
+
+    Examples
+    --------
+    >>> import torch, flashdl.flash_attn as flash_attn
+    >>> try:
+    ...     flash_attn.flash_attn_func(torch.randn(1, 4, 3, 8), torch.randn(1, 4, 2, 8),
+    ...                                torch.randn(1, 4, 2, 8))
+    ... except RuntimeError as err:
+    ...     print(type(err).__name__, isinstance(err, ValueError))
+    ArgumentError True
+    """
+
+    __module__ = "flashdl.flash_attn"  # (its public name)
+
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def flash_attn_errors(fn: _F) -> _F:
+    """fn with flashdl's ValueErrors re-raised as ArgumentError (same message)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ArgumentError:
+            raise
+        except ValueError as e:
+            raise ArgumentError(str(e)) from e
+    return wrapper  # type: ignore[return-value]
+
 
 
 def maybe_contiguous(x):

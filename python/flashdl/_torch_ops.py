@@ -14,8 +14,8 @@ import torch
 from . import _args
 from ._api import attention as _attention
 from ._api import attention_backward as _attention_backward
-from ._api import attention_varlen as _attention_varlen
-from ._api import attention_varlen_backward as _attention_varlen_backward
+from ._varlen import attention_varlen as _attention_varlen
+from ._varlen import attention_varlen_backward as _attention_varlen_backward
 
 if not hasattr(torch.library, "custom_op"):
     raise ImportError("flashdl.torch needs PyTorch >= 2.4 (torch.library.custom_op), found "

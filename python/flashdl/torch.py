@@ -34,6 +34,8 @@ __all__ = ["attention", "attention_varlen", "attention_with_kvcache", "context_p
            "context_parallel_groups", "context_parallel_shard", "context_parallel_unshard",
            "ring_attention", "ring_shard", "ring_unshard", "scaled_dot_product_attention",
            "ulysses_attention"]
+# Defined in _torch_attention; this module is their public home (help(), pickling by name).
+attention.__module__ = attention_varlen.__module__ = __name__
 
 
 def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
