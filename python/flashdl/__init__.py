@@ -23,10 +23,19 @@ from ._kvcache import attention_with_kvcache, merge_states, merge_states_list
 from ._varlen import attention_varlen, attention_varlen_backward
 
 __version__ = info()["version"]
-__all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward",
-           "attention_with_kvcache", "dropout_mask", "info", "merge_states", "merge_states_list",
-           "set_num_threads",
-           "__version__"]
+__all__ = [
+    "attention",
+    "attention_backward",
+    "attention_varlen",
+    "attention_varlen_backward",
+    "attention_with_kvcache",
+    "dropout_mask",
+    "info",
+    "merge_states",
+    "merge_states_list",
+    "set_num_threads",
+    "__version__",
+]
 
 if not TYPE_CHECKING:
     # Hidden from type checkers, which would otherwise accept any flashdl.<name>: for them,

@@ -93,8 +93,8 @@ def naive_attention(q, k, v, causal: bool, scale: float):
     """softmax(q k^T * scale) v in float32, materialising the (seqlen_q, seqlen_k) scores."""
     q, k, v = (np.asarray(x, dtype=np.float32) for x in (q, k, v))
     group = q.shape[2] // k.shape[2]
-    qh = q.transpose(0, 2, 1, 3)                                   # (b, h, sq, d)
-    kh = np.repeat(k.transpose(0, 2, 1, 3), group, axis=1)         # (b, h, sk, d)
+    qh = q.transpose(0, 2, 1, 3)  # (b, h, sq, d)
+    kh = np.repeat(k.transpose(0, 2, 1, 3), group, axis=1)  # (b, h, sk, d)
     vh = np.repeat(v.transpose(0, 2, 1, 3), group, axis=1)
     s = np.matmul(qh, kh.transpose(0, 1, 3, 2)) * np.float32(scale)
     if causal:
@@ -159,8 +159,11 @@ def to_host(fw, x):
 
 # ---- main ---------------------------------------------------------------------------------------
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m flashdl", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m flashdl",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--heads-kv", type=int, default=None, help="GQA/MQA: kv heads (default: heads)")
@@ -189,15 +192,21 @@ def main(argv=None) -> int:
     info = flashdl.info()
     hk = a.heads_kv or a.heads
     sk = a.seqlen_k or a.seqlen
-    print(f"flashdl {info['version']}: backends {', '.join(info['backends'])}; "
-          f"CPU {info['cpu_isa']}, {info['num_threads']} threads; CUDA devices {info['cuda_device_count']} "
-          f"({info['cuda_status']})")
-    print(f"problem: batch {a.batch}, heads {a.heads}/{hk}, seqlen {a.seqlen}x{sk}, headdim "
-          f"{a.headdim}, {a.dtype}, causal={a.causal}, schedule={a.schedule}")
+    print(
+        f"flashdl {info['version']}: backends {', '.join(info['backends'])}; "
+        f"CPU {info['cpu_isa']}, {info['num_threads']} threads; CUDA devices {info['cuda_device_count']} "
+        f"({info['cuda_status']})"
+    )
+    print(
+        f"problem: batch {a.batch}, heads {a.heads}/{hk}, seqlen {a.seqlen}x{sk}, headdim "
+        f"{a.headdim}, {a.dtype}, causal={a.causal}, schedule={a.schedule}"
+    )
 
     rng = np.random.default_rng(a.seed)
-    host = [rng.standard_normal((a.batch, n, h, a.headdim), dtype=np.float32)
-            for n, h in ((a.seqlen, a.heads), (sk, hk), (sk, hk))]
+    host = [
+        rng.standard_normal((a.batch, n, h, a.headdim), dtype=np.float32)
+        for n, h in ((a.seqlen, a.heads), (sk, hk), (sk, hk))
+    ]
     host = [x.astype(_numpy_dtype(a.dtype)) for x in host]
     scale = 1.0 / math.sqrt(a.headdim)
     opts = dict(causal=a.causal, softmax_scale=scale)
@@ -211,13 +220,18 @@ def main(argv=None) -> int:
         name, mod = fw
         try:
             q, k, v = to_gpu(fw, host, a.dtype)
-            sync = (mod.cuda.synchronize if name == "torch"
-                    else lambda: mod.cuda.get_current_stream().synchronize())
+            sync = (
+                mod.cuda.synchronize
+                if name == "torch"
+                else lambda: mod.cuda.get_current_stream().synchronize()
+            )
             flashdl.attention(q, k, v, schedule=a.schedule, **opts)  # warm-up: context, kernels
             sync()
-            out, t_fd, _ = measure(f"flashdl ({a.schedule}) on {name} cuda",
-                                   lambda: flashdl.attention(q, k, v, schedule=a.schedule, **opts),
-                                   sync)
+            out, t_fd, _ = measure(
+                f"flashdl ({a.schedule}) on {name} cuda",
+                lambda: flashdl.attention(q, k, v, schedule=a.schedule, **opts),
+                sync,
+            )
             out = to_host(fw, out)
             where = f"cuda ({name})"
         except RuntimeError as e:
@@ -225,13 +239,16 @@ def main(argv=None) -> int:
             out = None
     if out is None:
         where = "cpu"
-        out, t_fd, m_fd = measure(f"flashdl ({a.schedule}) on the CPU",
-                                  lambda: flashdl.attention(*host, schedule=a.schedule, **opts))
+        out, t_fd, m_fd = measure(
+            f"flashdl ({a.schedule}) on the CPU",
+            lambda: flashdl.attention(*host, schedule=a.schedule, **opts),
+        )
     else:
         m_fd = None
 
-    ref, t_ref, _ = measure("float64 reference (check)",
-                            lambda: flashdl.attention(*host, schedule="reference", **opts))
+    ref, t_ref, _ = measure(
+        "float64 reference (check)", lambda: flashdl.attention(*host, schedule="reference", **opts)
+    )
     ref64 = np.asarray(ref, np.float64)
     err = float(np.max(np.abs(np.asarray(out, np.float64) - ref64), initial=0))
     tol = TOLERANCE[a.dtype]
@@ -242,8 +259,9 @@ def main(argv=None) -> int:
     print(f"\n{'':28s}{'time':>10s}  {'peak extra RSS':>14s}")
     print(f"{'flashdl ' + a.schedule + ' (' + where + ')':28s}{t_fd:9.3f}s  {mib(m_fd):>14s}")
     if not a.no_naive:
-        naive, t_nv, m_nv = measure("naive NumPy attention (N x N scores)",
-                                    lambda: naive_attention(*host, a.causal, scale))
+        naive, t_nv, m_nv = measure(
+            "naive NumPy attention (N x N scores)", lambda: naive_attention(*host, a.causal, scale)
+        )
         print(f"{'naive NumPy (float32)':28s}{t_nv:9.3f}s  {mib(m_nv):>14s}")
         nerr = float(np.max(np.abs(naive - ref64), initial=0))
     print(f"{'reference (float64, check)':28s}{t_ref:9.3f}s")

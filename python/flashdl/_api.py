@@ -25,43 +25,94 @@ if TYPE_CHECKING:
 
 def _dropout_slice(batch_offset, head_offset, nheads_total):
     """The dropout slice options as the binding's keywords: ints (the core checks the values)."""
-    return {name: _checks.integer(name, value, "an int") for name, value in (
-        ("dropout_batch_offset", batch_offset), ("dropout_head_offset", head_offset),
-        ("dropout_nheads_total", nheads_total))}
+    return {
+        name: _checks.integer(name, value, "an int")
+        for name, value in (
+            ("dropout_batch_offset", batch_offset),
+            ("dropout_head_offset", head_offset),
+            ("dropout_nheads_total", nheads_total),
+        )
+    }
 
 
 @overload
-def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, return_lse: Literal[False] = ...,
-              return_seed: Literal[False] = ..., **options: Unpack[AttentionOptions]) -> ArrayLike: ...
+def attention(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    *,
+    return_lse: Literal[False] = ...,
+    return_seed: Literal[False] = ...,
+    **options: Unpack[AttentionOptions],
+) -> ArrayLike: ...
 @overload
-def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, return_lse: Literal[True],
-              return_seed: Literal[False] = ..., **options: Unpack[AttentionOptions]
-              ) -> Tuple[ArrayLike, ArrayLike]: ...
+def attention(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    *,
+    return_lse: Literal[True],
+    return_seed: Literal[False] = ...,
+    **options: Unpack[AttentionOptions],
+) -> Tuple[ArrayLike, ArrayLike]: ...
 @overload
-def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, return_lse: Literal[False] = ...,
-              return_seed: Literal[True], **options: Unpack[AttentionOptions]
-              ) -> Tuple[ArrayLike, int]: ...
+def attention(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    *,
+    return_lse: Literal[False] = ...,
+    return_seed: Literal[True],
+    **options: Unpack[AttentionOptions],
+) -> Tuple[ArrayLike, int]: ...
 @overload
-def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, return_lse: Literal[True],
-              return_seed: Literal[True], **options: Unpack[AttentionOptions]
-              ) -> Tuple[ArrayLike, ArrayLike, int]: ...
+def attention(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    *,
+    return_lse: Literal[True],
+    return_seed: Literal[True],
+    **options: Unpack[AttentionOptions],
+) -> Tuple[ArrayLike, ArrayLike, int]: ...
 @overload
-def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, return_lse: bool = ...,
-              return_seed: bool = ..., **options: Unpack[AttentionOptions]) -> Any: ...
+def attention(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    *,
+    return_lse: bool = ...,
+    return_seed: bool = ...,
+    **options: Unpack[AttentionOptions],
+) -> Any: ...
 
 
-def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
-              softmax_scale: Optional[float] = None, schedule: str = "auto",
-              return_lse: bool = False, window_size: Tuple[int, int] = (-1, -1),
-              dropout_p: float = 0.0, seed: Optional[int] = None, offset: int = 0,
-              dropout_batch_offset: int = 0, dropout_head_offset: int = 0,
-              dropout_nheads_total: int = 0,
-              return_seed: bool = False, block_mask: Optional[ArrayLike] = None,
-              block_size: BlockSize = 128,
-              alibi_slopes: Optional[ArrayLike] = None, softcap: float = 0.0,
-              bias: Optional[ArrayLike] = None, mask: Optional[ArrayLike] = None,
-              sinks: Optional[ArrayLike] = None,
-              layout: str = "bshd") -> Any:
+def attention(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    schedule: str = "auto",
+    return_lse: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    dropout_p: float = 0.0,
+    seed: Optional[int] = None,
+    offset: int = 0,
+    dropout_batch_offset: int = 0,
+    dropout_head_offset: int = 0,
+    dropout_nheads_total: int = 0,
+    return_seed: bool = False,
+    block_mask: Optional[ArrayLike] = None,
+    block_size: BlockSize = 128,
+    alibi_slopes: Optional[ArrayLike] = None,
+    softcap: float = 0.0,
+    bias: Optional[ArrayLike] = None,
+    mask: Optional[ArrayLike] = None,
+    sinks: Optional[ArrayLike] = None,
+    layout: str = "bshd",
+) -> Any:
     """Exact attention ``softmax(q k^T * softmax_scale) v``, without materialising the N x N matrix.
 
     Any DLPack array goes in (NumPy, PyTorch, JAX, CuPy); the output comes back in the caller's
@@ -184,19 +235,38 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
     >>> flashdl.attention(q.swapaxes(1, 2), kv, kv, window_size=(4, 0), layout="bhsd").shape
     (2, 4, 16, 8)
     """
-    if ((causal is False or causal is True) and (return_lse is False or return_lse is True)
-            and softmax_scale is None and (seed is None or (seed.__class__ is int and seed == 0))
-            and return_seed is False and block_mask is None and alibi_slopes is None
-            and bias is None and mask is None and sinks is None and schedule == "auto"
-            and layout == "bshd" and window_size.__class__ is tuple and window_size == (-1, -1)
-            and dropout_p.__class__ is float and dropout_p == 0.0
-            and softcap.__class__ is float and softcap == 0.0
-            and offset.__class__ is int and offset == 0
-            and ((block_size.__class__ is int and block_size == 128)
-                 or (block_size.__class__ is tuple and block_size == (128, 128)))
-            and dropout_batch_offset.__class__ is int and dropout_batch_offset == 0
-            and dropout_head_offset.__class__ is int and dropout_head_offset == 0
-            and dropout_nheads_total.__class__ is int and dropout_nheads_total == 0):
+    if (
+        (causal is False or causal is True)
+        and (return_lse is False or return_lse is True)
+        and softmax_scale is None
+        and (seed is None or (seed.__class__ is int and seed == 0))
+        and return_seed is False
+        and block_mask is None
+        and alibi_slopes is None
+        and bias is None
+        and mask is None
+        and sinks is None
+        and schedule == "auto"
+        and layout == "bshd"
+        and window_size.__class__ is tuple
+        and window_size == (-1, -1)
+        and dropout_p.__class__ is float
+        and dropout_p == 0.0
+        and softcap.__class__ is float
+        and softcap == 0.0
+        and offset.__class__ is int
+        and offset == 0
+        and (
+            (block_size.__class__ is int and block_size == 128)
+            or (block_size.__class__ is tuple and block_size == (128, 128))
+        )
+        and dropout_batch_offset.__class__ is int
+        and dropout_batch_offset == 0
+        and dropout_head_offset.__class__ is int
+        and dropout_head_offset == 0
+        and dropout_nheads_total.__class__ is int
+        and dropout_nheads_total == 0
+    ):
         result = _fast_forward(q, k, v, causal, return_lse)
         if result is not None:
             return result
@@ -204,8 +274,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
     return_seed = _checks.flag("return_seed", return_seed)
     bhsd = _args.is_heads_first(layout)
     frame = Frame({"q": q, "k": k, "v": v}, _args.FLOATS_FWD)
-    frame.refuse_autograd({"q": q, "k": k, "v": v}, "flashdl.attention",
-                          "flashdl.torch.attention")
+    frame.refuse_autograd({"q": q, "k": k, "v": v}, "flashdl.attention", "flashdl.torch.attention")
     errors = _args.LayoutErrors((q, k, v), bhsd)
     if bhsd:
         q, k, v = (_args.as_bshd(n, x) for n, x in (("q", q), ("k", k), ("v", v)))
@@ -218,8 +287,17 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
     out, out_view = _args.output_like(frame, q, bhsd)
     lse = frame.empty(_args.lse_shape(q), frame.float32())
     with errors:
-        _ext.forward(frame.export(q), frame.export(k), frame.export(v), frame.dest(out_view),
-                     frame.dest(lse), dropout_p=dropout_p, seed=seed, offset=offset, **opts)
+        _ext.forward(
+            frame.export(q),
+            frame.export(k),
+            frame.export(v),
+            frame.dest(out_view),
+            frame.dest(lse),
+            dropout_p=dropout_p,
+            seed=seed,
+            offset=offset,
+            **opts,
+        )
     out, lse = frame.finish(out), frame.finish(lse)
     result: tuple[Any, ...] = (out, lse) if return_lse else (out,)
     if return_seed:
@@ -227,19 +305,34 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
     return result if len(result) > 1 else out
 
 
-def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike,
-                       out: ArrayLike, lse: ArrayLike, *, causal: bool = False,
-                       softmax_scale: Optional[float] = None, schedule: str = "auto",
-                       window_size: Tuple[int, int] = (-1, -1), deterministic: bool = False,
-                       dropout_p: float = 0.0, seed: int = 0, offset: int = 0,
-                       dropout_batch_offset: int = 0, dropout_head_offset: int = 0,
-                       dropout_nheads_total: int = 0,
-                       block_mask: Optional[ArrayLike] = None, block_size: BlockSize = 128,
-                       alibi_slopes: Optional[ArrayLike] = None, softcap: float = 0.0,
-              bias: Optional[ArrayLike] = None, mask: Optional[ArrayLike] = None,
-              sinks: Optional[ArrayLike] = None,
-                       layout: str = "bshd"
-                       ) -> Tuple[ArrayLike, ArrayLike, ArrayLike]:
+def attention_backward(
+    dout: ArrayLike,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    out: ArrayLike,
+    lse: ArrayLike,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    schedule: str = "auto",
+    window_size: Tuple[int, int] = (-1, -1),
+    deterministic: bool = False,
+    dropout_p: float = 0.0,
+    seed: int = 0,
+    offset: int = 0,
+    dropout_batch_offset: int = 0,
+    dropout_head_offset: int = 0,
+    dropout_nheads_total: int = 0,
+    block_mask: Optional[ArrayLike] = None,
+    block_size: BlockSize = 128,
+    alibi_slopes: Optional[ArrayLike] = None,
+    softcap: float = 0.0,
+    bias: Optional[ArrayLike] = None,
+    mask: Optional[ArrayLike] = None,
+    sinks: Optional[ArrayLike] = None,
+    layout: str = "bshd",
+) -> Tuple[ArrayLike, ArrayLike, ArrayLike]:
     """Gradients ``(dq, dk, dv)`` of :func:`attention` for the upstream gradient ``dout``.
 
     Recomputes the attention matrix block by block from ``lse`` (nothing of size N x N is stored).
@@ -307,25 +400,59 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
     frame = Frame({"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}, _args.FLOATS_BWD)
     errors = _args.LayoutErrors((q, k, v), bhsd)
     if bhsd:
-        dout, q, k, v, out = (_args.as_bshd(n, x) for n, x in (
-            ("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out)))
-    opts = _args.backward_options(causal, softmax_scale, schedule, window_size, frame, dropout_p, seed,
-                             offset, block_mask, block_size, alibi_slopes, softcap, sinks,
-                             bias, mask)
+        dout, q, k, v, out = (
+            _args.as_bshd(n, x)
+            for n, x in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out))
+        )
+    opts = _args.backward_options(
+        causal,
+        softmax_scale,
+        schedule,
+        window_size,
+        frame,
+        dropout_p,
+        seed,
+        offset,
+        block_mask,
+        block_size,
+        alibi_slopes,
+        softcap,
+        sinks,
+        bias,
+        mask,
+    )
     opts.update(_dropout_slice(dropout_batch_offset, dropout_head_offset, dropout_nheads_total))
-    (dq, dq_view), (dk, dk_view), (dv, dv_view) = (_args.output_like(frame, x, bhsd)
-                                                   for x in (q, k, v))
+    (dq, dq_view), (dk, dk_view), (dv, dv_view) = (
+        _args.output_like(frame, x, bhsd) for x in (q, k, v)
+    )
     extra_kw, extras = _args.extra_grads(frame, q, opts, bias)
     with errors:
-        _ext.backward(frame.export(dout), frame.export(q), frame.export(k), frame.export(v),
-                      frame.export(out), frame.export(lse), frame.dest(dq_view),
-                      frame.dest(dk_view), frame.dest(dv_view), deterministic=_checks.flag("deterministic", deterministic),
-                      **opts, **extra_kw)
+        _ext.backward(
+            frame.export(dout),
+            frame.export(q),
+            frame.export(k),
+            frame.export(v),
+            frame.export(out),
+            frame.export(lse),
+            frame.dest(dq_view),
+            frame.dest(dk_view),
+            frame.dest(dv_view),
+            deterministic=_checks.flag("deterministic", deterministic),
+            **opts,
+            **extra_kw,
+        )
     return (frame.finish(dq), frame.finish(dk), frame.finish(dv)) + extras()
 
 
-def dropout_mask(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, dropout_p: float,
-                 seed: int, offset: int = 0) -> npt.NDArray[np.bool_]:
+def dropout_mask(
+    batch: int,
+    nheads: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    dropout_p: float,
+    seed: int,
+    offset: int = 0,
+) -> npt.NDArray[np.bool_]:
     """The keep-mask that ``attention(..., dropout_p, seed, offset)`` applies.
 
     Computed by the C++ core's own generator (Philox4x32-10 keyed by the seed, counter
@@ -366,8 +493,15 @@ def dropout_mask(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, dropout_
     >>> bool((keep == flashdl.dropout_mask(1, 2, 4, 8, 0.5, 42)).all())     # a pure function
     True
     """
-    shape = tuple(_count(n, x) for n, x in (("batch", batch), ("nheads", nheads),
-                                            ("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)))
+    shape = tuple(
+        _count(n, x)
+        for n, x in (
+            ("batch", batch),
+            ("nheads", nheads),
+            ("seqlen_q", seqlen_q),
+            ("seqlen_k", seqlen_k),
+        )
+    )
     if seed is None:
         raise TypeError("seed: expected an int in [0, 2**64), got None")
     dropout_p, seed, offset = _args.dropout_args(dropout_p, seed, offset)

@@ -81,11 +81,12 @@ def window_pair(window_size):
     try:
         left, right = window_size
     except (TypeError, ValueError):
-        raise TypeError("window_size: expected a pair (left, right) of ints, -1 for unbounded, "
-                        f"got {window_size!r}") from None
+        raise TypeError(
+            "window_size: expected a pair (left, right) of ints, -1 for unbounded, "
+            f"got {window_size!r}"
+        ) from None
     what = "a pair (left, right) of ints that fit int64, -1 for unbounded"
-    return (_checks.integer("window_size", left, what),
-            _checks.integer("window_size", right, what))
+    return (_checks.integer("window_size", left, what), _checks.integer("window_size", right, what))
 
 
 def unsigned(name, x, bits):
@@ -119,19 +120,24 @@ def block_sparse(block_mask, block_size):
     block_size: an int or a pair (block_q, block_k) of ints >= 1."""
     what = "an int or a pair (block_q, block_k) of ints"
     try:
-        pair = ((block_size, block_size)
-                if type(block_size) is int or isinstance(block_size, numbers.Integral)
-                else block_size)
+        pair = (
+            (block_size, block_size)
+            if type(block_size) is int or isinstance(block_size, numbers.Integral)
+            else block_size
+        )
         bq, bk = pair
     except (TypeError, ValueError):
         raise TypeError(f"block_size: expected {what}, got {block_size!r}") from None
     bq, bk = (_checks.integer("block_size", x, what) for x in (bq, bk))
     if not (1 <= bq < 2**63 and 1 <= bk < 2**63):
         raise ValueError(f"block_size: expected block sizes in [1, 2**63), got ({bq}, {bk})")
-    if block_mask is not None and not (isinstance(block_mask, np.ndarray)
-                                       or hasattr(block_mask, "__dlpack__")):
-        raise TypeError("block_mask: expected None or a bool array (NumPy or the framework of q) "
-                        f"of shape (nblocks_q, nblocks_k), got {type(block_mask).__name__}")
+    if block_mask is not None and not (
+        isinstance(block_mask, np.ndarray) or hasattr(block_mask, "__dlpack__")
+    ):
+        raise TypeError(
+            "block_mask: expected None or a bool array (NumPy or the framework of q) "
+            f"of shape (nblocks_q, nblocks_k), got {type(block_mask).__name__}"
+        )
     if block_mask is not None:
         _checks.readable("block_mask", block_mask)
     return dict(block_mask=block_mask, block_size_q=bq, block_size_k=bk)
@@ -144,9 +150,11 @@ def score_mods(alibi_slopes, softcap):
     softcap = _checks.real("softcap", softcap, "a float >= 0 (0: off)")
     if alibi_slopes is not None:
         if not (isinstance(alibi_slopes, np.ndarray) or hasattr(alibi_slopes, "__dlpack__")):
-            raise TypeError("alibi_slopes: expected None or a float32 array (NumPy or the "
-                            "framework of q) of shape (nheads,) or (batch, nheads), "
-                            f"got {type(alibi_slopes).__name__}")
+            raise TypeError(
+                "alibi_slopes: expected None or a float32 array (NumPy or the "
+                "framework of q) of shape (nheads,) or (batch, nheads), "
+                f"got {type(alibi_slopes).__name__}"
+            )
         _checks.readable("alibi_slopes", alibi_slopes)
         if getattr(alibi_slopes, "requires_grad", False):
             alibi_slopes = alibi_slopes.detach()  # the slopes are not differentiated
@@ -156,8 +164,9 @@ def score_mods(alibi_slopes, softcap):
 def array_arg(name, x, what):
     """x, an array that crosses DLPack (NumPy, or the framework of q), else TypeError naming it."""
     if not (isinstance(x, np.ndarray) or hasattr(x, "__dlpack__")):
-        raise TypeError(f"{name}: expected None or {what} (NumPy or the framework of q), "
-                        f"got {type(x).__name__}")
+        raise TypeError(
+            f"{name}: expected None or {what} (NumPy or the framework of q), got {type(x).__name__}"
+        )
     _checks.readable(name, x)
     return x
 
@@ -175,8 +184,10 @@ def full_rank(name, x, rank, layout):
     broadcasting); more axes than that, or none, are refused naming the argument."""
     nd = len(getattr(x, "shape", ()))
     if not 1 <= nd <= rank:
-        raise ValueError(f"{name}: expected an array of rank 1 to {rank} broadcastable to "
-                         f"{layout}, got rank {nd}")
+        raise ValueError(
+            f"{name}: expected an array of rank 1 to {rank} broadcastable to "
+            f"{layout}, got rank {nd}"
+        )
     return x[(None,) * (rank - nd)] if nd < rank else x
 
 
@@ -187,8 +198,9 @@ def compact(x):
     st = strides(x)
     if st is None:
         return x
-    index = tuple(slice(0, 1) if st[a] == 0 and x.shape[a] > 1 else slice(None)
-                  for a in range(len(st) - 1))
+    index = tuple(
+        slice(0, 1) if st[a] == 0 and x.shape[a] > 1 else slice(None) for a in range(len(st) - 1)
+    )
     return x[index] if any(i != slice(None) for i in index) else x
 
 
@@ -199,8 +211,9 @@ def extras(sinks, bias=None, mask=None, rank=4, for_grad=False):
     shapes; sinks: float32 (nheads,). The core checks dtypes, shapes and devices. Torch tensors
     that require grad cross detached (flashdl.torch returns their gradients). for_grad: the
     backward's bias, with stride-0 axes narrowed to size 1 (the shape dbias takes)."""
-    layout = ("(batch, nheads, seqlen_q, seqlen_k)" if rank == 4
-              else "(nheads, total_q, max_seqlen_k)")
+    layout = (
+        "(batch, nheads, seqlen_q, seqlen_k)" if rank == 4 else "(nheads, total_q, max_seqlen_k)"
+    )
     out = {}
     if bias is not None:
         bias = full_rank("bias", array_arg("bias", bias, "a float array"), rank, layout)
@@ -211,8 +224,9 @@ def extras(sinks, bias=None, mask=None, rank=4, for_grad=False):
         out["sinks"] = array_arg("sinks", sinks, "a float32 array of shape (nheads,)")
     if bias is not None and dtype_name(bias) in ("int16", "uint16"):
         # (16-bit integers would be read as bfloat16 where NumPy bfloat16 arrays cross as uint16)
-        raise TypeError(f"bias: unsupported dtype {dtype_name(bias)} (expected float32, float16 "
-                        "or bfloat16)")
+        raise TypeError(
+            f"bias: unsupported dtype {dtype_name(bias)} (expected float32, float16 or bfloat16)"
+        )
     for name, x in list(out.items()):
         if getattr(x, "requires_grad", False):
             out[name] = x.detach()
@@ -226,22 +240,34 @@ def scalars(causal, softmax_scale, schedule, window_size):
     """(causal, softmax_scale, schedule, (left, right)) as far as Python checks them (the core
     checks the schedule's name and the values); flashdl.torch passes them on to its custom ops."""
     if not isinstance(schedule, str):
-        raise TypeError(f"schedule: expected a str ('auto', 'fa1', 'fa2' or 'reference'), "
-                        f"got {type(schedule).__name__}")
+        raise TypeError(
+            f"schedule: expected a str ('auto', 'fa1', 'fa2' or 'reference'), "
+            f"got {type(schedule).__name__}"
+        )
     if softmax_scale is not None:
         # NaN stands for None below the Python layers (flashdl.jax's attributes): refused here
         # alike on every entry point; the core bounds the value.
         softmax_scale = _checks.finite(
-            "softmax_scale", _checks.real("softmax_scale", softmax_scale, "a float or None"),
-            "a finite number or None")
+            "softmax_scale",
+            _checks.real("softmax_scale", softmax_scale, "a float or None"),
+            "a finite number or None",
+        )
     return _checks.flag("causal", causal), softmax_scale, schedule, window_pair(window_size)
 
 
 def options(causal, softmax_scale, schedule, window_size, frame):
-    causal, softmax_scale, schedule, (left, right) = scalars(causal, softmax_scale, schedule,
-                                                              window_size)
-    return dict(dtype=frame.dtype, softmax_scale=softmax_scale, causal=causal,
-                window_left=left, window_right=right, schedule=schedule, stream=frame.stream)
+    causal, softmax_scale, schedule, (left, right) = scalars(
+        causal, softmax_scale, schedule, window_size
+    )
+    return dict(
+        dtype=frame.dtype,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_left=left,
+        window_right=right,
+        schedule=schedule,
+        stream=frame.stream,
+    )
 
 
 LAYOUTS = {"bshd": "(batch, seqlen, nheads, headdim)", "bhsd": "(batch, nheads, seqlen, headdim)"}
@@ -256,8 +282,9 @@ def is_heads_first(layout, varlen=False):
     names = VARLEN_LAYOUTS if varlen else LAYOUTS
     if not isinstance(layout, str) or layout not in names:
         (own, own_axes), (other, other_axes) = names.items()
-        raise ValueError(f"layout: expected {own!r} {own_axes} or {other!r} {other_axes}, "
-                         f"got {layout!r}")
+        raise ValueError(
+            f"layout: expected {own!r} {own_axes} or {other!r} {other_axes}, got {layout!r}"
+        )
     return layout != next(iter(names))
 
 
@@ -267,10 +294,10 @@ def as_bshd(name, x, rank=4):
     view in NumPy, PyTorch and CuPy; JAX, which has no views, transposes."""
     shape = tuple(getattr(x, "shape", ()))
     if len(shape) != rank or not hasattr(x, "swapaxes"):
-        layout, axes = (("bhsd", LAYOUTS["bhsd"]) if rank == 4
-                        else ("htd", VARLEN_LAYOUTS["htd"]))
-        raise ValueError(f"{name}: with layout={layout!r} expected a rank-{rank} array {axes}, "
-                         f"got shape {shape}")
+        layout, axes = ("bhsd", LAYOUTS["bhsd"]) if rank == 4 else ("htd", VARLEN_LAYOUTS["htd"])
+        raise ValueError(
+            f"{name}: with layout={layout!r} expected a rank-{rank} array {axes}, got shape {shape}"
+        )
     return x.swapaxes(rank - 3, rank - 2)
 
 
@@ -307,12 +334,17 @@ class LayoutErrors:
         (own, own_axes), (other, other_axes) = names.items()
         if self.heads_first:
             (own, own_axes), (other, other_axes) = (other, other_axes), (own, own_axes)
-        if len(self.shapes) != 3 or fits(*self.shapes, self.heads_first, self.same_batch) or \
-                not fits(*self.shapes, not self.heads_first, self.same_batch):
+        if (
+            len(self.shapes) != 3
+            or fits(*self.shapes, self.heads_first, self.same_batch)
+            or not fits(*self.shapes, not self.heads_first, self.same_batch)
+        ):
             return ""
         q, k, v = self.shapes
-        return (f"; {self.names} of shapes {q}, {k}, {v} do not fit layout={own!r} {own_axes} but "
-                f"fit {other_axes}: pass layout={other!r} if that is their order")
+        return (
+            f"; {self.names} of shapes {q}, {k}, {v} do not fit layout={own!r} {own_axes} but "
+            f"fit {other_axes}: pass layout={other!r} if that is their order"
+        )
 
     def __exit__(self, kind, err, tb):
         if kind is None or not issubclass(kind, ValueError):
@@ -320,8 +352,11 @@ class LayoutErrors:
         base = getattr(err, "_flashdl_base", str(err))
         msg = base
         if self.heads_first:
-            layout, own = (("htd", "(total, nheads, headdim)") if self.varlen
-                           else ("bhsd", "(batch, seqlen, nheads, headdim)"))
+            layout, own = (
+                ("htd", "(total, nheads, headdim)")
+                if self.varlen
+                else ("bhsd", "(batch, seqlen, nheads, headdim)")
+            )
             msg += f" (layout={layout!r}: shapes above are in flashdl's {own} order)"
         msg += self._hint()
         new = ValueError(msg)
@@ -338,7 +373,7 @@ def output_like(frame, x, heads_first):
         out = frame.empty(shape, x.dtype)
         return out, out
     ax = len(shape) - 3  # the seqlen (total) axis; heads follow it
-    swapped = shape[:ax] + (shape[ax + 1], shape[ax]) + shape[ax + 2:]
+    swapped = shape[:ax] + (shape[ax + 1], shape[ax]) + shape[ax + 2 :]
     out = frame.empty(swapped, x.dtype)
     return out, out.swapaxes(ax, ax + 1)
 
@@ -373,16 +408,25 @@ def int32_index(name, x):
         try:
             host = np.from_dlpack(x)
         except Exception:  # a GPU array, or one NumPy cannot read: the core names it
-            if str(dtype).split(".")[-1] in ("int64", "int16", "int8", "uint8", "uint16",
-                                              "uint32", "uint64"):
-                raise TypeError(f"{name}: expected an int32 array, got {str(dtype)} in device "
-                                f"memory; convert it with {conversion(name, x)}") from None
+            if str(dtype).split(".")[-1] in (
+                "int64",
+                "int16",
+                "int8",
+                "uint8",
+                "uint16",
+                "uint32",
+                "uint64",
+            ):
+                raise TypeError(
+                    f"{name}: expected an int32 array, got {str(dtype)} in device "
+                    f"memory; convert it with {conversion(name, x)}"
+                ) from None
             return x
     else:
         host = x
     if host.dtype.kind not in "iu":
         return x
-    if host.size and (host.min() < -2**31 or host.max() >= 2**31):
+    if host.size and (host.min() < -(2**31) or host.max() >= 2**31):
         bad = host.max() if host.max() >= 2**31 else host.min()
         raise ValueError(f"{name}: expected int32 values, got {bad} in an {host.dtype} array")
     return host.astype(np.int32)
@@ -396,8 +440,10 @@ def cu_seqlens(name, x):
         if getattr(x, "requires_grad", False):
             x = x.detach()
         return int32_index(name, x)
-    raise TypeError(f"{name}: expected an int32 array (NumPy or the framework of q) of shape "
-                    f"(batch + 1,), got {type(x).__name__}")
+    raise TypeError(
+        f"{name}: expected an int32 array (NumPy or the framework of q) of shape "
+        f"(batch + 1,), got {type(x).__name__}"
+    )
 
 
 def max_seqlen(name, x):
@@ -440,6 +486,7 @@ def extra_grads(frame, q, opts, given_bias, rank=4):
                 x = in_shape_of(x, given_bias)
             result.append(x)
         return tuple(result)
+
     return kw, finish
 
 
@@ -448,7 +495,7 @@ def in_shape_of(dbias, bias):
     axes dropped, axes the caller broadcast with a stride of 0 broadcast back (a view holding the
     gradient of the shared value)."""
     shape = tuple(bias.shape)
-    dbias = dbias.reshape(tuple(dbias.shape)[len(dbias.shape) - len(shape):])
+    dbias = dbias.reshape(tuple(dbias.shape)[len(dbias.shape) - len(shape) :])
     if tuple(dbias.shape) == shape:
         return dbias
     if isinstance(dbias, np.ndarray):
@@ -457,9 +504,24 @@ def in_shape_of(dbias, bias):
     return expand(*shape) if callable(expand) else dbias
 
 
-def backward_options(causal, softmax_scale, schedule, window_size, frame, dropout_p, seed,
-                      offset, block_mask, block_size, alibi_slopes, softcap, sinks=None,
-                      bias=None, mask=None, rank=4):
+def backward_options(
+    causal,
+    softmax_scale,
+    schedule,
+    window_size,
+    frame,
+    dropout_p,
+    seed,
+    offset,
+    block_mask,
+    block_size,
+    alibi_slopes,
+    softcap,
+    sinks=None,
+    bias=None,
+    mask=None,
+    rank=4,
+):
     """The backward's options: the forward's, with the dropout seed it used (never drawn here)."""
     opts = options(causal, softmax_scale, schedule, window_size, frame)
     opts.update(block_sparse(block_mask, block_size))

@@ -12,7 +12,6 @@ import numpy as np
 from . import _ext
 from ._args import lse_shape
 
-
 # The common eager call, fast (a tiny call's time is mostly Python): q, k, v of one dtype, either
 # aligned native-order NumPy float16/32/64 arrays or plain CPU torch tensors (no subclass, no
 # grad; forward_torch), every option but causal and return_lse at its default (seed 0 and
@@ -33,9 +32,16 @@ def forward(q, k, v, causal, return_lse):
         if torch is None or type(q) is not torch.Tensor or torch.compiler.is_compiling():
             return None
         return forward_torch(q, k, v, causal, return_lse)
-    if not (type(k) is _NDARRAY and type(v) is _NDARRAY and q.dtype in _FAST_DTYPES
-            and k.dtype is q.dtype and v.dtype is q.dtype
-            and q.flags.aligned and k.flags.aligned and v.flags.aligned):
+    if not (
+        type(k) is _NDARRAY
+        and type(v) is _NDARRAY
+        and q.dtype in _FAST_DTYPES
+        and k.dtype is q.dtype
+        and v.dtype is q.dtype
+        and q.flags.aligned
+        and k.flags.aligned
+        and v.flags.aligned
+    ):
         return None
     out = np.empty(q.shape, q.dtype)
     lse = np.empty(lse_shape(q), np.float32) if return_lse else None
@@ -52,8 +58,14 @@ _TORCH_FAST: Optional[tuple] = None  # the torch names forward_torch uses, looke
 def _torch_fast_names() -> tuple:
     global _TORCH_FAST
     torch = sys.modules["torch"]
-    _TORCH_FAST = (torch.Tensor, torch.empty_like, torch.utils.dlpack.to_dlpack,
-                   torch.contiguous_format, torch.empty, torch.float32)
+    _TORCH_FAST = (
+        torch.Tensor,
+        torch.empty_like,
+        torch.utils.dlpack.to_dlpack,
+        torch.contiguous_format,
+        torch.empty,
+        torch.float32,
+    )
     return _TORCH_FAST
 
 
@@ -62,10 +74,15 @@ def forward_torch(q, k, v, causal, return_lse):
     other check is the core's (dtypes, devices, shapes: a refusal takes the full path) except
     those it cannot make: plain tensors, no autograd, and q on the CPU (a GPU call needs the
     caller's stream, which only the full path asks torch for)."""
-    tensor, empty_like, to_dlpack, contiguous, empty, float32 = (_TORCH_FAST or
-                                                                 _torch_fast_names())
-    if (type(k) is not tensor or type(v) is not tensor or not q.is_cpu
-            or q.requires_grad or k.requires_grad or v.requires_grad):
+    tensor, empty_like, to_dlpack, contiguous, empty, float32 = _TORCH_FAST or _torch_fast_names()
+    if (
+        type(k) is not tensor
+        or type(v) is not tensor
+        or not q.is_cpu
+        or q.requires_grad
+        or k.requires_grad
+        or v.requires_grad
+    ):
         return None
     try:
         # empty_like: a third of torch.empty's time from a shape (a tiny call's largest part); a
@@ -73,12 +90,14 @@ def forward_torch(q, k, v, causal, return_lse):
         # (its layout is the one asked for).
         out = empty_like(q) if q.is_contiguous() else empty_like(q, memory_format=contiguous)
         if not return_lse:
-            _ext.forward_default(to_dlpack(q), to_dlpack(k), to_dlpack(v), to_dlpack(out), None,
-                                 causal)
+            _ext.forward_default(
+                to_dlpack(q), to_dlpack(k), to_dlpack(v), to_dlpack(out), None, causal
+            )
             return out
         lse = empty(lse_shape(q), dtype=float32)
-        _ext.forward_default(to_dlpack(q), to_dlpack(k), to_dlpack(v), to_dlpack(out),
-                             to_dlpack(lse), causal)
+        _ext.forward_default(
+            to_dlpack(q), to_dlpack(k), to_dlpack(v), to_dlpack(out), to_dlpack(lse), causal
+        )
         return out, lse
     except Exception:  # noqa: BLE001 - re-raised, worded, by the full path
         return None

@@ -33,14 +33,18 @@ def _kind(name: str, x) -> str:
     if root in ("jax", "jaxlib") and "jax" in sys.modules:
         jax = sys.modules["jax"]
         if isinstance(x, jax.core.Tracer):
-            raise TypeError(f"{name}: got a JAX tracer; inside jax.jit, jax.grad or jax.vmap "
-                            "use flashdl.jax.attention (this entry point takes concrete arrays)")
+            raise TypeError(
+                f"{name}: got a JAX tracer; inside jax.jit, jax.grad or jax.vmap "
+                "use flashdl.jax.attention (this entry point takes concrete arrays)"
+            )
         if isinstance(x, jax.Array):
             return "jax"
     if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__") and hasattr(x, "shape"):
         return "dlpack"
-    raise TypeError(f"{name}: expected an array ({', '.join(_KNOWN)} or any object with "
-                    f"__dlpack__), got {type_name(x)}")
+    raise TypeError(
+        f"{name}: expected an array ({', '.join(_KNOWN)} or any object with "
+        f"__dlpack__), got {type_name(x)}"
+    )
 
 
 # str() of a NumPy dtype costs microseconds, several times per call; dtypes are few and hashable.
@@ -77,9 +81,11 @@ class Frame:
             kind = _kind(name, arrays[name])
             foreign = kind == "dlpack" and type(arrays[name]) is not type(self.like)
             if kind != self.kind or foreign:
-                raise ValueError(f"{name}: expected an array of the same framework as {first} "
-                                 f"({type_name(self.like)}), got {type_name(arrays[name])}; "
-                                 "flashdl does not mix frameworks")
+                raise ValueError(
+                    f"{name}: expected an array of the same framework as {first} "
+                    f"({type_name(self.like)}), got {type_name(arrays[name])}; "
+                    "flashdl does not mix frameworks"
+                )
         # NumPy cannot export ml_dtypes bfloat16 over DLPack: such arrays (and the NumPy buffers
         # that hold JAX results) cross as uint16 views and the call names the dtype. Only then is
         # a genuine 16-bit integer array ambiguous, so it is refused here.
@@ -89,8 +95,10 @@ class Frame:
         if self.kind in ("numpy", "jax", "dlpack"):
             for n in floats:
                 if dtype_name(arrays[n]) in ("int16", "uint16"):
-                    raise TypeError(f"{n}: unsupported dtype {dtype_name(arrays[n])} (expected "
-                                    "float16, bfloat16, float32 or float64)")
+                    raise TypeError(
+                        f"{n}: unsupported dtype {dtype_name(arrays[n])} (expected "
+                        "float16, bfloat16, float32 or float64)"
+                    )
             if any(dtype_name(arrays[n]) == "bfloat16" for n in floats):
                 self.dtype = "bfloat16"
         self._device = self._find_device()
@@ -107,15 +115,19 @@ class Frame:
             devices = list(x.devices())
             bad = [d for d in devices if d.platform != "cpu"]
             if bad:
-                raise RuntimeError(f"JAX arrays on {bad[0].platform} are not supported yet: "
-                                   "flashdl takes JAX arrays on the CPU only (use PyTorch or "
-                                   "CuPy arrays for the GPU)")
+                raise RuntimeError(
+                    f"JAX arrays on {bad[0].platform} are not supported yet: "
+                    "flashdl takes JAX arrays on the CPU only (use PyTorch or "
+                    "CuPy arrays for the GPU)"
+                )
             return devices[0]
         if self.kind == "dlpack":
             device_type, _ = x.__dlpack_device__()
             if int(device_type) != 1:
-                raise TypeError(f"{type_name(x)} arrays off the CPU are not supported: flashdl "
-                                "allocates GPU outputs with PyTorch or CuPy only")
+                raise TypeError(
+                    f"{type_name(x)} arrays off the CPU are not supported: flashdl "
+                    "allocates GPU outputs with PyTorch or CuPy only"
+                )
         return None
 
     def _find_stream(self) -> int:
@@ -140,7 +152,8 @@ class Frame:
                 raise ValueError(
                     f"{name}: a tensor that requires grad was given to {api}, whose result has no "
                     f"autograd history (gradients would silently stop there); use {instead} for "
-                    f"autograd, or pass {name}.detach() or call it under torch.no_grad()")
+                    f"autograd, or pass {name}.detach() or call it under torch.no_grad()"
+                )
 
     def export(self, x):
         """What the extension receives for an input: an object it can read over DLPack."""

@@ -86,5 +86,4 @@ def set_num_threads(n: int) -> None:
     """
     # The core takes a C int: a larger one would otherwise reach nanobind's "incompatible
     # function arguments".
-    _ext.set_num_threads(_checks.integer("n", n, "an int in [0, 2**31) (0: the default)",
-                                         0, 2**31))
+    _ext.set_num_threads(_checks.integer("n", n, "an int in [0, 2**31) (0: the default)", 0, 2**31))

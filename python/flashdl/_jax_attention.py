@@ -13,6 +13,7 @@ import numpy as np
 
 from . import _args, _checks, _ext, _jax_ffi
 
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _attention(q, k, v, extras, cfg):
     return _jax_ffi.forward(q, k, v, cfg, extras)
@@ -41,13 +42,29 @@ def _extra_cotangents(cfg, extras, grads):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
-              softmax_scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1),
-              schedule: str = "auto", softcap: float = 0.0, deterministic: bool = False,
-              return_lse: bool = False, layout: str = "bshd", dropout_p: float = 0.0,
-              seed: Any = None, offset: int = 0, block_mask: Any = None,
-              block_size: Any = 128, alibi_slopes: Any = None, bias: Any = None,
-              mask: Any = None, sinks: Any = None) -> Any:
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    window_size: Tuple[int, int] = (-1, -1),
+    schedule: str = "auto",
+    softcap: float = 0.0,
+    deterministic: bool = False,
+    return_lse: bool = False,
+    layout: str = "bshd",
+    dropout_p: float = 0.0,
+    seed: Any = None,
+    offset: int = 0,
+    block_mask: Any = None,
+    block_size: Any = 128,
+    alibi_slopes: Any = None,
+    bias: Any = None,
+    mask: Any = None,
+    sinks: Any = None,
+) -> Any:
     """:func:`flashdl.attention` for JAX programs: traceable and differentiable with respect to q,
     k, v (and ``bias``, ``sinks``).
 
@@ -137,15 +154,34 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
     bhsd = _args.is_heads_first(layout)
     block_mask, alibi_slopes = _optional_arrays(block_mask, alibi_slopes)
     bias, mask, sinks = _bias_mask_sinks(bias, mask, sinks, 4)
-    cfg = _jax_ffi.config(causal, softmax_scale, window_size, schedule, softcap, deterministic,
-                  dropout_p, offset, block_mask, block_size, alibi_slopes, bias, mask, sinks)
+    cfg = _jax_ffi.config(
+        causal,
+        softmax_scale,
+        window_size,
+        schedule,
+        softcap,
+        deterministic,
+        dropout_p,
+        offset,
+        block_mask,
+        block_size,
+        alibi_slopes,
+        bias,
+        mask,
+        sinks,
+    )
     seed_arr = _seed(seed, cfg.dropout_p)
     with _args.LayoutErrors((q, k, v), bhsd):
         if bhsd:
             q, k, v = (_heads_second(n, x, 4) for n, x in (("q", q), ("k", k), ("v", v)))
-        _jax_ffi.check(_jax_ffi.check_dense, {"q": q, "k": k, "v": v}, cfg,
-               optional=dict(block_mask=block_mask, alibi_slopes=alibi_slopes, bias=bias,
-                             mask=mask, sinks=sinks))
+        _jax_ffi.check(
+            _jax_ffi.check_dense,
+            {"q": q, "k": k, "v": v},
+            cfg,
+            optional=dict(
+                block_mask=block_mask, alibi_slopes=alibi_slopes, bias=bias, mask=mask, sinks=sinks
+            ),
+        )
     extras = _dense_extras(q, block_mask, alibi_slopes, seed_arr, bias, mask, sinks)
     out, lse = _attention(q, k, v, extras, _jax_ffi.resolved(cfg, q))
     if bhsd:
@@ -156,10 +192,11 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
 def _optional_arrays(block_mask, alibi_slopes):
     """block_mask and alibi_slopes as JAX arrays (NumPy arrays and traced values alike)."""
     out = []
-    for name, x, what in (("block_mask", block_mask, "a bool array"),
-                          ("alibi_slopes", alibi_slopes, "a float32 array")):
-        if x is not None and not (isinstance(x, (jax.Array, np.ndarray))
-                                  or _checks.is_tracer(x)):
+    for name, x, what in (
+        ("block_mask", block_mask, "a bool array"),
+        ("alibi_slopes", alibi_slopes, "a float32 array"),
+    ):
+        if x is not None and not (isinstance(x, (jax.Array, np.ndarray)) or _checks.is_tracer(x)):
             raise TypeError(f"{name}: expected None or {what}, got {_checks.describe(x)}")
         out.append(None if x is None else jnp.asarray(x))
     return out
@@ -168,20 +205,25 @@ def _optional_arrays(block_mask, alibi_slopes):
 def _bias_mask_sinks(bias, mask, sinks, rank):
     """bias, mask and sinks as JAX arrays, bias and mask of rank `rank` (fewer axes are leading
     size-1 ones, as NumPy broadcasts; the core checks the rest on these shapes)."""
-    layout = ("(batch, nheads, seqlen_q, seqlen_k)" if rank == 4
-              else "(nheads, total_q, max_seqlen_k)")
+    layout = (
+        "(batch, nheads, seqlen_q, seqlen_k)" if rank == 4 else "(nheads, total_q, max_seqlen_k)"
+    )
     out = []
-    for name, x, what in (("bias", bias, "a float array"), ("mask", mask, "a bool array"),
-                          ("sinks", sinks, "a float32 array of shape (nheads,)")):
-        if x is not None and not (isinstance(x, (jax.Array, np.ndarray))
-                                  or _checks.is_tracer(x)):
+    for name, x, what in (
+        ("bias", bias, "a float array"),
+        ("mask", mask, "a bool array"),
+        ("sinks", sinks, "a float32 array of shape (nheads,)"),
+    ):
+        if x is not None and not (isinstance(x, (jax.Array, np.ndarray)) or _checks.is_tracer(x)):
             raise TypeError(f"{name}: expected None or {what}, got {_checks.describe(x)}")
         if x is not None:
             given = jnp.dtype(x.dtype)
             x = jnp.asarray(x)
             if jnp.dtype(x.dtype) != given:  # float64 without jax_enable_x64
-                raise TypeError(f"{name}: expected {what}, got {given} (JAX would convert it to "
-                                f"{jnp.dtype(x.dtype)})")
+                raise TypeError(
+                    f"{name}: expected {what}, got {given} (JAX would convert it to "
+                    f"{jnp.dtype(x.dtype)})"
+                )
             if name != "sinks":
                 x = _args.full_rank(name, x, rank, layout)
         out.append(x)
@@ -218,10 +260,12 @@ def _seed(seed, dropout_p):
     if dropout_p == 0:
         return None
     if seed is None:
-        raise TypeError("seed: dropout_p > 0 under flashdl.jax needs a seed: an int in "
-                        "[0, 2**64) or a traced uint32 array of shape (2,) (e.g. "
-                        "jax.random.key_data(key)); none is drawn, since a seed drawn while "
-                        "tracing would repeat on every call of the compiled program")
+        raise TypeError(
+            "seed: dropout_p > 0 under flashdl.jax needs a seed: an int in "
+            "[0, 2**64) or a traced uint32 array of shape (2,) (e.g. "
+            "jax.random.key_data(key)); none is drawn, since a seed drawn while "
+            "tracing would repeat on every call of the compiled program"
+        )
     if isinstance(seed, (jax.Array, np.ndarray)) or _checks.is_tracer(seed):
         if jnp.issubdtype(seed.dtype, jax.dtypes.prng_key):
             seed = jax.random.key_data(seed)
@@ -231,11 +275,14 @@ def _seed(seed, dropout_p):
         if dtype == jnp.uint32 and shape == ():
             return jnp.stack([seed, jnp.zeros((), jnp.uint32)])
         if dtype == jnp.uint64 and shape == ():
-            return jnp.stack([(seed & 0xFFFFFFFF).astype(jnp.uint32),
-                              (seed >> 32).astype(jnp.uint32)])
-        raise TypeError("seed: expected an int, a uint32 array of shape (2,) (low word, high "
-                        "word), a uint32 scalar or a uint64 scalar, got "
-                        f"{dtype} of shape {shape}")
+            return jnp.stack(
+                [(seed & 0xFFFFFFFF).astype(jnp.uint32), (seed >> 32).astype(jnp.uint32)]
+            )
+        raise TypeError(
+            "seed: expected an int, a uint32 array of shape (2,) (low word, high "
+            "word), a uint32 scalar or a uint64 scalar, got "
+            f"{dtype} of shape {shape}"
+        )
     value = _args.unsigned("seed", seed, 64)
     return jnp.array([value & 0xFFFFFFFF, value >> 32], dtype=jnp.uint32)
 
@@ -244,22 +291,29 @@ def _heads_second(name, x, rank):
     """A heads-first array ((batch, nheads, seqlen, headdim), or (nheads, total, headdim)) in
     flashdl's order, transposed by XLA."""
     if jnp.ndim(x) != rank:
-        layout, axes = (("bhsd", "(batch, nheads, seqlen, headdim)") if rank == 4
-                        else ("htd", "(nheads, total, headdim)"))
-        raise ValueError(f"{name}: with layout={layout!r} expected a rank-{rank} array {axes}, "
-                         f"got shape {jnp.shape(x)}")
+        layout, axes = (
+            ("bhsd", "(batch, nheads, seqlen, headdim)")
+            if rank == 4
+            else ("htd", "(nheads, total, headdim)")
+        )
+        raise ValueError(
+            f"{name}: with layout={layout!r} expected a rank-{rank} array {axes}, "
+            f"got shape {jnp.shape(x)}"
+        )
     return jnp.swapaxes(x, rank - 3, rank - 2)
 
 
 # ---- variable-length batches (flash-attn's packed layout) ---------------------------------------
+
 
 class _Varlen(NamedTuple):
     max_seqlen_q: int
     max_seqlen_k: int
 
     def attrs(self) -> dict:
-        return dict(max_seqlen_q=np.int64(self.max_seqlen_q),
-                    max_seqlen_k=np.int64(self.max_seqlen_k))
+        return dict(
+            max_seqlen_q=np.int64(self.max_seqlen_q), max_seqlen_k=np.int64(self.max_seqlen_k)
+        )
 
 
 def _varlen_forward(q, k, v, cu_q, cu_k, extras, cfg, lens):
@@ -286,8 +340,9 @@ def _attention_varlen_bwd(cfg, lens, residuals, cotangents):
     shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
     shapes += _jax_ffi.extra_grad_shapes(cfg, extras)
     call = jax.ffi.ffi_call(_jax_ffi.VARLEN_BWD, shapes, vmap_method="sequential")
-    dq, dk, dv, *grads = call(dout, q, k, v, out, lse, cu_q, cu_k, *extras, **cfg.attrs(True),
-                              **lens.attrs())
+    dq, dk, dv, *grads = call(
+        dout, q, k, v, out, lse, cu_q, cu_k, *extras, **cfg.attrs(True), **lens.attrs()
+    )
     # the offsets, block mask, slopes, boolean mask and seed are not differentiated
     return dq, dk, dv, None, None, _extra_cotangents(cfg, extras, grads)
 
@@ -299,20 +354,39 @@ def _check_varlen(probes, opts, lens, nseq):
     q, k, v = probes["q"], probes["k"], probes["v"]
     cu = np.zeros(nseq + 1, np.int32)  # validate_only: its values are not read
     out = _jax_ffi.stand_in(q.shape, q.dtype, writable=True)
-    lse = _jax_ffi.stand_in((q.shape[1], q.shape[0]) if q.ndim == 3 else (0, 0), np.float32,
-                    writable=True)
+    lse = _jax_ffi.stand_in(
+        (q.shape[1], q.shape[0]) if q.ndim == 3 else (0, 0), np.float32, writable=True
+    )
     _ext.forward_varlen(q, k, v, cu, cu, lens.max_seqlen_q, lens.max_seqlen_k, out, lse, **opts)
 
 
-def attention_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Array,
-                     cu_seqlens_k: jax.Array, max_seqlen_q: int, max_seqlen_k: int, *,
-                     causal: bool = False, softmax_scale: Optional[float] = None,
-                     window_size: Tuple[int, int] = (-1, -1), schedule: str = "auto",
-                     softcap: float = 0.0, deterministic: bool = False,
-                     return_lse: bool = False, layout: str = "thd", dropout_p: float = 0.0,
-                     seed: Any = None, offset: int = 0, block_mask: Any = None,
-                     block_size: Any = 128, alibi_slopes: Any = None, bias: Any = None,
-                     mask: Any = None, sinks: Any = None) -> Any:
+def attention_varlen(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cu_seqlens_q: jax.Array,
+    cu_seqlens_k: jax.Array,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    window_size: Tuple[int, int] = (-1, -1),
+    schedule: str = "auto",
+    softcap: float = 0.0,
+    deterministic: bool = False,
+    return_lse: bool = False,
+    layout: str = "thd",
+    dropout_p: float = 0.0,
+    seed: Any = None,
+    offset: int = 0,
+    block_mask: Any = None,
+    block_size: Any = 128,
+    alibi_slopes: Any = None,
+    bias: Any = None,
+    mask: Any = None,
+    sinks: Any = None,
+) -> Any:
     """:func:`flashdl.attention_varlen` for JAX programs (flash-attn's packed layout).
 
     Traceable and differentiable with respect to q, k and v (and bias, sinks), like
@@ -371,27 +445,54 @@ def attention_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax
     heads_first = _args.is_heads_first(layout, varlen=True)
     block_mask, alibi_slopes = _optional_arrays(block_mask, alibi_slopes)
     bias, mask, sinks = _bias_mask_sinks(bias, mask, sinks, 3)
-    cfg = _jax_ffi.config(causal, softmax_scale, window_size, schedule, softcap, deterministic,
-                  dropout_p, offset, block_mask, block_size, alibi_slopes, bias, mask, sinks)
+    cfg = _jax_ffi.config(
+        causal,
+        softmax_scale,
+        window_size,
+        schedule,
+        softcap,
+        deterministic,
+        dropout_p,
+        offset,
+        block_mask,
+        block_size,
+        alibi_slopes,
+        bias,
+        mask,
+        sinks,
+    )
     seed_arr = _seed(seed, cfg.dropout_p)
-    lens = _Varlen(_static_int("max_seqlen_q", max_seqlen_q),
-                   _static_int("max_seqlen_k", max_seqlen_k))
-    cu_seqlens_q, cu_seqlens_k = (_offsets(n, cu) for n, cu in (
-        ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)))
+    lens = _Varlen(
+        _static_int("max_seqlen_q", max_seqlen_q), _static_int("max_seqlen_k", max_seqlen_k)
+    )
+    cu_seqlens_q, cu_seqlens_k = (
+        _offsets(n, cu)
+        for n, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))
+    )
     nseq = jnp.shape(cu_seqlens_q)[0] - 1
     if jnp.shape(cu_seqlens_k)[0] - 1 != nseq or nseq < 0:
-        raise ValueError("cu_seqlens_k: expected the shape of cu_seqlens_q "
-                         f"{jnp.shape(cu_seqlens_q)}, got {jnp.shape(cu_seqlens_k)}")
+        raise ValueError(
+            "cu_seqlens_k: expected the shape of cu_seqlens_q "
+            f"{jnp.shape(cu_seqlens_q)}, got {jnp.shape(cu_seqlens_k)}"
+        )
     with _args.LayoutErrors((q, k, v), heads_first, varlen=True):
         if heads_first:
             q, k, v = (_heads_second(n, x, 3) for n, x in (("q", q), ("k", k), ("v", v)))
-        _jax_ffi.check(_check_varlen, {"q": q, "k": k, "v": v}, cfg, (lens, nseq),
-               optional=dict(block_mask=block_mask, alibi_slopes=alibi_slopes, bias=bias,
-                             mask=mask, sinks=sinks))
-    extras = tuple(x for x in (block_mask, alibi_slopes, bias, mask, sinks, seed_arr)
-                   if x is not None)
-    out, lse = _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, extras,
-                                 _jax_ffi.resolved(cfg, q), lens)
+        _jax_ffi.check(
+            _check_varlen,
+            {"q": q, "k": k, "v": v},
+            cfg,
+            (lens, nseq),
+            optional=dict(
+                block_mask=block_mask, alibi_slopes=alibi_slopes, bias=bias, mask=mask, sinks=sinks
+            ),
+        )
+    extras = tuple(
+        x for x in (block_mask, alibi_slopes, bias, mask, sinks, seed_arr) if x is not None
+    )
+    out, lse = _attention_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, extras, _jax_ffi.resolved(cfg, q), lens
+    )
     if heads_first:
         out = jnp.swapaxes(out, 0, 1)
     return (out, jax.lax.stop_gradient(lse)) if return_lse else out
@@ -402,19 +503,21 @@ def _offsets(name, cu):
     converted (values known at trace time must fit int32)."""
     dtype = jnp.result_type(cu)
     if jnp.ndim(cu) != 1 or not jnp.issubdtype(dtype, jnp.integer):
-        raise TypeError(f"{name}: expected an int32 array (batch + 1,), got "
-                        f"{dtype} of shape {jnp.shape(cu)}")
+        raise TypeError(
+            f"{name}: expected an int32 array (batch + 1,), got {dtype} of shape {jnp.shape(cu)}"
+        )
     if dtype == jnp.int32:
         return cu
     if not isinstance(cu, jax.core.Tracer):
         values = np.asarray(cu)
-        if values.size and (values.min() < -2**31 or values.max() >= 2**31):
-            raise ValueError(f"{name}: expected int32 values, got "
-                             f"{values.max() if values.max() >= 2**31 else values.min()}")
+        if values.size and (values.min() < -(2**31) or values.max() >= 2**31):
+            raise ValueError(
+                f"{name}: expected int32 values, got "
+                f"{values.max() if values.max() >= 2**31 else values.min()}"
+            )
     return jnp.asarray(cu).astype(jnp.int32)
 
 
 def _static_int(name, x) -> int:
     """A static int (a traced value, a float or a bool is a TypeError naming the argument)."""
     return _checks.integer(name, x, "a static int that fits int64")
-

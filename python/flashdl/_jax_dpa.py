@@ -49,32 +49,41 @@ def _ensure_4d(name, x):
     """x with leading size-1 axes up to rank 4, as jax.nn.dot_product_attention does; more than
     four axes are refused naming the argument."""
     if x.ndim > 4:
-        raise ValueError(f"{name}: expected at most 4 axes (BTNH or TNH for query, key and value; "
-                         f"BNTS or NTS for bias and mask), got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"{name}: expected at most 4 axes (BTNH or TNH for query, key and value; "
+            f"BNTS or NTS for bias and mask), got shape {tuple(x.shape)}"
+        )
     return x[(None,) * (4 - x.ndim)] if x.ndim < 4 else x
 
 
 def _window(local_window_size):
     if local_window_size is None:
         return None
-    if isinstance(local_window_size, (int, np.integer)) and not isinstance(local_window_size,
-                                                                           bool):
+    if isinstance(local_window_size, (int, np.integer)) and not isinstance(local_window_size, bool):
         w = operator.index(local_window_size)
         return (w, w)
-    if isinstance(local_window_size, (tuple, list)) and len(local_window_size) == 2 and all(
-            isinstance(w, (int, np.integer)) and not isinstance(w, bool)
-            for w in local_window_size):
+    if (
+        isinstance(local_window_size, (tuple, list))
+        and len(local_window_size) == 2
+        and all(
+            isinstance(w, (int, np.integer)) and not isinstance(w, bool) for w in local_window_size
+        )
+    ):
         return tuple(operator.index(w) for w in local_window_size)
-    raise TypeError("local_window_size: expected None, an int or a pair of ints (left, right) "
-                    f"(static Python values), got {_checks.describe(local_window_size)}")
+    raise TypeError(
+        "local_window_size: expected None, an int or a pair of ints (left, right) "
+        f"(static Python values), got {_checks.describe(local_window_size)}"
+    )
 
 
 def _scale(scale, headdim):
     if scale is None:
         return 1.0 / math.sqrt(headdim) if headdim > 0 else 1.0
     if _checks.is_tracer(scale):
-        raise TypeError("scale: expected a static Python float (flashdl bakes it into the "
-                        "kernel call), got a traced value")
+        raise TypeError(
+            "scale: expected a static Python float (flashdl bakes it into the "
+            "kernel call), got a traced value"
+        )
     return _checks.finite("scale", _checks.real("scale", scale, "a float"), "a finite float")
 
 
@@ -91,8 +100,8 @@ def _plan(T, S, is_causal, window):
         R = window[1] if R is None else min(R, window[1])
     if L is not None and R is not None and L + R < 0:
         return 0, 0, (-1, -1)
-    Tp = T if L is None else max(0, min(T, S + L))       # row i sees a key only if i - L < S
-    Sp = S if R is None else max(0, min(S, Tp + R))      # key j is seen only if j <= T' - 1 + R
+    Tp = T if L is None else max(0, min(T, S + L))  # row i sees a key only if i - L < S
+    Sp = S if R is None else max(0, min(S, Tp + R))  # key j is seen only if j <= T' - 1 + R
     if Tp == 0 or Sp == 0:
         return 0, 0, (-1, -1)
     left = -1 if L is None else L + Sp - Tp
@@ -104,8 +113,10 @@ def _plan(T, S, is_causal, window):
 def _check_extra(name, x, full):
     """bias / mask: each axis of x 1 or that of full (B, N, T, S), as JAX broadcasts them."""
     if any(d != 1 and d != f for d, f in zip(x.shape, full)):
-        raise ValueError(f"{name}: expected a shape broadcastable to (B, N, T, S) = {full} "
-                         f"(each axis 1 or that size), got {tuple(x.shape)}")
+        raise ValueError(
+            f"{name}: expected a shape broadcastable to (B, N, T, S) = {full} "
+            f"(each axis 1 or that size), got {tuple(x.shape)}"
+        )
 
 
 def _check_lengths(name, x, B):
@@ -113,8 +124,10 @@ def _check_lengths(name, x, B):
         return None
     x = as_array(name, x)
     if x.dtype != jnp.int32 or tuple(x.shape) != (B,):
-        raise ValueError(f"{name}: expected an int32 array of shape ({B},) (one length per batch "
-                         f"entry), got {x.dtype} of shape {tuple(x.shape)}")
+        raise ValueError(
+            f"{name}: expected an int32 array of shape ({B},) (one length per batch "
+            f"entry), got {x.dtype} of shape {tuple(x.shape)}"
+        )
     return x
 
 
@@ -138,11 +151,21 @@ def _large_negative(q_dtype):
     return jnp.asarray(-0.7 * dmax, dtype=logits).astype(jnp.float32)
 
 
-def dot_product_attention(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None,
-                          *, scale: Optional[float] = None, is_causal: bool = False,
-                          query_seq_lengths: Any = None, key_value_seq_lengths: Any = None,
-                          local_window_size: Any = None, implementation: Optional[str] = None,
-                          return_residual: bool = False) -> Any:
+def dot_product_attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    bias: Any = None,
+    mask: Any = None,
+    *,
+    scale: Optional[float] = None,
+    is_causal: bool = False,
+    query_seq_lengths: Any = None,
+    key_value_seq_lengths: Any = None,
+    local_window_size: Any = None,
+    implementation: Optional[str] = None,
+    return_residual: bool = False,
+) -> Any:
     """``jax.nn.dot_product_attention`` on flashdl's kernels: the same arguments, layouts,
     semantics and return value.
 
@@ -189,23 +212,56 @@ def dot_product_attention(query: Any, key: Any, value: Any, bias: Any = None, ma
     depends on how its masking value compares with it).
     """
     if implementation is not None and implementation not in ("xla", "cudnn"):
-        raise ValueError(f"implementation: expected None (flashdl), 'xla' or 'cudnn' (JAX's own), "
-                         f"got {implementation!r}")
+        raise ValueError(
+            f"implementation: expected None (flashdl), 'xla' or 'cudnn' (JAX's own), "
+            f"got {implementation!r}"
+        )
     if implementation is not None:
         return jax.nn.dot_product_attention(
-            query, key, value, bias, mask, scale=scale, is_causal=is_causal,
-            query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-            local_window_size=local_window_size, implementation=implementation,
-            return_residual=return_residual)
-    return attend(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
-                   query_seq_lengths=query_seq_lengths,
-                   key_value_seq_lengths=key_value_seq_lengths,
-                   local_window_size=local_window_size, return_residual=return_residual)
+            query,
+            key,
+            value,
+            bias,
+            mask,
+            scale=scale,
+            is_causal=is_causal,
+            query_seq_lengths=query_seq_lengths,
+            key_value_seq_lengths=key_value_seq_lengths,
+            local_window_size=local_window_size,
+            implementation=implementation,
+            return_residual=return_residual,
+        )
+    return attend(
+        query,
+        key,
+        value,
+        bias,
+        mask,
+        scale=scale,
+        is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size,
+        return_residual=return_residual,
+    )
 
 
-def attend(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
-            key_value_seq_lengths, local_window_size, return_residual, dropout_p=0.0,
-            seed=None):
+def attend(
+    query,
+    key,
+    value,
+    bias,
+    mask,
+    *,
+    scale,
+    is_causal,
+    query_seq_lengths,
+    key_value_seq_lengths,
+    local_window_size,
+    return_residual,
+    dropout_p=0.0,
+    seed=None,
+):
     """dot_product_attention's work, with flashdl's dropout (the Flax adapter's): dropout_p on
     the probabilities, the Philox mask keyed by seed (see flashdl.jax.attention)."""
     is_causal = _checks.flag("is_causal", is_causal)
@@ -218,18 +274,21 @@ def attend(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths
     B, S, K, H = k.shape
     _, T, N, _ = q.shape
     if jnp.dtype(k.dtype).name not in _DTYPES:
-        raise TypeError(f"key: expected dtype float16, bfloat16, float32 or float64, got "
-                        f"{k.dtype}")
+        raise TypeError(f"key: expected dtype float16, bfloat16, float32 or float64, got {k.dtype}")
     for n, x, want in (("value", v, (B, S, K, H)), ("query", q, (B, T, N, H))):
         if x.dtype != k.dtype:
             raise ValueError(f"{n}: expected the dtype of key ({k.dtype}), got {x.dtype}")
         if tuple(x.shape) != want:
             what = "the shape of key" if n == "value" else "the batch and head dim of key"
-            raise ValueError(f"{n}: expected {what}, shape {want}, got {tuple(x.shape)} "
-                             f"(given {tuple(value.shape if n == 'value' else output_shape)})")
+            raise ValueError(
+                f"{n}: expected {what}, shape {want}, got {tuple(x.shape)} "
+                f"(given {tuple(value.shape if n == 'value' else output_shape)})"
+            )
     if K == 0 or N % K != 0:
-        raise ValueError(f"query: the number of query heads must be a multiple of the key/value "
-                         f"heads, got {N} vs {K}")
+        raise ValueError(
+            f"query: the number of query heads must be a multiple of the key/value "
+            f"heads, got {N} vs {K}"
+        )
     full = (B, N, T, S)
     if bias is not None:
         bias = _ensure_4d("bias", as_array("bias", bias))
@@ -237,8 +296,10 @@ def attend(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths
     if mask is not None:
         mask = _ensure_4d("mask", as_array("mask", mask))
         if mask.dtype != jnp.bool_:
-            raise ValueError(f"mask: expected dtype bool (True: attend; an additive mask goes "
-                             f"in bias), got {mask.dtype}")
+            raise ValueError(
+                f"mask: expected dtype bool (True: attend; an additive mask goes "
+                f"in bias), got {mask.dtype}"
+            )
         _check_extra("mask", mask, full)
     q_len = _check_lengths("query_seq_lengths", query_seq_lengths, B)
     kv_len = _check_lengths("key_value_seq_lengths", key_value_seq_lengths, B)
@@ -246,23 +307,33 @@ def attend(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths
 
     Tp, Sp, window_lr = _plan(T, S, is_causal, window)
     if kv_len is not None:
-        kv_mask = (jnp.arange(S, dtype=jnp.int32) < kv_len[:, None, None, None])
+        kv_mask = jnp.arange(S, dtype=jnp.int32) < kv_len[:, None, None, None]
         mask = kv_mask if mask is None else jnp.logical_and(mask, kv_mask)
     # Keys are never skipped: a row that sees none still averages over all S of them.
     v_mean = jnp.mean(v, axis=1, dtype=jnp.promote_types(v.dtype, jnp.float32)).astype(v.dtype)
     v_mean = jnp.repeat(v_mean, N // K, axis=1)[:, None]  # (B, 1, N, H), query head h -> h // G
     if Tp > 0:
+
         def rows_keys(x):
             if x is None:
                 return None
             x = jnp.broadcast_to(x, x.shape[:3] + (S,))  # the core wants the key axis whole
-            return x[:, :, :Tp if x.shape[2] != 1 else 1, :Sp]
+            return x[:, :, : Tp if x.shape[2] != 1 else 1, :Sp]
+
         if bias is not None:
             bias = bias.astype(_bias_dtype(bias, q.dtype))
-        out, lse = attention(q[:, :Tp], k[:, :Sp], v[:, :Sp], softmax_scale=scale,
-                                window_size=window_lr, bias=rows_keys(bias),
-                                mask=rows_keys(mask), return_lse=True, dropout_p=dropout_p,
-                                seed=seed)
+        out, lse = attention(
+            q[:, :Tp],
+            k[:, :Sp],
+            v[:, :Sp],
+            softmax_scale=scale,
+            window_size=window_lr,
+            bias=rows_keys(bias),
+            mask=rows_keys(mask),
+            return_lse=True,
+            dropout_p=dropout_p,
+            seed=seed,
+        )
         lse = jnp.swapaxes(lse, 1, 2)  # (B, T', N)
         empty = lse == -jnp.inf
         if Tp < T:

@@ -36,12 +36,14 @@ def register() -> None:
         try:
             jax.ffi.register_ffi_target(name, capsule, platform=platform)
         except Exception as err:  # jaxlib raises its own runtime error type
-            raise RuntimeError(f"flashdl.jax: XLA refused flashdl's {name} handler for "
-                               f"{platform}: {err}") from None
+            raise RuntimeError(
+                f"flashdl.jax: XLA refused flashdl's {name} handler for {platform}: {err}"
+            ) from None
 
 
 class Config(NamedTuple):
     """The static (hashable) options of one call; they become the custom call's attributes."""
+
     causal: bool
     softmax_scale: float  # NaN: 1/sqrt(headdim) (made explicit by resolved before the call)
     window_left: int
@@ -60,17 +62,25 @@ class Config(NamedTuple):
     has_sinks: bool = False
 
     def attrs(self, backward: bool) -> dict:
-        a = dict(causal=self.causal, softmax_scale=np.float64(self.softmax_scale),
-                 window_left=np.int64(self.window_left), window_right=np.int64(self.window_right),
-                 schedule=self.schedule, softcap=np.float64(self.softcap))
+        a = dict(
+            causal=self.causal,
+            softmax_scale=np.float64(self.softmax_scale),
+            window_left=np.int64(self.window_left),
+            window_right=np.int64(self.window_right),
+            schedule=self.schedule,
+            softcap=np.float64(self.softcap),
+        )
         if backward:
             a["deterministic"] = self.deterministic
         # The optional features travel only when used, so a plain call's HLO is unchanged.
         if self.dropout_p > 0:
             a.update(dropout_p=np.float64(self.dropout_p), offset=np.int64(self.offset))
         if self.has_block_mask:
-            a.update(has_block_mask=True, block_size_q=np.int64(self.block_size_q),
-                     block_size_k=np.int64(self.block_size_k))
+            a.update(
+                has_block_mask=True,
+                block_size_q=np.int64(self.block_size_q),
+                block_size_k=np.int64(self.block_size_k),
+            )
         if self.has_alibi:
             a["has_alibi"] = True
         for name in ("has_bias", "has_mask", "has_sinks"):
@@ -79,20 +89,47 @@ class Config(NamedTuple):
         return a
 
 
-def config(causal, softmax_scale, window_size, schedule, softcap, deterministic,
-            dropout_p=0.0, offset=0, block_mask=None, block_size=128,
-            alibi_slopes=None, bias=None, mask=None, sinks=None) -> Config:
-    causal, scale, schedule, (left, right) = _args.scalars(causal, softmax_scale, schedule,
-                                                      window_size)
+def config(
+    causal,
+    softmax_scale,
+    window_size,
+    schedule,
+    softcap,
+    deterministic,
+    dropout_p=0.0,
+    offset=0,
+    block_mask=None,
+    block_size=128,
+    alibi_slopes=None,
+    bias=None,
+    mask=None,
+    sinks=None,
+) -> Config:
+    causal, scale, schedule, (left, right) = _args.scalars(
+        causal, softmax_scale, schedule, window_size
+    )
     cap = _args.score_mods(None, softcap)["softcap"]
     dropout_p = _args.dropout_probability(dropout_p)
     offset = _args.unsigned("offset", offset, 32)
     sparse = _args.block_sparse(None, block_size)
-    return Config(causal, math.nan if scale is None else scale, left, right, schedule, cap,
-                   _checks.flag("deterministic", deterministic), dropout_p, offset,
-                   block_mask is not None, sparse["block_size_q"], sparse["block_size_k"],
-                   alibi_slopes is not None, bias is not None, mask is not None,
-                   sinks is not None)
+    return Config(
+        causal,
+        math.nan if scale is None else scale,
+        left,
+        right,
+        schedule,
+        cap,
+        _checks.flag("deterministic", deterministic),
+        dropout_p,
+        offset,
+        block_mask is not None,
+        sparse["block_size_q"],
+        sparse["block_size_k"],
+        alibi_slopes is not None,
+        bias is not None,
+        mask is not None,
+        sinks is not None,
+    )
 
 
 def stand_in(shape, dtype, writable=False):
@@ -123,16 +160,24 @@ def check(entry, arrays, cfg, extra=(), optional=None):
     q_dtype = jnp.dtype(arrays["q"].dtype)
     for name, x in arrays.items():  # as the core words it; bfloat16 reaches it as uint16 below
         if name != "q" and jnp.dtype(x.dtype) != q_dtype:
-            raise TypeError(f"{name}: expected dtype {q_dtype} (the dtype of q), "
-                            f"got {jnp.dtype(x.dtype)}")
+            raise TypeError(
+                f"{name}: expected dtype {q_dtype} (the dtype of q), got {jnp.dtype(x.dtype)}"
+            )
     probes, bf16 = {}, False
     for name, x in arrays.items():
         probes[name], bf16 = probe(x, name)
-    opts = dict(dtype="bfloat16" if bf16 else None, causal=cfg.causal,
-                softmax_scale=None if math.isnan(cfg.softmax_scale) else cfg.softmax_scale,
-                window_left=cfg.window_left, window_right=cfg.window_right,
-                schedule=cfg.schedule, softcap=cfg.softcap, validate_only=True,
-                dropout_p=cfg.dropout_p, offset=cfg.offset)
+    opts = dict(
+        dtype="bfloat16" if bf16 else None,
+        causal=cfg.causal,
+        softmax_scale=None if math.isnan(cfg.softmax_scale) else cfg.softmax_scale,
+        window_left=cfg.window_left,
+        window_right=cfg.window_right,
+        schedule=cfg.schedule,
+        softcap=cfg.softcap,
+        validate_only=True,
+        dropout_p=cfg.dropout_p,
+        offset=cfg.offset,
+    )
     for name, x in (optional or {}).items():  # block_mask, alibi_slopes, bias, mask, sinks
         if x is not None:
             dtype = jnp.dtype(x.dtype)
@@ -145,8 +190,10 @@ def check(entry, arrays, cfg, extra=(), optional=None):
 
 def fwd_outputs(q):
     *batch, sq, h, _ = q.shape
-    return (jax.ShapeDtypeStruct(q.shape, q.dtype),
-            jax.ShapeDtypeStruct((*batch, h, sq), jnp.float32))
+    return (
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct((*batch, h, sq), jnp.float32),
+    )
 
 
 def resolved(cfg, q):
@@ -167,29 +214,41 @@ def raw_forward(cfg, vmap_method="broadcast_all", dropout_nheads_total=0):
     """The forward custom call for cfg, as a function of (q, k, v, *extras). Its
     with_nheads_total(n) is the call of one shard of a sharded dropout call over n heads in all
     (_jax_partition), whose seed operand then carries the shard's batch and head offsets."""
+
     def call(q, k, v, *extras):
         register()
         fn = jax.ffi.ffi_call(FWD, fwd_outputs(q), vmap_method=vmap_method)
-        return tuple(fn(q, k, v, *extras, **cfg.attrs(False),
-                        **slice_attrs(dropout_nheads_total)))
+        return tuple(fn(q, k, v, *extras, **cfg.attrs(False), **slice_attrs(dropout_nheads_total)))
+
     call.with_nheads_total = lambda n: raw_forward(cfg, vmap_method, n)
     return call
 
 
 def extra_names(cfg):
     """The names of a call's optional arrays, in the handlers' order (xla_ffi.cpp)."""
-    return [n for n, on in (("block_mask", cfg.has_block_mask), ("alibi_slopes", cfg.has_alibi),
-                            ("bias", cfg.has_bias), ("mask", cfg.has_mask),
-                            ("sinks", cfg.has_sinks), ("seed", cfg.dropout_p > 0)) if on]
+    return [
+        n
+        for n, on in (
+            ("block_mask", cfg.has_block_mask),
+            ("alibi_slopes", cfg.has_alibi),
+            ("bias", cfg.has_bias),
+            ("mask", cfg.has_mask),
+            ("sinks", cfg.has_sinks),
+            ("seed", cfg.dropout_p > 0),
+        )
+        if on
+    ]
 
 
 def extra_grad_shapes(cfg, extras):
     """The backward's results after dq, dk, dv: dbias (the bias's shape and dtype, as it reaches
     the handler) with a bias, dsinks (float32, the sinks' shape) with sinks."""
     named = dict(zip(extra_names(cfg), extras))
-    return tuple(jax.ShapeDtypeStruct(named[n].shape, named[n].dtype if n == "bias" else
-                                      jnp.float32)
-                 for n in ("bias", "sinks") if n in named)
+    return tuple(
+        jax.ShapeDtypeStruct(named[n].shape, named[n].dtype if n == "bias" else jnp.float32)
+        for n in ("bias", "sinks")
+        if n in named
+    )
 
 
 def raw_backward(cfg, vmap_method="broadcast_all", dropout_nheads_total=0):
@@ -198,8 +257,20 @@ def raw_backward(cfg, vmap_method="broadcast_all", dropout_nheads_total=0):
         shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
         shapes += extra_grad_shapes(cfg, extras)
         fn = jax.ffi.ffi_call(BWD, shapes, vmap_method=vmap_method)
-        return tuple(fn(dout, q, k, v, out, lse, *extras, **cfg.attrs(True),
-                        **slice_attrs(dropout_nheads_total)))
+        return tuple(
+            fn(
+                dout,
+                q,
+                k,
+                v,
+                out,
+                lse,
+                *extras,
+                **cfg.attrs(True),
+                **slice_attrs(dropout_nheads_total),
+            )
+        )
+
     call.with_nheads_total = lambda n: raw_backward(cfg, vmap_method, n)
     return call
 
@@ -212,8 +283,7 @@ def calls(cfg):
     jax.lax.axis_index) with the seed. jax.vmap folds into the batch, except with dropout, where
     the elements run one by one (each draws the mask of the whole call, as the eager call
     would)."""
-    return (partitioned("fwd", cfg, raw_forward(cfg)),
-            partitioned("bwd", cfg, raw_backward(cfg)))
+    return (partitioned("fwd", cfg, raw_forward(cfg)), partitioned("bwd", cfg, raw_backward(cfg)))
 
 
 def forward(q, k, v, cfg, extras=()):
@@ -227,14 +297,19 @@ def backward(dout, q, k, v, out, lse, cfg, extras=()):
 def check_dense(probes, opts):
     q, k, v = probes["q"], probes["k"], probes["v"]
     out = stand_in(q.shape, q.dtype, writable=True)
-    lse = stand_in((q.shape[0], q.shape[2], q.shape[1]) if q.ndim == 4 else (0, 0, 0),
-                    np.float32, writable=True)
+    lse = stand_in(
+        (q.shape[0], q.shape[2], q.shape[1]) if q.ndim == 4 else (0, 0, 0),
+        np.float32,
+        writable=True,
+    )
     _ext.forward(q, k, v, out, lse, **opts)
 
 
 def merge_call(outs, lses):
     register()
     o = outs[0]
-    shapes = (jax.ShapeDtypeStruct(o.shape, o.dtype), jax.ShapeDtypeStruct(lses[0].shape,
-                                                                           jnp.float32))
+    shapes = (
+        jax.ShapeDtypeStruct(o.shape, o.dtype),
+        jax.ShapeDtypeStruct(lses[0].shape, jnp.float32),
+    )
     return tuple(jax.ffi.ffi_call(MERGE, shapes, vmap_method="broadcast_all")(*outs, *lses))

@@ -31,16 +31,29 @@ def _flat(name, x, batch):
     try:
         x = jnp.broadcast_to(x, batch + tuple(x.shape[-3:]))
     except ValueError:
-        raise ValueError(f"{name}: expected a shape broadcastable to batch + (heads, q_length, "
-                         f"kv_length) with batch {batch}, got {tuple(x.shape)}") from None
+        raise ValueError(
+            f"{name}: expected a shape broadcastable to batch + (heads, q_length, "
+            f"kv_length) with batch {batch}, got {tuple(x.shape)}"
+        ) from None
     return x.reshape((-1,) + tuple(x.shape[-3:]))
 
 
-def flax_attention(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None,
-                   broadcast_dropout: bool = True, dropout_rng: Any = None,
-                   dropout_rate: float = 0.0, deterministic: bool = False, dtype: Any = None,
-                   precision: Any = None, module: Any = None,
-                   force_fp32_for_softmax: bool = False, is_causal: bool = False) -> Any:
+def flax_attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    bias: Any = None,
+    mask: Any = None,
+    broadcast_dropout: bool = True,
+    dropout_rng: Any = None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = False,
+    dtype: Any = None,
+    precision: Any = None,
+    module: Any = None,
+    force_fp32_for_softmax: bool = False,
+    is_causal: bool = False,
+) -> Any:
     """Flax's ``dot_product_attention`` on flashdl's kernels, to pass as ``attention_fn``.
 
     Parameters
@@ -86,16 +99,19 @@ def flax_attention(query: Any, key: Any, value: Any, bias: Any = None, mask: Any
     """
     del precision, force_fp32_for_softmax, broadcast_dropout
     if module is not None:
-        raise ValueError("module: flashdl never forms the attention weights, so it cannot sow "
-                         "them; call the Flax module with sow_weights=False")
+        raise ValueError(
+            "module: flashdl never forms the attention weights, so it cannot sow "
+            "them; call the Flax module with sow_weights=False"
+        )
     names = ("query", "key", "value")
     query, key, value = (as_array(n, x) for n, x in zip(names, (query, key, value)))
     dtype = jnp.result_type(query, key, value) if dtype is None else jnp.dtype(dtype)
     query, key, value = (x.astype(dtype) for x in (query, key, value))
     for n, x in zip(names, (query, key, value)):
         if x.ndim < 3:
-            raise ValueError(f"{n}: expected [batch..., length, heads, head_dim], got shape "
-                             f"{tuple(x.shape)}")
+            raise ValueError(
+                f"{n}: expected [batch..., length, heads, head_dim], got shape {tuple(x.shape)}"
+            )
     batch = tuple(query.shape[:-3])
     if len(batch) > 1:
         query, key, value = (x.reshape((-1,) + tuple(x.shape[-3:])) for x in (query, key, value))
@@ -106,12 +122,25 @@ def flax_attention(query: Any, key: Any, value: Any, bias: Any = None, mask: Any
     deterministic = _checks.flag("deterministic", deterministic)
     if not deterministic and dropout_rate != 0:
         if dropout_rng is None:
-            raise ValueError("dropout_rng: expected a PRNG key when dropout_rate > 0 and "
-                             "deterministic is False, got None")
+            raise ValueError(
+                "dropout_rng: expected a PRNG key when dropout_rate > 0 and "
+                "deterministic is False, got None"
+            )
         dropout_p = dropout_rate
         seed = jax.random.bits(dropout_rng, (2,), jnp.uint32)
-    out = attend(query, key, value, bias, mask, scale=None, is_causal=is_causal,
-                  query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-                  return_residual=False, dropout_p=dropout_p, seed=seed)
+    out = attend(
+        query,
+        key,
+        value,
+        bias,
+        mask,
+        scale=None,
+        is_causal=is_causal,
+        query_seq_lengths=None,
+        key_value_seq_lengths=None,
+        local_window_size=None,
+        return_residual=False,
+        dropout_p=dropout_p,
+        seed=seed,
+    )
     return out.reshape(batch + tuple(out.shape[-3:])) if len(batch) > 1 else out
-

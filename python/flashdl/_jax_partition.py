@@ -27,7 +27,8 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 # The role of each array of a call: its factors in the sharding rule.
 _Q, _KV, _LSE, _MASK, _ALIBI = "b s h d", "b t k d", "b h s", "b h x y", "b h"
@@ -40,12 +41,18 @@ _REPLICATED = ("s", "t", "d", "x", "y", "r", "c", "m", "n", "z")
 
 def _extra_roles(cfg):
     """(name, role) of the optional arrays of a dense call, in the handlers' order."""
-    return [(n, r) for n, r, on in (("block_mask", _MASK, cfg.has_block_mask),
-                                    ("alibi_slopes", _ALIBI, cfg.has_alibi),
-                                    ("bias", _BIAS, cfg.has_bias),
-                                    ("mask", _BOOL_MASK, cfg.has_mask),
-                                    ("sinks", _SINKS, cfg.has_sinks),
-                                    ("seed", _SEED, cfg.dropout_p > 0)) if on]
+    return [
+        (n, r)
+        for n, r, on in (
+            ("block_mask", _MASK, cfg.has_block_mask),
+            ("alibi_slopes", _ALIBI, cfg.has_alibi),
+            ("bias", _BIAS, cfg.has_bias),
+            ("mask", _BOOL_MASK, cfg.has_mask),
+            ("sinks", _SINKS, cfg.has_sinks),
+            ("seed", _SEED, cfg.dropout_p > 0),
+        )
+        if on
+    ]
 
 
 def _roles(kind, cfg):
@@ -54,8 +61,11 @@ def _roles(kind, cfg):
     if kind == "fwd":
         return ["q", "k", "v"] + extra_names, [_Q, _KV, _KV] + extras, [_Q, _LSE]
     grads = ([_BIAS] if cfg.has_bias else []) + ([_SINKS] if cfg.has_sinks else [])
-    return (["dout", "q", "k", "v", "out", "lse"] + extra_names,
-            [_Q, _Q, _KV, _KV, _Q, _LSE] + extras, [_Q, _KV, _KV] + grads)
+    return (
+        ["dout", "q", "k", "v", "out", "lse"] + extra_names,
+        [_Q, _Q, _KV, _KV, _Q, _LSE] + extras,
+        [_Q, _KV, _KV] + grads,
+    )
 
 
 def _entry(spec, i):
@@ -67,8 +77,7 @@ def _axes(entry):
 
 
 def _spec(role, batch, heads):
-    return P(*[batch if f == "b" else heads if f in ("h", "k") else None
-               for f in role.split()])
+    return P(*[batch if f == "b" else heads if f in ("h", "k") else None for f in role.split()])
 
 
 def _shards(mesh, entry):
@@ -92,10 +101,12 @@ def _sliced_dropout(raw, seed_at, q_shape, mesh, batch, heads):
         return jax.lax.axis_index(axes).astype(jnp.uint32) * jnp.uint32(local)
 
     def lower(*args):
-        seed = jnp.concatenate([args[seed_at], jnp.stack([offset(batch, local_b),
-                                                          offset(heads, local_h)])])
-        args = args[:seed_at] + (seed,) + args[seed_at + 1:]
+        seed = jnp.concatenate(
+            [args[seed_at], jnp.stack([offset(batch, local_b), offset(heads, local_h)])]
+        )
+        args = args[:seed_at] + (seed,) + args[seed_at + 1 :]
         return sliced(*args)
+
     sliced = raw.with_nheads_total(q_shape[2])
     return lower
 
@@ -117,27 +128,33 @@ def _partition_rule(kind, cfg, raw):
                         f"{name}: sharded over {got or 'no mesh axis'} along its "
                         f"{'batch' if f == 'b' else 'heads'} axis, but q over "
                         f"{want or 'no mesh axis'}: q, k, v (and dout, out, lse) must be sharded "
-                        "alike over batch and heads")
+                        "alike over batch and heads"
+                    )
                 if f in ("b", "h", "k") and shape.shape[i] % max(_shards(mesh, _entry(spec, i)), 1):
                     raise ValueError(
                         f"{name}: axis {i} of size {shape.shape[i]} does not split evenly over "
-                        f"{_shards(mesh, _entry(spec, i))} devices")
+                        f"{_shards(mesh, _entry(spec, i))} devices"
+                    )
         hk = arg_shapes[names.index("k")].shape[2]
         if hk % _shards(mesh, heads):
-            raise ValueError(f"k: {hk} kv heads do not split evenly over the "
-                             f"{_shards(mesh, heads)} devices that shard the heads of q")
+            raise ValueError(
+                f"k: {hk} kv heads do not split evenly over the "
+                f"{_shards(mesh, heads)} devices that shard the heads of q"
+            )
         arg_sh = tuple(NamedSharding(mesh, _spec(r, batch, heads)) for r in in_roles)
         res_sh = tuple(NamedSharding(mesh, _spec(r, batch, heads)) for r in out_roles)
         if cfg.dropout_p > 0:
-            lower = _sliced_dropout(raw, names.index("seed"), arg_shapes[q_at].shape, mesh,
-                                    batch, heads)
+            lower = _sliced_dropout(
+                raw, names.index("seed"), arg_shapes[q_at].shape, mesh, batch, heads
+            )
             return mesh, lower, res_sh, arg_sh
         return mesh, raw, res_sh, arg_sh
 
     def infer(mesh, arg_shapes, result_shape):  # the GSPMD partitioner (Shardy off)
         spec = getattr(arg_shapes[q_at].sharding, "spec", P())
-        return tuple(NamedSharding(mesh, _spec(r, _entry(spec, 0), _entry(spec, 2)))
-                     for r in out_roles)
+        return tuple(
+            NamedSharding(mesh, _spec(r, _entry(spec, 0), _entry(spec, 2))) for r in out_roles
+        )
 
     rule = ", ".join(in_roles) + " -> " + ", ".join(out_roles)
     return partition, infer, rule
@@ -154,11 +171,15 @@ def _fold_vmap(fn, nout, names=(), serial=False):
     @f.def_vmap
     def rule(axis_size, in_batched, *args):
         if "sinks" in names and in_batched[names.index("sinks")]:
-            raise ValueError("sinks: jax.vmap over sinks is not supported (the sinks are one "
-                             "logit per head, shared by every batch entry); map q, k, v (and "
-                             "bias, mask) and pass sinks unmapped (in_axes=None)")
-        args = [x if b else jnp.broadcast_to(x, (axis_size,) + x.shape)
-                for x, b in zip(args, in_batched)]
+            raise ValueError(
+                "sinks: jax.vmap over sinks is not supported (the sinks are one "
+                "logit per head, shared by every batch entry); map q, k, v (and "
+                "bias, mask) and pass sinks unmapped (in_axes=None)"
+            )
+        args = [
+            x if b else jnp.broadcast_to(x, (axis_size,) + x.shape)
+            for x, b in zip(args, in_batched)
+        ]
         if serial:
             return tuple(jax.lax.map(lambda xs: f(*xs), tuple(args))), (True,) * nout
         batch = args[0].shape[1]
@@ -177,8 +198,12 @@ def partitioned(kind, cfg, raw):
     order = list(dict.fromkeys(rule.replace(",", " ").replace("->", " ").split()))
     # Shardy wants the special factors in the order of their first appearance in the rule.
     replicated = tuple(sorted((f for f in _REPLICATED if f in order), key=order.index))
-    cp.def_partition(partition=partition, infer_sharding_from_operands=infer,
-                     sharding_rule=rule, need_replication_factors=replicated)
+    cp.def_partition(
+        partition=partition,
+        infer_sharding_from_operands=infer,
+        sharding_rule=rule,
+        need_replication_factors=replicated,
+    )
     names, _, out_roles = _roles(kind, cfg)
     # serial with dropout: a folded call would draw the masks of batch entries the elements do
     # not have (each element of the map draws the mask of its own call, as the eager call would).

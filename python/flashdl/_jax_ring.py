@@ -27,17 +27,17 @@ import jax
 import jax.numpy as jnp
 
 from . import _checks, _jax_ffi
-from ._ring_plan import Block, chunks_of, check_layout, global_window, last_step, pair_block
+from ._ring_plan import Block, check_layout, chunks_of, global_window, last_step, pair_block
 
 
 class _Ring(NamedTuple):
     axis_name: Any
     world: int
     layout: str
-    chunk: int           # rows per chunk (s_local / 2 for zigzag)
-    last: int            # the last ring step with a visible pair
-    plans: tuple         # plans[t][r]: the Blocks of rank r at step t (_plans)
-    cfg: Any             # flashdl.jax._Config of the whole call (window replaced per block)
+    chunk: int  # rows per chunk (s_local / 2 for zigzag)
+    last: int  # the last ring step with a visible pair
+    plans: tuple  # plans[t][r]: the Blocks of rank r at step t (_plans)
+    cfg: Any  # flashdl.jax._Config of the whole call (window replaced per block)
 
 
 def _coalesce(blocks):
@@ -79,8 +79,15 @@ def _plans(world, layout, c, left, right, last):
                 for ib, b in enumerate(chunks_of(owner, world, layout)):
                     blk = pair_block(a, b, c, left, right)
                     if blk is not None and blk.q1 > blk.q0 and blk.k1 > blk.k0:
-                        blocks.append(Block(ia * c + blk.q0, ia * c + blk.q1, ib * c + blk.k0,
-                                            ib * c + blk.k1, blk.window))
+                        blocks.append(
+                            Block(
+                                ia * c + blk.q0,
+                                ia * c + blk.q1,
+                                ib * c + blk.k0,
+                                ib * c + blk.k1,
+                                blk.window,
+                            )
+                        )
             n = len(chunks_of(r, world, layout))
             if t == 0 and right == 0 and left >= n * c * world and blocks:
                 # A rank's own chunks under a plain causal mask: causal over its local rows in
@@ -123,8 +130,9 @@ def _ring_forward(ring, q, k, v):
         for blk in plan:
             rows, keys = slice(blk.q0, blk.q1), slice(blk.k0, blk.k1)
             out, lse = _jax_ffi.forward(q[:, rows], k[:, keys], v[:, keys], _block_cfg(ring, blk))
-            o, l = _jax_ffi.merge_call((acc[:, rows], out.astype(jnp.float32)),
-                               (acc_lse[:, :, rows], lse))
+            o, l = _jax_ffi.merge_call(
+                (acc[:, rows], out.astype(jnp.float32)), (acc_lse[:, :, rows], lse)
+            )
             acc, acc_lse = acc.at[:, rows].set(o), acc_lse.at[:, :, rows].set(l)
         return acc, acc_lse
 
@@ -142,8 +150,15 @@ def _ring_backward(ring, dout, q, k, v, out, lse):
     def step(plan, dout, q, k, v, out, lse, dq, dk, dv):
         for blk in plan:
             rows, keys = slice(blk.q0, blk.q1), slice(blk.k0, blk.k1)
-            gq, gk, gv = _jax_ffi.backward(dout[:, rows], q[:, rows], k[:, keys], v[:, keys],
-                                   out[:, rows], lse[:, :, rows], _block_cfg(ring, blk))
+            gq, gk, gv = _jax_ffi.backward(
+                dout[:, rows],
+                q[:, rows],
+                k[:, keys],
+                v[:, keys],
+                out[:, rows],
+                lse[:, :, rows],
+                _block_cfg(ring, blk),
+            )
             dq = dq.at[:, rows].add(gq.astype(jnp.float32))
             dk = dk.at[:, keys].add(gk.astype(jnp.float32))
             dv = dv.at[:, keys].add(gv.astype(jnp.float32))
@@ -180,16 +195,28 @@ def _world(axis_name):
     try:
         return int(jax.lax.axis_size(axis_name))
     except Exception:  # NameError (unbound axis) and jax's own errors alike
-        raise ValueError(f"axis_name: {axis_name!r} is not a mapped axis here; call "
-                         "ring_attention inside jax.shard_map over a mesh with that axis, the "
-                         "sequence sharded over it") from None
+        raise ValueError(
+            f"axis_name: {axis_name!r} is not a mapped axis here; call "
+            "ring_attention inside jax.shard_map over a mesh with that axis, the "
+            "sequence sharded over it"
+        ) from None
 
 
-def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: Any,
-                   causal: bool = False, window_size: Tuple[int, int] = (-1, -1),
-                   softmax_scale: Optional[float] = None, softcap: float = 0.0,
-                   layout: str = "zigzag", schedule: str = "auto",
-                   deterministic: bool = False, return_lse: bool = False) -> Any:
+def ring_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    axis_name: Any,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softmax_scale: Optional[float] = None,
+    softcap: float = 0.0,
+    layout: str = "zigzag",
+    schedule: str = "auto",
+    deterministic: bool = False,
+    return_lse: bool = False,
+) -> Any:
     """Exact attention over a sequence sharded along the mesh axis ``axis_name`` (ring attention).
 
     For use inside ``jax.shard_map``: q, k, v are this device's shards (batch, s / W, heads,
@@ -242,18 +269,29 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: Any,
     world = _world(axis_name)
     s, sk = q.shape[1], k.shape[1]
     if sk != s:
-        raise ValueError(f"k: expected the local sequence length of q ({s}), got {sk}: ring "
-                         "attention is self-attention over one sequence sharded alike")
+        raise ValueError(
+            f"k: expected the local sequence length of q ({s}), got {sk}: ring "
+            "attention is self-attention over one sequence sharded alike"
+        )
     n = len(chunks_of(0, world, layout))
     if s % n:
-        raise ValueError(f"q: local sequence length {s} does not split into the {n} chunks of "
-                         f"layout {layout!r}; the global length must be a multiple of "
-                         f"{n * world}")
+        raise ValueError(
+            f"q: local sequence length {s} does not split into the {n} chunks of "
+            f"layout {layout!r}; the global length must be a multiple of "
+            f"{n * world}"
+        )
     c = s // n
     left, right = global_window(cfg.causal, (cfg.window_left, cfg.window_right))
     last = last_step(world, layout, c, left, right) if c else 0
-    ring = _Ring(axis_name, world, layout, c, last, _plans(world, layout, c, left, right, last),
-                 _jax_ffi.resolved(cfg, q))
+    ring = _Ring(
+        axis_name,
+        world,
+        layout,
+        c,
+        last,
+        _plans(world, layout, c, left, right, last),
+        _jax_ffi.resolved(cfg, q),
+    )
     out, lse = _ring(ring, q, k, v)
     return (out, jax.lax.stop_gradient(lse)) if return_lse else out
 
@@ -263,15 +301,18 @@ def _order(world, layout, n_rows):
     world = _checks.integer("world_size", world, "an int >= 1 (the devices of the ring)", 1)
     n = world if layout == "contiguous" else 2 * world
     if n_rows % n:
-        raise ValueError(f"x: sequence length {n_rows} must be a multiple of {n} for layout "
-                         f"{layout!r} over {world} devices")
+        raise ValueError(
+            f"x: sequence length {n_rows} must be a multiple of {n} for layout "
+            f"{layout!r} over {world} devices"
+        )
     c = n_rows // n
     chunks = [a for r in range(world) for a in chunks_of(r, world, layout)]
     return [i for a in chunks for i in range(a * c, (a + 1) * c)]
 
 
-def ring_permute(x: jax.Array, world_size: int, *, layout: str = "zigzag",
-                 axis: int = 1) -> jax.Array:
+def ring_permute(
+    x: jax.Array, world_size: int, *, layout: str = "zigzag", axis: int = 1
+) -> jax.Array:
     """A full array's sequence axis in ring order: sharding the result evenly over ``world_size``
     devices (``PartitionSpec`` on that axis) gives each device its :func:`ring_attention` shard.
 
@@ -281,16 +322,15 @@ def ring_permute(x: jax.Array, world_size: int, *, layout: str = "zigzag",
     >>> fj.ring_permute(jnp.arange(8)[None], 2).tolist()
     [[0, 1, 6, 7, 2, 3, 4, 5]]
     """
-    axis = _checks.integer("axis", axis, f"an axis of x, in [-{x.ndim}, {x.ndim})", -x.ndim,
-                           x.ndim)
+    axis = _checks.integer("axis", axis, f"an axis of x, in [-{x.ndim}, {x.ndim})", -x.ndim, x.ndim)
     return jnp.take(x, jnp.array(_order(world_size, layout, x.shape[axis])), axis=axis)
 
 
-def ring_unpermute(x: jax.Array, world_size: int, *, layout: str = "zigzag",
-                   axis: int = 1) -> jax.Array:
+def ring_unpermute(
+    x: jax.Array, world_size: int, *, layout: str = "zigzag", axis: int = 1
+) -> jax.Array:
     """The inverse of :func:`ring_permute`: sequence order back from ring order."""
-    axis = _checks.integer("axis", axis, f"an axis of x, in [-{x.ndim}, {x.ndim})", -x.ndim,
-                           x.ndim)
+    axis = _checks.integer("axis", axis, f"an axis of x, in [-{x.ndim}, {x.ndim})", -x.ndim, x.ndim)
     order = _order(world_size, layout, x.shape[axis])
     inverse = [0] * len(order)
     for i, j in enumerate(order):

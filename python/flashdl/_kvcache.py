@@ -19,6 +19,7 @@ from . import _args, _checks, _ext
 from ._args import ArrayLike
 from ._frameworks import Frame
 
+
 def _index_array(name, x, required):
     """cache_seqlens and block_table: int32 CPU arrays (NumPy, or the framework of q; integer
     arrays and lists of ints are narrowed to int32 when their values fit); the core checks dtype,
@@ -37,40 +38,57 @@ def _index_array(name, x, required):
         return _args.int32_index(name, values.astype(np.int64))
     if isinstance(x, np.ndarray) or hasattr(x, "__dlpack__"):
         return _args.int32_index(name, x)
-    raise TypeError(f"{name}: expected an int32 array (NumPy or the framework of q), "
-                    f"got {type(x).__name__}")
+    raise TypeError(
+        f"{name}: expected an int32 array (NumPy or the framework of q), got {type(x).__name__}"
+    )
 
 
 def _writable(name, x, frame_kind):
     """The cache is written when new keys are given: refuse arrays known to be read-only."""
     if frame_kind == "jax":
-        raise TypeError(f"{name}: JAX arrays are immutable, so the cache cannot be appended to; "
-                        "pass k=None and v=None (and write the cache with .at[].set()), or use "
-                        "NumPy or PyTorch arrays")
+        raise TypeError(
+            f"{name}: JAX arrays are immutable, so the cache cannot be appended to; "
+            "pass k=None and v=None (and write the cache with .at[].set()), or use "
+            "NumPy or PyTorch arrays"
+        )
     if isinstance(x, np.ndarray) and not x.flags.writeable:
-        raise ValueError(f"{name}: the cache is read-only (NumPy writeable flag is False) but k "
-                         "and v were given to append to it")
+        raise ValueError(
+            f"{name}: the cache is read-only (NumPy writeable flag is False) but k "
+            "and v were given to append to it"
+        )
     if getattr(x, "requires_grad", False) and sys.modules["torch"].is_grad_enabled():
-        raise ValueError(f"{name}: a cache that requires grad cannot be written in place; pass "
-                         f"{name}.detach() or call under torch.no_grad()")
+        raise ValueError(
+            f"{name}: a cache that requires grad cannot be written in place; pass "
+            f"{name}.detach() or call under torch.no_grad()"
+        )
 
 
-def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike, *,
-                           cache_seqlens: ArrayLike, k: Optional[ArrayLike] = None,
-                           v: Optional[ArrayLike] = None,
-                           block_table: Optional[ArrayLike] = None, causal: bool = False,
-                           softmax_scale: Optional[float] = None,
-                           window_size: Tuple[int, int] = (-1, -1), num_splits: int = 0,
-                           return_lse: bool = False, alibi_slopes: Optional[ArrayLike] = None,
-                           softcap: float = 0.0, layout: str = "bshd",
-                           rotary_cos: Optional[ArrayLike] = None,
-                           rotary_sin: Optional[ArrayLike] = None,
-                           rotary_interleaved: bool = False,
-                           cache_batch_idx: Optional[ArrayLike] = None,
-                           cache_leftpad: Optional[ArrayLike] = None,
-                           sinks: Optional[ArrayLike] = None,
-                           bias: Optional[ArrayLike] = None,
-                           mask: Optional[ArrayLike] = None) -> Any:
+def attention_with_kvcache(
+    q: ArrayLike,
+    k_cache: ArrayLike,
+    v_cache: ArrayLike,
+    *,
+    cache_seqlens: ArrayLike,
+    k: Optional[ArrayLike] = None,
+    v: Optional[ArrayLike] = None,
+    block_table: Optional[ArrayLike] = None,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    window_size: Tuple[int, int] = (-1, -1),
+    num_splits: int = 0,
+    return_lse: bool = False,
+    alibi_slopes: Optional[ArrayLike] = None,
+    softcap: float = 0.0,
+    layout: str = "bshd",
+    rotary_cos: Optional[ArrayLike] = None,
+    rotary_sin: Optional[ArrayLike] = None,
+    rotary_interleaved: bool = False,
+    cache_batch_idx: Optional[ArrayLike] = None,
+    cache_leftpad: Optional[ArrayLike] = None,
+    sinks: Optional[ArrayLike] = None,
+    bias: Optional[ArrayLike] = None,
+    mask: Optional[ArrayLike] = None,
+) -> Any:
     """Attention of a few new queries over a KV cache (decoding), with an optional in-place append.
 
     flash-attn's ``flash_attn_with_kvcache``, with vLLM's paged layout. Sequence ``b`` attends to
@@ -185,28 +203,35 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
     ((2, 1, 4, 8), True)
     """
     if (k is None) != (v is None):
-        raise ValueError(f"{'v' if k is not None else 'k'}: expected both k and v (the new keys "
-                         "and values) or neither")
+        raise ValueError(
+            f"{'v' if k is not None else 'k'}: expected both k and v (the new keys "
+            "and values) or neither"
+        )
     return_lse = _checks.flag("return_lse", return_lse)
     arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
     if k is not None:
         arrays.update(k=k, v=v)
     if (rotary_cos is None) != (rotary_sin is None):
-        raise ValueError(f"{'rotary_sin' if rotary_cos is not None else 'rotary_cos'}: expected "
-                         "both rotary_cos and rotary_sin or neither")
+        raise ValueError(
+            f"{'rotary_sin' if rotary_cos is not None else 'rotary_cos'}: expected "
+            "both rotary_cos and rotary_sin or neither"
+        )
     if rotary_cos is not None:
         arrays.update(rotary_cos=rotary_cos, rotary_sin=rotary_sin)
     rotary_interleaved = _checks.flag("rotary_interleaved", rotary_interleaved)
     frame = Frame(arrays, tuple(arrays))
     if frame.kind == "torch" and sys.modules["torch"].is_grad_enabled() and q.requires_grad:
-        raise ValueError("q: a tensor that requires grad was given to "
-                         "flashdl.attention_with_kvcache, which has no backward (inference); "
-                         "pass q.detach() or call it under torch.no_grad()")
+        raise ValueError(
+            "q: a tensor that requires grad was given to "
+            "flashdl.attention_with_kvcache, which has no backward (inference); "
+            "pass q.detach() or call it under torch.no_grad()"
+        )
     if k is not None:
         for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
             _writable(name, x, frame.kind)
-    num_splits = _checks.integer("num_splits", num_splits,
-                                 "an int >= 0 (0: chosen from the shape)", 0, 2**63)
+    num_splits = _checks.integer(
+        "num_splits", num_splits, "an int >= 0 (0: chosen from the shape)", 0, 2**63
+    )
     bhsd = _args.is_heads_first(layout)
     opts = _args.options(causal, softmax_scale, "auto", window_size, frame)
     del opts["schedule"]
@@ -216,32 +241,46 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
     table = _index_array("block_table", block_table, False)
     batch_idx = _index_array("cache_batch_idx", cache_batch_idx, False)
     leftpad = _index_array("cache_leftpad", cache_leftpad, False)
-    errors = _args.LayoutErrors((q, k_cache, v_cache), bhsd,
-                           same_batch=block_table is None and cache_batch_idx is None,
-                           names="q, k_cache, v_cache")
+    errors = _args.LayoutErrors(
+        (q, k_cache, v_cache),
+        bhsd,
+        same_batch=block_table is None and cache_batch_idx is None,
+        names="q, k_cache, v_cache",
+    )
     if bhsd:
-        q, k_cache, v_cache = (_args.as_bshd(n, x) for n, x in (
-            ("q", q), ("k_cache", k_cache), ("v_cache", v_cache)))
+        q, k_cache, v_cache = (
+            _args.as_bshd(n, x) for n, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
+        )
         if k is not None:
             k, v = _args.as_bshd("k", k), _args.as_bshd("v", v)
     out, out_view = _args.output_like(frame, q, bhsd)
     lse = frame.empty(_args.lse_shape(q), frame.float32())
     with errors:
-        _ext.forward_kvcache(frame.export(q), frame.export(k_cache), frame.export(v_cache),
-                             seqlens, None if k is None else frame.export(k),
-                             None if v is None else frame.export(v), table,
-                             frame.dest(out_view), frame.dest(lse),
-                             num_splits=operator.index(num_splits),
-                             rotary_cos=None if rotary_cos is None else frame.export(rotary_cos),
-                             rotary_sin=None if rotary_sin is None else frame.export(rotary_sin),
-                             rotary_interleaved=rotary_interleaved, cache_batch_idx=batch_idx,
-                             cache_leftpad=leftpad, **opts)
+        _ext.forward_kvcache(
+            frame.export(q),
+            frame.export(k_cache),
+            frame.export(v_cache),
+            seqlens,
+            None if k is None else frame.export(k),
+            None if v is None else frame.export(v),
+            table,
+            frame.dest(out_view),
+            frame.dest(lse),
+            num_splits=operator.index(num_splits),
+            rotary_cos=None if rotary_cos is None else frame.export(rotary_cos),
+            rotary_sin=None if rotary_sin is None else frame.export(rotary_sin),
+            rotary_interleaved=rotary_interleaved,
+            cache_batch_idx=batch_idx,
+            cache_leftpad=leftpad,
+            **opts,
+        )
     out, lse = frame.finish(out), frame.finish(lse)
     return (out, lse) if return_lse else out
 
 
-def merge_states(out_a: ArrayLike, lse_a: ArrayLike, out_b: ArrayLike, lse_b: ArrayLike, *,
-                 layout: str = "bshd") -> Tuple[ArrayLike, ArrayLike]:
+def merge_states(
+    out_a: ArrayLike, lse_a: ArrayLike, out_b: ArrayLike, lse_b: ArrayLike, *, layout: str = "bshd"
+) -> Tuple[ArrayLike, ArrayLike]:
     """``(out, lse)`` of attention over the union of two disjoint key sets, from the results over each.
 
     Exact (the softmax decomposition): ``lse = log(exp(lse_a) + exp(lse_b))`` and
@@ -290,15 +329,19 @@ def merge_states(out_a: ArrayLike, lse_a: ArrayLike, out_b: ArrayLike, lse_b: Ar
         return merge_states_list([out_a, out_b], [lse_a, lse_b], layout=layout)
     except (ValueError, TypeError) as err:
         # merge_states_list names its arguments outs[i], lses[i]: these are out_a, lse_a, ...
-        msg = re.sub(r"\b(outs|lses)\[([01])\]",
-                     lambda m: ("out_" if m[1] == "outs" else "lse_") + "ab"[int(m[2])], str(err))
+        msg = re.sub(
+            r"\b(outs|lses)\[([01])\]",
+            lambda m: ("out_" if m[1] == "outs" else "lse_") + "ab"[int(m[2])],
+            str(err),
+        )
         if msg == str(err):
             raise
         raise type(err)(msg) from None
 
 
-def merge_states_list(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike], *,
-                      layout: str = "bshd") -> Tuple[ArrayLike, ArrayLike]:
+def merge_states_list(
+    outs: Sequence[ArrayLike], lses: Sequence[ArrayLike], *, layout: str = "bshd"
+) -> Tuple[ArrayLike, ArrayLike]:
     """:func:`merge_states` over any number of partial results, merged in order.
 
     The same merge the split-KV kernels apply.
@@ -335,10 +378,15 @@ def merge_states_list(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike], *,
     >>> bool(np.allclose(out, flashdl.attention(q, k, v), atol=1e-6))
     True
     """
-    if isinstance(outs, (str, bytes)) or not isinstance(outs, Sequence) or \
-            not isinstance(lses, Sequence):
-        raise TypeError("outs, lses: expected lists of arrays, got "
-                        f"{type(outs).__name__} and {type(lses).__name__}")
+    if (
+        isinstance(outs, (str, bytes))
+        or not isinstance(outs, Sequence)
+        or not isinstance(lses, Sequence)
+    ):
+        raise TypeError(
+            "outs, lses: expected lists of arrays, got "
+            f"{type(outs).__name__} and {type(lses).__name__}"
+        )
     if len(outs) == 0:
         raise ValueError("outs: expected at least one partial result, got none")
     arrays = {f"outs[{i}]": o for i, o in enumerate(outs)}
@@ -353,10 +401,18 @@ def merge_states_list(outs: Sequence[ArrayLike], lses: Sequence[ArrayLike], *,
     if bhsd:
         outs = [_args.as_bshd(f"outs[{i}]", o) for i, o in enumerate(outs)]
     out, out_view = _args.output_like(frame, outs[0], bhsd)
-    lse = frame.empty(tuple(lses[0].shape), frame.float32()) if len(lses) else \
-        frame.empty((0, 0, 0), frame.float32())
+    lse = (
+        frame.empty(tuple(lses[0].shape), frame.float32())
+        if len(lses)
+        else frame.empty((0, 0, 0), frame.float32())
+    )
     with _args.LayoutErrors((), bhsd):
-        _ext.merge_states([frame.export(o) for o in outs], [frame.export(x) for x in lses],
-                          frame.dest(out_view), frame.dest(lse), dtype=frame.dtype,
-                          stream=frame.stream)
+        _ext.merge_states(
+            [frame.export(o) for o in outs],
+            [frame.export(x) for x in lses],
+            frame.dest(out_view),
+            frame.dest(lse),
+            dtype=frame.dtype,
+            stream=frame.stream,
+        )
     return frame.finish(out), frame.finish(lse)

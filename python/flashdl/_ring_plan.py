@@ -41,8 +41,10 @@ def global_window(causal: bool, window_size) -> Tuple[int, int]:
     causal = _checks.flag("causal", causal)
     left, right = _args.window_pair(window_size)
     if left < -1 or right < -1:
-        raise ValueError("window_size: expected (left, right) with each >= 0 or -1 for "
-                         f"unbounded, got ({left}, {right})")
+        raise ValueError(
+            "window_size: expected (left, right) with each >= 0 or -1 for "
+            f"unbounded, got ({left}, {right})"
+        )
     left = _UNBOUNDED if left == -1 else left
     right = 0 if causal else (_UNBOUNDED if right == -1 else right)
     return left, right
@@ -52,6 +54,7 @@ class Block(NamedTuple):
     """The part of a chunk pair that is computed: query rows [q0, q1) and key rows [k0, k1) of
     the chunks, with flashdl's window (left, right) for that sub-block, or window None when every
     query sees every key (no mask at all)."""
+
     q0: int
     q1: int
     k0: int
@@ -92,9 +95,11 @@ def last_step(world: int, layout: str, c: int, left: int, right: int) -> int:
     for step in range(1, world):
         for rank in range(world):
             owner = (rank - step) % world
-            if any(pair_block(a, b, c, left, right) is not None
-                   for a in chunks_of(rank, world, layout)
-                   for b in chunks_of(owner, world, layout)):
+            if any(
+                pair_block(a, b, c, left, right) is not None
+                for a in chunks_of(rank, world, layout)
+                for b in chunks_of(owner, world, layout)
+            ):
                 last = step
                 break
     return last

@@ -9,12 +9,21 @@ from typing import TYPE_CHECKING, Literal, Optional, Tuple, Union, overload
 import torch
 
 from . import _args, _checks, _fast_path, _torch_eager
-from ._varlen import attention_varlen as _attention_varlen
 from ._args import ArrayLike, BlockSize
 from ._torch_args import check_tensors, cu_tensor, int64, op_options
-from ._torch_eager import (DEFAULT_OPTIONS, TENSOR_TYPES, dispatch_modes, eager_attention, eager_ok,
-                           function_modes, functorch_active, is_compiling, is_tracing)
+from ._torch_eager import (
+    DEFAULT_OPTIONS,
+    TENSOR_TYPES,
+    dispatch_modes,
+    eager_attention,
+    eager_ok,
+    function_modes,
+    functorch_active,
+    is_compiling,
+    is_tracing,
+)
 from ._torch_ops import attention_forward_op, call, varlen_forward_op
+from ._varlen import attention_varlen as _attention_varlen
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -36,27 +45,57 @@ _BLOCK = 128
 
 
 @overload
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-              return_lse: Literal[False] = ..., **options: Unpack[TorchOptions]) -> torch.Tensor: ...
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    return_lse: Literal[False] = ...,
+    **options: Unpack[TorchOptions],
+) -> torch.Tensor: ...
 @overload
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: Literal[True],
-              **options: Unpack[TorchOptions]) -> Tuple[torch.Tensor, torch.Tensor]: ...
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    return_lse: Literal[True],
+    **options: Unpack[TorchOptions],
+) -> Tuple[torch.Tensor, torch.Tensor]: ...
 @overload
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool = ...,
-              **options: Unpack[TorchOptions]
-              ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]: ...
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    return_lse: bool = ...,
+    **options: Unpack[TorchOptions],
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]: ...
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-              softmax_scale: Optional[float] = None, schedule: str = _AUTO,
-              window_size: Tuple[int, int] = _NO_WINDOW, dropout_p: float = _ZERO,
-              seed: Optional[int] = None, offset: int = _NO_OFFSET,
-              block_mask: Optional[ArrayLike] = None, block_size: BlockSize = _BLOCK,
-              deterministic: bool = False, alibi_slopes: Optional[ArrayLike] = None,
-              softcap: float = _ZERO, bias: Optional[ArrayLike] = None,
-              mask: Optional[ArrayLike] = None, sinks: Optional[ArrayLike] = None,
-              return_lse: bool = False, layout: str = _BSHD
-              ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    schedule: str = _AUTO,
+    window_size: Tuple[int, int] = _NO_WINDOW,
+    dropout_p: float = _ZERO,
+    seed: Optional[int] = None,
+    offset: int = _NO_OFFSET,
+    block_mask: Optional[ArrayLike] = None,
+    block_size: BlockSize = _BLOCK,
+    deterministic: bool = False,
+    alibi_slopes: Optional[ArrayLike] = None,
+    softcap: float = _ZERO,
+    bias: Optional[ArrayLike] = None,
+    mask: Optional[ArrayLike] = None,
+    sinks: Optional[ArrayLike] = None,
+    return_lse: bool = False,
+    layout: str = _BSHD,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """:func:`flashdl.attention` for torch tensors, differentiable with respect to q, k and v.
 
     Under ``torch.compile`` (``fullgraph=True`` included, also with dropout), ``torch.export``,
@@ -141,25 +180,42 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     # the op (dispatch or function modes, functorch transforms): flashdl.attention's fast path,
     # the op's own implementation without its Python (a tiny call 25 -> 13 us; cpu_tuning.md
     # section 21). Anything else, and any call the fast path declines, takes the op.
-    if (q.__class__ is _Tensor  # (a NumPy q is refused by the full path)
-            and (causal is False or causal is True) and (return_lse is False or return_lse is True)
-            and softmax_scale is None and seed is None and block_mask is None
-            and alibi_slopes is None and bias is None and mask is None and sinks is None
-            and deterministic is False and (schedule is _AUTO or schedule == _AUTO)
-            and (layout is _BSHD or layout is _BHSD or layout == _BSHD or layout == _BHSD)
-            and (window_size is _NO_WINDOW
-                 or (window_size.__class__ is tuple and window_size == _NO_WINDOW))
-            and (dropout_p is _ZERO or (dropout_p.__class__ is float and dropout_p == 0.0))
-            and (softcap is _ZERO or (softcap.__class__ is float and softcap == 0.0))
-            and offset is _NO_OFFSET and block_size is _BLOCK
-            and not is_compiling() and not dispatch_modes() and not function_modes()
-            and not functorch_active()):
+    if (
+        q.__class__ is _Tensor  # (a NumPy q is refused by the full path)
+        and (causal is False or causal is True)
+        and (return_lse is False or return_lse is True)
+        and softmax_scale is None
+        and seed is None
+        and block_mask is None
+        and alibi_slopes is None
+        and bias is None
+        and mask is None
+        and sinks is None
+        and deterministic is False
+        and (schedule is _AUTO or schedule == _AUTO)
+        and (layout is _BSHD or layout is _BHSD or layout == _BSHD or layout == _BHSD)
+        and (
+            window_size is _NO_WINDOW
+            or (window_size.__class__ is tuple and window_size == _NO_WINDOW)
+        )
+        and (dropout_p is _ZERO or (dropout_p.__class__ is float and dropout_p == 0.0))
+        and (softcap is _ZERO or (softcap.__class__ is float and softcap == 0.0))
+        and offset is _NO_OFFSET
+        and block_size is _BLOCK
+        and not is_compiling()
+        and not dispatch_modes()
+        and not function_modes()
+        and not functorch_active()
+    ):
         # SDPA's layout through (batch, seqlen, nheads, headdim) views (the full path words the
         # errors and checks the ranks of a heads-first call).
         bhsd = layout is _BHSD or (layout is not _BSHD and layout == _BHSD)
         arrays = (q, k, v)
-        if not bhsd or (k.__class__ in TENSOR_TYPES and v.__class__ in TENSOR_TYPES
-                        and q.dim() == k.dim() == v.dim() == 4):
+        if not bhsd or (
+            k.__class__ in TENSOR_TYPES
+            and v.__class__ in TENSOR_TYPES
+            and q.dim() == k.dim() == v.dim() == 4
+        ):
             if bhsd:
                 q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             result = _fast_path.forward_torch(q, k, v, causal, return_lse)
@@ -170,8 +226,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
                     return result[0].transpose(1, 2), result[1]
                 return result.transpose(1, 2)
             # Declined (autograd, a GPU tensor, a refusal): the eager path with the defaults.
-            if _torch_eager.EAGER_PATH and is_tracing() is None and k.__class__ in TENSOR_TYPES and \
-                    v.__class__ in TENSOR_TYPES:
+            if (
+                _torch_eager.EAGER_PATH
+                and is_tracing() is None
+                and k.__class__ in TENSOR_TYPES
+                and v.__class__ in TENSOR_TYPES
+            ):
                 out, lse = eager_attention(arrays, bhsd, DEFAULT_OPTIONS[causal])
                 return (out, lse) if return_lse else out
             q, k, v = arrays
@@ -181,9 +241,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     arrays = (q, k, v)
     if bhsd:
         q, k, v = (_args.as_bshd(n, x) for n, x in (("q", q), ("k", k), ("v", v)))
-    options = op_options(q, causal, softmax_scale, schedule, window_size, dropout_p, seed,
-                          offset, block_mask, block_size, deterministic, alibi_slopes, softcap,
-                          sinks, bias, mask)
+    options = op_options(
+        q,
+        causal,
+        softmax_scale,
+        schedule,
+        window_size,
+        dropout_p,
+        seed,
+        offset,
+        block_mask,
+        block_size,
+        deterministic,
+        alibi_slopes,
+        softcap,
+        sinks,
+        bias,
+        mask,
+    )
     if eager_ok((q, k, v) + options[-3:] + (options[5], options[7], options[9])):
         out, lse = eager_attention(arrays, bhsd, options)
         return (out, lse) if return_lse else out
@@ -194,37 +269,75 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
 
 @overload
-def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     cu_seqlens_q: ArrayLike, cu_seqlens_k: ArrayLike, max_seqlen_q: int,
-                     max_seqlen_k: int, *, return_lse: Literal[False] = ...,
-                     **options: Unpack[TorchVarlenOptions]) -> torch.Tensor: ...
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: ArrayLike,
+    cu_seqlens_k: ArrayLike,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    return_lse: Literal[False] = ...,
+    **options: Unpack[TorchVarlenOptions],
+) -> torch.Tensor: ...
 @overload
-def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     cu_seqlens_q: ArrayLike, cu_seqlens_k: ArrayLike, max_seqlen_q: int,
-                     max_seqlen_k: int, *, return_lse: Literal[True],
-                     **options: Unpack[TorchVarlenOptions]) -> Tuple[torch.Tensor, torch.Tensor]: ...
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: ArrayLike,
+    cu_seqlens_k: ArrayLike,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    return_lse: Literal[True],
+    **options: Unpack[TorchVarlenOptions],
+) -> Tuple[torch.Tensor, torch.Tensor]: ...
 @overload
-def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     cu_seqlens_q: ArrayLike, cu_seqlens_k: ArrayLike, max_seqlen_q: int,
-                     max_seqlen_k: int, *, return_lse: bool = ...,
-                     **options: Unpack[TorchVarlenOptions]
-                     ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]: ...
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: ArrayLike,
+    cu_seqlens_k: ArrayLike,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    return_lse: bool = ...,
+    **options: Unpack[TorchVarlenOptions],
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]: ...
 
 
-def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     cu_seqlens_q: ArrayLike, cu_seqlens_k: ArrayLike, max_seqlen_q: int,
-                     max_seqlen_k: int, *, causal: bool = False,
-                     softmax_scale: Optional[float] = None, schedule: str = "auto",
-                     window_size: Tuple[int, int] = (-1, -1), dropout_p: float = 0.0,
-                     seed: Optional[int] = None, offset: int = 0,
-                     block_mask: Optional[ArrayLike] = None, block_size: BlockSize = 128,
-                     deterministic: bool = False, alibi_slopes: Optional[ArrayLike] = None,
-                     softcap: float = 0.0, bias: Optional[ArrayLike] = None,
-                     mask: Optional[ArrayLike] = None, sinks: Optional[ArrayLike] = None,
-                     return_lse: bool = False, layout: str = "thd",
-                     block_table: Optional[ArrayLike] = None,
-                     seqused_k: Optional[ArrayLike] = None
-                     ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: ArrayLike,
+    cu_seqlens_k: ArrayLike,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    schedule: str = "auto",
+    window_size: Tuple[int, int] = (-1, -1),
+    dropout_p: float = 0.0,
+    seed: Optional[int] = None,
+    offset: int = 0,
+    block_mask: Optional[ArrayLike] = None,
+    block_size: BlockSize = 128,
+    deterministic: bool = False,
+    alibi_slopes: Optional[ArrayLike] = None,
+    softcap: float = 0.0,
+    bias: Optional[ArrayLike] = None,
+    mask: Optional[ArrayLike] = None,
+    sinks: Optional[ArrayLike] = None,
+    return_lse: bool = False,
+    layout: str = "thd",
+    block_table: Optional[ArrayLike] = None,
+    seqused_k: Optional[ArrayLike] = None,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """:func:`flashdl.attention_varlen` for torch tensors, differentiable with respect to q, k and v.
 
     ``torch.compile`` and ``torch.export`` see the custom op ``flashdl::attention_varlen_forward``
@@ -286,26 +399,64 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     if block_table is not None or seqused_k is not None:
         return _attention_varlen_paged(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
-            softmax_scale=softmax_scale, schedule=schedule, window_size=window_size,
-            dropout_p=dropout_p, seed=seed, offset=offset, block_mask=block_mask,
-            block_size=block_size, alibi_slopes=alibi_slopes, softcap=softcap,
-            return_lse=return_lse, layout=layout, block_table=block_table, seqused_k=seqused_k)
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            causal=causal,
+            softmax_scale=softmax_scale,
+            schedule=schedule,
+            window_size=window_size,
+            dropout_p=dropout_p,
+            seed=seed,
+            offset=offset,
+            block_mask=block_mask,
+            block_size=block_size,
+            alibi_slopes=alibi_slopes,
+            softcap=softcap,
+            return_lse=return_lse,
+            layout=layout,
+            block_table=block_table,
+            seqused_k=seqused_k,
+        )
     heads_first = _args.is_heads_first(layout, varlen=True)
     return_lse = _checks.flag("return_lse", return_lse)
     check_tensors({"q": q, "k": k, "v": v}, "flashdl.torch.attention_varlen")
     arrays = (q, k, v)
     if heads_first:
         q, k, v = (_args.as_bshd(n, x, rank=3) for n, x in (("q", q), ("k", k), ("v", v)))
-    options = op_options(q, causal, softmax_scale, schedule, window_size, dropout_p, seed, offset,
-                          block_mask, block_size, deterministic, alibi_slopes, softcap, sinks,
-                          bias, mask, rank=3)
-    cu_q, cu_k = (cu_tensor(n, x) for n, x in (("cu_seqlens_q", cu_seqlens_q),
-                                                  ("cu_seqlens_k", cu_seqlens_k)))
-    max_q, max_k = (int64(n, _args.max_seqlen(n, x), "an int that fits int64") for n, x in (
-        ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)))
-    out, lse = call(varlen_forward_op, arrays, heads_first, True, q, k, v, cu_q, cu_k,
-                     max_q, max_k, *options)
+    options = op_options(
+        q,
+        causal,
+        softmax_scale,
+        schedule,
+        window_size,
+        dropout_p,
+        seed,
+        offset,
+        block_mask,
+        block_size,
+        deterministic,
+        alibi_slopes,
+        softcap,
+        sinks,
+        bias,
+        mask,
+        rank=3,
+    )
+    cu_q, cu_k = (
+        cu_tensor(n, x) for n, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))
+    )
+    max_q, max_k = (
+        int64(n, _args.max_seqlen(n, x), "an int that fits int64")
+        for n, x in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k))
+    )
+    out, lse = call(
+        varlen_forward_op, arrays, heads_first, True, q, k, v, cu_q, cu_k, max_q, max_k, *options
+    )
     if heads_first:
         out = out.transpose(0, 1)
     return (out, lse) if return_lse else out
@@ -322,25 +473,49 @@ class _ForwardOnly(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        raise NotImplementedError(f"{ctx.what}: flashdl.torch.attention_varlen with paged keys "
-                                  "and values (or seqused_k) is forward only, as in flash-attn; "
-                                  "no backward")
+        raise NotImplementedError(
+            f"{ctx.what}: flashdl.torch.attention_varlen with paged keys "
+            "and values (or seqused_k) is forward only, as in flash-attn; "
+            "no backward"
+        )
 
 
-def _attention_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                            *, return_lse, block_table, seqused_k, **options):
+def _attention_varlen_paged(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    *,
+    return_lse,
+    block_table,
+    seqused_k,
+    **options,
+):
     """attention_varlen with block_table or seqused_k: flashdl.attention_varlen on detached
     tensors, the output tied to the inputs by _ForwardOnly where they require grad."""
     check_tensors({"q": q, "k": k, "v": v}, "flashdl.torch.attention_varlen")
-    cu_q, cu_k = (cu_tensor(n, x) for n, x in (("cu_seqlens_q", cu_seqlens_q),
-                                                  ("cu_seqlens_k", cu_seqlens_k)))
+    cu_q, cu_k = (
+        cu_tensor(n, x) for n, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))
+    )
     with torch.no_grad():
-        out, lse = _attention_varlen(q.detach(), k.detach(), v.detach(), cu_q, cu_k,
-                                     max_seqlen_q, max_seqlen_k, return_lse=True,
-                                     block_table=block_table, seqused_k=seqused_k, **options)
+        out, lse = _attention_varlen(
+            q.detach(),
+            k.detach(),
+            v.detach(),
+            cu_q,
+            cu_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            return_lse=True,
+            block_table=block_table,
+            seqused_k=seqused_k,
+            **options,
+        )
     needs = [x for x in (q, k, v) if x.requires_grad]
     if needs and torch.is_grad_enabled():
         what = "block_table" if block_table is not None else "seqused_k"
         out = _ForwardOnly.apply(out, what, *needs)
     return (out, lse) if return_lse else out
-

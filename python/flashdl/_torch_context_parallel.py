@@ -16,15 +16,16 @@ import torch
 import torch.distributed as dist
 
 from . import _checks, _torch_ulysses
+from ._ring_plan import check_layout
 from ._torch_dist_check import Agreement, group_rank, require_initialized
 from ._torch_ring import RingAttention, ring_args
-from ._ring_plan import check_layout
 from ._torch_ring import shard as ring_shard
 from ._torch_ring import unshard as ring_unshard
 
 
-def context_parallel_groups(ring_size: int, ulysses_size: int
-                            ) -> Tuple[dist.ProcessGroup, dist.ProcessGroup]:
+def context_parallel_groups(
+    ring_size: int, ulysses_size: int
+) -> Tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """This process's ring group and Ulysses group of a ``ring_size`` x ``ulysses_size`` grid.
 
     Global rank ``g`` is Ulysses rank ``g % ulysses_size`` of Ulysses group ``g // ulysses_size``
@@ -60,8 +61,10 @@ def context_parallel_groups(ring_size: int, ulysses_size: int
     require_initialized("ring_size")
     world, rank = dist.get_world_size(), dist.get_rank()
     if ring_size < 1 or ulysses_size < 1 or ring_size * ulysses_size != world:
-        raise ValueError(f"ring_size: ring_size x ulysses_size ({ring_size} x {ulysses_size}) "
-                         f"must be the world size, {world}")
+        raise ValueError(
+            f"ring_size: ring_size x ulysses_size ({ring_size} x {ulysses_size}) "
+            f"must be the world size, {world}"
+        )
     mine = {}
     for g in range(ring_size):  # the same calls, in the same order, on every rank
         grp = dist.new_group(list(range(g * ulysses_size, (g + 1) * ulysses_size)))
@@ -74,9 +77,15 @@ def context_parallel_groups(ring_size: int, ulysses_size: int
     return mine["ring"], mine["ulysses"]
 
 
-def context_parallel_shard(x: torch.Tensor, ring_rank: int, ring_size: int, ulysses_rank: int,
-                           ulysses_size: int, layout: str = "zigzag", dim: int = 1
-                           ) -> torch.Tensor:
+def context_parallel_shard(
+    x: torch.Tensor,
+    ring_rank: int,
+    ring_size: int,
+    ulysses_rank: int,
+    ulysses_size: int,
+    layout: str = "zigzag",
+    dim: int = 1,
+) -> torch.Tensor:
     """This rank's shard of a full tensor, for :func:`context_parallel_attention`.
 
     The ring shard of :func:`ring_shard` (over ``ring_size`` ranks) cut into ``ulysses_size``
@@ -113,21 +122,32 @@ def context_parallel_shard(x: torch.Tensor, ring_rank: int, ring_size: int, ulys
     ...  for r in range(2) for u in range(2)]
     [[0, 1], [6, 7], [2, 3], [4, 5]]
     """
-    ulysses_size = _checks.integer("ulysses_size", ulysses_size,
-                                   "an int >= 1 (the ranks of a Ulysses group)", 1)
-    ulysses_rank = _checks.integer("ulysses_rank", ulysses_rank,
-                                   f"an int in [0, {ulysses_size}) (ulysses_size {ulysses_size})",
-                                   0, ulysses_size)
+    ulysses_size = _checks.integer(
+        "ulysses_size", ulysses_size, "an int >= 1 (the ranks of a Ulysses group)", 1
+    )
+    ulysses_rank = _checks.integer(
+        "ulysses_rank",
+        ulysses_rank,
+        f"an int in [0, {ulysses_size}) (ulysses_size {ulysses_size})",
+        0,
+        ulysses_size,
+    )
     piece = ring_shard(x, ring_rank, ring_size, layout, dim)
     if piece.shape[dim] % ulysses_size:
-        raise ValueError(f"x: a ring shard of {piece.shape[dim]} rows (dim {dim}) does not split "
-                         f"into {ulysses_size} equal Ulysses slices")
+        raise ValueError(
+            f"x: a ring shard of {piece.shape[dim]} rows (dim {dim}) does not split "
+            f"into {ulysses_size} equal Ulysses slices"
+        )
     return piece.chunk(ulysses_size, dim=dim)[ulysses_rank]
 
 
-def context_parallel_unshard(local: torch.Tensor, ring_group: Optional[dist.ProcessGroup],
-                             ulysses_group: Optional[dist.ProcessGroup],
-                             layout: str = "zigzag", dim: int = 1) -> torch.Tensor:
+def context_parallel_unshard(
+    local: torch.Tensor,
+    ring_group: Optional[dist.ProcessGroup],
+    ulysses_group: Optional[dist.ProcessGroup],
+    layout: str = "zigzag",
+    dim: int = 1,
+) -> torch.Tensor:
     """The full tensor from every rank's shard: the inverse of :func:`context_parallel_shard`.
 
     An ``all_gather`` in the Ulysses group, then one in the ring group: every rank must call it.
@@ -167,42 +187,67 @@ def context_parallel_unshard(local: torch.Tensor, ring_group: Optional[dist.Proc
 
 def _check(q, k, v, ring_group, ulysses_group, layout) -> None:
     me = dist.get_rank()
-    (_, ring_size), (_, uly_size) = (group_rank(ring_group, "ring_group"),
-                                     group_rank(ulysses_group, "ulysses_group"))
+    (_, ring_size), (_, uly_size) = (
+        group_rank(ring_group, "ring_group"),
+        group_rank(ulysses_group, "ulysses_group"),
+    )
     if ring_size > 1 and uly_size > 1:
         common = set(dist.get_process_group_ranks(ring_group)) & set(
-            dist.get_process_group_ranks(ulysses_group))
+            dist.get_process_group_ranks(ulysses_group)
+        )
         if common != {me}:
-            raise ValueError(f"ulysses_group: must share only this process (rank {me}) with "
-                             f"ring_group, shares ranks {sorted(common)} (see "
-                             "flashdl.torch.context_parallel_groups)")
+            raise ValueError(
+                f"ulysses_group: must share only this process (rank {me}) with "
+                f"ring_group, shares ranks {sorted(common)} (see "
+                "flashdl.torch.context_parallel_groups)"
+            )
     agree = Agreement(["q", "k"])
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        agree.fail("q", "q: expected q (batch, s_local, nheads, headdim) and k, v "
-                        f"(batch, s_local, nheads_kv, headdim), got {q.dim()}-D, {k.dim()}-D, "
-                        f"{v.dim()}-D")
+        agree.fail(
+            "q",
+            "q: expected q (batch, s_local, nheads, headdim) and k, v "
+            f"(batch, s_local, nheads_kv, headdim), got {q.dim()}-D, {k.dim()}-D, "
+            f"{v.dim()}-D",
+        )
     elif k.shape[1] != q.shape[1] or v.shape[:-1] != k.shape[:-1]:
-        agree.fail("k", f"k: expected k and v of q's shard length {q.shape[1]}, got "
-                        f"{tuple(k.shape)} and {tuple(v.shape)}")
+        agree.fail(
+            "k",
+            f"k: expected k and v of q's shard length {q.shape[1]}, got "
+            f"{tuple(k.shape)} and {tuple(v.shape)}",
+        )
     else:
         _torch_ulysses.check_heads(agree, q.shape[2], k.shape[2], uly_size)
         if layout == "zigzag" and (q.shape[1] * uly_size) % 2:
-            agree.fail("q", "q: layout 'zigzag' holds two chunks per ring rank, so the ring "
-                            f"shard ({uly_size} x {q.shape[1]} rows) must be even")
-    for name, what, i in (("q", "the shard length", 1), ("q", "the batch", 0),
-                          ("q", "nheads", 2), ("k", "nheads_kv", 2), ("q", "headdim", 3)):
+            agree.fail(
+                "q",
+                "q: layout 'zigzag' holds two chunks per ring rank, so the ring "
+                f"shard ({uly_size} x {q.shape[1]} rows) must be even",
+            )
+    for name, what, i in (
+        ("q", "the shard length", 1),
+        ("q", "the batch", 0),
+        ("q", "nheads", 2),
+        ("k", "nheads_kv", 2),
+        ("q", "headdim", 3),
+    ):
         x = k if name == "k" else q
         agree.equal(name, what, x.shape[i] if x.dim() == 4 else -1)
     agree.settle([ulysses_group, ring_group], q.device)
 
 
-def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                               ring_group: Optional[dist.ProcessGroup],
-                               ulysses_group: Optional[dist.ProcessGroup],
-                               causal: bool = False, softmax_scale: Optional[float] = None,
-                               window_size: Tuple[int, int] = (-1, -1), layout: str = "zigzag",
-                               return_lse: bool = False
-                               ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    ring_group: Optional[dist.ProcessGroup],
+    ulysses_group: Optional[dist.ProcessGroup],
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    window_size: Tuple[int, int] = (-1, -1),
+    layout: str = "zigzag",
+    return_lse: bool = False,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Exact attention over a sequence sharded across a 2-D grid: Ulysses inside, ring across.
 
     Differentiable with respect to q, k and v. An all-to-all inside ``ulysses_group`` (U ranks)
@@ -263,8 +308,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         full = ft.context_parallel_unshard(out.detach(), ring, uly)
     """
     return_lse = _checks.flag("return_lse", return_lse)
-    window, softmax_scale = ring_args("context_parallel_attention", q, k, v, causal,
-                                      softmax_scale, window_size, layout)
+    window, softmax_scale = ring_args(
+        "context_parallel_attention", q, k, v, causal, softmax_scale, window_size, layout
+    )
     require_initialized("ring_group")
     _check(q, k, v, ring_group, ulysses_group, layout)
     _torch_ulysses.last_bytes_sent.update(forward=0, backward=0, lse=0)

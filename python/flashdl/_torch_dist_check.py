@@ -23,27 +23,34 @@ def torch_tensors(fn: str, **arrays) -> None:
     tensors): before any collective, so every rank raises it alike."""
     for name, x in arrays.items():
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name}: {fn} takes torch tensors (over torch.distributed), got "
-                            f"{type_name(x)}; flashdl.jax.ring_attention shards JAX arrays")
+            raise TypeError(
+                f"{name}: {fn} takes torch tensors (over torch.distributed), got "
+                f"{type_name(x)}; flashdl.jax.ring_attention shards JAX arrays"
+            )
 
 
 def require_initialized(name: str = "group") -> None:
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(f"{name}: torch.distributed is not initialised "
-                           "(call torch.distributed.init_process_group first)")
+        raise RuntimeError(
+            f"{name}: torch.distributed is not initialised "
+            "(call torch.distributed.init_process_group first)"
+        )
 
 
 def group_rank(group, name: str = "group") -> Tuple[int, int]:
     """(this process's rank in group, group size), or ValueError naming the argument when group
     is not a process group this process belongs to."""
     if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise ValueError(f"{name}: expected a torch.distributed.ProcessGroup or None, got "
-                         f"{type(group).__name__} (a process that is not a member of a new_group "
-                         "gets a placeholder, not a group)")
+        raise ValueError(
+            f"{name}: expected a torch.distributed.ProcessGroup or None, got "
+            f"{type(group).__name__} (a process that is not a member of a new_group "
+            "gets a placeholder, not a group)"
+        )
     rank = dist.get_rank(group)
     if rank < 0:
-        raise ValueError(f"{name}: this process (global rank {dist.get_rank()}) is not a member "
-                         "of the group")
+        raise ValueError(
+            f"{name}: this process (global rank {dist.get_rank()}) is not a member of the group"
+        )
     return rank, dist.get_world_size(group)
 
 
@@ -87,11 +94,15 @@ class Agreement:
             raise ValueError(self.error[1])
         if got[0]:
             name = self.names[got[0] - 1]
-            raise ValueError(f"{name}: rejected on another rank of the group (its error names "
-                             "the problem); every rank must pass valid arguments")
+            raise ValueError(
+                f"{name}: rejected on another rank of the group (its error names "
+                "the problem); every rank must pass valid arguments"
+            )
         for i, (name, what, _) in enumerate(self.values):
             hi, lo = got[1 + 2 * i], -got[2 + 2 * i]
             if hi != lo:
-                raise ValueError(f"{name}: {what} differs across ranks (from {lo} to {hi}); "
-                                 "every rank must pass shards of the same shape")
-        return dict(zip(self.extra, got[1 + 2 * len(self.values):]))
+                raise ValueError(
+                    f"{name}: {what} differs across ranks (from {lo} to {hi}); "
+                    "every rank must pass shards of the same shape"
+                )
+        return dict(zip(self.extra, got[1 + 2 * len(self.values) :]))

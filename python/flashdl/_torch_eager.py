@@ -34,8 +34,26 @@ _float32, _contiguous = torch.float32, torch.contiguous_format
 # Tests set this False to run the ops where the eager path would run.
 EAGER_PATH = True
 # op_options of attention's defaults, by causal.
-DEFAULT_OPTIONS = {c: (c, None, "auto", [-1, -1], 0.0, None, 0, None, [128, 128], None, 0.0, False,
-                        None, None, None) for c in (False, True)}
+DEFAULT_OPTIONS = {
+    c: (
+        c,
+        None,
+        "auto",
+        [-1, -1],
+        0.0,
+        None,
+        0,
+        None,
+        [128, 128],
+        None,
+        0.0,
+        False,
+        None,
+        None,
+        None,
+    )
+    for c in (False, True)
+}
 
 
 def eager_ok(tensors) -> bool:
@@ -43,8 +61,14 @@ def eager_ok(tensors) -> bool:
     tracing, no dispatch or function mode (FakeTensorMode, FunctionalTensorMode, proxy modes,
     FlopCounterMode), no functorch transform (vmap, grad), and every tensor a plain one (or a
     Parameter): anything that would see the op gets the op."""
-    if (not EAGER_PATH or is_compiling() or dispatch_modes() or function_modes()
-            or functorch_active() or is_tracing() is not None):
+    if (
+        not EAGER_PATH
+        or is_compiling()
+        or dispatch_modes()
+        or function_modes()
+        or functorch_active()
+        or is_tracing() is not None
+    ):
         return False
     for x in tensors:
         if x is not None and x.__class__ not in TENSOR_TYPES:
@@ -70,8 +94,23 @@ class _EagerCall:
     __slots__ = ("arrays", "bhsd", "kw", "bias", "sinks", "deterministic", "plain")
 
     def __init__(self, arrays, bhsd, options):
-        (causal, softmax_scale, schedule, window, dropout_p, seed, offset, block_mask, block_size,
-         alibi_slopes, softcap, deterministic, bias, mask, sinks) = options
+        (
+            causal,
+            softmax_scale,
+            schedule,
+            window,
+            dropout_p,
+            seed,
+            offset,
+            block_mask,
+            block_size,
+            alibi_slopes,
+            softcap,
+            deterministic,
+            bias,
+            mask,
+            sinks,
+        ) = options
         self.arrays, self.bhsd, self.deterministic = arrays, bhsd, deterministic
         kw = {"causal": causal}
         if softmax_scale is not None:
@@ -86,8 +125,7 @@ class _EagerCall:
             kw["offset"] = offset
         # (block_mask, block_size, alibi_slopes and softcap as op_options checked them)
         if block_mask is not None or block_size[0] != 128 or block_size[1] != 128:
-            kw.update(block_mask=block_mask, block_size_q=block_size[0],
-                      block_size_k=block_size[1])
+            kw.update(block_mask=block_mask, block_size_q=block_size[0], block_size_k=block_size[1])
         if alibi_slopes is not None or softcap != 0.0:
             kw.update(alibi_slopes=alibi_slopes, softcap=softcap)
         if bias is not None or mask is not None or sinks is not None:
@@ -111,11 +149,24 @@ class _EagerCall:
             if q.is_neg() or k.is_neg() or v.is_neg():  # to_dlpack would drop the sign
                 raise ValueError("a negative-bit view")
             if self.plain and q.is_cpu:
-                _ext.forward_default(_capsule(q), _capsule(k), _capsule(v), _capsule(out),
-                                     _capsule(lse), self.kw["causal"])
+                _ext.forward_default(
+                    _capsule(q),
+                    _capsule(k),
+                    _capsule(v),
+                    _capsule(out),
+                    _capsule(lse),
+                    self.kw["causal"],
+                )
             else:
-                _ext.forward(_capsule(q), _capsule(k), _capsule(v), _capsule(out),
-                             _capsule(lse), stream=_stream(q), **self.kw)
+                _ext.forward(
+                    _capsule(q),
+                    _capsule(k),
+                    _capsule(v),
+                    _capsule(out),
+                    _capsule(lse),
+                    stream=_stream(q),
+                    **self.kw,
+                )
         except Exception as err:  # noqa: BLE001 - re-raised, worded as the full path words it
             self.failed(err, (q, k, v), ("q", "k", "v"), self.arrays, self.bhsd)
         return out, lse
@@ -140,8 +191,18 @@ class _EagerCall:
                 raise ValueError("a negative-bit view")
             if dout.requires_grad:  # (create_graph)
                 dout = dout.detach()
-            _ext.backward(_capsule(dout), _capsule(q), _capsule(k), _capsule(v), _capsule(out),
-                          _capsule(lse), _capsule(dq), _capsule(dk), _capsule(dv), **kw)
+            _ext.backward(
+                _capsule(dout),
+                _capsule(q),
+                _capsule(k),
+                _capsule(v),
+                _capsule(out),
+                _capsule(lse),
+                _capsule(dq),
+                _capsule(dk),
+                _capsule(dv),
+                **kw,
+            )
         except Exception as err:  # noqa: BLE001 - re-raised, worded as the full path words it
             self.failed(err, (dout,), ("dout",), (q, k, v), False)
         return dq, dk, dv, dbias, dsinks
@@ -177,8 +238,9 @@ class _EagerAttention(torch.autograd.Function):
             return _EagerAttention._once_backward(ctx, dout, _dlse)
         q, k, v, out, lse, _bias, _sinks = ctx.saved_tensors
         call = ctx.call
-        dq, dk, dv, dbias, dsinks = call.backward(dout.transpose(1, 2) if call.bhsd else dout,
-                                                  q, k, v, out, lse)
+        dq, dk, dv, dbias, dsinks = call.backward(
+            dout.transpose(1, 2) if call.bhsd else dout, q, k, v, out, lse
+        )
         if call.bhsd:
             dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
         needs = ctx.needs_input_grad
@@ -203,15 +265,23 @@ def eager_attention(arrays, bhsd, options):
     call = _EagerCall(arrays, bhsd, options)
     bias, sinks = call.bias, call.sinks
     q, k, v = arrays
-    if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or
-                            (bias is not None and bias.requires_grad) or
-                            (sinks is not None and sinks.requires_grad)):
-        return _function_apply(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v),
-                               None if bias is None else _unwrap_if_dead(bias),
-                               None if sinks is None else _unwrap_if_dead(sinks), call)
+    if _grad_enabled() and (
+        q.requires_grad
+        or k.requires_grad
+        or v.requires_grad
+        or (bias is not None and bias.requires_grad)
+        or (sinks is not None and sinks.requires_grad)
+    ):
+        return _function_apply(
+            _unwrap_if_dead(q),
+            _unwrap_if_dead(k),
+            _unwrap_if_dead(v),
+            None if bias is None else _unwrap_if_dead(bias),
+            None if sinks is None else _unwrap_if_dead(sinks),
+            call,
+        )
     q, k, v = q.detach(), k.detach(), v.detach()
     if not bhsd:
         return call.forward(q, k, v)
     out, lse = call.forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
     return out.transpose(1, 2), lse
-

@@ -18,7 +18,6 @@ from ._api import dropout_mask as _dropout_mask
 from ._frameworks import type_name
 from ._torch_args import draw_seed
 
-
 # return_attn_probs=True: (out, softmax_lse, S_dmask); False: out alone.
 WithProbs = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 OutOrProbs = Union[torch.Tensor, WithProbs]
@@ -43,12 +42,12 @@ class ArgumentError(ValueError, RuntimeError):
     __module__ = "flashdl.flash_attn"  # (its public name)
 
 
-
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def flash_attn_errors(fn: _F) -> _F:
     """fn with flashdl's ValueErrors re-raised as ArgumentError (same message)."""
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
@@ -57,8 +56,8 @@ def flash_attn_errors(fn: _F) -> _F:
             raise
         except ValueError as e:
             raise ArgumentError(str(e)) from e
-    return wrapper  # type: ignore[return-value]
 
+    return wrapper  # type: ignore[return-value]
 
 
 def maybe_contiguous(x):
@@ -67,12 +66,15 @@ def maybe_contiguous(x):
 
 
 # flashdl's own entry point for each drop-in, named when an array is not a torch tensor.
-NATIVE = {"flash_attn_func": "flashdl.attention", "flash_attn_kvpacked_func": "flashdl.attention",
-           "flash_attn_qkvpacked_func": "flashdl.attention",
-           "flash_attn_varlen_func": "flashdl.attention_varlen",
-           "flash_attn_varlen_kvpacked_func": "flashdl.attention_varlen",
-           "flash_attn_varlen_qkvpacked_func": "flashdl.attention_varlen",
-           "flash_attn_with_kvcache": "flashdl.attention_with_kvcache"}
+NATIVE = {
+    "flash_attn_func": "flashdl.attention",
+    "flash_attn_kvpacked_func": "flashdl.attention",
+    "flash_attn_qkvpacked_func": "flashdl.attention",
+    "flash_attn_varlen_func": "flashdl.attention_varlen",
+    "flash_attn_varlen_kvpacked_func": "flashdl.attention_varlen",
+    "flash_attn_varlen_qkvpacked_func": "flashdl.attention_varlen",
+    "flash_attn_with_kvcache": "flashdl.attention_with_kvcache",
+}
 
 
 def check_tensors(fn, **arrays):
@@ -80,15 +82,18 @@ def check_tensors(fn, **arrays):
     take torch tensors; flashdl's own (named) take NumPy, JAX and CuPy arrays too."""
     for name, x in arrays.items():
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name}: {fn} takes torch tensors (as flash-attn), got "
-                            f"{type_name(x)}; "
-                            f"use {NATIVE[fn]} for NumPy, JAX or CuPy arrays")
+            raise TypeError(
+                f"{name}: {fn} takes torch tensors (as flash-attn), got "
+                f"{type_name(x)}; "
+                f"use {NATIVE[fn]} for NumPy, JAX or CuPy arrays"
+            )
 
 
 def score_mods(softcap, alibi_slopes):
     """flashdl's softcap and alibi_slopes keywords for flash-attn's arguments."""
-    softcap = _checks.finite("softcap", _checks.real("softcap", softcap, "a float"),
-                             "a finite float (<= 0: off)")
+    softcap = _checks.finite(
+        "softcap", _checks.real("softcap", softcap, "a float"), "a finite float (<= 0: off)"
+    )
     # flash-attn's kernel treats softcap <= 0 as off; flashdl takes 0 for that.
     return dict(softcap=softcap if softcap > 0 else 0.0, alibi_slopes=alibi_slopes)
 
@@ -98,8 +103,7 @@ def check_packed(fn, name, x, axis, n, layout):
     shape = tuple(getattr(x, "shape", ()))
     check_tensors(fn, **{name: x})
     if len(shape) != len(layout.split(",")) or shape[axis] != n:
-        raise ValueError(f"{name}: expected shape {layout} with {n} on axis {axis}, "
-                         f"got {shape}")
+        raise ValueError(f"{name}: expected shape {layout} with {n} on axis {axis}, got {shape}")
 
 
 def window_pair(window_size):
@@ -209,16 +213,38 @@ def empty_probs(q):
     return torch.empty(0, dtype=q.dtype, device=q.device)
 
 
-def dense(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-           deterministic, return_attn_probs):
+def dense(
+    fn,
+    q,
+    k,
+    v,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    deterministic,
+    return_attn_probs,
+):
     check_tensors(fn, q=q, k=k, v=v)
     mods = score_mods(softcap, alibi_slopes)
     q, k, v = (maybe_contiguous(x) for x in (q, k, v))
     window = window_pair(window_size)
     seed = seed_for(q, dropout_p, return_attn_probs)
-    out, lse = _fdl.attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                              window_size=window, dropout_p=dropout_p, seed=seed,
-                              deterministic=deterministic, return_lse=True, **mods)
+    out, lse = _fdl.attention(
+        q,
+        k,
+        v,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        window_size=window,
+        dropout_p=dropout_p,
+        seed=seed,
+        deterministic=deterministic,
+        return_lse=True,
+        **mods,
+    )
     if not return_attn_probs:
         return out
     if not dropout_p > 0:
@@ -227,14 +253,39 @@ def dense(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, a
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     keep = _dropout_mask(b, h, sq, k.shape[1], dropout_p, seed)
     with torch.no_grad():
-        probs = attn_probs(q.detach(), k.detach(), scale, causal, window, keep,
-                            mods["softcap"], mods["alibi_slopes"])
+        probs = attn_probs(
+            q.detach(),
+            k.detach(),
+            scale,
+            causal,
+            window,
+            keep,
+            mods["softcap"],
+            mods["alibi_slopes"],
+        )
     return out, lse, probs
 
 
-def varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-            softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-            return_attn_probs, block_table=None, seqused_k=None):
+def varlen(
+    fn,
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    deterministic,
+    return_attn_probs,
+    block_table=None,
+    seqused_k=None,
+):
     check_tensors(fn, q=q, k=k, v=v)
     mods = score_mods(softcap, alibi_slopes)
     q, k, v = (maybe_contiguous(x) for x in (q, k, v))
@@ -243,18 +294,36 @@ def varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     paged = {}
     if block_table is not None or seqused_k is not None:
         # flash-attn takes these on the GPU; flashdl checks them on the host, with the offsets.
-        paged = {n: x.cpu() if isinstance(x, torch.Tensor) else x
-                 for n, x in (("block_table", block_table), ("seqused_k", seqused_k))}
-        cu_seqlens_q, cu_seqlens_k = (c.cpu() if isinstance(c, torch.Tensor) else c
-                                      for c in (cu_seqlens_q, cu_seqlens_k))
+        paged = {
+            n: x.cpu() if isinstance(x, torch.Tensor) else x
+            for n, x in (("block_table", block_table), ("seqused_k", seqused_k))
+        }
+        cu_seqlens_q, cu_seqlens_k = (
+            c.cpu() if isinstance(c, torch.Tensor) else c for c in (cu_seqlens_q, cu_seqlens_k)
+        )
         if return_attn_probs and dropout_p > 0:
-            raise NotImplementedError("block_table: return_attn_probs with dropout and paged "
-                                      "keys is not implemented (use return_attn_probs=False)")
-    out, lse = _fdl.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                     max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
-                                     window_size=window, dropout_p=dropout_p, seed=seed,
-                                     deterministic=deterministic, return_lse=True, **mods,
-                                     **paged)
+            raise NotImplementedError(
+                "block_table: return_attn_probs with dropout and paged "
+                "keys is not implemented (use return_attn_probs=False)"
+            )
+    out, lse = _fdl.attention_varlen(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        window_size=window,
+        dropout_p=dropout_p,
+        seed=seed,
+        deterministic=deterministic,
+        return_lse=True,
+        **mods,
+        **paged,
+    )
     if not return_attn_probs:
         return out
     if not dropout_p > 0:
@@ -271,7 +340,13 @@ def varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
         for b in range(batch):
             sq, sk = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
             probs[b, :, :sq, :sk] = attn_probs(
-                q.detach()[None, cq[b]:cq[b + 1]], k.detach()[None, ck[b]:ck[b + 1]], scale,
-                causal, window, keep[b:b + 1, :, :sq, :sk], mods["softcap"],
-                slopes_row(mods["alibi_slopes"], b))[0]
+                q.detach()[None, cq[b] : cq[b + 1]],
+                k.detach()[None, ck[b] : ck[b + 1]],
+                scale,
+                causal,
+                window,
+                keep[b : b + 1, :, :sq, :sk],
+                mods["softcap"],
+                slopes_row(mods["alibi_slopes"], b),
+            )[0]
     return out, lse, probs

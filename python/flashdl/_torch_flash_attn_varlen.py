@@ -18,50 +18,88 @@ from ._torch_flash_attn import varlen as _varlen
 
 
 @overload
-def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-                           max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = ...,
-                           softmax_scale: Optional[float] = ..., causal: bool = ...,
-                           window_size: Tuple[int, int] = ..., softcap: float = ...,
-                           alibi_slopes: Optional[torch.Tensor] = ..., deterministic: bool = ...,
-                           return_attn_probs: Literal[False] = ...,
-                           block_table: Optional[torch.Tensor] = ...,
-                           seqused_k: Optional[torch.Tensor] = ...) -> torch.Tensor: ...
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = ...,
+    softmax_scale: Optional[float] = ...,
+    causal: bool = ...,
+    window_size: Tuple[int, int] = ...,
+    softcap: float = ...,
+    alibi_slopes: Optional[torch.Tensor] = ...,
+    deterministic: bool = ...,
+    return_attn_probs: Literal[False] = ...,
+    block_table: Optional[torch.Tensor] = ...,
+    seqused_k: Optional[torch.Tensor] = ...,
+) -> torch.Tensor: ...
 @overload
-def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-                           max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = ...,
-                           softmax_scale: Optional[float] = ..., causal: bool = ...,
-                           window_size: Tuple[int, int] = ..., softcap: float = ...,
-                           alibi_slopes: Optional[torch.Tensor] = ..., deterministic: bool = ...,
-                           *, return_attn_probs: Literal[True],
-                           block_table: Optional[torch.Tensor] = ...,
-                           seqused_k: Optional[torch.Tensor] = ...
-                           ) -> _WithProbs: ...
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = ...,
+    softmax_scale: Optional[float] = ...,
+    causal: bool = ...,
+    window_size: Tuple[int, int] = ...,
+    softcap: float = ...,
+    alibi_slopes: Optional[torch.Tensor] = ...,
+    deterministic: bool = ...,
+    *,
+    return_attn_probs: Literal[True],
+    block_table: Optional[torch.Tensor] = ...,
+    seqused_k: Optional[torch.Tensor] = ...,
+) -> _WithProbs: ...
 @overload
-def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-                           max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = ...,
-                           softmax_scale: Optional[float] = ..., causal: bool = ...,
-                           window_size: Tuple[int, int] = ..., softcap: float = ...,
-                           alibi_slopes: Optional[torch.Tensor] = ..., deterministic: bool = ...,
-                           return_attn_probs: bool = ...,
-                           block_table: Optional[torch.Tensor] = ...,
-                           seqused_k: Optional[torch.Tensor] = ...
-                           ) -> _OutOrProbs: ...
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = ...,
+    softmax_scale: Optional[float] = ...,
+    causal: bool = ...,
+    window_size: Tuple[int, int] = ...,
+    softcap: float = ...,
+    alibi_slopes: Optional[torch.Tensor] = ...,
+    deterministic: bool = ...,
+    return_attn_probs: bool = ...,
+    block_table: Optional[torch.Tensor] = ...,
+    seqused_k: Optional[torch.Tensor] = ...,
+) -> _OutOrProbs: ...
 
 
 @_flash_attn_errors
-def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-                           max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
-                           softmax_scale: Optional[float] = None, causal: bool = False,
-                           window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                           alibi_slopes: Optional[torch.Tensor] = None,
-                           deterministic: bool = False, return_attn_probs: bool = False,
-                           block_table: Optional[torch.Tensor] = None,
-                           seqused_k: Optional[torch.Tensor] = None
-                           ) -> _OutOrProbs:
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: Optional[torch.Tensor] = None,
+    seqused_k: Optional[torch.Tensor] = None,
+) -> _OutOrProbs:
     """flash-attn's ``flash_attn_varlen_func``, over :func:`flashdl.torch.attention_varlen`.
 
     Parameters
@@ -105,47 +143,87 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     >>> flash_attn.flash_attn_varlen_func(q, k, v, cu, cu, 7, 7, causal=True).shape
     torch.Size([10, 2, 8])
     """
-    return _varlen("flash_attn_varlen_func", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                   max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
-                   alibi_slopes, deterministic, return_attn_probs, block_table, seqused_k)
+    return _varlen(
+        "flash_attn_varlen_func",
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        block_table,
+        seqused_k,
+    )
 
 
 @overload
-def flash_attn_varlen_qkvpacked_func(qkv: torch.Tensor, cu_seqlens: torch.Tensor,
-                                     max_seqlen: int, dropout_p: float = ...,
-                                     softmax_scale: Optional[float] = ..., causal: bool = ...,
-                                     window_size: Tuple[int, int] = ..., softcap: float = ...,
-                                     alibi_slopes: Optional[torch.Tensor] = ...,
-                                     deterministic: bool = ...,
-                                     return_attn_probs: Literal[False] = ...) -> torch.Tensor: ...
+def flash_attn_varlen_qkvpacked_func(
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float = ...,
+    softmax_scale: Optional[float] = ...,
+    causal: bool = ...,
+    window_size: Tuple[int, int] = ...,
+    softcap: float = ...,
+    alibi_slopes: Optional[torch.Tensor] = ...,
+    deterministic: bool = ...,
+    return_attn_probs: Literal[False] = ...,
+) -> torch.Tensor: ...
 @overload
-def flash_attn_varlen_qkvpacked_func(qkv: torch.Tensor, cu_seqlens: torch.Tensor,
-                                     max_seqlen: int, dropout_p: float = ...,
-                                     softmax_scale: Optional[float] = ..., causal: bool = ...,
-                                     window_size: Tuple[int, int] = ..., softcap: float = ...,
-                                     alibi_slopes: Optional[torch.Tensor] = ...,
-                                     deterministic: bool = ..., *,
-                                     return_attn_probs: Literal[True]
-                                     ) -> _WithProbs: ...
+def flash_attn_varlen_qkvpacked_func(
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float = ...,
+    softmax_scale: Optional[float] = ...,
+    causal: bool = ...,
+    window_size: Tuple[int, int] = ...,
+    softcap: float = ...,
+    alibi_slopes: Optional[torch.Tensor] = ...,
+    deterministic: bool = ...,
+    *,
+    return_attn_probs: Literal[True],
+) -> _WithProbs: ...
 @overload
-def flash_attn_varlen_qkvpacked_func(qkv: torch.Tensor, cu_seqlens: torch.Tensor,
-                                     max_seqlen: int, dropout_p: float = ...,
-                                     softmax_scale: Optional[float] = ..., causal: bool = ...,
-                                     window_size: Tuple[int, int] = ..., softcap: float = ...,
-                                     alibi_slopes: Optional[torch.Tensor] = ...,
-                                     deterministic: bool = ..., return_attn_probs: bool = ...
-                                     ) -> _OutOrProbs: ...
+def flash_attn_varlen_qkvpacked_func(
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float = ...,
+    softmax_scale: Optional[float] = ...,
+    causal: bool = ...,
+    window_size: Tuple[int, int] = ...,
+    softcap: float = ...,
+    alibi_slopes: Optional[torch.Tensor] = ...,
+    deterministic: bool = ...,
+    return_attn_probs: bool = ...,
+) -> _OutOrProbs: ...
 
 
 @_flash_attn_errors
-def flash_attn_varlen_qkvpacked_func(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                                     dropout_p: float = 0.0,
-                                     softmax_scale: Optional[float] = None, causal: bool = False,
-                                     window_size: Tuple[int, int] = (-1, -1),
-                                     softcap: float = 0.0,
-                                     alibi_slopes: Optional[torch.Tensor] = None,
-                                     deterministic: bool = False, return_attn_probs: bool = False
-                                     ) -> _OutOrProbs:
+def flash_attn_varlen_qkvpacked_func(
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> _OutOrProbs:
     """flash-attn's ``flash_attn_varlen_qkvpacked_func``: packed sequences, q, k and v in one tensor.
 
     Parameters
@@ -179,49 +257,97 @@ def flash_attn_varlen_qkvpacked_func(qkv: torch.Tensor, cu_seqlens: torch.Tensor
     """
     fn = "flash_attn_varlen_qkvpacked_func"
     _packed(fn, "qkv", qkv, 1, 3, "(total, 3, nheads, headdim)")
-    return _varlen(fn, qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen,
-                   max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap,
-                   alibi_slopes, deterministic, return_attn_probs)
+    return _varlen(
+        fn,
+        qkv[:, 0],
+        qkv[:, 1],
+        qkv[:, 2],
+        cu_seqlens,
+        cu_seqlens,
+        max_seqlen,
+        max_seqlen,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+    )
 
 
 @overload
-def flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor,
-                                    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-                                    max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = ...,
-                                    softmax_scale: Optional[float] = ..., causal: bool = ...,
-                                    window_size: Tuple[int, int] = ..., softcap: float = ...,
-                                    alibi_slopes: Optional[torch.Tensor] = ...,
-                                    deterministic: bool = ...,
-                                    return_attn_probs: Literal[False] = ...) -> torch.Tensor: ...
+def flash_attn_varlen_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = ...,
+    softmax_scale: Optional[float] = ...,
+    causal: bool = ...,
+    window_size: Tuple[int, int] = ...,
+    softcap: float = ...,
+    alibi_slopes: Optional[torch.Tensor] = ...,
+    deterministic: bool = ...,
+    return_attn_probs: Literal[False] = ...,
+) -> torch.Tensor: ...
 @overload
-def flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor,
-                                    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-                                    max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = ...,
-                                    softmax_scale: Optional[float] = ..., causal: bool = ...,
-                                    window_size: Tuple[int, int] = ..., softcap: float = ...,
-                                    alibi_slopes: Optional[torch.Tensor] = ...,
-                                    deterministic: bool = ..., *, return_attn_probs: Literal[True]
-                                    ) -> _WithProbs: ...
+def flash_attn_varlen_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = ...,
+    softmax_scale: Optional[float] = ...,
+    causal: bool = ...,
+    window_size: Tuple[int, int] = ...,
+    softcap: float = ...,
+    alibi_slopes: Optional[torch.Tensor] = ...,
+    deterministic: bool = ...,
+    *,
+    return_attn_probs: Literal[True],
+) -> _WithProbs: ...
 @overload
-def flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor,
-                                    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-                                    max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = ...,
-                                    softmax_scale: Optional[float] = ..., causal: bool = ...,
-                                    window_size: Tuple[int, int] = ..., softcap: float = ...,
-                                    alibi_slopes: Optional[torch.Tensor] = ...,
-                                    deterministic: bool = ..., return_attn_probs: bool = ...
-                                    ) -> _OutOrProbs: ...
+def flash_attn_varlen_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = ...,
+    softmax_scale: Optional[float] = ...,
+    causal: bool = ...,
+    window_size: Tuple[int, int] = ...,
+    softcap: float = ...,
+    alibi_slopes: Optional[torch.Tensor] = ...,
+    deterministic: bool = ...,
+    return_attn_probs: bool = ...,
+) -> _OutOrProbs: ...
 
 
 @_flash_attn_errors
-def flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
-                                    max_seqlen_k: int, dropout_p: float = 0.0,
-                                    softmax_scale: Optional[float] = None, causal: bool = False,
-                                    window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                                    alibi_slopes: Optional[torch.Tensor] = None,
-                                    deterministic: bool = False, return_attn_probs: bool = False
-                                    ) -> _OutOrProbs:
+def flash_attn_varlen_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> _OutOrProbs:
     """flash-attn's ``flash_attn_varlen_kvpacked_func``: packed sequences, k and v in one tensor.
 
     Parameters
@@ -257,6 +383,21 @@ def flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, cu_seqlen
     fn = "flash_attn_varlen_kvpacked_func"
     _tensors(fn, q=q)
     _packed(fn, "kv", kv, 1, 2, "(total_k, 2, nheads_kv, headdim)")
-    return _varlen(fn, q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                   max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
-                   alibi_slopes, deterministic, return_attn_probs)
+    return _varlen(
+        fn,
+        q,
+        kv[:, 0],
+        kv[:, 1],
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+    )

@@ -25,16 +25,22 @@ import torch.distributed as dist
 from . import _args, _checks
 from ._api import attention as _attention
 from ._api import attention_backward as _attention_backward
-from ._torch_dist_check import Agreement, global_rank, group_rank, require_initialized, torch_tensors
-from ._ring_plan import Block, chunks_of, check_layout, global_window, last_step
-from ._ring_plan import pair_block
+from ._ring_plan import Block, check_layout, chunks_of, global_window, last_step, pair_block
+from ._torch_dist_check import (
+    Agreement,
+    global_rank,
+    group_rank,
+    require_initialized,
+    torch_tensors,
+)
 
 # Bytes this process sent in its last ring_attention forward and backward (for benchmarks).
 last_bytes_sent = {"forward": 0, "backward": 0}
 
 
-def shard(x: torch.Tensor, rank: int, world_size: int, layout: str = "zigzag",
-          dim: int = 1) -> torch.Tensor:
+def shard(
+    x: torch.Tensor, rank: int, world_size: int, layout: str = "zigzag", dim: int = 1
+) -> torch.Tensor:
     """This rank's shard of a full tensor, for :func:`ring_attention`.
 
     ``x`` is split along ``dim`` (the sequence) into W (``"contiguous"``) or 2W (``"zigzag"``)
@@ -72,20 +78,28 @@ def shard(x: torch.Tensor, rank: int, world_size: int, layout: str = "zigzag",
     """
     check_layout(layout)
     world_size = _checks.integer("world_size", world_size, "an int >= 1 (the number of ranks)", 1)
-    rank = _checks.integer("rank", rank, f"an int in [0, {world_size}) (world_size {world_size})",
-                           0, world_size)
-    dim = _checks.integer("dim", dim, f"an axis of x, in [-{x.dim()}, {x.dim()})", -x.dim(),
-                          x.dim())
+    rank = _checks.integer(
+        "rank", rank, f"an int in [0, {world_size}) (world_size {world_size})", 0, world_size
+    )
+    dim = _checks.integer(
+        "dim", dim, f"an axis of x, in [-{x.dim()}, {x.dim()})", -x.dim(), x.dim()
+    )
     parts = world_size if layout == "contiguous" else 2 * world_size
     if x.shape[dim] % parts:
-        raise ValueError(f"x: sequence length {x.shape[dim]} (dim {dim}) must be a multiple of "
-                         f"{parts} for layout {layout!r} over {world_size} ranks")
+        raise ValueError(
+            f"x: sequence length {x.shape[dim]} (dim {dim}) must be a multiple of "
+            f"{parts} for layout {layout!r} over {world_size} ranks"
+        )
     pieces = x.chunk(parts, dim=dim)
     return torch.cat([pieces[c] for c in chunks_of(rank, world_size, layout)], dim=dim)
 
 
-def unshard(local: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
-            layout: str = "zigzag", dim: int = 1) -> torch.Tensor:
+def unshard(
+    local: torch.Tensor,
+    group: Optional[dist.ProcessGroup] = None,
+    layout: str = "zigzag",
+    dim: int = 1,
+) -> torch.Tensor:
     """The full tensor from every rank's shard, in sequence order: the inverse of :func:`ring_shard`.
 
     An ``all_gather`` over ``group``, so every rank of the group must call it.
@@ -129,8 +143,9 @@ def unshard(local: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
     return torch.cat(pieces, dim=dim)  # type: ignore[arg-type]
 
 
-def _merge_into(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor,
-                lse: torch.Tensor) -> None:
+def _merge_into(
+    acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
+) -> None:
     """acc, acc_lse (float32) <- the merge of (acc, acc_lse) and (out, lse): the weights of
     detail::merge_weights (include/flashdl/detail/softmax.hpp), in torch ops so that it runs on
     the tensors' own device. Rows with lse -inf on both sides stay 0 / -inf."""
@@ -139,15 +154,19 @@ def _merge_into(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor,
     wa, wb = torch.exp(acc_lse - m_safe), torch.exp(lse - m_safe)
     total = wa + wb
     nz = total > 0
-    inv = torch.where(nz, 1.0 / torch.where(nz, total, torch.ones_like(total)),
-                      torch.zeros_like(total))
+    inv = torch.where(
+        nz, 1.0 / torch.where(nz, total, torch.ones_like(total)), torch.zeros_like(total)
+    )
     # (b, h, s) weights against (b, s, h, d) outputs.
     wa_o, wb_o = ((w * inv).transpose(1, 2).unsqueeze(-1) for w in (wa, wb))
     acc.mul_(wa_o).add_(out.float() * wb_o)
-    acc_lse.copy_(torch.where(nz, m_safe + torch.log(torch.where(nz, total,
-                                                                 torch.ones_like(total))),
-                              torch.full_like(total, float("-inf"))))
-
+    acc_lse.copy_(
+        torch.where(
+            nz,
+            m_safe + torch.log(torch.where(nz, total, torch.ones_like(total))),
+            torch.full_like(total, float("-inf")),
+        )
+    )
 
 
 class _Ring:
@@ -167,8 +186,7 @@ class _Ring:
         """Posts sends of tensors to the rank `hops` ahead and receives of same-shaped buffers
         from the rank `hops` behind; returns (requests, buffers)."""
         bufs = [torch.empty_like(t) for t in tensors]
-        ops = [dist.P2POp(dist.isend, t.contiguous(), self.peer(hops), self.group)
-               for t in tensors]
+        ops = [dist.P2POp(dist.isend, t.contiguous(), self.peer(hops), self.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, b, self.peer(-hops), self.group) for b in bufs]
         self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
         return dist.batch_isend_irecv(ops), bufs
@@ -192,17 +210,30 @@ def check_shards(q, k, v, layout: str, groups) -> None:
     length the layout's chunks divide: the same ValueError on every rank instead of a hang."""
     agree = Agreement(["q", "k"])
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        agree.fail("q", "q: expected q (batch, s_local, nheads, headdim) and k, v "
-                        f"(batch, s_local, nheads_kv, headdim), got {q.dim()}-D, {k.dim()}-D, "
-                        f"{v.dim()}-D")
+        agree.fail(
+            "q",
+            "q: expected q (batch, s_local, nheads, headdim) and k, v "
+            f"(batch, s_local, nheads_kv, headdim), got {q.dim()}-D, {k.dim()}-D, "
+            f"{v.dim()}-D",
+        )
     elif k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
-        agree.fail("k", f"k: expected the local shard length of q, {q.shape[1]}, got "
-                        f"{k.shape[1]} (k) and {v.shape[1]} (v)")
+        agree.fail(
+            "k",
+            f"k: expected the local shard length of q, {q.shape[1]}, got "
+            f"{k.shape[1]} (k) and {v.shape[1]} (v)",
+        )
     elif layout == "zigzag" and q.shape[1] % 2:
-        agree.fail("q", "q: layout 'zigzag' holds two chunks per rank, so the shard length "
-                        f"must be even, got {q.shape[1]}")
-    for name, what, x in (("q", "the shard length", q.shape[1]), ("q", "the batch", q.shape[0]),
-                          ("q", "nheads", q.shape[-2]), ("k", "nheads_kv", k.shape[-2])):
+        agree.fail(
+            "q",
+            "q: layout 'zigzag' holds two chunks per rank, so the shard length "
+            f"must be even, got {q.shape[1]}",
+        )
+    for name, what, x in (
+        ("q", "the shard length", q.shape[1]),
+        ("q", "the batch", q.shape[0]),
+        ("q", "nheads", q.shape[-2]),
+        ("k", "nheads_kv", k.shape[-2]),
+    ):
         agree.equal(name, what, x if q.dim() == 4 else -1)
     agree.settle(groups, q.device)
 
@@ -230,8 +261,12 @@ class RingAttention(torch.autograd.Function):
         last = last_step(ring.world, layout, c, *window)
         qs = _split_rows(q, n)
         acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        acc_lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"),
-                             dtype=torch.float32, device=q.device)
+        acc_lse = torch.full(
+            (q.shape[0], q.shape[2], q.shape[1]),
+            float("-inf"),
+            dtype=torch.float32,
+            device=q.device,
+        )
         accs, acc_lses = _split_rows(acc, n), _split_lse(acc_lse, n)
         kv = [k, v]
         empty = [True] * n  # nothing merged into this query chunk yet: copy, do not merge
@@ -243,9 +278,14 @@ class RingAttention(torch.autograd.Function):
             ks, vs = _split_rows(kv[0], n), _split_rows(kv[1], n)
             for qa, kb, blk in _blocks(mine, chunks_of(owner, ring.world, layout), c, window):
                 rows, keys = slice(blk.q0, blk.q1), slice(blk.k0, blk.k1)
-                out, lse = _attention(qs[qa][:, rows], ks[kb][:, keys], vs[kb][:, keys],
-                                      window_size=_window_of(blk), softmax_scale=softmax_scale,
-                                      return_lse=True)
+                out, lse = _attention(
+                    qs[qa][:, rows],
+                    ks[kb][:, keys],
+                    vs[kb][:, keys],
+                    window_size=_window_of(blk),
+                    softmax_scale=softmax_scale,
+                    return_lse=True,
+                )
                 if empty[qa]:
                     accs[qa][:, rows].copy_(out)
                     acc_lses[qa][:, :, rows].copy_(lse)
@@ -278,19 +318,30 @@ class RingAttention(torch.autograd.Function):
         dqs = _split_rows(dq, n)
         # K, V and their gradients' float32 accumulators travel together for `last` hops; then
         # the accumulators go straight back to the rank that owns the block.
-        travel = [k, v, torch.zeros(k.shape, dtype=torch.float32, device=k.device),
-                  torch.zeros(v.shape, dtype=torch.float32, device=v.device)]
+        travel = [
+            k,
+            v,
+            torch.zeros(k.shape, dtype=torch.float32, device=k.device),
+            torch.zeros(v.shape, dtype=torch.float32, device=v.device),
+        ]
         for step in range(last + 1):
             owner = (ring.rank - step) % ring.world
             ks, vs = _split_rows(travel[0], n), _split_rows(travel[1], n)
             dks, dvs = _split_rows(travel[2], n), _split_rows(travel[3], n)
-            for qa, kb, blk in _blocks(mine, chunks_of(owner, ring.world, ctx.layout), c,
-                                       ctx.window):
+            for qa, kb, blk in _blocks(
+                mine, chunks_of(owner, ring.world, ctx.layout), c, ctx.window
+            ):
                 rows, keys = slice(blk.q0, blk.q1), slice(blk.k0, blk.k1)
                 g_q, g_k, g_v = _attention_backward(
-                    dos[qa][:, rows], qs[qa][:, rows], ks[kb][:, keys], vs[kb][:, keys],
-                    outs[qa][:, rows], lses[qa][:, :, rows], window_size=_window_of(blk),
-                    softmax_scale=ctx.scale)
+                    dos[qa][:, rows],
+                    qs[qa][:, rows],
+                    ks[kb][:, keys],
+                    vs[kb][:, keys],
+                    outs[qa][:, rows],
+                    lses[qa][:, :, rows],
+                    window_size=_window_of(blk),
+                    softmax_scale=ctx.scale,
+                )
                 dqs[qa][:, rows].add_(g_q.float())
                 dks[kb][:, keys].add_(g_k.float())
                 dvs[kb][:, keys].add_(g_v.float())
@@ -302,8 +353,15 @@ class RingAttention(torch.autograd.Function):
                 _Ring.wait(reqs)
                 travel = travel[:2] + bufs
         last_bytes_sent["backward"] = ring.bytes_sent
-        return (dq.to(q.dtype), travel[2].to(k.dtype), travel[3].to(v.dtype), None, None, None,
-                None)
+        return (
+            dq.to(q.dtype),
+            travel[2].to(k.dtype),
+            travel[3].to(v.dtype),
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def ring_args(fn, q, k, v, causal, softmax_scale, window_size, layout):
@@ -323,12 +381,18 @@ def ring_apply(q, k, v, group, window, softmax_scale, layout):
     return RingAttention.apply(q, k, v, group, window, softmax_scale, layout)
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                   group: Optional[dist.ProcessGroup] = None, causal: bool = False,
-                   softmax_scale: Optional[float] = None,
-                   window_size: Tuple[int, int] = (-1, -1), layout: str = "zigzag",
-                   return_lse: bool = False
-                   ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: Optional[dist.ProcessGroup] = None,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    window_size: Tuple[int, int] = (-1, -1),
+    layout: str = "zigzag",
+    return_lse: bool = False,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Exact attention over a sequence sharded across the ranks of a torch.distributed group.
 
     Ring attention (context parallelism), differentiable with respect to q, k and v. K and V travel
@@ -399,8 +463,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         out = ft.ring_attention(q, k, v, causal=True, window_size=(128, 0))  # sliding window
     """
     return_lse = _checks.flag("return_lse", return_lse)
-    window, softmax_scale = ring_args("ring_attention", q, k, v, causal, softmax_scale,
-                                      window_size, layout)
+    window, softmax_scale = ring_args(
+        "ring_attention", q, k, v, causal, softmax_scale, window_size, layout
+    )
     require_initialized()
     out, lse = ring_apply(q, k, v, group, window, softmax_scale, layout)
     return (out, lse) if return_lse else out

@@ -23,12 +23,15 @@ def check_layout(query, key, value, enable_gqa):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
         if x.dim() not in (3, 4) or x.dim() != query.dim():
-            raise ValueError(f"{name}: expected rank 4 (batch, heads, seq, dim) or rank 3 "
-                             f"(batch, seq, dim), the rank of query, got shape {tuple(x.shape)}")
+            raise ValueError(
+                f"{name}: expected rank 4 (batch, heads, seq, dim) or rank 3 "
+                f"(batch, seq, dim), the rank of query, got shape {tuple(x.shape)}"
+            )
     if value.shape[-1] != query.shape[-1]:
         raise NotImplementedError(
             f"value: flashdl needs the head dim of value equal to that of query and key "
-            f"({query.shape[-1]}), got {value.shape[-1]}")
+            f"({query.shape[-1]}), got {value.shape[-1]}"
+        )
     hq, hk = query.shape[-3], key.shape[-3]
     if query.dim() == 3 or hq == hk:
         return
@@ -36,8 +39,10 @@ def check_layout(query, key, value, enable_gqa):
         raise ValueError(f"key: {hk} heads do not divide the {hq} heads of query")
     # torch broadcasts a single kv head even without enable_gqa; more need enable_gqa=True.
     if hk != 1 and not enable_gqa:
-        raise ValueError(f"key: {hk} heads for {hq} query heads needs enable_gqa=True "
-                         f"(grouped-query attention), or as many heads as query")
+        raise ValueError(
+            f"key: {hk} heads for {hq} query heads needs enable_gqa=True "
+            f"(grouped-query attention), or as many heads as query"
+        )
 
 
 def check_mask(attn_mask, shape, query_dtype):
@@ -47,20 +52,25 @@ def check_mask(attn_mask, shape, query_dtype):
     if attn_mask is None:
         return
     if not isinstance(attn_mask, torch.Tensor):
-        raise TypeError(f"attn_mask: expected None or a torch.Tensor, got "
-                        f"{type(attn_mask).__name__}")
+        raise TypeError(
+            f"attn_mask: expected None or a torch.Tensor, got {type(attn_mask).__name__}"
+        )
     try:
         # The mask may broadcast to the scores' shape but not enlarge it.
         fits = torch.broadcast_shapes(attn_mask.shape, shape) == torch.Size(shape)
     except RuntimeError:
         fits = False
     if not fits:
-        raise ValueError(f"attn_mask: shape {tuple(attn_mask.shape)} does not broadcast to "
-                         f"the scores' shape {tuple(shape)}")
+        raise ValueError(
+            f"attn_mask: shape {tuple(attn_mask.shape)} does not broadcast to "
+            f"the scores' shape {tuple(shape)}"
+        )
     if attn_mask.dtype not in (torch.bool, torch.float32, query_dtype):
-        raise TypeError(f"attn_mask: expected dtype torch.bool, torch.float32 or that of query "
-                        f"({query_dtype}), as torch's scaled_dot_product_attention, got "
-                        f"{attn_mask.dtype}")
+        raise TypeError(
+            f"attn_mask: expected dtype torch.bool, torch.float32 or that of query "
+            f"({query_dtype}), as torch's scaled_dot_product_attention, got "
+            f"{attn_mask.dtype}"
+        )
 
 
 def mask_args(attn_mask, rank3, seqlen_k, keep):

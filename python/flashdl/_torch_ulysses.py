@@ -23,9 +23,15 @@ import torch
 import torch.distributed as dist
 
 from . import _args, _checks
-from ._torch_dist_check import Agreement, global_rank, group_rank, require_initialized, torch_tensors
 from ._ring_plan import global_window
 from ._torch_attention import attention, attention_varlen
+from ._torch_dist_check import (
+    Agreement,
+    global_rank,
+    group_rank,
+    require_initialized,
+    torch_tensors,
+)
 
 # Bytes this process sent in the all-to-alls of its last ulysses_attention (or
 # context_parallel_attention) call: the forward's (q, k, v, out), the backward's once it has run
@@ -71,8 +77,9 @@ def _all_to_all(x: torch.Tensor, group, scatter: int, gather: int, tally: str) -
     send = [c.contiguous() for c in x.chunk(world, dim=scatter)]
     recv = [torch.empty_like(c) for c in send]
     _exchange(recv, send, group, rank)
-    last_bytes_sent[tally] += sum(c.numel() * c.element_size()
-                                  for j, c in enumerate(send) if j != rank)
+    last_bytes_sent[tally] += sum(
+        c.numel() * c.element_size() for j, c in enumerate(send) if j != rank
+    )
     return torch.cat(recv, dim=gather)
 
 
@@ -91,11 +98,17 @@ def check_heads(agree: Agreement, nheads: int, nheads_kv: int, world: int) -> No
     """Heads the group can split: nheads by W, and nheads_kv either split too or fewer than W
     and dividing it (each rank then gets the one kv head its query heads read)."""
     if nheads % world:
-        agree.fail("q", f"q: nheads ({nheads}) must be a multiple of the group size ({world}) "
-                        "to split the heads across its ranks")
+        agree.fail(
+            "q",
+            f"q: nheads ({nheads}) must be a multiple of the group size ({world}) "
+            "to split the heads across its ranks",
+        )
     elif nheads_kv % world and world % nheads_kv:
-        agree.fail("k", f"k: nheads_kv ({nheads_kv}) must be a multiple or a divisor of the "
-                        f"group size ({world})")
+        agree.fail(
+            "k",
+            f"k: nheads_kv ({nheads_kv}) must be a multiple or a divisor of the "
+            f"group size ({world})",
+        )
 
 
 def to_heads(q, k, v, group, seq_dim: int) -> Tuple[torch.Tensor, ...]:
@@ -152,44 +165,65 @@ def _validate(q, k, v, group, varlen, cu_q, cu_k) -> Tuple[Agreement, int, int]:
     agree = Agreement(["q", "k", "cu_seqlens_q", "cu_seqlens_k"])
     dims = 3 if varlen else 4
     if q.dim() != dims or k.dim() != dims or v.dim() != dims:
-        shape = "(total_local, nheads, headdim)" if varlen else \
-            "(batch, s_local, nheads, headdim)"
-        agree.fail("q", f"q: expected q, k and v of {dims} dimensions {shape}, got "
-                        f"{q.dim()}, {k.dim()}, {v.dim()}")
+        shape = "(total_local, nheads, headdim)" if varlen else "(batch, s_local, nheads, headdim)"
+        agree.fail(
+            "q",
+            f"q: expected q, k and v of {dims} dimensions {shape}, got "
+            f"{q.dim()}, {k.dim()}, {v.dim()}",
+        )
     elif k.shape[:-2] != v.shape[:-2]:
-        agree.fail("k", f"k: expected k and v of the same length, got {tuple(k.shape)} and "
-                        f"{tuple(v.shape)}")
+        agree.fail(
+            "k",
+            f"k: expected k and v of the same length, got {tuple(k.shape)} and {tuple(v.shape)}",
+        )
     else:
         check_heads(agree, q.shape[-2], k.shape[-2], world)
         if varlen:
             for name, cu, x in (("cu_seqlens_q", cu_q, q), ("cu_seqlens_k", cu_k, k)):
                 total = int(cu[-1]) if cu.numel() else -1
                 if total != world * x.shape[0]:
-                    agree.fail(name, f"{name}: the sequences end at {total}, expected "
-                                     f"{world} ranks x {x.shape[0]} local rows")
+                    agree.fail(
+                        name,
+                        f"{name}: the sequences end at {total}, expected "
+                        f"{world} ranks x {x.shape[0]} local rows",
+                    )
     seq = 0 if varlen else 1
-    for name, what, x in (("q", "the shard length of q", q.shape[seq] if q.dim() > seq else 0),
-                          ("k", "the shard length of k", k.shape[seq] if k.dim() > seq else 0),
-                          ("q", "nheads", q.shape[-2]), ("k", "nheads_kv", k.shape[-2]),
-                          ("q", "headdim", q.shape[-1]), ("q", "batch", q.shape[0])):
+    for name, what, x in (
+        ("q", "the shard length of q", q.shape[seq] if q.dim() > seq else 0),
+        ("k", "the shard length of k", k.shape[seq] if k.dim() > seq else 0),
+        ("q", "nheads", q.shape[-2]),
+        ("k", "nheads_kv", k.shape[-2]),
+        ("q", "headdim", q.shape[-1]),
+        ("q", "batch", q.shape[0]),
+    ):
         agree.equal(name, what, x)
     return agree, rank, world
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                      group: Optional[dist.ProcessGroup] = None, causal: bool = False,
-                      softmax_scale: Optional[float] = None,
-                      window_size: Tuple[int, int] = (-1, -1), dropout_p: float = 0.0,
-                      seed: Optional[int] = None, offset: int = 0,
-                      alibi_slopes: Optional[torch.Tensor] = None, softcap: float = 0.0,
-                      block_mask: Optional[torch.Tensor] = None,
-                      block_size: Union[int, Tuple[int, int]] = 128, schedule: str = "auto",
-                      deterministic: bool = False,
-                      cu_seqlens_q: Optional[torch.Tensor] = None,
-                      cu_seqlens_k: Optional[torch.Tensor] = None,
-                      max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
-                      return_lse: bool = False
-                      ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: Optional[dist.ProcessGroup] = None,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    window_size: Tuple[int, int] = (-1, -1),
+    dropout_p: float = 0.0,
+    seed: Optional[int] = None,
+    offset: int = 0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    softcap: float = 0.0,
+    block_mask: Optional[torch.Tensor] = None,
+    block_size: Union[int, Tuple[int, int]] = 128,
+    schedule: str = "auto",
+    deterministic: bool = False,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+    return_lse: bool = False,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Exact attention over a sequence sharded across a group, by all-to-all over the heads.
 
     DeepSpeed-Ulysses context parallelism, differentiable with respect to q, k and v: an
@@ -266,15 +300,17 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     # attention call after the all-to-all checks the rest).
     torch_tensors("ulysses_attention", q=q, k=k, v=v)
     return_lse = _checks.flag("return_lse", return_lse)
-    causal, softmax_scale, schedule, window_size = _args.scalars(causal, softmax_scale, schedule,
-                                                            window_size)
+    causal, softmax_scale, schedule, window_size = _args.scalars(
+        causal, softmax_scale, schedule, window_size
+    )
     global_window(causal, window_size)  # the values too (each side >= -1)
     dropout_p = _args.dropout_probability(dropout_p)
     require_initialized()
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     if varlen and (cu_seqlens_q is None or cu_seqlens_k is None):
-        raise ValueError("cu_seqlens_q: pass both cu_seqlens_q and cu_seqlens_k for packed "
-                         "sequences, or neither")
+        raise ValueError(
+            "cu_seqlens_q: pass both cu_seqlens_q and cu_seqlens_k for packed sequences, or neither"
+        )
     if varlen:
         cu_seqlens_q, cu_seqlens_k = (torch.as_tensor(x) for x in (cu_seqlens_q, cu_seqlens_k))
     agree, rank, world = _validate(q, k, v, group, varlen, cu_seqlens_q, cu_seqlens_k)
@@ -289,12 +325,21 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     nheads = q.shape[-2]
     qh, kh, vh = to_heads(q, k, v, group, seq_dim)
     virtual = dropout and world > 1
-    opts = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                dropout_p=dropout_p, seed=seed, offset=offset, softcap=softcap,
-                block_size=block_size, schedule=schedule, deterministic=deterministic,
-                alibi_slopes=_heads_of(alibi_slopes, rank, world, nheads, 2, virtual),
-                block_mask=_heads_of(block_mask, rank, world, nheads, 4, virtual),
-                return_lse=True)
+    opts = dict(
+        causal=causal,
+        softmax_scale=softmax_scale,
+        window_size=window_size,
+        dropout_p=dropout_p,
+        seed=seed,
+        offset=offset,
+        softcap=softcap,
+        block_size=block_size,
+        schedule=schedule,
+        deterministic=deterministic,
+        alibi_slopes=_heads_of(alibi_slopes, rank, world, nheads, 2, virtual),
+        block_mask=_heads_of(block_mask, rank, world, nheads, 4, virtual),
+        return_lse=True,
+    )
     if not varlen and not virtual:
         out, lse = attention(qh, kh, vh, **opts)
         return _result(out, lse, group, seq_dim, False, return_lse)
@@ -307,8 +352,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         flat = tuple(x.reshape(-1, *x.shape[2:]) for x in (qh, kh, vh))
         cus = [torch.arange(b + 1, dtype=torch.int32) * n for n in (sq, sk)]
         bounds = [sq, sk]
-    bounds = [int(torch.diff(cu).max()) if m is None and cu.numel() > 1 else (m or 0)
-              for m, cu in zip(bounds, cus)]
+    bounds = [
+        int(torch.diff(cu).max()) if m is None and cu.numel() > 1 else (m or 0)
+        for m, cu in zip(bounds, cus)
+    ]
     if virtual:
         cus = [_virtual_cu(cu, rank, world) for cu in cus]
     out, lse = attention_varlen(*flat, cus[0], cus[1], bounds[0], bounds[1], **opts)

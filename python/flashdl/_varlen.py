@@ -32,33 +32,74 @@ def _host_index(name, x):
 
 
 @overload
-def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
-                     cu_seqlens_k: ArrayLike, max_seqlen_q: int, max_seqlen_k: int, *,
-                     return_lse: Literal[False] = ..., **options: Unpack[VarlenOptions]
-                     ) -> ArrayLike: ...
+def attention_varlen(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    cu_seqlens_q: ArrayLike,
+    cu_seqlens_k: ArrayLike,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    return_lse: Literal[False] = ...,
+    **options: Unpack[VarlenOptions],
+) -> ArrayLike: ...
 @overload
-def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
-                     cu_seqlens_k: ArrayLike, max_seqlen_q: int, max_seqlen_k: int, *,
-                     return_lse: Literal[True], **options: Unpack[VarlenOptions]
-                     ) -> Tuple[ArrayLike, ArrayLike]: ...
+def attention_varlen(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    cu_seqlens_q: ArrayLike,
+    cu_seqlens_k: ArrayLike,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    return_lse: Literal[True],
+    **options: Unpack[VarlenOptions],
+) -> Tuple[ArrayLike, ArrayLike]: ...
 @overload
-def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
-                     cu_seqlens_k: ArrayLike, max_seqlen_q: int, max_seqlen_k: int, *,
-                     return_lse: bool = ..., **options: Unpack[VarlenOptions]) -> Any: ...
+def attention_varlen(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    cu_seqlens_q: ArrayLike,
+    cu_seqlens_k: ArrayLike,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    return_lse: bool = ...,
+    **options: Unpack[VarlenOptions],
+) -> Any: ...
 
 
-def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
-                     cu_seqlens_k: ArrayLike, max_seqlen_q: int, max_seqlen_k: int, *,
-                     causal: bool = False, softmax_scale: Optional[float] = None,
-                     schedule: str = "auto", return_lse: bool = False,
-                     window_size: Tuple[int, int] = (-1, -1), dropout_p: float = 0.0,
-                     seed: Optional[int] = None, offset: int = 0,
-                     block_mask: Optional[ArrayLike] = None, block_size: BlockSize = 128,
-                     alibi_slopes: Optional[ArrayLike] = None, softcap: float = 0.0,
-                     bias: Optional[ArrayLike] = None, mask: Optional[ArrayLike] = None,
-                     sinks: Optional[ArrayLike] = None,
-                     layout: str = "thd", block_table: Optional[ArrayLike] = None,
-                     seqused_k: Optional[ArrayLike] = None) -> Any:
+def attention_varlen(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    cu_seqlens_q: ArrayLike,
+    cu_seqlens_k: ArrayLike,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    schedule: str = "auto",
+    return_lse: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    dropout_p: float = 0.0,
+    seed: Optional[int] = None,
+    offset: int = 0,
+    block_mask: Optional[ArrayLike] = None,
+    block_size: BlockSize = 128,
+    alibi_slopes: Optional[ArrayLike] = None,
+    softcap: float = 0.0,
+    bias: Optional[ArrayLike] = None,
+    mask: Optional[ArrayLike] = None,
+    sinks: Optional[ArrayLike] = None,
+    layout: str = "thd",
+    block_table: Optional[ArrayLike] = None,
+    seqused_k: Optional[ArrayLike] = None,
+) -> Any:
     """Attention over a batch of sequences of different lengths, packed with no padding.
 
     flash-attn's ``flash_attn_varlen_func`` layout: sequence ``b`` is
@@ -146,51 +187,87 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
     return_lse = _checks.flag("return_lse", return_lse)
     heads_first = _args.is_heads_first(layout, varlen=True)
     frame = Frame({"q": q, "k": k, "v": v}, _args.FLOATS_FWD)
-    frame.refuse_autograd({"q": q, "k": k, "v": v}, "flashdl.attention_varlen",
-                          "flashdl.torch.attention_varlen")
+    frame.refuse_autograd(
+        {"q": q, "k": k, "v": v}, "flashdl.attention_varlen", "flashdl.torch.attention_varlen"
+    )
     paged = {}
     if block_table is not None or seqused_k is not None:
         if heads_first:
-            raise ValueError(f"layout: {layout!r} is not supported with block_table or "
-                             "seqused_k; expected 'thd'")
-        paged = dict(block_table=None if block_table is None else _host_index("block_table",
-                                                                              block_table),
-                     seqused_k=None if seqused_k is None else _host_index("seqused_k",
-                                                                          seqused_k))
+            raise ValueError(
+                f"layout: {layout!r} is not supported with block_table or seqused_k; expected 'thd'"
+            )
+        paged = dict(
+            block_table=None if block_table is None else _host_index("block_table", block_table),
+            seqused_k=None if seqused_k is None else _host_index("seqused_k", seqused_k),
+        )
     errors = _args.LayoutErrors((q, k, v) if block_table is None else (), heads_first, varlen=True)
     if heads_first:
         q, k, v = (_args.as_bshd(n, x, rank=3) for n, x in (("q", q), ("k", k), ("v", v)))
     opts = _args.options(causal, softmax_scale, schedule, window_size, frame)
     dropout_p, seed, offset = _args.dropout_args(dropout_p, seed, offset)
-    cu_q, cu_k = _args.cu_seqlens("cu_seqlens_q", cu_seqlens_q), _args.cu_seqlens("cu_seqlens_k",
-                                                                         cu_seqlens_k)
-    max_q, max_k = _args.max_seqlen("max_seqlen_q", max_seqlen_q), _args.max_seqlen("max_seqlen_k",
-                                                                           max_seqlen_k)
+    cu_q, cu_k = (
+        _args.cu_seqlens("cu_seqlens_q", cu_seqlens_q),
+        _args.cu_seqlens("cu_seqlens_k", cu_seqlens_k),
+    )
+    max_q, max_k = (
+        _args.max_seqlen("max_seqlen_q", max_seqlen_q),
+        _args.max_seqlen("max_seqlen_k", max_seqlen_k),
+    )
     opts.update(_args.block_sparse(block_mask, block_size))
     opts.update(_args.score_mods(alibi_slopes, softcap))
     opts.update(_args.extras(sinks, bias, mask, rank=3))
     out, out_view = _args.output_like(frame, q, heads_first)
     lse = frame.empty(_args.varlen_lse_shape(q), frame.float32())
     with errors:
-        _ext.forward_varlen(frame.export(q), frame.export(k), frame.export(v), cu_q, cu_k, max_q,
-                            max_k, frame.dest(out_view), frame.dest(lse), dropout_p=dropout_p,
-                            seed=seed, offset=offset, **opts, **paged)
+        _ext.forward_varlen(
+            frame.export(q),
+            frame.export(k),
+            frame.export(v),
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            frame.dest(out_view),
+            frame.dest(lse),
+            dropout_p=dropout_p,
+            seed=seed,
+            offset=offset,
+            **opts,
+            **paged,
+        )
     out, lse = frame.finish(out), frame.finish(lse)
     return (out, lse) if return_lse else out
 
 
-def attention_varlen_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike,
-                              out: ArrayLike, lse: ArrayLike, cu_seqlens_q: ArrayLike,
-                              cu_seqlens_k: ArrayLike, max_seqlen_q: int, max_seqlen_k: int, *,
-                              causal: bool = False, softmax_scale: Optional[float] = None,
-                              schedule: str = "auto", window_size: Tuple[int, int] = (-1, -1),
-                              deterministic: bool = False, dropout_p: float = 0.0, seed: int = 0,
-                              offset: int = 0, block_mask: Optional[ArrayLike] = None,
-                              block_size: BlockSize = 128,
-                              alibi_slopes: Optional[ArrayLike] = None, softcap: float = 0.0,
-              bias: Optional[ArrayLike] = None, mask: Optional[ArrayLike] = None,
-              sinks: Optional[ArrayLike] = None,
-                              layout: str = "thd") -> Tuple[ArrayLike, ArrayLike, ArrayLike]:
+def attention_varlen_backward(
+    dout: ArrayLike,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    out: ArrayLike,
+    lse: ArrayLike,
+    cu_seqlens_q: ArrayLike,
+    cu_seqlens_k: ArrayLike,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    schedule: str = "auto",
+    window_size: Tuple[int, int] = (-1, -1),
+    deterministic: bool = False,
+    dropout_p: float = 0.0,
+    seed: int = 0,
+    offset: int = 0,
+    block_mask: Optional[ArrayLike] = None,
+    block_size: BlockSize = 128,
+    alibi_slopes: Optional[ArrayLike] = None,
+    softcap: float = 0.0,
+    bias: Optional[ArrayLike] = None,
+    mask: Optional[ArrayLike] = None,
+    sinks: Optional[ArrayLike] = None,
+    layout: str = "thd",
+) -> Tuple[ArrayLike, ArrayLike, ArrayLike]:
     """Gradients ``(dq, dk, dv)`` of :func:`attention_varlen` for the upstream gradient ``dout``.
 
     Pass ``out`` and ``lse`` as ``attention_varlen(..., return_lse=True)`` returned them, with the
@@ -241,22 +318,57 @@ def attention_varlen_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: Ar
     frame = Frame({"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}, _args.FLOATS_BWD)
     errors = _args.LayoutErrors((q, k, v), heads_first, varlen=True)
     if heads_first:
-        dout, q, k, v, out = (_args.as_bshd(n, x, rank=3) for n, x in (
-            ("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out)))
-    opts = _args.backward_options(causal, softmax_scale, schedule, window_size, frame, dropout_p, seed,
-                             offset, block_mask, block_size, alibi_slopes, softcap, sinks,
-                             bias, mask, rank=3)
-    cu_q, cu_k = _args.cu_seqlens("cu_seqlens_q", cu_seqlens_q), _args.cu_seqlens("cu_seqlens_k",
-                                                                         cu_seqlens_k)
-    max_q, max_k = _args.max_seqlen("max_seqlen_q", max_seqlen_q), _args.max_seqlen("max_seqlen_k",
-                                                                           max_seqlen_k)
-    (dq, dq_view), (dk, dk_view), (dv, dv_view) = (_args.output_like(frame, x, heads_first)
-                                                   for x in (q, k, v))
+        dout, q, k, v, out = (
+            _args.as_bshd(n, x, rank=3)
+            for n, x in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out))
+        )
+    opts = _args.backward_options(
+        causal,
+        softmax_scale,
+        schedule,
+        window_size,
+        frame,
+        dropout_p,
+        seed,
+        offset,
+        block_mask,
+        block_size,
+        alibi_slopes,
+        softcap,
+        sinks,
+        bias,
+        mask,
+        rank=3,
+    )
+    cu_q, cu_k = (
+        _args.cu_seqlens("cu_seqlens_q", cu_seqlens_q),
+        _args.cu_seqlens("cu_seqlens_k", cu_seqlens_k),
+    )
+    max_q, max_k = (
+        _args.max_seqlen("max_seqlen_q", max_seqlen_q),
+        _args.max_seqlen("max_seqlen_k", max_seqlen_k),
+    )
+    (dq, dq_view), (dk, dk_view), (dv, dv_view) = (
+        _args.output_like(frame, x, heads_first) for x in (q, k, v)
+    )
     extra_kw, extras = _args.extra_grads(frame, q, opts, bias, rank=3)
     with errors:
-        _ext.backward_varlen(frame.export(dout), frame.export(q), frame.export(k),
-                             frame.export(v), frame.export(out), frame.export(lse), cu_q, cu_k,
-                             max_q, max_k, frame.dest(dq_view), frame.dest(dk_view),
-                             frame.dest(dv_view), deterministic=_checks.flag("deterministic", deterministic),
-                             **opts, **extra_kw)
+        _ext.backward_varlen(
+            frame.export(dout),
+            frame.export(q),
+            frame.export(k),
+            frame.export(v),
+            frame.export(out),
+            frame.export(lse),
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            frame.dest(dq_view),
+            frame.dest(dk_view),
+            frame.dest(dv_view),
+            deterministic=_checks.flag("deterministic", deterministic),
+            **opts,
+            **extra_kw,
+        )
     return (frame.finish(dq), frame.finish(dk), frame.finish(dv)) + extras()

@@ -121,8 +121,9 @@ def _nonnegative_float(text):
 def _seqlens(text):
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
-        raise argparse.ArgumentTypeError("expected positive integers separated by commas, got "
-                                         f"{text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected positive integers separated by commas, got {text!r}"
+        )
     out = []
     for t in items:
         try:
@@ -131,7 +132,8 @@ def _seqlens(text):
             x = 0
         if x < 1:
             raise argparse.ArgumentTypeError(
-                f"expected positive integers separated by commas, got {t!r} in {text!r}")
+                f"expected positive integers separated by commas, got {t!r} in {text!r}"
+            )
         out.append(x)
     return sorted(set(out))
 
@@ -142,45 +144,93 @@ def _choices_list(allowed):
         bad = [t for t in items if t not in allowed]
         if bad or not items:
             raise argparse.ArgumentTypeError(
-                f"expected a comma-separated subset of {','.join(allowed)}, got {text!r}")
+                f"expected a comma-separated subset of {','.join(allowed)}, got {text!r}"
+            )
         return [t for t in allowed if t in items]  # the canonical order, no repeats
+
     return parse
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m flashdl bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seqlens", type=_seqlens, default=[256, 512, 1024, 2048, 4096],
-                   help="comma-separated sequence lengths (default: 256,512,1024,2048,4096)")
+    p = argparse.ArgumentParser(
+        prog="python -m flashdl bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--seqlens",
+        type=_seqlens,
+        default=[256, 512, 1024, 2048, 4096],
+        help="comma-separated sequence lengths (default: 256,512,1024,2048,4096)",
+    )
     p.add_argument("--batch", type=_positive_int, default=1)
     p.add_argument("--heads", type=_positive_int, default=8)
     p.add_argument("--headdim", type=_positive_int, default=64)
     p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--causal", action="store_true")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                   help="auto: cuda where flashdl and torch see a GPU, else cpu")
-    p.add_argument("--passes", type=_choices_list(tuple(PASS_FACTOR)), default=["fwd", "fwd+bwd"],
-                   help="comma-separated, of fwd,bwd,fwd+bwd (default: fwd,fwd+bwd)")
-    p.add_argument("--methods", type=_choices_list(METHODS), default=list(METHODS),
-                   help="comma-separated, of fa2,fa1,sdpa,naive (default: all; sdpa needs torch)")
-    p.add_argument("--rounds", type=_positive_int, default=3,
-                   help="timed runs of each point, interleaved; the median is reported")
-    p.add_argument("--warmup", type=_nonnegative_int, default=1,
-                   help="untimed runs of each point first (default 1)")
-    p.add_argument("--pause", type=_nonnegative_float, default=None,
-                   help="seconds idle before each timed run, so that the thread pools of the "
-                   "method run before (OpenBLAS, OpenMP) stop spinning and do not slow the next "
-                   "one down (default: 0.25 on the CPU, 0 on CUDA)")
-    p.add_argument("--threads", type=_nonnegative_int, default=0,
-                   help="CPU threads for flashdl and torch (0: their defaults)")
-    p.add_argument("--out", default="flashdl_bench.png",
-                   help="the figure (PNG; needs matplotlib; default flashdl_bench.png)")
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="auto: cuda where flashdl and torch see a GPU, else cpu",
+    )
+    p.add_argument(
+        "--passes",
+        type=_choices_list(tuple(PASS_FACTOR)),
+        default=["fwd", "fwd+bwd"],
+        help="comma-separated, of fwd,bwd,fwd+bwd (default: fwd,fwd+bwd)",
+    )
+    p.add_argument(
+        "--methods",
+        type=_choices_list(METHODS),
+        default=list(METHODS),
+        help="comma-separated, of fa2,fa1,sdpa,naive (default: all; sdpa needs torch)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=_positive_int,
+        default=3,
+        help="timed runs of each point, interleaved; the median is reported",
+    )
+    p.add_argument(
+        "--warmup",
+        type=_nonnegative_int,
+        default=1,
+        help="untimed runs of each point first (default 1)",
+    )
+    p.add_argument(
+        "--pause",
+        type=_nonnegative_float,
+        default=None,
+        help="seconds idle before each timed run, so that the thread pools of the "
+        "method run before (OpenBLAS, OpenMP) stop spinning and do not slow the next "
+        "one down (default: 0.25 on the CPU, 0 on CUDA)",
+    )
+    p.add_argument(
+        "--threads",
+        type=_nonnegative_int,
+        default=0,
+        help="CPU threads for flashdl and torch (0: their defaults)",
+    )
+    p.add_argument(
+        "--out",
+        default="flashdl_bench.png",
+        help="the figure (PNG; needs matplotlib; default flashdl_bench.png)",
+    )
     p.add_argument("--no-plot", action="store_true", help="draw no figure")
     p.add_argument("--table", default=None, help="also write the markdown table to this file")
-    p.add_argument("--max-seconds", type=_positive_float, default=None,
-                   help="stop before a sequence length that would take the run past this")
-    p.add_argument("--naive-max-gib", type=_positive_float, default=2.0,
-                   help="skip naive where its N x N float32 scores exceed this (default 2)")
+    p.add_argument(
+        "--max-seconds",
+        type=_positive_float,
+        default=None,
+        help="stop before a sequence length that would take the run past this",
+    )
+    p.add_argument(
+        "--naive-max-gib",
+        type=_positive_float,
+        default=2.0,
+        help="skip naive where its N x N float32 scores exceed this (default 2)",
+    )
     p.add_argument("--seed", type=_nonnegative_int, default=0)
     a = p.parse_args(argv)
     for name in ("out", "table"):
@@ -233,7 +283,7 @@ class Problem:
         if device == "cuda":
             dt = getattr(torch, a.dtype)
             self.fd = [torch.from_numpy(x).to("cuda").to(dt) for x in host]  # flashdl: bshd
-            self.th = [x.transpose(1, 2).contiguous() for x in self.fd]      # torch: bhsd
+            self.th = [x.transpose(1, 2).contiguous() for x in self.fd]  # torch: bhsd
         else:
             np_dt = _numpy_dtype(a.dtype)
             self.fd = [np.ascontiguousarray(x.astype(np_dt)) for x in host]
@@ -257,9 +307,11 @@ class Problem:
             if pass_ == "fwd":
                 return lambda: flashdl.attention(q, k, v, **opts)
             if pass_ == "fwd+bwd":
+
                 def fwd_bwd():
                     out, lse = flashdl.attention(q, k, v, return_lse=True, **opts)
                     return flashdl.attention_backward(dout, q, k, v, out, lse, **opts)
+
                 return fwd_bwd
             out, lse = flashdl.attention(q, k, v, return_lse=True, **opts)
             return lambda: flashdl.attention_backward(dout, q, k, v, out, lse, **opts)
@@ -267,31 +319,38 @@ class Problem:
             F = torch.nn.functional
             q, k, v, dout = self.th
             if pass_ == "fwd":
+
                 def fwd():
                     with torch.no_grad():
                         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
                 return fwd
-            return self._autograd(lambda q, k, v: F.scaled_dot_product_attention(
-                q, k, v, is_causal=causal), pass_)
+            return self._autograd(
+                lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal), pass_
+            )
         # naive
         if self.device != "cuda" and pass_ != "fwd":
             return None  # NumPy has no autograd: the naive CPU baseline is forward only
         if self.naive_bytes() > a.naive_max_gib * 2**30:
-            return Skip(f"skipped: its N x N float32 scores would take "
-                        f"{self.naive_bytes() / 2**30:.1f} GiB > --naive-max-gib "
-                        f"{a.naive_max_gib:g}")
+            return Skip(
+                f"skipped: its N x N float32 scores would take "
+                f"{self.naive_bytes() / 2**30:.1f} GiB > --naive-max-gib "
+                f"{a.naive_max_gib:g}"
+            )
         s = self.s
         if self.device == "cuda":
-            mask = (torch.triu(torch.ones(s, s, device="cuda"), 1).bool() if causal
-                    else None)
+            mask = torch.triu(torch.ones(s, s, device="cuda"), 1).bool() if causal else None
             q, k, v, dout = self.th
             if pass_ == "fwd":
+
                 def fwd():
                     with torch.no_grad():
                         return naive_torch(torch, q, k, v, self.scale, mask)
+
                 return fwd
-            return self._autograd(lambda q, k, v: naive_torch(torch, q, k, v, self.scale, mask),
-                                  pass_)
+            return self._autograd(
+                lambda q, k, v: naive_torch(torch, q, k, v, self.scale, mask), pass_
+            )
         mask = np.triu(np.ones((s, s), dtype=bool), 1) if causal else None
         q, k, v, _ = self.np32
         return lambda: naive_numpy(q, k, v, self.scale, mask)
@@ -373,8 +432,11 @@ def draw(ctx, results, path):
     axes = fig.subplots(1, len(a.passes), squeeze=False)[0]
     for ax, pass_ in zip(axes, a.passes):
         for m in methods:
-            pts = [(s, results[(m, pass_, s)][1]) for s in seqlens
-                   if isinstance(results.get((m, pass_, s)), tuple)]
+            pts = [
+                (s, results[(m, pass_, s)][1])
+                for s in seqlens
+                if isinstance(results.get((m, pass_, s)), tuple)
+            ]
             if pts:
                 xs, ys = zip(*pts)
                 ax.plot(xs, ys, marker="o", color=COLORS[m], label=labels[m])
@@ -402,9 +464,13 @@ def _resolve_device(a, info):
         torch = _import_torch()
         gpu = torch is not None and torch.cuda.is_available()
     if a.device == "cuda" and not gpu:
-        why = (f"flashdl sees no CUDA device ({info['cuda_status']})"
-               if info["cuda_device_count"] == 0 else
-               "torch does not import" if torch is None else "torch sees no CUDA device")
+        why = (
+            f"flashdl sees no CUDA device ({info['cuda_status']})"
+            if info["cuda_device_count"] == 0
+            else "torch does not import"
+            if torch is None
+            else "torch sees no CUDA device"
+        )
         return None, f"--device cuda: {why}; skipped, nothing measured"
     if gpu:
         return "cuda", torch
@@ -433,30 +499,50 @@ def main(argv=None) -> int:
     if "sdpa" in a.methods and torch is None:
         notes.append("torch SDPA: torch does not import here, not measured")
         _say("torch does not import: no torch SDPA baseline")
-    labels = {"fa2": "flashdl fa2", "fa1": "flashdl fa1", "sdpa": "torch SDPA",
-              "naive": "naive torch" if device == "cuda" else "naive NumPy"}
+    labels = {
+        "fa2": "flashdl fa2",
+        "fa1": "flashdl fa1",
+        "sdpa": "torch SDPA",
+        "naive": "naive torch" if device == "cuda" else "naive NumPy",
+    }
     unit, per = ("TFLOP/s", 1e12) if device == "cuda" else ("GFLOP/s", 1e9)
     if device == "cuda":
         p = torch.cuda.get_device_properties(torch.cuda.current_device())
-        machine = (f"{p.name} (sm_{p.major}{p.minor}, {p.multi_processor_count} SMs, "
-                   f"{p.total_memory / 2**30:.1f} GiB); host {cpu_model()}")
+        machine = (
+            f"{p.name} (sm_{p.major}{p.minor}, {p.multi_processor_count} SMs, "
+            f"{p.total_memory / 2**30:.1f} GiB); host {cpu_model()}"
+        )
         short = p.name
     else:
-        machine = (f"{cpu_model()}, {os.cpu_count()} logical CPUs, {platform.system()} "
-                   f"{platform.machine()}")
+        machine = (
+            f"{cpu_model()}, {os.cpu_count()} logical CPUs, {platform.system()} "
+            f"{platform.machine()}"
+        )
         short = f"{cpu_model()}, {info['num_threads']} threads"
-    software = (f"flashdl {info['version']} (CPU kernels `{info['cpu_isa']}`, "
-                f"{info['num_threads']} threads), NumPy {np.__version__}")
+    software = (
+        f"flashdl {info['version']} (CPU kernels `{info['cpu_isa']}`, "
+        f"{info['num_threads']} threads), NumPy {np.__version__}"
+    )
     if torch is not None:
         software += f", torch {torch.__version__}"
         if device == "cpu":
             software += f" ({torch.get_num_threads()} threads)"
-    ctx = dict(args=a, labels=labels, unit=unit, methods=methods, machine=machine,
-               software=software, date=time.strftime("%Y-%m-%d"),
-               command="python -m flashdl bench " + " ".join(shlex.quote(x) for x in argv),
-               seqlens=[], pause=pause,
-               title=(f"flashdl on {short}: {a.dtype}, batch {a.batch}, {a.heads} heads, "
-                      f"headdim {a.headdim}, {'causal' if a.causal else 'non-causal'}"))
+    ctx = dict(
+        args=a,
+        labels=labels,
+        unit=unit,
+        methods=methods,
+        machine=machine,
+        software=software,
+        date=time.strftime("%Y-%m-%d"),
+        command="python -m flashdl bench " + " ".join(shlex.quote(x) for x in argv),
+        seqlens=[],
+        pause=pause,
+        title=(
+            f"flashdl on {short}: {a.dtype}, batch {a.batch}, {a.heads} heads, "
+            f"headdim {a.headdim}, {'causal' if a.causal else 'non-causal'}"
+        ),
+    )
     if "naive" in methods and device == "cpu" and any(p != "fwd" for p in a.passes):
         notes.append("naive NumPy: forward only (NumPy has no autograd)")
 
@@ -475,9 +561,11 @@ def main(argv=None) -> int:
             estimate = prev[1] * (s / prev[0]) ** 2
             if elapsed + estimate > a.max_seconds:
                 rest = [x for x in a.seqlens if x >= s]
-                msg = (f"stopped before seqlen {s}: about {estimate:.0f} s more would pass "
-                       f"--max-seconds {a.max_seconds:g} ({elapsed:.0f} s so far); not measured: "
-                       + ", ".join(map(str, rest)))
+                msg = (
+                    f"stopped before seqlen {s}: about {estimate:.0f} s more would pass "
+                    f"--max-seconds {a.max_seconds:g} ({elapsed:.0f} s so far); not measured: "
+                    + ", ".join(map(str, rest))
+                )
                 _say(msg)
                 notes.append(msg)
                 break
@@ -504,8 +592,10 @@ def main(argv=None) -> int:
                 points.append(((m, pass_), fn))
         samples: dict = {key: [] for key, _ in points}
         failed = {}
-        _say(f"seqlen {s}: {len(points)} points, {a.warmup} warm-up and {a.rounds} timed runs "
-             "each, interleaved")
+        _say(
+            f"seqlen {s}: {len(points)} points, {a.warmup} warm-up and {a.rounds} timed runs "
+            "each, interleaved"
+        )
         for i in range(a.warmup + a.rounds):
             for key, fn in points:
                 if key in failed:
@@ -533,17 +623,21 @@ def main(argv=None) -> int:
             t = statistics.median(samples[key])
             speed = attention_flops(a.batch, a.heads, s, s, a.headdim, a.causal, pass_) / t / per
             results[(m, pass_, s)] = (t, speed)
-            _say(f"  {labels[m]:12s} {pass_:7s} seqlen {s:6d} {t * 1e3:12.3f} ms "
-                 f"{speed:10.2f} {unit}")
+            _say(
+                f"  {labels[m]:12s} {pass_:7s} seqlen {s:6d} {t * 1e3:12.3f} ms "
+                f"{speed:10.2f} {unit}"
+            )
         del prob, points
         if device == "cuda":
             torch.cuda.empty_cache()
         prev = (s, time.perf_counter() - t_seq)
 
     for m, lens in over_cap.items():
-        notes.append(f"{labels[m]}: skipped at seqlen {', '.join(map(str, sorted(set(lens))))}, "
-                     f"where its N x N float32 scores would exceed --naive-max-gib "
-                     f"{a.naive_max_gib:g} GiB")
+        notes.append(
+            f"{labels[m]}: skipped at seqlen {', '.join(map(str, sorted(set(lens))))}, "
+            f"where its N x N float32 scores would exceed --naive-max-gib "
+            f"{a.naive_max_gib:g} GiB"
+        )
     lines = table_lines(ctx, results, notes)
     text = "\n".join(lines) + "\n"
     print(text)

@@ -76,48 +76,88 @@ from ._torch_flash_attn_varlen import (
     flash_attn_varlen_qkvpacked_func,
 )
 
-__all__ = ["ArgumentError", "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
-           "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
-           "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache", "unpad_input",
-           "pad_input"]
+__all__ = [
+    "ArgumentError",
+    "flash_attn_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_with_kvcache",
+    "unpad_input",
+    "pad_input",
+]
 # Defined in _torch_flash_attn_varlen; this module is their public home (help(), pickling by
 # name).
-for _f in (flash_attn_varlen_func, flash_attn_varlen_qkvpacked_func, flash_attn_varlen_kvpacked_func):
+for _f in (
+    flash_attn_varlen_func,
+    flash_attn_varlen_qkvpacked_func,
+    flash_attn_varlen_kvpacked_func,
+):
     _f.__module__ = __name__
 del _f
 
 
-
-
 @overload
-def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = ...,
-                    softmax_scale: Optional[float] = ..., causal: bool = ...,
-                    window_size: Tuple[int, int] = ..., softcap: float = ...,
-                    alibi_slopes: Optional[torch.Tensor] = ..., deterministic: bool = ...,
-                    return_attn_probs: Literal[False] = ...) -> torch.Tensor: ...
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = ...,
+    softmax_scale: Optional[float] = ...,
+    causal: bool = ...,
+    window_size: Tuple[int, int] = ...,
+    softcap: float = ...,
+    alibi_slopes: Optional[torch.Tensor] = ...,
+    deterministic: bool = ...,
+    return_attn_probs: Literal[False] = ...,
+) -> torch.Tensor: ...
 @overload
-def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = ...,
-                    softmax_scale: Optional[float] = ..., causal: bool = ...,
-                    window_size: Tuple[int, int] = ..., softcap: float = ...,
-                    alibi_slopes: Optional[torch.Tensor] = ..., deterministic: bool = ..., *,
-                    return_attn_probs: Literal[True]
-                    ) -> _WithProbs: ...
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = ...,
+    softmax_scale: Optional[float] = ...,
+    causal: bool = ...,
+    window_size: Tuple[int, int] = ...,
+    softcap: float = ...,
+    alibi_slopes: Optional[torch.Tensor] = ...,
+    deterministic: bool = ...,
+    *,
+    return_attn_probs: Literal[True],
+) -> _WithProbs: ...
 @overload
-def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = ...,
-                    softmax_scale: Optional[float] = ..., causal: bool = ...,
-                    window_size: Tuple[int, int] = ..., softcap: float = ...,
-                    alibi_slopes: Optional[torch.Tensor] = ..., deterministic: bool = ...,
-                    return_attn_probs: bool = ...
-                    ) -> _OutOrProbs: ...
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = ...,
+    softmax_scale: Optional[float] = ...,
+    causal: bool = ...,
+    window_size: Tuple[int, int] = ...,
+    softcap: float = ...,
+    alibi_slopes: Optional[torch.Tensor] = ...,
+    deterministic: bool = ...,
+    return_attn_probs: bool = ...,
+) -> _OutOrProbs: ...
 
 
 @_flash_attn_errors
-def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-                    softmax_scale: Optional[float] = None, causal: bool = False,
-                    window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                    alibi_slopes: Optional[torch.Tensor] = None, deterministic: bool = False,
-                    return_attn_probs: bool = False
-                    ) -> _OutOrProbs:
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> _OutOrProbs:
     """flash-attn's ``flash_attn_func``, over :func:`flashdl.torch.attention` (autograd into q, k, v).
 
     Same argument names, defaults, layouts and return values as flash-attn 2.x; CPU and CUDA
@@ -170,40 +210,73 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     >>> out.shape
     torch.Size([2, 16, 4, 8])
     """
-    return _dense("flash_attn_func", q, k, v, dropout_p, softmax_scale, causal, window_size,
-                  softcap, alibi_slopes, deterministic, return_attn_probs)
+    return _dense(
+        "flash_attn_func",
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+    )
 
 
 @overload
-def flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = ...,
-                              softmax_scale: Optional[float] = ..., causal: bool = ...,
-                              window_size: Tuple[int, int] = ..., softcap: float = ...,
-                              alibi_slopes: Optional[torch.Tensor] = ...,
-                              deterministic: bool = ..., return_attn_probs: Literal[False] = ...
-                              ) -> torch.Tensor: ...
+def flash_attn_qkvpacked_func(
+    qkv: torch.Tensor,
+    dropout_p: float = ...,
+    softmax_scale: Optional[float] = ...,
+    causal: bool = ...,
+    window_size: Tuple[int, int] = ...,
+    softcap: float = ...,
+    alibi_slopes: Optional[torch.Tensor] = ...,
+    deterministic: bool = ...,
+    return_attn_probs: Literal[False] = ...,
+) -> torch.Tensor: ...
 @overload
-def flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = ...,
-                              softmax_scale: Optional[float] = ..., causal: bool = ...,
-                              window_size: Tuple[int, int] = ..., softcap: float = ...,
-                              alibi_slopes: Optional[torch.Tensor] = ...,
-                              deterministic: bool = ..., *, return_attn_probs: Literal[True]
-                              ) -> _WithProbs: ...
+def flash_attn_qkvpacked_func(
+    qkv: torch.Tensor,
+    dropout_p: float = ...,
+    softmax_scale: Optional[float] = ...,
+    causal: bool = ...,
+    window_size: Tuple[int, int] = ...,
+    softcap: float = ...,
+    alibi_slopes: Optional[torch.Tensor] = ...,
+    deterministic: bool = ...,
+    *,
+    return_attn_probs: Literal[True],
+) -> _WithProbs: ...
 @overload
-def flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = ...,
-                              softmax_scale: Optional[float] = ..., causal: bool = ...,
-                              window_size: Tuple[int, int] = ..., softcap: float = ...,
-                              alibi_slopes: Optional[torch.Tensor] = ...,
-                              deterministic: bool = ..., return_attn_probs: bool = ...
-                              ) -> _OutOrProbs: ...
+def flash_attn_qkvpacked_func(
+    qkv: torch.Tensor,
+    dropout_p: float = ...,
+    softmax_scale: Optional[float] = ...,
+    causal: bool = ...,
+    window_size: Tuple[int, int] = ...,
+    softcap: float = ...,
+    alibi_slopes: Optional[torch.Tensor] = ...,
+    deterministic: bool = ...,
+    return_attn_probs: bool = ...,
+) -> _OutOrProbs: ...
 
 
 @_flash_attn_errors
-def flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = 0.0,
-                              softmax_scale: Optional[float] = None, causal: bool = False,
-                              window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                              alibi_slopes: Optional[torch.Tensor] = None,
-                              deterministic: bool = False, return_attn_probs: bool = False
-                              ) -> _OutOrProbs:
+def flash_attn_qkvpacked_func(
+    qkv: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> _OutOrProbs:
     """flash-attn's ``flash_attn_qkvpacked_func``: q, k and v packed in one tensor.
 
     Parameters
@@ -236,40 +309,77 @@ def flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = 0.0,
     """
     fn = "flash_attn_qkvpacked_func"
     _packed(fn, "qkv", qkv, 2, 3, "(batch, seqlen, 3, nheads, headdim)")
-    return _dense(fn, qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal,
-                  window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+    return _dense(
+        fn,
+        qkv[:, :, 0],
+        qkv[:, :, 1],
+        qkv[:, :, 2],
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+    )
 
 
 @overload
-def flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float = ...,
-                             softmax_scale: Optional[float] = ..., causal: bool = ...,
-                             window_size: Tuple[int, int] = ..., softcap: float = ...,
-                             alibi_slopes: Optional[torch.Tensor] = ...,
-                             deterministic: bool = ..., return_attn_probs: Literal[False] = ...
-                             ) -> torch.Tensor: ...
+def flash_attn_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    dropout_p: float = ...,
+    softmax_scale: Optional[float] = ...,
+    causal: bool = ...,
+    window_size: Tuple[int, int] = ...,
+    softcap: float = ...,
+    alibi_slopes: Optional[torch.Tensor] = ...,
+    deterministic: bool = ...,
+    return_attn_probs: Literal[False] = ...,
+) -> torch.Tensor: ...
 @overload
-def flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float = ...,
-                             softmax_scale: Optional[float] = ..., causal: bool = ...,
-                             window_size: Tuple[int, int] = ..., softcap: float = ...,
-                             alibi_slopes: Optional[torch.Tensor] = ...,
-                             deterministic: bool = ..., *, return_attn_probs: Literal[True]
-                             ) -> _WithProbs: ...
+def flash_attn_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    dropout_p: float = ...,
+    softmax_scale: Optional[float] = ...,
+    causal: bool = ...,
+    window_size: Tuple[int, int] = ...,
+    softcap: float = ...,
+    alibi_slopes: Optional[torch.Tensor] = ...,
+    deterministic: bool = ...,
+    *,
+    return_attn_probs: Literal[True],
+) -> _WithProbs: ...
 @overload
-def flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float = ...,
-                             softmax_scale: Optional[float] = ..., causal: bool = ...,
-                             window_size: Tuple[int, int] = ..., softcap: float = ...,
-                             alibi_slopes: Optional[torch.Tensor] = ...,
-                             deterministic: bool = ..., return_attn_probs: bool = ...
-                             ) -> _OutOrProbs: ...
+def flash_attn_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    dropout_p: float = ...,
+    softmax_scale: Optional[float] = ...,
+    causal: bool = ...,
+    window_size: Tuple[int, int] = ...,
+    softcap: float = ...,
+    alibi_slopes: Optional[torch.Tensor] = ...,
+    deterministic: bool = ...,
+    return_attn_probs: bool = ...,
+) -> _OutOrProbs: ...
 
 
 @_flash_attn_errors
-def flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float = 0.0,
-                             softmax_scale: Optional[float] = None, causal: bool = False,
-                             window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                             alibi_slopes: Optional[torch.Tensor] = None,
-                             deterministic: bool = False, return_attn_probs: bool = False
-                             ) -> _OutOrProbs:
+def flash_attn_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> _OutOrProbs:
     """flash-attn's ``flash_attn_kvpacked_func``: k and v packed in one tensor.
 
     Parameters
@@ -303,25 +413,44 @@ def flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float
     fn = "flash_attn_kvpacked_func"
     _tensors(fn, q=q)
     _packed(fn, "kv", kv, 2, 2, "(batch, seqlen_k, 2, nheads_kv, headdim)")
-    return _dense(fn, q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size,
-                  softcap, alibi_slopes, deterministic, return_attn_probs)
+    return _dense(
+        fn,
+        q,
+        kv[:, :, 0],
+        kv[:, :, 1],
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+    )
 
 
 @_flash_attn_errors
-def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None,
-                            rotary_cos: Optional[torch.Tensor] = None,
-                            rotary_sin: Optional[torch.Tensor] = None,
-                            cache_seqlens: Optional[Union[int, torch.Tensor]] = None,
-                            cache_batch_idx: Optional[torch.Tensor] = None,
-                            cache_leftpad: Optional[torch.Tensor] = None,
-                            block_table: Optional[torch.Tensor] = None,
-                            softmax_scale: Optional[float] = None, causal: bool = False,
-                            window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                            rotary_interleaved: bool = True,
-                            alibi_slopes: Optional[torch.Tensor] = None, num_splits: int = 0,
-                            return_softmax_lse: bool = False
-                            ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: Optional[torch.Tensor] = None,
+    v: Optional[torch.Tensor] = None,
+    rotary_cos: Optional[torch.Tensor] = None,
+    rotary_sin: Optional[torch.Tensor] = None,
+    cache_seqlens: Optional[Union[int, torch.Tensor]] = None,
+    cache_batch_idx: Optional[torch.Tensor] = None,
+    cache_leftpad: Optional[torch.Tensor] = None,
+    block_table: Optional[torch.Tensor] = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """flash-attn's ``flash_attn_with_kvcache``, over :func:`flashdl.attention_with_kvcache`.
 
     No autograd, as in flash-attn. ``cache_seqlens`` and ``block_table`` on a GPU are copied to
@@ -377,17 +506,28 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if rotary_cos is not None and rotary_sin is not None and k is None:
         # flash-attn: "If rotary cos/sin are provided, new key / value to be appended to KV cache
         # must also be provided" (only one of the tables: flashdl's "both or neither" below).
-        raise ValueError("rotary_cos: rotary embedding is given, so the new keys and values to "
-                         "append to the cache (k and v) must be given too, as in flash-attn; "
-                         "flashdl.attention_with_kvcache also rotates q alone")
+        raise ValueError(
+            "rotary_cos: rotary embedding is given, so the new keys and values to "
+            "append to the cache (k and v) must be given too, as in flash-attn; "
+            "flashdl.attention_with_kvcache also rotates q alone"
+        )
     batch = q.shape[0]
     if cache_seqlens is None:
-        cache_seqlens = torch.full((batch,), k_cache.shape[1] - (0 if k is None else k.shape[1]),
-                                   dtype=torch.int32)
+        cache_seqlens = torch.full(
+            (batch,), k_cache.shape[1] - (0 if k is None else k.shape[1]), dtype=torch.int32
+        )
     elif isinstance(cache_seqlens, (numbers.Integral, bool, np.bool_)):
-        cache_seqlens = torch.full((batch,), _checks.integer(
-            "cache_seqlens", cache_seqlens, "an int32 tensor (batch,) or an int in [0, 2**31)",
-            0, 2**31), dtype=torch.int32)
+        cache_seqlens = torch.full(
+            (batch,),
+            _checks.integer(
+                "cache_seqlens",
+                cache_seqlens,
+                "an int32 tensor (batch,) or an int in [0, 2**31)",
+                0,
+                2**31,
+            ),
+            dtype=torch.int32,
+        )
     # flash-attn takes these on the GPU; flashdl checks them on the host.
     if isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.device.type != "cpu":
         cache_seqlens = cache_seqlens.cpu()
@@ -400,21 +540,36 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         block_table = block_table.cpu()
     rotary = {}
     if rotary_cos is not None or rotary_sin is not None:
-        rotary = dict(rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-                      rotary_interleaved=rotary_interleaved)
+        rotary = dict(
+            rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved
+        )
     mods = _score_mods(softcap, alibi_slopes)
     with torch.no_grad():
         return _fdl.attention_with_kvcache(
-            _maybe_contiguous(q), k_cache, v_cache, cache_seqlens=cache_seqlens, k=k, v=v,
-            block_table=block_table, softmax_scale=softmax_scale, causal=causal,
-            window_size=_window(window_size), num_splits=num_splits,
-            return_lse=return_softmax_lse, cache_batch_idx=cache_batch_idx,
-            cache_leftpad=cache_leftpad, **rotary, **mods)
+            _maybe_contiguous(q),
+            k_cache,
+            v_cache,
+            cache_seqlens=cache_seqlens,
+            k=k,
+            v=v,
+            block_table=block_table,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            window_size=_window(window_size),
+            num_splits=num_splits,
+            return_lse=return_softmax_lse,
+            cache_batch_idx=cache_batch_idx,
+            cache_leftpad=cache_leftpad,
+            **rotary,
+            **mods,
+        )
 
 
-def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor,
-                unused_mask: Optional[torch.Tensor] = None
-                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor]:
+def unpad_input(
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor,
+    unused_mask: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor]:
     """``flash_attn.bert_padding.unpad_input``: from a padded batch to the varlen layout.
 
     Parameters
@@ -457,8 +612,9 @@ def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor,
     return flat[indices], indices, cu_seqlens, max_seqlen, used
 
 
-def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int
-              ) -> torch.Tensor:
+def pad_input(
+    hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int
+) -> torch.Tensor:
     """``flash_attn.bert_padding.pad_input``: the inverse of :func:`unpad_input`.
 
     Parameters

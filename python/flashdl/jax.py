@@ -25,8 +25,17 @@ from ._jax_flax import flax_attention
 from ._jax_kvcache import attention_with_kvcache, merge_states
 from ._jax_ring import ring_attention, ring_permute, ring_unpermute
 
-__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "dot_product_attention",
-           "flax_attention", "merge_states", "ring_attention", "ring_permute", "ring_unpermute"]
+__all__ = [
+    "attention",
+    "attention_varlen",
+    "attention_with_kvcache",
+    "dot_product_attention",
+    "flax_attention",
+    "merge_states",
+    "ring_attention",
+    "ring_permute",
+    "ring_unpermute",
+]
 
 # Defined in _jax_attention; this module is their public home (help(), pickling by name).
 attention.__module__ = attention_varlen.__module__ = __name__

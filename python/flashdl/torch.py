@@ -12,7 +12,6 @@ In eager mode (nothing compiling, exporting, tracing or intercepting ops) attent
 a plain autograd.Function calls the extension directly, with the same results bit for bit.
 """
 
-
 from __future__ import annotations
 
 from typing import Optional, Tuple, Union
@@ -23,25 +22,46 @@ from . import _torch_sdpa
 from ._args import ArrayLike
 from ._kvcache import attention_with_kvcache as _attention_with_kvcache
 from ._torch_attention import attention, attention_varlen
-from ._torch_context_parallel import (context_parallel_attention, context_parallel_groups,
-                                      context_parallel_shard, context_parallel_unshard)
+from ._torch_context_parallel import (
+    context_parallel_attention,
+    context_parallel_groups,
+    context_parallel_shard,
+    context_parallel_unshard,
+)
 from ._torch_ring import ring_attention
 from ._torch_ring import shard as ring_shard
 from ._torch_ring import unshard as ring_unshard
 from ._torch_ulysses import ulysses_attention
 
-__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "context_parallel_attention",
-           "context_parallel_groups", "context_parallel_shard", "context_parallel_unshard",
-           "ring_attention", "ring_shard", "ring_unshard", "scaled_dot_product_attention",
-           "ulysses_attention"]
+__all__ = [
+    "attention",
+    "attention_varlen",
+    "attention_with_kvcache",
+    "context_parallel_attention",
+    "context_parallel_groups",
+    "context_parallel_shard",
+    "context_parallel_unshard",
+    "ring_attention",
+    "ring_shard",
+    "ring_unshard",
+    "scaled_dot_product_attention",
+    "ulysses_attention",
+]
 # Defined in _torch_attention; this module is their public home (help(), pickling by name).
 attention.__module__ = attention_varlen.__module__ = __name__
 
 
-def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                                 attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
-                                 is_causal: bool = False, *, scale: Optional[float] = None,
-                                 enable_gqa: bool = False) -> torch.Tensor:
+def scaled_dot_product_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
     """``torch.nn.functional.scaled_dot_product_attention`` computed by flashdl, autograd included.
 
     PyTorch's signature, layout and semantics, over :func:`attention` with transposed views (no
@@ -108,31 +128,48 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         return x.contiguous() if x.shape[-1] > 1 and x.stride(-1) != 1 else x
 
     try:
-        out = attention(flashdl_layout(query, sq), flashdl_layout(key, keep),
-                        flashdl_layout(value, keep), causal=causal, softmax_scale=scale,
-                        window_size=window, dropout_p=dropout_p, bias=bias, mask=mask)
+        out = attention(
+            flashdl_layout(query, sq),
+            flashdl_layout(key, keep),
+            flashdl_layout(value, keep),
+            causal=causal,
+            softmax_scale=scale,
+            window_size=window,
+            dropout_p=dropout_p,
+            bias=bias,
+            mask=mask,
+        )
     except (ValueError, TypeError) as err:
         raise _torch_sdpa.renamed(err) from None
     return out.squeeze(2) if rank3 else out.transpose(1, 2)
 
 
-def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
-                           cache_seqlens: ArrayLike, k: Optional[torch.Tensor] = None,
-                           v: Optional[torch.Tensor] = None,
-                           block_table: Optional[ArrayLike] = None, causal: bool = False,
-                           softmax_scale: Optional[float] = None,
-                           window_size: Tuple[int, int] = (-1, -1), num_splits: int = 0,
-                           return_lse: bool = False, alibi_slopes: Optional[ArrayLike] = None,
-                           softcap: float = 0.0, layout: str = "bshd",
-                           rotary_cos: Optional[torch.Tensor] = None,
-                           rotary_sin: Optional[torch.Tensor] = None,
-                           rotary_interleaved: bool = False,
-                           cache_batch_idx: Optional[ArrayLike] = None,
-                           cache_leftpad: Optional[ArrayLike] = None,
-                           sinks: Optional[torch.Tensor] = None,
-                           bias: Optional[torch.Tensor] = None,
-                           mask: Optional[torch.Tensor] = None
-                           ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+def attention_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    cache_seqlens: ArrayLike,
+    k: Optional[torch.Tensor] = None,
+    v: Optional[torch.Tensor] = None,
+    block_table: Optional[ArrayLike] = None,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    window_size: Tuple[int, int] = (-1, -1),
+    num_splits: int = 0,
+    return_lse: bool = False,
+    alibi_slopes: Optional[ArrayLike] = None,
+    softcap: float = 0.0,
+    layout: str = "bshd",
+    rotary_cos: Optional[torch.Tensor] = None,
+    rotary_sin: Optional[torch.Tensor] = None,
+    rotary_interleaved: bool = False,
+    cache_batch_idx: Optional[ArrayLike] = None,
+    cache_leftpad: Optional[ArrayLike] = None,
+    sinks: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
+    mask: Optional[torch.Tensor] = None,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """:func:`flashdl.attention_with_kvcache` for torch tensors (decoding; no autograd).
 
     Runs under ``torch.no_grad()`` and appends ``k``, ``v`` into ``k_cache``, ``v_cache`` in place
@@ -186,14 +223,28 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     (torch.Size([1, 1, 4, 16]), True)
     """
     with torch.no_grad():
-        return _attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, k=k,
-                                       v=v, block_table=block_table, causal=causal,
-                                       softmax_scale=softmax_scale, window_size=window_size,
-                                       num_splits=num_splits, return_lse=return_lse,
-                                       alibi_slopes=alibi_slopes, softcap=softcap,
-                                       layout=layout, rotary_cos=rotary_cos,
-                                       rotary_sin=rotary_sin,
-                                       rotary_interleaved=rotary_interleaved,
-                                       cache_batch_idx=cache_batch_idx,
-                                       cache_leftpad=cache_leftpad, sinks=sinks, bias=bias,
-                                       mask=mask)
+        return _attention_with_kvcache(
+            q,
+            k_cache,
+            v_cache,
+            cache_seqlens=cache_seqlens,
+            k=k,
+            v=v,
+            block_table=block_table,
+            causal=causal,
+            softmax_scale=softmax_scale,
+            window_size=window_size,
+            num_splits=num_splits,
+            return_lse=return_lse,
+            alibi_slopes=alibi_slopes,
+            softcap=softcap,
+            layout=layout,
+            rotary_cos=rotary_cos,
+            rotary_sin=rotary_sin,
+            rotary_interleaved=rotary_interleaved,
+            cache_batch_idx=cache_batch_idx,
+            cache_leftpad=cache_leftpad,
+            sinks=sinks,
+            bias=bias,
+            mask=mask,
+        )

@@ -84,11 +84,14 @@ def _transformers():
         import transformers
         import transformers.masking_utils
     except ImportError as err:
-        raise ImportError("flashdl.transformers needs the transformers package "
-                          "(pip install transformers)") from err
+        raise ImportError(
+            "flashdl.transformers needs the transformers package (pip install transformers)"
+        ) from err
     if not hasattr(transformers, "AttentionMaskInterface"):
-        raise ImportError("flashdl.transformers needs transformers >= 5 (AttentionInterface and "
-                          f"AttentionMaskInterface); found {transformers.__version__}")
+        raise ImportError(
+            "flashdl.transformers needs transformers >= 5 (AttentionInterface and "
+            f"AttentionMaskInterface); found {transformers.__version__}"
+        )
     return transformers
 
 
@@ -129,19 +132,32 @@ def register(name: str = DEFAULT_NAME) -> str:
     if not isinstance(name, str):
         raise TypeError(f"name: expected a str, got {type(name).__name__}")
     reserved = [word for word in ("flash", "sdpa", "flex_attention") if word in name]
-    if not name or reserved or "/" in name or ":" in name or name == "eager" \
-            or name.startswith("paged|"):
-        why = (f"contains {reserved[0]!r}, which transformers reserves" if reserved
-               else "is reserved by transformers or looks like a hub kernel")
+    if (
+        not name
+        or reserved
+        or "/" in name
+        or ":" in name
+        or name == "eager"
+        or name.startswith("paged|")
+    ):
+        why = (
+            f"contains {reserved[0]!r}, which transformers reserves"
+            if reserved
+            else "is reserved by transformers or looks like a hub kernel"
+        )
         raise ValueError(f"name: {name!r} {why}; choose another (default {DEFAULT_NAME!r})")
     transformers = _transformers()
     functions = transformers.AttentionInterface()
     masks = transformers.AttentionMaskInterface()
-    for interface, ours, what in ((functions, attention_forward, "AttentionInterface"),
-                                  (masks, attention_mask_interface, "AttentionMaskInterface")):
+    for interface, ours, what in (
+        (functions, attention_forward, "AttentionInterface"),
+        (masks, attention_mask_interface, "AttentionMaskInterface"),
+    ):
         if name in interface and interface[name] is not ours:
-            raise ValueError(f"name: {name!r} is already registered in transformers' {what} by "
-                             "another implementation")
+            raise ValueError(
+                f"name: {name!r} is already registered in transformers' {what} by "
+                "another implementation"
+            )
     transformers.AttentionInterface.register(name, attention_forward)
     transformers.AttentionMaskInterface.register(name, attention_mask_interface)
     return name
@@ -149,11 +165,20 @@ def register(name: str = DEFAULT_NAME) -> str:
 
 # --- The mask interface: what create_causal_mask & co. hand to attention_forward ---------------
 
-def attention_mask_interface(batch_size: int, q_length: int, kv_length: int,
-                             q_offset: Any = 0, kv_offset: Any = 0, mask_function: Any = None,
-                             attention_mask: Optional[torch.Tensor] = None,
-                             local_size: Optional[int] = None, use_vmap: bool = False,
-                             device: Any = "cpu", **kwargs: Any) -> Optional[torch.Tensor]:
+
+def attention_mask_interface(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: Any = 0,
+    kv_offset: Any = 0,
+    mask_function: Any = None,
+    attention_mask: Optional[torch.Tensor] = None,
+    local_size: Optional[int] = None,
+    use_vmap: bool = False,
+    device: Any = "cpu",
+    **kwargs: Any,
+) -> Optional[torch.Tensor]:
     """transformers' mask interface for flashdl (``masking_utils.create_causal_mask`` and the others
     call it).
 
@@ -206,15 +231,33 @@ def attention_mask_interface(batch_size: int, q_length: int, kv_length: int,
     if mask_function is None:
         mask_function = masking.causal_mask_function
     q_offset, kv_offset = int(q_offset), int(kv_offset)
-    kind = _pattern(masking, batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
-                    local_size, use_vmap, device)
+    kind = _pattern(
+        masking,
+        batch_size,
+        q_length,
+        kv_length,
+        q_offset,
+        kv_offset,
+        mask_function,
+        local_size,
+        use_vmap,
+        device,
+    )
     if kind is None:
-        return masking.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
-                                 q_offset=q_offset, kv_offset=kv_offset,
-                                 mask_function=mask_function, attention_mask=attention_mask,
-                                 local_size=local_size, allow_is_causal_skip=False,
-                                 allow_is_bidirectional_skip=False, use_vmap=use_vmap,
-                                 device=device)
+        return masking.sdpa_mask(
+            batch_size=batch_size,
+            q_length=q_length,
+            kv_length=kv_length,
+            q_offset=q_offset,
+            kv_offset=kv_offset,
+            mask_function=mask_function,
+            attention_mask=attention_mask,
+            local_size=local_size,
+            allow_is_causal_skip=False,
+            allow_is_bidirectional_skip=False,
+            use_vmap=use_vmap,
+            device=device,
+        )
     # Key slots that exist: a causal layer's queries are its last slots (a StaticCache's keys
     # beyond them are unused, as they are masked for "sdpa"); bidirectional layers keep all.
     n = kv_length
@@ -223,26 +266,42 @@ def attention_mask_interface(batch_size: int, q_length: int, kv_length: int,
         if not q_length <= n <= kv_length:
             raise NotImplementedError(
                 f"flashdl attention: queries at positions [{q_offset}, {q_offset + q_length}) "
-                f"do not end the keys at [{kv_offset}, {kv_offset + kv_length})")
+                f"do not end the keys at [{kv_offset}, {kv_offset + kv_length})"
+            )
     if attention_mask is None:
-        return None if n == kv_length else torch.ones(batch_size, n, dtype=torch.bool,
-                                                      device=device)
+        return (
+            None if n == kv_length else torch.ones(batch_size, n, dtype=torch.bool, device=device)
+        )
     if attention_mask.dim() != 2:
-        raise ValueError("attention_mask: expected a 2-D padding mask (batch, seqlen), got shape "
-                         f"{tuple(attention_mask.shape)}")
+        raise ValueError(
+            "attention_mask: expected a 2-D padding mask (batch, seqlen), got shape "
+            f"{tuple(attention_mask.shape)}"
+        )
     # The last column of the 2-D mask is the last token, as in transformers' flash integration;
     # so a mask this function returned (generate() feeds it back in) means the same again.
     if attention_mask.shape[1] < n:
-        raise ValueError(f"attention_mask: a 2-D mask of {attention_mask.shape[1]} tokens for "
-                         f"{n} keys (positions [{kv_offset}, {kv_offset + n}))")
-    padding = attention_mask.to(device=device, dtype=torch.bool)[:, attention_mask.shape[1] - n:]
+        raise ValueError(
+            f"attention_mask: a 2-D mask of {attention_mask.shape[1]} tokens for "
+            f"{n} keys (positions [{kv_offset}, {kv_offset + n}))"
+        )
+    padding = attention_mask.to(device=device, dtype=torch.bool)[:, attention_mask.shape[1] - n :]
     if n == kv_length and bool(padding.all()):
         return None
     return padding
 
 
-def _pattern(masking, batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
-             local_size, use_vmap, device):
+def _pattern(
+    masking,
+    batch_size,
+    q_length,
+    kv_length,
+    q_offset,
+    kv_offset,
+    mask_function,
+    local_size,
+    use_vmap,
+    device,
+):
     """'causal' or 'bidirectional' when mask_function is that pattern (with the window local_size
     where given) over this grid, else None. transformers' own two plain patterns are known by
     identity; any other is evaluated, a block of rows at a time, and compared entry by entry."""
@@ -255,11 +314,19 @@ def _pattern(masking, batch_size, q_length, kv_length, q_offset, kv_offset, mask
     kv = torch.arange(kv_length, device=device)[None, :] + kv_offset
     for r0 in range(0, q_length, rows):
         r1 = min(q_length, r0 + rows)
-        got = masking.sdpa_mask(batch_size=batch_size, q_length=r1 - r0, kv_length=kv_length,
-                                q_offset=q_offset + r0, kv_offset=kv_offset,
-                                mask_function=mask_function, attention_mask=None,
-                                allow_is_causal_skip=False, allow_is_bidirectional_skip=False,
-                                use_vmap=use_vmap, device=device)
+        got = masking.sdpa_mask(
+            batch_size=batch_size,
+            q_length=r1 - r0,
+            kv_length=kv_length,
+            q_offset=q_offset + r0,
+            kv_offset=kv_offset,
+            mask_function=mask_function,
+            attention_mask=None,
+            allow_is_causal_skip=False,
+            allow_is_bidirectional_skip=False,
+            use_vmap=use_vmap,
+            device=device,
+        )
         q = torch.arange(r0, r1, device=device)[:, None] + q_offset
         expected = {"causal": kv <= q, "bidirectional": torch.ones_like(kv <= q)}
         if local_size is not None:
@@ -275,12 +342,20 @@ def _pattern(masking, batch_size, q_length, kv_length, q_offset, kv_offset, mask
 
 # --- The attention function ------------------------------------------------------------------
 
-def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                      value: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                      dropout: float = 0.0, scaling: Optional[float] = None,
-                      sliding_window: Optional[int] = None, softcap: Optional[float] = None,
-                      is_causal: Optional[bool] = None, **kwargs: Any
-                      ) -> Tuple[torch.Tensor, None]:
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    is_causal: Optional[bool] = None,
+    **kwargs: Any,
+) -> Tuple[torch.Tensor, None]:
     """flashdl's attention with transformers' attention-function signature.
 
     transformers calls it for every attention layer of a model whose implementation is the name
@@ -337,36 +412,51 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"flashdl attention does not support {what}")
     if kwargs.get("output_attentions", False):
-        warnings.warn("flashdl attention does not return attention weights "
-                      "(output_attentions=True): they are None", stacklevel=2)
+        warnings.warn(
+            "flashdl attention does not return attention weights "
+            "(output_attentions=True): they are None",
+            stacklevel=2,
+        )
     for arg, x in (("query", query), ("key", key), ("value", value)):
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
-            raise ValueError(f"{arg}: expected a rank-4 tensor (batch, heads, seqlen, headdim), "
-                             f"got {getattr(x, 'shape', type(x).__name__)}")
-    causal = (bool(getattr(module, "is_causal", True)) if is_causal is None
-              else _checks.flag("is_causal", is_causal))
+            raise ValueError(
+                f"{arg}: expected a rank-4 tensor (batch, heads, seqlen, headdim), "
+                f"got {getattr(x, 'shape', type(x).__name__)}"
+            )
+    causal = (
+        bool(getattr(module, "is_causal", True))
+        if is_causal is None
+        else _checks.flag("is_causal", is_causal)
+    )
     seq_q, seq_k = query.shape[2], key.shape[2]
     head_dim, v_head_dim = query.shape[-1], value.shape[-1]
     deterministic = kwargs.get("deterministic")
     if deterministic is None:
         deterministic = os.environ.get("FLASH_ATTENTION_DETERMINISTIC", "0") == "1"
-    opts = dict(causal=causal, softmax_scale=_scalar("scaling", scaling),
-                window_size=_window_size(sliding_window, causal, seq_k), dropout_p=dropout,
-                softcap=_scalar("softcap", softcap) or 0.0,
-                deterministic=_checks.flag("deterministic", deterministic),
-                sinks=_sinks(kwargs.get("s_aux")))
+    opts = dict(
+        causal=causal,
+        softmax_scale=_scalar("scaling", scaling),
+        window_size=_window_size(sliding_window, causal, seq_k),
+        dropout_p=dropout,
+        softcap=_scalar("softcap", softcap) or 0.0,
+        deterministic=_checks.flag("deterministic", deterministic),
+        sinks=_sinks(kwargs.get("s_aux")),
+    )
 
     # flashdl's layout (batch, seqlen, heads, dim): transposed views, not copies.
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     if v_head_dim < head_dim:
         v = torch.nn.functional.pad(v, (0, head_dim - v_head_dim))
     elif v_head_dim > head_dim:
-        raise NotImplementedError(f"flashdl attention: value head dim {v_head_dim} > query head "
-                                  f"dim {head_dim}")
+        raise NotImplementedError(
+            f"flashdl attention: value head dim {v_head_dim} > query head dim {head_dim}"
+        )
 
     if attention_mask is None:
-        varlen = {x: kwargs.get(x) for x in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
-                                             "max_length_k")}
+        varlen = {
+            x: kwargs.get(x)
+            for x in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+        }
         if all(x is not None for x in varlen.values()):
             out = _packed(q, k, v, varlen, opts)
         else:
@@ -376,14 +466,19 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise NotImplementedError(
             "flashdl attention: attention_mask must be None, a 2-D padding mask or a 4-D mask "
             f"tensor, got {type(attention_mask).__name__}"
-            + (f" of shape {tuple(shape)}" if shape is not None else ""))
+            + (f" of shape {tuple(shape)}" if shape is not None else "")
+        )
     elif attention_mask.dim() == 2:
-        out = _run_varlen(q, k, v, _from_padding(attention_mask, causal, opts["window_size"],
-                                                 q.shape[0], seq_q, seq_k), opts)
+        out = _run_varlen(
+            q,
+            k,
+            v,
+            _from_padding(attention_mask, causal, opts["window_size"], q.shape[0], seq_q, seq_k),
+            opts,
+        )
     else:
         try:
-            plan = _from_4d(attention_mask, causal, opts["window_size"], q.shape[0], seq_q,
-                            seq_k)
+            plan = _from_4d(attention_mask, causal, opts["window_size"], q.shape[0], seq_q, seq_k)
         except _NotSequences:
             out = _masked(q, k, v, attention_mask, opts)
         else:
@@ -403,8 +498,10 @@ def _masked(q, k, v, attention_mask, opts):
     b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
     m = attention_mask
     if m.shape[-2:] != (sq, sk) or m.shape[0] not in (1, b):
-        raise ValueError(f"attention_mask: expected a 4-D mask ({b} or 1, heads or 1, {sq}, "
-                         f"{sk}), got shape {tuple(m.shape)}")
+        raise ValueError(
+            f"attention_mask: expected a 4-D mask ({b} or 1, heads or 1, {sq}, "
+            f"{sk}), got shape {tuple(m.shape)}"
+        )
     run = dict(opts, causal=False, window_size=(-1, -1))
     if m.dtype == torch.bool:
         return _fdl.attention(q, k, v, mask=m, **run)
@@ -419,10 +516,15 @@ def _scalar(name, x):
     if x is None:
         return None
     if isinstance(x, torch.Tensor) and x.requires_grad:
-        raise NotImplementedError(f"{name}: a learnable {name} (a tensor that requires grad) is "
-                                  "not supported by flashdl attention: it would get no gradient")
-    value = float(x) if isinstance(x, torch.Tensor) and x.numel() == 1 else \
-        _checks.real(name, x, "None or a float")
+        raise NotImplementedError(
+            f"{name}: a learnable {name} (a tensor that requires grad) is "
+            "not supported by flashdl attention: it would get no gradient"
+        )
+    value = (
+        float(x)
+        if isinstance(x, torch.Tensor) and x.numel() == 1
+        else _checks.real(name, x, "None or a float")
+    )
     return _checks.finite(name, value, "None or a finite float")
 
 
@@ -433,8 +535,10 @@ def _sinks(s_aux):
     if s_aux is None:
         return None
     if not isinstance(s_aux, torch.Tensor) or not s_aux.is_floating_point():
-        raise TypeError("s_aux: expected None or a float tensor of shape (num_attention_heads,), "
-                        f"got {getattr(s_aux, 'dtype', type(s_aux).__name__)}")
+        raise TypeError(
+            "s_aux: expected None or a float tensor of shape (num_attention_heads,), "
+            f"got {getattr(s_aux, 'dtype', type(s_aux).__name__)}"
+        )
     return s_aux.to(torch.float32)
 
 
@@ -443,16 +547,20 @@ def _window_size(sliding_window, causal, seq_k):
     "eager" and "sdpa") as flashdl's window_size (w - 1, 0)."""
     if sliding_window is None:
         return (-1, -1)
-    if isinstance(sliding_window, bool) or not isinstance(sliding_window, numbers.Integral) \
-            or sliding_window < 1:
+    if (
+        isinstance(sliding_window, bool)
+        or not isinstance(sliding_window, numbers.Integral)
+        or sliding_window < 1
+    ):
         raise ValueError(f"sliding_window: expected None or an int >= 1, got {sliding_window!r}")
     w = operator.index(sliding_window)
     if causal:
         return (w - 1, 0)
     if seq_k > w:
         # "eager"/"sdpa" keep |i - j| <= w here, transformers' flash integration |i - j| < w.
-        raise NotImplementedError("flashdl attention: a sliding window with bidirectional "
-                                  "(is_causal=False) attention")
+        raise NotImplementedError(
+            "flashdl attention: a sliding window with bidirectional (is_causal=False) attention"
+        )
     return (-1, -1)
 
 
@@ -467,23 +575,27 @@ class _Varlen:
 
 
 def _cumulative(lengths):
-    return torch.nn.functional.pad(torch.cumsum(lengths.to("cpu", torch.int64), 0),
-                                   (1, 0)).to(torch.int32)
+    return torch.nn.functional.pad(torch.cumsum(lengths.to("cpu", torch.int64), 0), (1, 0)).to(
+        torch.int32
+    )
 
 
 def _from_padding(mask, causal, window, batch, seq_q, seq_k):
     """A 2-D padding mask (batch, n) as varlen sequences: the valid keys among the first n, and
     the valid queries (causal: the last seq_q of the n slots; bidirectional: all of them)."""
     if mask.shape[0] != batch:
-        raise ValueError(f"attention_mask: expected {batch} rows (the batch), got shape "
-                         f"{tuple(mask.shape)}")
+        raise ValueError(
+            f"attention_mask: expected {batch} rows (the batch), got shape {tuple(mask.shape)}"
+        )
     n = mask.shape[1]
     if not (seq_q <= n <= seq_k if causal else n <= seq_k):
-        raise ValueError(f"attention_mask: a 2-D mask of {n} keys does not fit seq_q={seq_q}, "
-                         f"seq_k={seq_k}" + (" (causal: seq_q <= n <= seq_k)" if causal else ""))
+        raise ValueError(
+            f"attention_mask: a 2-D mask of {n} keys does not fit seq_q={seq_q}, "
+            f"seq_k={seq_k}" + (" (causal: seq_q <= n <= seq_k)" if causal else "")
+        )
     valid_k = mask.to(torch.bool)
     if causal:
-        valid_q = valid_k[:, n - seq_q:]
+        valid_q = valid_k[:, n - seq_q :]
         if 0 <= window[0] < n - 1:
             # After unpadding, the window counts tokens: padding between two tokens would be
             # counted by "eager" but not by flashdl.
@@ -494,15 +606,20 @@ def _from_padding(mask, causal, window, batch, seq_q, seq_k):
             if bool(((count > 0) & (last - first + 1 != count)).any()):
                 raise NotImplementedError(
                     "flashdl attention: a sliding window with padding between tokens (a 2-D "
-                    "attention_mask with zeros inside a sequence)")
+                    "attention_mask with zeros inside a sequence)"
+                )
     else:
         valid_q = torch.ones(batch, seq_q, dtype=torch.bool, device=mask.device)
     keep = valid_q.any(1)  # a row with no query is left out altogether
     valid_q, valid_k = valid_q & keep[:, None], valid_k & keep[:, None]
     if n < seq_k:
         valid_k = torch.nn.functional.pad(valid_k, (0, seq_k - n), value=False)
-    return _Varlen(valid_q.flatten().nonzero().flatten(), valid_k.flatten().nonzero().flatten(),
-                   _cumulative(valid_q.sum(1)[keep]), _cumulative(valid_k.sum(1)[keep]))
+    return _Varlen(
+        valid_q.flatten().nonzero().flatten(),
+        valid_k.flatten().nonzero().flatten(),
+        _cumulative(valid_q.sum(1)[keep]),
+        _cumulative(valid_k.sum(1)[keep]),
+    )
 
 
 # The decompositions of the last few 4-D masks: every layer of a forward gets the same one (or
@@ -525,25 +642,30 @@ def _from_4d(mask, causal, window, batch, seq_q, seq_k):
         if cached[0]() is mask and cached[1:] == key[1:]:
             return result
     if seq_q != seq_k:
-        raise _NotSequences("flashdl attention: a 4-D attention_mask with a KV cache "
-                                  f"(seq_q {seq_q} != seq_k {seq_k})")
+        raise _NotSequences(
+            "flashdl attention: a 4-D attention_mask with a KV cache "
+            f"(seq_q {seq_q} != seq_k {seq_k})"
+        )
     if mask.shape[0] not in (1, batch) or tuple(mask.shape[2:]) != (seq_q, seq_k):
-        raise ValueError(f"attention_mask: expected a 4-D mask ({batch} or 1, heads or 1, "
-                         f"{seq_q}, {seq_k}), got shape {tuple(mask.shape)}")
+        raise ValueError(
+            f"attention_mask: expected a 4-D mask ({batch} or 1, heads or 1, "
+            f"{seq_q}, {seq_k}), got shape {tuple(mask.shape)}"
+        )
     if mask.dtype == torch.bool:
         visible = mask
     elif mask.is_floating_point():
         visible = mask == 0
         hidden = (mask == float("-inf")) | (mask <= torch.finfo(mask.dtype).min)
         if not bool((visible | hidden).all()):
-            raise _NotSequences("flashdl attention: a float attention_mask with values "
-                                      "other than 0 and -inf (an additive bias)")
+            raise _NotSequences(
+                "flashdl attention: a float attention_mask with values "
+                "other than 0 and -inf (an additive bias)"
+            )
     else:
         raise _NotSequences(f"flashdl attention: a 4-D attention_mask of dtype {mask.dtype}")
     visible = visible.to("cpu")
     if visible.shape[1] > 1 and not bool((visible == visible[:, :1]).all()):
-        raise _NotSequences("flashdl attention: a 4-D attention_mask that differs "
-                                  "between heads")
+        raise _NotSequences("flashdl attention: a 4-D attention_mask that differs between heads")
     m = visible[:, 0].expand(batch, seq_q, seq_k)
     n = seq_q
     pos = torch.arange(n)
@@ -551,7 +673,8 @@ def _from_4d(mask, causal, window, batch, seq_q, seq_k):
     if bool((m.any(1) & ~live).any()):
         raise _NotSequences(
             "flashdl attention: a 4-D attention_mask in which a query attends to a key that "
-            "does not attend to itself")
+            "does not attend to itself"
+        )
     # The live token before each token, -1 if none.
     before = torch.where(live, pos, -1).cummax(1).values
     before = torch.nn.functional.pad(before[:, :-1], (1, 0), value=-1)
@@ -575,7 +698,8 @@ def _from_4d(mask, causal, window, batch, seq_q, seq_k):
             "flashdl attention: a 4-D attention_mask that is not a set of "
             f"{'causal' if causal else 'bidirectional'} sequences (packed sequences, chunks, "
             f"padding) with this layer's window (flashdl window_size {window}): e.g. "
-            "bidirectional blocks, or another window than the sliding_window argument")
+            "bidirectional blocks, or another window than the sliding_window argument"
+        )
     # Runs are numbered 1, 2, ... in each row; their lengths, row after row.
     lengths = [torch.bincount(run[b][live[b]] - 1) for b in range(batch) if bool(live[b].any())]
     lengths = torch.cat(lengths) if lengths else torch.zeros(0, dtype=torch.int64)
@@ -591,12 +715,16 @@ def _packed(q, k, v, varlen, opts):
     """transformers' padding-free kwargs (cu_seq_lens_q/k, max_length_q/k): the batch's tokens
     are one flat sequence of sequences, as in its flash integration."""
     b, sq, h, d = q.shape
-    out = _fdl.attention_varlen(q.reshape(-1, h, d), k.reshape(-1, *k.shape[2:]),
-                                v.reshape(-1, *v.shape[2:]),
-                                cu_seqlens_q=_cpu_int32(varlen["cu_seq_lens_q"]),
-                                cu_seqlens_k=_cpu_int32(varlen["cu_seq_lens_k"]),
-                                max_seqlen_q=int(varlen["max_length_q"]),
-                                max_seqlen_k=int(varlen["max_length_k"]), **opts)
+    out = _fdl.attention_varlen(
+        q.reshape(-1, h, d),
+        k.reshape(-1, *k.shape[2:]),
+        v.reshape(-1, *v.shape[2:]),
+        cu_seqlens_q=_cpu_int32(varlen["cu_seq_lens_q"]),
+        cu_seqlens_k=_cpu_int32(varlen["cu_seq_lens_k"]),
+        max_seqlen_q=int(varlen["max_length_q"]),
+        max_seqlen_k=int(varlen["max_length_k"]),
+        **opts,
+    )
     return out.view(b, sq, h, d)
 
 
@@ -611,9 +739,14 @@ def _run_varlen(q, k, v, plan, opts):
     if plan.idx_q.numel() == 0:
         return out.view(b, sq, h, d)
     flat_k, flat_v = (x.reshape(-1, *x.shape[2:]) for x in (k, v))
-    got = _fdl.attention_varlen(flat_q.index_select(0, plan.idx_q),
-                                flat_k.index_select(0, plan.idx_k),
-                                flat_v.index_select(0, plan.idx_k), cu_seqlens_q=plan.cu_q,
-                                cu_seqlens_k=plan.cu_k, max_seqlen_q=plan.max_q,
-                                max_seqlen_k=plan.max_k, **opts)
+    got = _fdl.attention_varlen(
+        flat_q.index_select(0, plan.idx_q),
+        flat_k.index_select(0, plan.idx_k),
+        flat_v.index_select(0, plan.idx_k),
+        cu_seqlens_q=plan.cu_q,
+        cu_seqlens_k=plan.cu_k,
+        max_seqlen_q=plan.max_q,
+        max_seqlen_k=plan.max_k,
+        **opts,
+    )
     return out.index_copy(0, plan.idx_q, got).view(b, sq, h, d)
