@@ -17,6 +17,7 @@ std::vector<Case> cases() {
   std::vector<Case> v;
   auto add = [&](Case c) { v.push_back(std::move(c)); };
   Case c;
+  // clang-format off
   c = Case{}; c.name = "seqlen 1, d 1"; add(c);
   c = Case{}; c.name = "s17 d3 b2"; c.b = 2; c.sq = c.sk = 17; c.h = c.hk = 2; c.d = 3; add(c);
   c = Case{}; c.name = "sq<sk d16"; c.sq = 17; c.sk = 130; c.d = 16; add(c);
@@ -47,6 +48,7 @@ std::vector<Case> cases() {
   c.dtypes = {DType::bfloat16}; add(c);
   c = Case{}; c.name = "seqlen 1000 causal d64"; c.sq = c.sk = 1000; c.d = 64; c.causal = true;
   c.dtypes = {DType::float32, DType::float16}; add(c);
+  // clang-format on
   return v;
 }
 
@@ -82,6 +84,7 @@ void gradcheck(const Case& c, Schedule s) {
 void test_gradcheck() {
   std::vector<Case> v;
   Case c;
+  // clang-format off
   c.name = "GQA 2/1 sq<sk"; c.sq = 3; c.sk = 4; c.h = 2; c.hk = 1; c.d = 3; v.push_back(c);
   c = Case{}; c.name = "causal sq>sk"; c.sq = 5; c.sk = 3; c.d = 2; c.causal = true; v.push_back(c);
   c = Case{}; c.name = "window (1,0) strided"; c.b = 2; c.sq = 4; c.sk = 5; c.h = 2; c.hk = 2;
@@ -89,6 +92,7 @@ void test_gradcheck() {
   c.ol.pad = 1; v.push_back(c);
   c = Case{}; c.name = "dropout 0.3 scale 0.7"; c.sq = 4; c.sk = 6; c.d = 3; c.dropout = 0.3f;
   c.seed = 5; c.scale = 0.7; v.push_back(c);
+  // clang-format on
   for (const Case& cc : v)
     for (Schedule s : {Schedule::reference, Schedule::fa1, Schedule::fa2}) gradcheck(cc, s);
 }
@@ -96,7 +100,9 @@ void test_gradcheck() {
 // seqlen_q = 0 with keys: nothing attends, so dk = dv = 0 (and they must be written).
 void test_no_queries() {
   Case c;
+  // clang-format off
   c.sq = 0; c.sk = 7; c.h = 2; c.hk = 2; c.d = 8;
+  // clang-format on
   for (Schedule s : {Schedule::reference, Schedule::fa1, Schedule::fa2})
     for (DType dt : {DType::float32, DType::float16}) {
       context() = std::string("seqlen_q 0 ") + flashdl::schedule_name(s) + " " + dtype_str(dt);
@@ -114,7 +120,9 @@ void test_no_queries() {
 void test_sram_and_threads() {
   Case c;
   c.name = "sram/threads";
+  // clang-format off
   c.b = 2; c.sq = 110; c.sk = 130; c.h = 4; c.hk = 2; c.d = 16; c.causal = true;
+  // clang-format on
   const Problem p = problem_of(c);
   for (DType dt : {DType::float32, DType::float16}) {
     const Inputs in = make_inputs(c, dt, 21);
@@ -149,11 +157,13 @@ void test_sram_and_threads() {
 void test_kept_memory() {
   std::vector<Case> cs(3);
   cs[0].name = "by queries";  // 300 queries over one key tile
+  // clang-format off
   cs[0].b = 2; cs[0].sq = 300; cs[0].sk = 40; cs[0].h = 4; cs[0].hk = 2; cs[0].d = 64;
   cs[1].name = "small";
   cs[1].sq = 16; cs[1].sk = 16; cs[1].h = 8; cs[1].hk = 8; cs[1].d = 64;
   cs[2].name = "by keys";
   cs[2].sq = 130; cs[2].sk = 200; cs[2].h = 2; cs[2].hk = 1; cs[2].d = 128; cs[2].causal = true;
+  // clang-format on
   for (DType dt : {DType::float32, DType::bfloat16}) {
     std::vector<Inputs> ins;
     std::vector<Forward> fs;

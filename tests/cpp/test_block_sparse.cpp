@@ -38,6 +38,7 @@ std::vector<Case> cases() {
     v.push_back(std::move(c));
   };
   Case c;
+  // clang-format off
   c = Case{}; c.name = "rank 2, blocks 16 dividing 64"; c.sq = c.sk = 64; c.h = c.hk = 2;
   set_block_mask(c, 16, 16, {}, random_blocks(0.5, 1)); add(c);
   c = Case{}; c.name = "blocks 12 x 20 not dividing 50 x 70"; c.sq = 50; c.sk = 70;
@@ -101,6 +102,7 @@ std::vector<Case> cases() {
   set_block_mask(c, 2, 3, {}, all_blocks); add(c);
   c = Case{}; c.name = "seqlen_q 0"; c.sq = 0; c.sk = 9; c.h = 2; c.hk = 1;
   set_block_mask(c, 2, 3, {1, 2}, all_blocks); add(c);
+  // clang-format on
   return v;
 }
 
@@ -141,7 +143,9 @@ void test_all_true_is_dense() {
   for (const auto& bs : blocks) {
     Case dense;
     dense.name = "all-true mask " + std::to_string(bs[0]) + "x" + std::to_string(bs[1]);
+    // clang-format off
     dense.b = 2; dense.sq = 60; dense.sk = 90; dense.h = 2; dense.hk = 1; dense.d = 32;
+    // clang-format on
     dense.causal = bs[0] % 2 == 1;
     Case sparse = dense;
     set_block_mask(sparse, bs[0], bs[1], {2, 1}, all_blocks);
@@ -175,7 +179,9 @@ void test_all_true_is_dense() {
 void test_threads() {
   Case c;
   c.name = "threads";
+  // clang-format off
   c.b = 2; c.sq = 150; c.sk = 130; c.h = 3; c.hk = 1; c.d = 16; c.causal = true;
+  // clang-format on
   set_block_mask(c, 20, 24, {2, 3}, random_blocks(0.5, 23));
   for (DType dt : {DType::float32, DType::bfloat16}) {
     const Inputs in = make_inputs(c, dt, 11);
@@ -263,19 +269,25 @@ void test_nan_poison() {
   };
   Case c;
   c.name = "poison GQA 4/2 (b, h) blocks 16 x 12";
+  // clang-format off
   c.b = 2; c.sq = 70; c.sk = 90; c.h = 4; c.hk = 2; c.d = 16;
+  // clang-format on
   set_block_mask(c, 16, 12, {2, 4}, zero_columns(8, 0.7, 24));
   check_poison(c);
   c = Case{};
   c.name = "poison causal, blocks 5 x 7, dropout";
+  // clang-format off
   c.sq = 48; c.sk = 64; c.h = 2; c.hk = 1; c.d = 24; c.causal = true;
   c.dropout = 0.2f; c.seed = 3; c.offset = 1;
+  // clang-format on
   set_block_mask(c, 5, 7, {1, 2}, zero_columns(10, 0.8, 25));
   check_poison(c);
   c = Case{};
   c.name = "poison window, rank 2, blocks 9 x 10, strided";
+  // clang-format off
   c.b = 2; c.sq = 40; c.sk = 75; c.h = c.hk = 2; c.left = 30; c.right = 10;
   c.kl.order = {0, 2, 1}; c.vl.reverse = 1; c.kl.pad = 3;
+  // clang-format on
   set_block_mask(c, 9, 10, {}, [](int64_t, int64_t, int64_t, int64_t kb) { return kb % 3 != 1; });
   check_poison(c);
 }

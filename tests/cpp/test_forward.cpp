@@ -17,6 +17,7 @@ std::vector<Case> cases() {
   const std::vector<DType> lowp{DType::float32, DType::bfloat16};
   Case c;
 
+  // clang-format off
   c = Case{}; c.name = "seqlen 1, d 1"; add(c);
   c = Case{}; c.name = "s17 d3 b2 h2"; c.b = 2; c.sq = c.sk = 17; c.h = c.hk = 2; c.d = 3; add(c);
   c = Case{}; c.name = "sq<sk d16"; c.sq = 17; c.sk = 130; c.h = c.hk = 2; c.d = 16; add(c);
@@ -65,6 +66,7 @@ std::vector<Case> cases() {
   c.hk = 1; c.d = 32; c.left = 100; c.right = 0; c.dtypes = {DType::float16}; add(c);
   c = Case{}; c.name = "sq 1000 sk 300"; c.sq = 1000; c.sk = 300; c.d = 16;
   c.dtypes = {DType::float16}; add(c);
+  // clang-format on
   return v;
 }
 
@@ -72,9 +74,11 @@ std::vector<Case> cases() {
 void test_fa1_sram() {
   Case c;
   c.name = "fa1 sram";
+  // clang-format off
   c.sq = 37; c.sk = 53; c.h = 2; c.hk = 1; c.d = 16; c.causal = true;
   Case c64 = c;
   c64.name = "fa1 sram d64"; c64.causal = false; c64.sq = 20; c64.sk = 29; c64.d = 64;
+  // clang-format on
   for (const Case& cc : {c, c64}) {
     const Problem p = problem_of(cc);
     for (DType dt : {DType::float32, DType::float16, DType::float64}) {
@@ -98,7 +102,9 @@ void test_fa1_sram() {
 void test_threads() {
   Case c;
   c.name = "threads";
+  // clang-format off
   c.b = 2; c.sq = 150; c.sk = 130; c.h = 3; c.hk = 1; c.d = 16; c.causal = true;
+  // clang-format on
   for (DType dt : {DType::float32, DType::bfloat16}) {
     const Inputs in = make_inputs(c, dt, 11);
     for (Schedule s : {Schedule::fa1, Schedule::fa2, Schedule::reference}) {
@@ -121,11 +127,13 @@ void test_threads() {
 // the few-query K Q^T path; float32, bfloat16 (its own packing) and float64.
 void test_calls_in_turn() {
   Case together, alone, few;
+  // clang-format off
   together.name = "in turn, heads together"; together.sq = 100; together.sk = 40; together.h = 4;
   together.hk = 2; together.d = 16;
   alone.name = "in turn, one head at a time"; alone.b = 2; alone.sq = 60; alone.sk = 130;
   alone.h = 2; alone.hk = 1; alone.d = 32; alone.causal = true;
   few.name = "in turn, few queries"; few.sq = 8; few.sk = 150; few.h = 2; few.hk = 2; few.d = 64;
+  // clang-format on
   for (const Case& c : {together, alone, few})
     for (DType dt : {DType::float32, DType::bfloat16, DType::float64}) {
       const Problem p = problem_of(c);
@@ -148,7 +156,9 @@ void test_calls_in_turn() {
 void test_rule_rejects_wrong_mask() {
   Case c;
   c.name = "negative control";
+  // clang-format off
   c.sq = c.sk = 40; c.causal = true;
+  // clang-format on
   const Inputs in = make_inputs(c, DType::float32, 3);
   Case full = c;
   full.causal = false;
@@ -168,7 +178,9 @@ void test_zero_lengths() {
   for (Schedule s : {Schedule::fa1, Schedule::fa2, Schedule::reference}) {
     context() = std::string("zero lengths ") + flashdl::schedule_name(s);
     Case c;
+    // clang-format off
     c.sq = 4; c.sk = 0; c.h = 2; c.hk = 2; c.d = 8;
+    // clang-format on
     const Inputs in = make_inputs(c, DType::float32, 1);
     const Forward f = run_forward(c, in, options_of(c, s));
     for (double x : f.out.values()) CHECK(x == 0.0);
