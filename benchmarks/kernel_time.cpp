@@ -75,8 +75,7 @@ int main(int argc, char** argv) {
   }
   const double flops = 4.0 * h * s * sk * d * (bwd ? 2.5 : 1.0);
   std::printf("%s %s seqlen %lld x %lld headdim %lld %s: %.4f ms, %.1f GFLOP/s\n", argv[1],
-              bf16 ? "bfloat16" : "float32", static_cast<long long>(s),
-              static_cast<long long>(sk), static_cast<long long>(d), schedule, best * 1e3,
-              flops / best / 1e9);
+              bf16 ? "bfloat16" : "float32", static_cast<long long>(s), static_cast<long long>(sk),
+              static_cast<long long>(d), schedule, best * 1e3, flops / best / 1e9);
   return 0;
 }

@@ -62,7 +62,8 @@ flashdl::DType convert_dtype(const char* name, nb::dlpack::dtype dt, Override ov
   using C = nb::dlpack::dtype_code;
   const auto code = static_cast<C>(dt.code);
   if (dt.lanes == 1) {
-    if (is_float && ov == Override::bfloat16 && (code == C::UInt || code == C::Int) && dt.bits == 16)
+    if (is_float && ov == Override::bfloat16 && (code == C::UInt || code == C::Int) &&
+        dt.bits == 16)
       return flashdl::DType::bfloat16;
     if (code == C::Float && dt.bits == 16) return flashdl::DType::float16;
     if (code == C::Float && dt.bits == 32) return flashdl::DType::float32;
@@ -71,8 +72,7 @@ flashdl::DType convert_dtype(const char* name, nb::dlpack::dtype dt, Override ov
     if (code == C::Int && dt.bits == 32) return flashdl::DType::int32;
     if (code == C::Bool) return flashdl::DType::boolean;
   }
-  fail(flashdl::ErrorKind::type, std::string(name) +
-                                     ": unsupported dtype " + dlpack_dtype_str(dt) +
+  fail(flashdl::ErrorKind::type, std::string(name) + ": unsupported dtype " + dlpack_dtype_str(dt) +
                                      " (expected " + expected + ")");
 }
 
@@ -111,8 +111,7 @@ flashdl::Options make_options(std::optional<double> softmax_scale, bool causal, 
                               uint64_t seed, uint64_t offset, uintptr_t stream, int64_t sram_bytes,
                               int num_threads, bool deterministic) {
   flashdl::Options o;
-  o.softmax_scale = softmax_scale ? *softmax_scale
-                                  : std::numeric_limits<double>::quiet_NaN();
+  o.softmax_scale = softmax_scale ? *softmax_scale : std::numeric_limits<double>::quiet_NaN();
   if (softmax_scale && std::isnan(*softmax_scale))
     fail(flashdl::ErrorKind::value, "softmax_scale: expected a finite number or None, got nan");
   o.causal = causal;
@@ -174,17 +173,15 @@ void forward(const InArray& q, const InArray& k, const InArray& v, const OutArra
              std::optional<double> softmax_scale, bool causal, int64_t window_left,
              int64_t window_right, const std::string& schedule, double dropout_p, uint64_t seed,
              uint64_t offset, uintptr_t stream, int64_t sram_bytes, int num_threads,
-             const std::optional<InArray>& block_mask, int64_t block_size_q,
-             int64_t block_size_k,
-             const std::optional<InArray>& alibi_slopes, double softcap,
-             bool validate_only, const std::optional<InArray>& sinks,
-             const std::optional<InArray>& bias, const std::optional<InArray>& mask,
-             int64_t dropout_batch_offset, int64_t dropout_head_offset,
-             int64_t dropout_nheads_total) {
+             const std::optional<InArray>& block_mask, int64_t block_size_q, int64_t block_size_k,
+             const std::optional<InArray>& alibi_slopes, double softcap, bool validate_only,
+             const std::optional<InArray>& sinks, const std::optional<InArray>& bias,
+             const std::optional<InArray>& mask, int64_t dropout_batch_offset,
+             int64_t dropout_head_offset, int64_t dropout_nheads_total) {
   const Override ov = parse_override(dtype);
-  flashdl::Options o =
-      make_options(softmax_scale, causal, window_left, window_right, schedule, dropout_p, seed,
-                   offset, stream, sram_bytes, num_threads, false);
+  flashdl::Options o = make_options(softmax_scale, causal, window_left, window_right, schedule,
+                                    dropout_p, seed, offset, stream, sram_bytes, num_threads,
+                                    false);
   set_dropout_slice(o, dropout_batch_offset, dropout_head_offset, dropout_nheads_total);
   set_block_mask(o, block_mask, block_size_q, block_size_k);
   set_score_mods(o, alibi_slopes, softcap);
@@ -233,17 +230,16 @@ void backward(const InArray& dout, const InArray& q, const InArray& k, const InA
               std::optional<double> softmax_scale, bool causal, int64_t window_left,
               int64_t window_right, const std::string& schedule, double dropout_p, uint64_t seed,
               uint64_t offset, uintptr_t stream, int64_t sram_bytes, int num_threads,
-              bool deterministic, const std::optional<InArray>& block_mask,
-              int64_t block_size_q, int64_t block_size_k,
-             const std::optional<InArray>& alibi_slopes, double softcap,
-             const std::optional<InArray>& sinks, const std::optional<OutArray>& dsinks,
-             const std::optional<InArray>& bias, const std::optional<InArray>& mask,
-             const std::optional<OutArray>& dbias, int64_t dropout_batch_offset,
-             int64_t dropout_head_offset, int64_t dropout_nheads_total) {
+              bool deterministic, const std::optional<InArray>& block_mask, int64_t block_size_q,
+              int64_t block_size_k, const std::optional<InArray>& alibi_slopes, double softcap,
+              const std::optional<InArray>& sinks, const std::optional<OutArray>& dsinks,
+              const std::optional<InArray>& bias, const std::optional<InArray>& mask,
+              const std::optional<OutArray>& dbias, int64_t dropout_batch_offset,
+              int64_t dropout_head_offset, int64_t dropout_nheads_total) {
   const Override ov = parse_override(dtype);
-  flashdl::Options o =
-      make_options(softmax_scale, causal, window_left, window_right, schedule, dropout_p, seed,
-                   offset, stream, sram_bytes, num_threads, deterministic);
+  flashdl::Options o = make_options(softmax_scale, causal, window_left, window_right, schedule,
+                                    dropout_p, seed, offset, stream, sram_bytes, num_threads,
+                                    deterministic);
   set_dropout_slice(o, dropout_batch_offset, dropout_head_offset, dropout_nheads_total);
   set_block_mask(o, block_mask, block_size_q, block_size_k);
   set_score_mods(o, alibi_slopes, softcap);
@@ -271,15 +267,13 @@ void forward_varlen(const InArray& q, const InArray& k, const InArray& v,
                     uintptr_t stream, int64_t sram_bytes, int num_threads,
                     const std::optional<InArray>& block_mask, int64_t block_size_q,
                     int64_t block_size_k, const std::optional<InArray>& alibi_slopes,
-                    double softcap, bool validate_only,
-                    const std::optional<InArray>& block_table,
-                    const std::optional<InArray>& seqused_k,
-                    const std::optional<InArray>& sinks, const std::optional<InArray>& bias,
-                    const std::optional<InArray>& mask) {
+                    double softcap, bool validate_only, const std::optional<InArray>& block_table,
+                    const std::optional<InArray>& seqused_k, const std::optional<InArray>& sinks,
+                    const std::optional<InArray>& bias, const std::optional<InArray>& mask) {
   const Override ov = parse_override(dtype);
-  flashdl::Options o =
-      make_options(softmax_scale, causal, window_left, window_right, schedule, dropout_p, seed,
-                   offset, stream, sram_bytes, num_threads, false);
+  flashdl::Options o = make_options(softmax_scale, causal, window_left, window_right, schedule,
+                                    dropout_p, seed, offset, stream, sram_bytes, num_threads,
+                                    false);
   set_block_mask(o, block_mask, block_size_q, block_size_k);
   set_score_mods(o, alibi_slopes, softcap);
   set_extras(o, ov, bias, mask, sinks, std::nullopt, std::nullopt);
@@ -305,15 +299,14 @@ void backward_varlen(const InArray& dout, const InArray& q, const InArray& k, co
                      const std::string& schedule, double dropout_p, uint64_t seed, uint64_t offset,
                      uintptr_t stream, int64_t sram_bytes, int num_threads, bool deterministic,
                      const std::optional<InArray>& block_mask, int64_t block_size_q,
-                     int64_t block_size_k,
-             const std::optional<InArray>& alibi_slopes, double softcap,
-             const std::optional<InArray>& sinks, const std::optional<OutArray>& dsinks,
-             const std::optional<InArray>& bias, const std::optional<InArray>& mask,
-             const std::optional<OutArray>& dbias) {
+                     int64_t block_size_k, const std::optional<InArray>& alibi_slopes,
+                     double softcap, const std::optional<InArray>& sinks,
+                     const std::optional<OutArray>& dsinks, const std::optional<InArray>& bias,
+                     const std::optional<InArray>& mask, const std::optional<OutArray>& dbias) {
   const Override ov = parse_override(dtype);
-  flashdl::Options o =
-      make_options(softmax_scale, causal, window_left, window_right, schedule, dropout_p, seed,
-                   offset, stream, sram_bytes, num_threads, deterministic);
+  flashdl::Options o = make_options(softmax_scale, causal, window_left, window_right, schedule,
+                                    dropout_p, seed, offset, stream, sram_bytes, num_threads,
+                                    deterministic);
   set_block_mask(o, block_mask, block_size_q, block_size_k);
   set_score_mods(o, alibi_slopes, softcap);
   set_extras(o, ov, bias, mask, sinks, dbias, dsinks);
@@ -324,21 +317,20 @@ void backward_varlen(const InArray& dout, const InArray& q, const InArray& k, co
              tck = cu_view("cu_seqlens_k", cu_seqlens_k), tdq = to_view("dq", dq, ov, true),
              tdk = to_view("dk", dk, ov, true), tdv = to_view("dv", dv, ov, true);
   nb::gil_scoped_release release;
-  flashdl::backward_varlen(tdo, tq, tk, tv, to, tl, tcq, tck, max_seqlen_q, max_seqlen_k, tdq,
-                           tdk, tdv, o);
+  flashdl::backward_varlen(tdo, tq, tk, tv, to, tl, tcq, tck, max_seqlen_q, max_seqlen_k, tdq, tdk,
+                           tdv, o);
 }
 
 // k_cache and v_cache arrive read-only (nanobind) but are written when k_new and v_new are given:
 // the Python layer refuses arrays it knows to be read-only (NumPy's flag, JAX arrays).
 void forward_kvcache(const InArray& q, const InArray& k_cache, const InArray& v_cache,
                      const InArray& cache_seqlens, const std::optional<InArray>& k_new,
-                     const std::optional<InArray>& v_new,
-                     const std::optional<InArray>& block_table, const OutArray& out,
-                     const OutArray& lse, std::optional<std::string> dtype,
+                     const std::optional<InArray>& v_new, const std::optional<InArray>& block_table,
+                     const OutArray& out, const OutArray& lse, std::optional<std::string> dtype,
                      std::optional<double> softmax_scale, bool causal, int64_t window_left,
-                     int64_t window_right, int64_t num_splits, uintptr_t stream,
-                     int num_threads, const std::optional<InArray>& alibi_slopes,
-                     double softcap, const std::optional<InArray>& rotary_cos,
+                     int64_t window_right, int64_t num_splits, uintptr_t stream, int num_threads,
+                     const std::optional<InArray>& alibi_slopes, double softcap,
+                     const std::optional<InArray>& rotary_cos,
                      const std::optional<InArray>& rotary_sin, bool rotary_interleaved,
                      const std::optional<InArray>& cache_batch_idx,
                      const std::optional<InArray>& cache_leftpad,
@@ -365,8 +357,8 @@ void forward_kvcache(const InArray& q, const InArray& k_cache, const InArray& v_
   if (rotary_sin) x.rotary_sin = to_view("rotary_sin", *rotary_sin, ov, true);
   x.rotary_interleaved = rotary_interleaved;
   if (cache_batch_idx)
-    x.cache_batch_idx =
-        to_view("cache_batch_idx", *cache_batch_idx, Override::none, false, "int32");
+    x.cache_batch_idx = to_view("cache_batch_idx", *cache_batch_idx, Override::none, false,
+                                "int32");
   if (cache_leftpad)
     x.cache_leftpad = to_view("cache_leftpad", *cache_leftpad, Override::none, false, "int32");
   nb::gil_scoped_release release;
@@ -381,9 +373,10 @@ void merge_states(const std::vector<InArray>& outs, const std::vector<InArray>& 
   for (size_t i = 0; i < outs.size(); ++i)
     to.push_back(to_view(("outs[" + std::to_string(i) + "]").c_str(), outs[i], ov, true));
   for (size_t i = 0; i < lses.size(); ++i)
-    tl.push_back(to_view(("lses[" + std::to_string(i) + "]").c_str(), lses[i], Override::none,
-                         false));
-  const auto tout = to_view("out", out, ov, true), tlse = to_view("lse", lse, Override::none, false);
+    tl.push_back(
+        to_view(("lses[" + std::to_string(i) + "]").c_str(), lses[i], Override::none, false));
+  const auto tout = to_view("out", out, ov, true),
+             tlse = to_view("lse", lse, Override::none, false);
   nb::gil_scoped_release release;
   flashdl::merge_states(to, tl, tout, tlse, reinterpret_cast<void*>(stream));
 }
@@ -413,8 +406,7 @@ nb::dict build_info() {
 nb::list xla_ffi_targets() {
   nb::list out;
   for (const auto& t : flashdl::xla_ffi::targets())
-    out.append(nb::make_tuple(t.name, t.platform,
-                              nb::capsule(reinterpret_cast<void*>(t.handler))));
+    out.append(nb::make_tuple(t.name, t.platform, nb::capsule(reinterpret_cast<void*>(t.handler))));
   return out;
 }
 
@@ -446,7 +438,8 @@ NB_MODULE(_ext, m) {
         "sinks"_a.noconvert() = nb::none(), "bias"_a.noconvert() = nb::none(),
         "mask"_a.noconvert() = nb::none(), "dropout_batch_offset"_a = 0,
         "dropout_head_offset"_a = 0, "dropout_nheads_total"_a = 0,
-        "Attention forward (validate_only: check the arguments, compute nothing): writes out (like q) and lse (float32, (batch, nheads, seqlen_q)).");
+        "Attention forward (validate_only: check the arguments, compute nothing): writes out (like "
+        "q) and lse (float32, (batch, nheads, seqlen_q)).");
 
   m.def("forward_default", &forward_default, "q"_a.noconvert(), "k"_a.noconvert(),
         "v"_a.noconvert(), "out"_a.noconvert(), "lse"_a.noconvert().none(), "causal"_a,
@@ -458,25 +451,23 @@ NB_MODULE(_ext, m) {
         "softmax_scale"_a = nb::none(), "causal"_a = false, "window_left"_a = -1,
         "window_right"_a = -1, "schedule"_a = "auto", "dropout_p"_a = 0.0, "seed"_a = 0,
         "offset"_a = 0, "stream"_a = 0, "sram_bytes"_a = 0, "num_threads"_a = 0,
-        "deterministic"_a = false, "block_mask"_a.noconvert() = nb::none(),
-        "block_size_q"_a = 128, "block_size_k"_a = 128,
-        "alibi_slopes"_a.noconvert() = nb::none(), "softcap"_a = 0.0,
+        "deterministic"_a = false, "block_mask"_a.noconvert() = nb::none(), "block_size_q"_a = 128,
+        "block_size_k"_a = 128, "alibi_slopes"_a.noconvert() = nb::none(), "softcap"_a = 0.0,
         "sinks"_a.noconvert() = nb::none(), "dsinks"_a.noconvert() = nb::none(),
         "bias"_a.noconvert() = nb::none(), "mask"_a.noconvert() = nb::none(),
         "dbias"_a.noconvert() = nb::none(), "dropout_batch_offset"_a = 0,
         "dropout_head_offset"_a = 0, "dropout_nheads_total"_a = 0,
         "Attention backward: writes dq, dk, dv (shaped and typed like q, k, v).");
 
-  m.def("forward_varlen", &forward_varlen, "q"_a.noconvert(), "k"_a.noconvert(),
-        "v"_a.noconvert(), "cu_seqlens_q"_a.noconvert(), "cu_seqlens_k"_a.noconvert(),
-        "max_seqlen_q"_a, "max_seqlen_k"_a, "out"_a.noconvert(), "lse"_a.noconvert(),
-        nb::kw_only(), "dtype"_a = nb::none(), "softmax_scale"_a = nb::none(),
-        "causal"_a = false, "window_left"_a = -1, "window_right"_a = -1, "schedule"_a = "auto",
-        "dropout_p"_a = 0.0, "seed"_a = 0, "offset"_a = 0, "stream"_a = 0, "sram_bytes"_a = 0,
-        "num_threads"_a = 0, "block_mask"_a.noconvert() = nb::none(), "block_size_q"_a = 128,
-        "block_size_k"_a = 128, "alibi_slopes"_a.noconvert() = nb::none(), "softcap"_a = 0.0,
-        "validate_only"_a = false, "block_table"_a.noconvert() = nb::none(),
-        "seqused_k"_a.noconvert() = nb::none(),
+  m.def("forward_varlen", &forward_varlen, "q"_a.noconvert(), "k"_a.noconvert(), "v"_a.noconvert(),
+        "cu_seqlens_q"_a.noconvert(), "cu_seqlens_k"_a.noconvert(), "max_seqlen_q"_a,
+        "max_seqlen_k"_a, "out"_a.noconvert(), "lse"_a.noconvert(), nb::kw_only(),
+        "dtype"_a = nb::none(), "softmax_scale"_a = nb::none(), "causal"_a = false,
+        "window_left"_a = -1, "window_right"_a = -1, "schedule"_a = "auto", "dropout_p"_a = 0.0,
+        "seed"_a = 0, "offset"_a = 0, "stream"_a = 0, "sram_bytes"_a = 0, "num_threads"_a = 0,
+        "block_mask"_a.noconvert() = nb::none(), "block_size_q"_a = 128, "block_size_k"_a = 128,
+        "alibi_slopes"_a.noconvert() = nb::none(), "softcap"_a = 0.0, "validate_only"_a = false,
+        "block_table"_a.noconvert() = nb::none(), "seqused_k"_a.noconvert() = nb::none(),
         "sinks"_a.noconvert() = nb::none(), "bias"_a.noconvert() = nb::none(),
         "mask"_a.noconvert() = nb::none(),
         "Variable-length forward (validate_only: check the arguments but not the values of "
@@ -487,13 +478,12 @@ NB_MODULE(_ext, m) {
   m.def("backward_varlen", &backward_varlen, "dout"_a.noconvert(), "q"_a.noconvert(),
         "k"_a.noconvert(), "v"_a.noconvert(), "out"_a.noconvert(), "lse"_a.noconvert(),
         "cu_seqlens_q"_a.noconvert(), "cu_seqlens_k"_a.noconvert(), "max_seqlen_q"_a,
-        "max_seqlen_k"_a, "dq"_a.noconvert(), "dk"_a.noconvert(), "dv"_a.noconvert(),
-        nb::kw_only(), "dtype"_a = nb::none(), "softmax_scale"_a = nb::none(),
-        "causal"_a = false, "window_left"_a = -1, "window_right"_a = -1, "schedule"_a = "auto",
-        "dropout_p"_a = 0.0, "seed"_a = 0, "offset"_a = 0, "stream"_a = 0, "sram_bytes"_a = 0,
-        "num_threads"_a = 0, "deterministic"_a = false, "block_mask"_a.noconvert() = nb::none(),
-        "block_size_q"_a = 128, "block_size_k"_a = 128,
-        "alibi_slopes"_a.noconvert() = nb::none(), "softcap"_a = 0.0,
+        "max_seqlen_k"_a, "dq"_a.noconvert(), "dk"_a.noconvert(), "dv"_a.noconvert(), nb::kw_only(),
+        "dtype"_a = nb::none(), "softmax_scale"_a = nb::none(), "causal"_a = false,
+        "window_left"_a = -1, "window_right"_a = -1, "schedule"_a = "auto", "dropout_p"_a = 0.0,
+        "seed"_a = 0, "offset"_a = 0, "stream"_a = 0, "sram_bytes"_a = 0, "num_threads"_a = 0,
+        "deterministic"_a = false, "block_mask"_a.noconvert() = nb::none(), "block_size_q"_a = 128,
+        "block_size_k"_a = 128, "alibi_slopes"_a.noconvert() = nb::none(), "softcap"_a = 0.0,
         "sinks"_a.noconvert() = nb::none(), "dsinks"_a.noconvert() = nb::none(),
         "bias"_a.noconvert() = nb::none(), "mask"_a.noconvert() = nb::none(),
         "dbias"_a.noconvert() = nb::none(),
@@ -502,14 +492,14 @@ NB_MODULE(_ext, m) {
   m.def("forward_kvcache", &forward_kvcache, "q"_a.noconvert(), "k_cache"_a.noconvert(),
         "v_cache"_a.noconvert(), "cache_seqlens"_a.noconvert(), "k"_a.noconvert().none(),
         "v"_a.noconvert().none(), "block_table"_a.noconvert().none(), "out"_a.noconvert(),
-        "lse"_a.noconvert(), nb::kw_only(), "dtype"_a = nb::none(),
-        "softmax_scale"_a = nb::none(), "causal"_a = false, "window_left"_a = -1,
-        "window_right"_a = -1, "num_splits"_a = 0, "stream"_a = 0, "num_threads"_a = 0,
-        "alibi_slopes"_a.noconvert() = nb::none(), "softcap"_a = 0.0,
-        "rotary_cos"_a.noconvert() = nb::none(), "rotary_sin"_a.noconvert() = nb::none(),
-        "rotary_interleaved"_a = false, "cache_batch_idx"_a.noconvert() = nb::none(),
-        "cache_leftpad"_a.noconvert() = nb::none(), "sinks"_a.noconvert() = nb::none(),
-        "bias"_a.noconvert() = nb::none(), "mask"_a.noconvert() = nb::none(),
+        "lse"_a.noconvert(), nb::kw_only(), "dtype"_a = nb::none(), "softmax_scale"_a = nb::none(),
+        "causal"_a = false, "window_left"_a = -1, "window_right"_a = -1, "num_splits"_a = 0,
+        "stream"_a = 0, "num_threads"_a = 0, "alibi_slopes"_a.noconvert() = nb::none(),
+        "softcap"_a = 0.0, "rotary_cos"_a.noconvert() = nb::none(),
+        "rotary_sin"_a.noconvert() = nb::none(), "rotary_interleaved"_a = false,
+        "cache_batch_idx"_a.noconvert() = nb::none(), "cache_leftpad"_a.noconvert() = nb::none(),
+        "sinks"_a.noconvert() = nb::none(), "bias"_a.noconvert() = nb::none(),
+        "mask"_a.noconvert() = nb::none(),
         "Attention over a KV cache: appends k, v (when given) to k_cache, v_cache at "
         "cache_seqlens, then writes out (like q) and lse (float32, (batch, nheads, seqlen_q)).");
 

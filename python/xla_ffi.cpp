@@ -174,8 +174,9 @@ void read_seed(const Frame& f, int64_t i, Options& o) {
   if (i >= f.nargs()) fail(ErrorKind::value, "seed: missing (dropout_p > 0 needs the seed buffer)");
   const Buffer* b = f.raw_arg(i);
   if (b->dtype != kU32 || b->rank != 1 || (b->dims[0] != 2 && b->dims[0] != 4))
-    fail(ErrorKind::type, "seed: expected a uint32 buffer of shape (2,) (low word, high word) or "
-                          "(4,) (low word, high word, batch offset, head offset)");
+    fail(ErrorKind::type,
+         "seed: expected a uint32 buffer of shape (2,) (low word, high word) or "
+         "(4,) (low word, high word, batch offset, head offset)");
   const int64_t n = b->dims[0];
   uint32_t w[4] = {0, 0, 0, 0};
   copy_to_host(w, make_view(b->data, DType::int32, {n}, f.device()), f.stream(), "seed");
@@ -265,8 +266,8 @@ void attention_bwd(const Frame& f) {
   int64_t rows = 0;
   optional_args(f, 6, o, 3, &rows);
   flashdl::backward(f.arg(0, "dout", 3), f.arg(1, "q", 3), f.arg(2, "k", 3), f.arg(3, "v", 3),
-                    f.arg(4, "out", 3), f.arg(5, "lse", 2), f.ret(0, "dq", 3),
-                    f.ret(1, "dk", 3), f.ret(2, "dv", 3), o);
+                    f.arg(4, "out", 3), f.arg(5, "lse", 2), f.ret(0, "dq", 3), f.ret(1, "dk", 3),
+                    f.ret(2, "dv", 3), o);
   zero_other_rows(f, o, rows);
 }
 
@@ -323,8 +324,10 @@ void kvcache_fwd(const Frame& f) {
   if (f.integer_or("has_mask", 0) != 0) o.mask = f.arg(i++, "mask");
   if (has_new) {
     if (f.nrets() < 4)
-      fail(ErrorKind::value, "k_cache: appending needs the updated caches as results 2 and 3 (the "
-                             "call has " + std::to_string(f.nrets()) + " results)");
+      fail(ErrorKind::value,
+           "k_cache: appending needs the updated caches as results 2 and 3 (the "
+           "call has " +
+               std::to_string(f.nrets()) + " results)");
     for (int j = 0; j < 2; ++j) {
       const Buffer* in = f.raw_arg(1 + j);
       const Buffer* out = f.raw_ret(2 + j);
@@ -339,8 +342,8 @@ void kvcache_fwd(const Frame& f) {
     vc = f.ret(3, "v_cache");
   }
   const TensorView seqlens = host_table(f, f.arg(3, "cache_seqlens"), host[3], "cache_seqlens");
-  flashdl::forward_kvcache(f.arg(0, "q"), kc, vc, seqlens, kn, vn, bt,
-                           f.ret(0, "out"), f.ret(1, "lse"), o, x);
+  flashdl::forward_kvcache(f.arg(0, "q"), kc, vc, seqlens, kn, vn, bt, f.ret(0, "out"),
+                           f.ret(1, "lse"), o, x);
 }
 
 // merge_states: arguments outs[0..n), lses[0..n) (n = half the arguments); results out, lse.

@@ -11,8 +11,8 @@
 namespace flashdl::xla_ffi {
 
 struct Target {
-  const char* name;       // the custom-call target name flashdl.jax passes to jax.ffi.ffi_call
-  const char* platform;   // "cpu" or "CUDA", as jax.ffi.register_ffi_target takes it
+  const char* name;      // the custom-call target name flashdl.jax passes to jax.ffi.ffi_call
+  const char* platform;  // "cpu" or "CUDA", as jax.ffi.register_ffi_target takes it
   xla_abi::Handler* handler;
 };
 

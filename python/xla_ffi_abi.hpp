@@ -201,13 +201,12 @@ struct Api {
 // that is `attrs`, for the metadata `traits`.
 constexpr size_t kCallFrameSize = offsetof(CallFrame, attrs) + sizeof(Attrs);
 constexpr size_t kMetadataSize = offsetof(Metadata, traits) + sizeof(HandlerTraits);
-constexpr size_t kMetadataExtensionSize =
-    offsetof(MetadataExtension, metadata) + sizeof(Metadata*);
+constexpr size_t kMetadataExtensionSize = offsetof(MetadataExtension, metadata) + sizeof(Metadata*);
 constexpr size_t kApiVersionSize = offsetof(ApiVersion, minor_version) + sizeof(int);
 constexpr size_t kErrorCreateArgsSize = offsetof(ErrorCreateArgs, errc) + sizeof(ErrorCode);
 constexpr size_t kStreamGetArgsSize = offsetof(StreamGetArgs, stream) + sizeof(void*);
-constexpr size_t kDeviceOrdinalGetArgsSize =
-    offsetof(DeviceOrdinalGetArgs, device_ordinal) + sizeof(int32_t);
+constexpr size_t kDeviceOrdinalGetArgsSize = offsetof(DeviceOrdinalGetArgs, device_ordinal) +
+                                             sizeof(int32_t);
 constexpr size_t kBufferSize = offsetof(Buffer, dims) + sizeof(int64_t*);
 
 }  // namespace flashdl::xla_abi

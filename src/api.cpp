@@ -47,10 +47,9 @@ void forward(const TensorView& q, const TensorView& k, const TensorView& v, cons
   dispatch_forward(make_params(q, k, v, out, lse, options, s));
 }
 
-void backward(const TensorView& dout, const TensorView& q, const TensorView& k,
-              const TensorView& v, const TensorView& out, const TensorView& lse,
-              const TensorView& dq, const TensorView& dk, const TensorView& dv,
-              const Options& options) {
+void backward(const TensorView& dout, const TensorView& q, const TensorView& k, const TensorView& v,
+              const TensorView& out, const TensorView& lse, const TensorView& dq,
+              const TensorView& dk, const TensorView& dv, const Options& options) {
   const Shapes s = check_backward_args(dout, q, k, v, out, lse, dq, dk, dv, options);
   check_block_mask(options, s, q.device, {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}});
   check_score_mods(options, s, q.device, {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}});
@@ -84,8 +83,8 @@ void dropout_mask(const TensorView& mask_out, double p, uint64_t seed, uint64_t 
   if (!(pf >= 0.0f && pf < 1.0f))
     fail(ErrorKind::value, "dropout_p: expected a probability in [0, 1), got " + num_str(p));
   if (offset >= (uint64_t{1} << 32))
-    fail(ErrorKind::value, "offset: expected a dropout stream offset below 2^32, got " +
-                               std::to_string(offset));
+    fail(ErrorKind::value,
+         "offset: expected a dropout stream offset below 2^32, got " + std::to_string(offset));
   const auto& n = mask_out.shape;
   const auto& st = mask_out.strides;
   auto* base = static_cast<bool*>(mask_out.data);
@@ -130,8 +129,9 @@ void copy_to_host(void* dst, const TensorView& src, void* stream, const char* na
 }
 
 void set_num_threads(int n) {
-  if (n < 0) fail(ErrorKind::value, "n: expected a thread count >= 0 (0: default), got " +
-                                        std::to_string(n));
+  if (n < 0)
+    fail(ErrorKind::value,
+         "n: expected a thread count >= 0 (0: default), got " + std::to_string(n));
   cpu::set_num_threads(n);
 }
 

@@ -101,7 +101,8 @@ void check_host_int32(const char* name, const TensorView& t, int rank, const cha
   check_rank(name, t, rank, layout);
   check_dtype(name, t, DType::int32, "indices and lengths are int32");
   if (t.device.type != DeviceType::cpu)
-    fail(ErrorKind::value, std::string(name) + ": expected an array on the CPU (host memory), got " +
+    fail(ErrorKind::value, std::string(name) +
+                               ": expected an array on the CPU (host memory), got " +
                                device_name(t.device.type) + ":" + std::to_string(t.device.id));
 }
 
@@ -117,8 +118,10 @@ void check_last_dim_contiguous(const char* name, const TensorView& t) {
   const int last = t.rank - 1;
   // Empty arrays hold no element to reach, and exporters give them arbitrary (often 0) strides.
   if (t.numel() > 0 && t.shape[last] > 1 && t.strides[last] != 1)
-    fail(ErrorKind::value, std::string(name) + ": the last dimension must be contiguous (stride 1), "
-                               "got stride " + std::to_string(t.strides[last]));
+    fail(ErrorKind::value, std::string(name) +
+                               ": the last dimension must be contiguous (stride 1), "
+                               "got stride " +
+                               std::to_string(t.strides[last]));
 }
 
 void check_storage(const char* name, const TensorView& t, DType dtype, const char* dtype_why,
@@ -221,7 +224,8 @@ void check_no_self_overlap(const char* name, const TensorView& t) {
   int64_t zero_axis = -1;
   if (provably_no_self_overlap(t, zero_axis)) return;
   if (zero_axis >= 0)
-    fail(ErrorKind::value, std::string(name) + ": the array is written but addresses one element "
+    fail(ErrorKind::value, std::string(name) +
+                               ": the array is written but addresses one element "
                                "through several indices (stride 0 on axis " +
                                std::to_string(zero_axis) + " of extent " +
                                std::to_string(t.shape[zero_axis]) +

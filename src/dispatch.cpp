@@ -29,7 +29,8 @@ void advise_huge_pages(const TensorView& t) {
   const auto begin = reinterpret_cast<uintptr_t>(t.data);
   const uintptr_t lo = (begin + kHuge - 1) & ~(kHuge - 1);
   const uintptr_t hi = (begin + static_cast<uintptr_t>(bytes)) & ~(kHuge - 1);
-  if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);  // advice: errors ignored
+  if (hi > lo)
+    madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);  // advice: errors ignored
 #else
   (void)t;
 #endif
@@ -66,8 +67,9 @@ namespace {
 
 void require_cuda() {
   if (!cuda::compiled())
-    fail(ErrorKind::unsupported, "q: a CUDA array was given but flashdl was built without the CUDA "
-                                 "backend");
+    fail(ErrorKind::unsupported,
+         "q: a CUDA array was given but flashdl was built without the CUDA "
+         "backend");
 }
 
 }  // namespace

@@ -93,14 +93,14 @@ void set_extra_params(Params& p, const Options& o, const Shapes& s) {
 
 bool dbias_written_by_kernels(const Params& p) {
   return p.device.type == DeviceType::cpu && p.dbias_ptr != nullptr &&
-         p.schedule != Schedule::reference && p.bias_batch == p.batch &&
-         p.bias_heads == p.nheads && p.bias_rows == p.seqlen_q && p.window_left < 0 &&
-         p.window_right < 0 && p.block_mask_ptr == nullptr && p.mask_ptr == nullptr;
+         p.schedule != Schedule::reference && p.bias_batch == p.batch && p.bias_heads == p.nheads &&
+         p.bias_rows == p.seqlen_q && p.window_left < 0 && p.window_right < 0 &&
+         p.block_mask_ptr == nullptr && p.mask_ptr == nullptr;
 }
 
-#define FLASHDL_SET_STRIDES(P, prefix, t) \
-  P.prefix##_batch_stride = (t).strides[0];  \
-  P.prefix##_row_stride = (t).strides[1];    \
+#define FLASHDL_SET_STRIDES(P, prefix, t)   \
+  P.prefix##_batch_stride = (t).strides[0]; \
+  P.prefix##_row_stride = (t).strides[1];   \
   P.prefix##_head_stride = (t).strides[2]
 
 Params make_params(const TensorView& q, const TensorView& k, const TensorView& v,

@@ -42,9 +42,8 @@ void check_no_collision(const Cache& c, const TensorView& block_table);
 // The layout checks of the cache and the new keys, the lengths and the page table; returns the
 // cache's geometry and the per-sequence key counts after the append.
 Cache check_cache(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
-                  const TensorView& cache_seqlens, const TensorView& k_new,
-                  const TensorView& v_new, const TensorView& block_table,
-                  const KvCacheExtras& x) {
+                  const TensorView& cache_seqlens, const TensorView& k_new, const TensorView& v_new,
+                  const TensorView& block_table, const KvCacheExtras& x) {
   check_rank("q", q, 4, "(batch, seqlen_q, nheads, headdim)");
   const int64_t batch = q.shape[0];
   Cache c;
@@ -53,8 +52,9 @@ Cache check_cache(const TensorView& q, const TensorView& k_cache, const TensorVi
                              : "(batch, seqlen_cache, nheads_kv, headdim)";
   check_rank("k_cache", k_cache, 4, clay);
   check_rank("v_cache", v_cache, 4, clay);
-  check_shape("v_cache", v_cache, {k_cache.shape[0], k_cache.shape[1], k_cache.shape[2],
-                                   k_cache.shape[3]}, "(the shape of k_cache)");
+  check_shape("v_cache", v_cache,
+              {k_cache.shape[0], k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]},
+              "(the shape of k_cache)");
   if (c.paged) {
     check_host_int32("block_table", block_table, 2, "(batch, max_pages_per_sequence)");
     check_last_dim_contiguous("block_table", block_table);
@@ -64,8 +64,8 @@ Cache check_cache(const TensorView& q, const TensorView& k_cache, const TensorVi
     c.num_pages = k_cache.shape[0];
     c.page_size = k_cache.shape[1];
     if (c.page_size < 1)
-      fail(ErrorKind::value, "k_cache: expected pages of at least one row, got shape " +
-                                 shape_str(k_cache));
+      fail(ErrorKind::value,
+           "k_cache: expected pages of at least one row, got shape " + shape_str(k_cache));
     c.capacity = block_table.shape[1] * c.page_size;
   } else if (x.cache_batch_idx.defined()) {
     check_host_int32("cache_batch_idx", x.cache_batch_idx, 1, "(batch,)");
@@ -83,8 +83,9 @@ Cache check_cache(const TensorView& q, const TensorView& k_cache, const TensorVi
     c.capacity = k_cache.shape[1];
   }
   if (c.paged && x.cache_batch_idx.defined())
-    fail(ErrorKind::value, "cache_batch_idx: not supported with a paged cache (block_table "
-                           "already names each sequence's pages); expected None");
+    fail(ErrorKind::value,
+         "cache_batch_idx: not supported with a paged cache (block_table "
+         "already names each sequence's pages); expected None");
 
   // What the core's checks would report under the names k and v, named as this call's arguments.
   if (k_cache.shape[3] != q.shape[3])
@@ -126,8 +127,8 @@ Cache check_cache(const TensorView& q, const TensorView& k_cache, const TensorVi
     const int64_t len = host_int32(cache_seqlens, b);
     c.seqlens[b] = static_cast<int32_t>(len);
     if (len < 0)
-      fail(ErrorKind::value, "cache_seqlens: expected lengths >= 0, got " +
-                                 at("cache_seqlens", b) + " = " + std::to_string(len));
+      fail(ErrorKind::value, "cache_seqlens: expected lengths >= 0, got " + at("cache_seqlens", b) +
+                                 " = " + std::to_string(len));
     if (len + c.seqlen_new > c.capacity)
       fail(ErrorKind::value,
            "cache_seqlens: " + at("cache_seqlens", b) + " = " + std::to_string(len) +
@@ -141,8 +142,8 @@ Cache check_cache(const TensorView& q, const TensorView& k_cache, const TensorVi
       const int64_t pad = host_int32(x.cache_leftpad, b);
       if (pad < 0 || pad > len)
         fail(ErrorKind::value, "cache_leftpad: expected 0 <= " + at("cache_leftpad", b) +
-                                   " <= cache_seqlens[" + std::to_string(b) + "] = " +
-                                   std::to_string(len) + ", got " + std::to_string(pad) +
+                                   " <= cache_seqlens[" + std::to_string(b) +
+                                   "] = " + std::to_string(len) + ", got " + std::to_string(pad) +
                                    "; nothing was written");
       c.leftpad.push_back(static_cast<int32_t>(pad));
     }
@@ -151,8 +152,7 @@ Cache check_cache(const TensorView& q, const TensorView& k_cache, const TensorVi
       if (row < 0 || row >= k_cache.shape[0])
         fail(ErrorKind::value, "cache_batch_idx: " + at("cache_batch_idx", b) + " = " +
                                    std::to_string(row) + " is not a row of k_cache (0.." +
-                                   std::to_string(k_cache.shape[0] - 1) +
-                                   "); nothing was written");
+                                   std::to_string(k_cache.shape[0] - 1) + "); nothing was written");
       c.batch_idx.push_back(static_cast<int32_t>(row));
     }
     if (!c.paged) continue;
@@ -199,8 +199,8 @@ void check_no_collision(const Cache& c, const TensorView& block_table) {
   std::sort(slots.begin(), slots.end());
   for (size_t i = 1; i < slots.size(); ++i)
     if (slots[i][0] == slots[i - 1][0] && slots[i][1] == slots[i - 1][1])
-      fail(ErrorKind::value, "block_table: sequences " + std::to_string(slots[i - 1][2]) +
-                                 " and " + std::to_string(slots[i][2]) + " both append to row " +
+      fail(ErrorKind::value, "block_table: sequences " + std::to_string(slots[i - 1][2]) + " and " +
+                                 std::to_string(slots[i][2]) + " both append to row " +
                                  std::to_string(slots[i][1]) + " of page " +
                                  std::to_string(slots[i][0]) +
                                  "; expected the pages written to be distinct; nothing was "
@@ -226,11 +226,10 @@ TensorView as_dense(const TensorView& cache, int64_t batch, int64_t capacity, bo
 
 void forward_kvcache(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
                      const TensorView& cache_seqlens, const TensorView& k_new,
-                     const TensorView& v_new, const TensorView& block_table,
-                     const TensorView& out, const TensorView& lse, const Options& options,
-                     const KvCacheExtras& extras) {
-  const Cache c =
-      check_cache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, extras);
+                     const TensorView& v_new, const TensorView& block_table, const TensorView& out,
+                     const TensorView& lse, const Options& options, const KvCacheExtras& extras) {
+  const Cache c = check_cache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
+                              extras);
   const Rotary rot = check_rotary(extras, q, c.seqlens, c.seqlen_new, c.capacity, options);
   const int64_t batch = q.shape[0];
   const bool indexed = !c.batch_idx.empty();
@@ -248,8 +247,10 @@ void forward_kvcache(const TensorView& q, const TensorView& k_cache, const Tenso
   if (options.dbias.defined())
     fail(ErrorKind::value, "dbias: attention over a KV cache has no backward; expected None");
   if (options.dropout_p != 0.0f)
-    fail(ErrorKind::value, "dropout_p: attention over a KV cache is for inference, expected 0, "
-                           "got " + num_str(options.dropout_p));
+    fail(ErrorKind::value,
+         "dropout_p: attention over a KV cache is for inference, expected 0, "
+         "got " +
+             num_str(options.dropout_p));
   if (options.block_mask.defined())
     fail(ErrorKind::value, "block_mask: not supported with a KV cache; expected None");
   if (options.num_splits < 0)
@@ -257,15 +258,18 @@ void forward_kvcache(const TensorView& q, const TensorView& k_cache, const Tenso
                                std::to_string(options.num_splits));
   // The caches are written through and read after the new rows: no output may overlap them, nor
   // may the new rows overlap the caches they are copied into.
-  for (auto [name, t] : {NamedView{"k_cache", &k_cache}, {"v_cache", &v_cache},
-                         {"k", &k_new}, {"v", &v_new}}) {
+  for (auto [name, t] :
+       {NamedView{"k_cache", &k_cache}, {"v_cache", &v_cache}, {"k", &k_new}, {"v", &v_new}}) {
     if (!t->defined()) continue;
     check_no_overlap("out", out, name, *t);
     check_no_overlap("lse", lse, name, *t);
   }
   if (k_new.defined()) {
-    for (auto [name, t] : {NamedView{"k", &k_new}, {"v", &v_new}, {"q", &q},
-                           {"bias", &options.bias}, {"mask", &options.mask}}) {
+    for (auto [name, t] : {NamedView{"k", &k_new},
+                           {"v", &v_new},
+                           {"q", &q},
+                           {"bias", &options.bias},
+                           {"mask", &options.mask}}) {
       if (!t->defined()) continue;
       check_no_overlap("k_cache", k_cache, name, *t);
       check_no_overlap("v_cache", v_cache, name, *t);
@@ -275,8 +279,8 @@ void forward_kvcache(const TensorView& q, const TensorView& k_cache, const Tenso
     check_no_self_overlap("v_cache", v_cache);
   }
 
-  for (auto [name, t] : {NamedView{"rotary_cos", &extras.rotary_cos},
-                         {"rotary_sin", &extras.rotary_sin}}) {
+  for (auto [name, t] :
+       {NamedView{"rotary_cos", &extras.rotary_cos}, {"rotary_sin", &extras.rotary_sin}}) {
     if (!t->defined()) continue;
     check_no_overlap("out", out, name, *t);
     check_no_overlap("lse", lse, name, *t);

@@ -18,8 +18,7 @@ using namespace validate;
 
 void merge_states(const std::vector<TensorView>& outs, const std::vector<TensorView>& lses,
                   const TensorView& out, const TensorView& lse, void* stream) {
-  if (outs.empty())
-    fail(ErrorKind::value, "outs: expected at least one partial result, got none");
+  if (outs.empty()) fail(ErrorKind::value, "outs: expected at least one partial result, got none");
   if (lses.size() != outs.size())
     fail(ErrorKind::value, "lses: expected one lse per output (" + std::to_string(outs.size()) +
                                "), got " + std::to_string(lses.size()));
@@ -32,13 +31,14 @@ void merge_states(const std::vector<TensorView>& outs, const std::vector<TensorV
     check_rank(("lses[" + std::to_string(i) + "]").c_str(), lses[i], 3, llay);
   }
   const DType dt = outs[0].dtype;
-  if (dt != DType::float16 && dt != DType::bfloat16 && dt != DType::float32 &&
-      dt != DType::float64)
+  if (dt != DType::float16 && dt != DType::bfloat16 && dt != DType::float32 && dt != DType::float64)
     fail(ErrorKind::type, std::string("outs[0]: expected dtype float16, bfloat16, float32 or "
-                                      "float64, got ") + dtype_name(dt));
+                                      "float64, got ") +
+                              dtype_name(dt));
   const auto& n = outs[0].shape;
   for (size_t i = 0; i < outs.size(); ++i) {
-    const std::string on = "outs[" + std::to_string(i) + "]", ln = "lses[" + std::to_string(i) + "]";
+    const std::string on = "outs[" + std::to_string(i) + "]",
+                      ln = "lses[" + std::to_string(i) + "]";
     check_shape(on.c_str(), outs[i], {n[0], n[1], n[2], n[3]}, "(the shape of outs[0])");
     check_shape(ln.c_str(), lses[i], {n[0], n[2], n[1]}, "(batch, nheads, seqlen) of outs[0]");
     check_dtype(on.c_str(), outs[i], dt, "the dtype of outs[0]");
@@ -52,7 +52,8 @@ void merge_states(const std::vector<TensorView>& outs, const std::vector<TensorV
   check_dtype("out", out, dt, "the dtype of outs[0]");
   check_device("out", out, outs[0].device);
   for (size_t i = 0; i < outs.size(); ++i) {
-    const std::string on = "outs[" + std::to_string(i) + "]", ln = "lses[" + std::to_string(i) + "]";
+    const std::string on = "outs[" + std::to_string(i) + "]",
+                      ln = "lses[" + std::to_string(i) + "]";
     check_no_overlap("out", out, on.c_str(), outs[i]);
     check_no_overlap("out", out, ln.c_str(), lses[i]);
     check_no_overlap("lse", lse, on.c_str(), outs[i]);
@@ -85,14 +86,16 @@ void merge_states(const std::vector<TensorView>& outs, const std::vector<TensorV
               detail::merge_weights<double>(total, lse_at(lses[i], b, h, s));
           const int64_t o = at(outs[i], b, s, h);
           for (int64_t c = 0; c < n[3]; ++c) {
-            const double x = w.wb == 0.0 ? 0.0 : w.wb * cpu::load_as_double(outs[i].data,
-                                                                             out.dtype, o + c);
+            const double x = w.wb == 0.0
+                                 ? 0.0
+                                 : w.wb * cpu::load_as_double(outs[i].data, out.dtype, o + c);
             acc[c] = w.wa * acc[c] + x;
           }
           total = w.lse;
         }
         const int64_t o = at(out, b, s, h);
-        for (int64_t c = 0; c < n[3]; ++c) cpu::store_from_double(out.data, out.dtype, o + c, acc[c]);
+        for (int64_t c = 0; c < n[3]; ++c)
+          cpu::store_from_double(out.data, out.dtype, o + c, acc[c]);
         lse_at(lse, b, h, s) = static_cast<float>(total);
       }
 }

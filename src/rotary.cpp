@@ -33,9 +33,10 @@ Rotary check_rotary(const KvCacheExtras& x, const TensorView& q,
   r.dim = 2 * x.rotary_cos.shape[1];
   const int64_t d = q.shape[3];
   if (r.dim < 2 || r.dim > d)
-    fail(ErrorKind::value, "rotary_cos: rotary_dim (2 x its last dimension) must be in [2, "
-                           "headdim = " + std::to_string(d) + "], got shape " +
-                               shape_str(x.rotary_cos));
+    fail(ErrorKind::value,
+         "rotary_cos: rotary_dim (2 x its last dimension) must be in [2, "
+         "headdim = " +
+             std::to_string(d) + "], got shape " + shape_str(x.rotary_cos));
   // flash-attn's convention: with causal or a window, query row i sits at cache_seqlens + i;
   // without, every row at cache_seqlens. A window side that reaches past the cache's capacity
   // is unbounded (flash-attn resolves such a window to none before it picks).

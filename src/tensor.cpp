@@ -38,8 +38,7 @@ std::size_t dtype_size(DType dtype) {
   throw Error(ErrorKind::type, "unknown dtype code " + std::to_string(static_cast<int>(dtype)));
 }
 
-TensorView make_view(void* data, DType dtype, std::initializer_list<int64_t> shape,
-                     Device device) {
+TensorView make_view(void* data, DType dtype, std::initializer_list<int64_t> shape, Device device) {
   TensorView t;
   t.data = data;
   t.dtype = dtype;

@@ -11,12 +11,10 @@ namespace flashdl::validate {
 
 namespace {
 
-
 constexpr double kMaxScale = 1e30;
 
 bool is_float_storage(DType d) {
-  return d == DType::float16 || d == DType::bfloat16 || d == DType::float32 ||
-         d == DType::float64;
+  return d == DType::float16 || d == DType::bfloat16 || d == DType::float32 || d == DType::float64;
 }
 
 }  // namespace
@@ -33,8 +31,10 @@ static void check_dropout_slice(const Options& o, const Shapes& s) {
     fail(ErrorKind::value, "dropout_head_offset: expected 0 <= offset < 2^32, got " +
                                std::to_string(o.dropout_head_offset));
   if (o.dropout_nheads_total < 0 || o.dropout_nheads_total >= kLimit)
-    fail(ErrorKind::value, "dropout_nheads_total: expected 0 (the nheads of q) or a head count "
-                           "below 2^32, got " + std::to_string(o.dropout_nheads_total));
+    fail(ErrorKind::value,
+         "dropout_nheads_total: expected 0 (the nheads of q) or a head count "
+         "below 2^32, got " +
+             std::to_string(o.dropout_nheads_total));
   const int64_t total = o.dropout_nheads_total == 0 ? s.nheads : o.dropout_nheads_total;
   if (o.dropout_head_offset + s.nheads > total)
     fail(ErrorKind::value,
@@ -46,10 +46,11 @@ static void check_dropout_slice(const Options& o, const Shapes& s) {
   // Only with dropout: a call without it draws nothing, whatever its extents.
   const int64_t batches = o.dropout_batch_offset + s.batch;
   if (o.dropout_p > 0.0f && total > 0 && batches > kLimit / total)
-    fail(ErrorKind::value, "dropout_batch_offset: (dropout_batch_offset + batch) * "
-                           "dropout_nheads_total = " + std::to_string(batches) + " * " +
-                               std::to_string(total) +
-                               " dropout planes exceed the 2^32 of the dropout stream");
+    fail(ErrorKind::value,
+         "dropout_batch_offset: (dropout_batch_offset + batch) * "
+         "dropout_nheads_total = " +
+             std::to_string(batches) + " * " + std::to_string(total) +
+             " dropout planes exceed the 2^32 of the dropout stream");
 }
 
 // Checks q, k, v, out, lse and the options; returns the problem's extents.
@@ -64,8 +65,9 @@ Shapes check_attention_args(const TensorView& q, const TensorView& k, const Tens
   check_rank("lse", lse, 3, "(batch, nheads, seqlen_q)");
 
   if (!is_float_storage(q.dtype))
-    fail(ErrorKind::type, std::string("q: expected dtype float16, bfloat16, float32 or float64, got ") +
-                              dtype_name(q.dtype));
+    fail(ErrorKind::type,
+         std::string("q: expected dtype float16, bfloat16, float32 or float64, got ") +
+             dtype_name(q.dtype));
   for (auto [name, t] : {NamedView{"k", &k}, {"v", &v}, {"out", &out}})
     check_storage(name, *t, q.dtype, "the dtype of q", q.device);
   check_storage("lse", lse, DType::float32, "lse is always float32", q.device);
@@ -116,26 +118,29 @@ Shapes check_attention_args(const TensorView& q, const TensorView& k, const Tens
   if (std::isnan(o.softmax_scale)) {
     // None: 1 / sqrt(headdim)
   } else if (!(std::fabs(o.softmax_scale) <= kMaxScale)) {
-    fail(ErrorKind::value, "softmax_scale: expected a finite number of magnitude <= 1e30 or "
-                           "None, got " + num_str(o.softmax_scale));
+    fail(ErrorKind::value,
+         "softmax_scale: expected a finite number of magnitude <= 1e30 or "
+         "None, got " +
+             num_str(o.softmax_scale));
   }
   if (o.window_left < -1 || o.window_right < -1)
-    fail(ErrorKind::value, "window_size: expected (left, right) with each >= 0 or -1 for "
-                           "unbounded, got (" + std::to_string(o.window_left) + ", " +
-                               std::to_string(o.window_right) + ")");
+    fail(ErrorKind::value,
+         "window_size: expected (left, right) with each >= 0 or -1 for "
+         "unbounded, got (" +
+             std::to_string(o.window_left) + ", " + std::to_string(o.window_right) + ")");
   if (!(o.dropout_p >= 0.0f && o.dropout_p < 1.0f))
-    fail(ErrorKind::value, "dropout_p: expected a probability in [0, 1), got " +
-                               num_str(o.dropout_p));
+    fail(ErrorKind::value,
+         "dropout_p: expected a probability in [0, 1), got " + num_str(o.dropout_p));
   if (o.offset >= (uint64_t{1} << 32))
-    fail(ErrorKind::value, "offset: expected a dropout stream offset below 2^32, got " +
-                               std::to_string(o.offset));
+    fail(ErrorKind::value,
+         "offset: expected a dropout stream offset below 2^32, got " + std::to_string(o.offset));
   check_dropout_slice(o, s);
   if (o.sram_bytes < 0)
-    fail(ErrorKind::value, "sram_bytes: expected >= 0 (0: from the device), got " +
-                               std::to_string(o.sram_bytes));
+    fail(ErrorKind::value,
+         "sram_bytes: expected >= 0 (0: from the device), got " + std::to_string(o.sram_bytes));
   if (o.num_threads < 0)
-    fail(ErrorKind::value, "num_threads: expected >= 0 (0: default), got " +
-                               std::to_string(o.num_threads));
+    fail(ErrorKind::value,
+         "num_threads: expected >= 0 (0: default), got " + std::to_string(o.num_threads));
   switch (o.schedule) {
     case Schedule::automatic:
     case Schedule::fa1:
@@ -146,8 +151,9 @@ Shapes check_attention_args(const TensorView& q, const TensorView& k, const Tens
                                  std::to_string(static_cast<int>(o.schedule)));
   }
   if (on_cuda && o.schedule == Schedule::reference)
-    fail(ErrorKind::unsupported, "schedule: 'reference' runs on the CPU only (float64 oracle); "
-                                 "copy the arrays to the CPU to use it");
+    fail(ErrorKind::unsupported,
+         "schedule: 'reference' runs on the CPU only (float64 oracle); "
+         "copy the arrays to the CPU to use it");
   return s;
 }
 
@@ -162,8 +168,8 @@ void check_block_mask(const Options& o, const Shapes& s, Device device,
   const char* layout = "(nblocks_q, nblocks_k) or (batch or 1, nheads or 1, nblocks_q, nblocks_k)";
   check_defined("block_mask", m);
   if (m.rank != 2 && m.rank != 4)
-    fail(ErrorKind::value, std::string("block_mask: expected rank 2 or 4 ") + layout + ", got shape " +
-                               shape_str(m));
+    fail(ErrorKind::value,
+         std::string("block_mask: expected rank 2 or 4 ") + layout + ", got shape " + shape_str(m));
   check_dtype("block_mask", m, DType::boolean, "one flag per block");
   check_device("block_mask", m, device);
   // ceil(n / block) without n + block - 1, which overflows for blocks near 2^63.
@@ -172,16 +178,16 @@ void check_block_mask(const Options& o, const Shapes& s, Device device,
   const int64_t nbk = nblocks(s.seqlen_k, o.block_size_k);
   const int64_t* n = m.shape.data();
   const bool blocks_ok = n[m.rank - 2] == nbq && n[m.rank - 1] == nbk;
-  const bool lead_ok = m.rank == 2 || ((n[0] == 1 || n[0] == s.batch) &&
-                                       (n[1] == 1 || n[1] == s.nheads));
+  const bool lead_ok = m.rank == 2 ||
+                       ((n[0] == 1 || n[0] == s.batch) && (n[1] == 1 || n[1] == s.nheads));
   if (!blocks_ok || !lead_ok)
     fail(ErrorKind::value,
          "block_mask: expected shape " + shape_str({nbq, nbk}) + " or " +
              shape_str({s.batch, s.nheads, nbq, nbk}) + " (size 1 broadcasts batch or heads): " +
              "ceil(seqlen / block_size) blocks for seqlen_q " + std::to_string(s.seqlen_q) +
              ", seqlen_k " + std::to_string(s.seqlen_k) + " and block_size (" +
-             std::to_string(o.block_size_q) + ", " + std::to_string(o.block_size_k) +
-             "), got " + shape_str(m));
+             std::to_string(o.block_size_q) + ", " + std::to_string(o.block_size_k) + "), got " +
+             shape_str(m));
   check_last_dim_contiguous("block_mask", m);
   for (auto [name, t] : outputs) check_no_overlap(name, *t, "block_mask", m);
 }
@@ -195,8 +201,8 @@ void check_score_mods(const Options& o, const Shapes& s, Device device,
   // already +-1 for every product q.k a float32 holds as a normal number.
   constexpr double kMaxMod = 1e30, kMinCap = 1e-30;
   if (!(o.softcap == 0.0 || (o.softcap >= kMinCap && o.softcap <= kMaxMod)))
-    fail(ErrorKind::value, "softcap: expected 0 (off) or a number in [1e-30, 1e30], got " +
-                               num_str(o.softcap));
+    fail(ErrorKind::value,
+         "softcap: expected 0 (off) or a number in [1e-30, 1e30], got " + num_str(o.softcap));
   const TensorView& a = o.alibi_slopes;
   if (!a.defined()) return;
   check_defined("alibi_slopes", a);
@@ -204,8 +210,8 @@ void check_score_mods(const Options& o, const Shapes& s, Device device,
                         (a.rank == 2 && a.shape[0] == s.batch && a.shape[1] == s.nheads);
   if (!shape_ok)
     fail(ErrorKind::value, "alibi_slopes: expected shape " + shape_str({s.nheads}) + " or " +
-                               shape_str({s.batch, s.nheads}) + " ((nheads,) or (batch, nheads)), got " +
-                               shape_str(a));
+                               shape_str({s.batch, s.nheads}) +
+                               " ((nheads,) or (batch, nheads)), got " + shape_str(a));
   check_dtype("alibi_slopes", a, DType::float32, "ALiBi slopes are float32, as in flash-attn");
   check_device("alibi_slopes", a, device);
   check_last_dim_contiguous("alibi_slopes", a);
@@ -220,10 +226,11 @@ void check_score_mods(const Options& o, const Shapes& s, Device device,
         // it exceeds 1e30 as a double (1.0000000150474662e30).
         const float x = base[r * row_stride + h * a.strides[a.rank - 1]];
         if (!(std::fabs(x) <= static_cast<float>(kMaxMod)))
-          fail(ErrorKind::value, "alibi_slopes: expected finite slopes of at most 1e30 in "
-                                 "magnitude, got " + num_str(x) +
-                                     " at " + (a.rank == 2 ? "[" + std::to_string(r) + ", " : "[") +
-                                     std::to_string(h) + "]");
+          fail(ErrorKind::value,
+               "alibi_slopes: expected finite slopes of at most 1e30 in "
+               "magnitude, got " +
+                   num_str(x) + " at " + (a.rank == 2 ? "[" + std::to_string(r) + ", " : "[") +
+                   std::to_string(h) + "]");
       }
   }
 }
@@ -248,9 +255,11 @@ struct ExtraExtents {
 
 static ExtraExtents extra_extents(const Shapes& s, int64_t varlen_total_q) {
   if (varlen_total_q >= 0)
-    return {3, {s.nheads, varlen_total_q, s.seqlen_k, 0},
+    return {3,
+            {s.nheads, varlen_total_q, s.seqlen_k, 0},
             "(nheads or 1, total_q or 1, max_seqlen_k)"};
-  return {4, {s.batch, s.nheads, s.seqlen_q, s.seqlen_k},
+  return {4,
+          {s.batch, s.nheads, s.seqlen_q, s.seqlen_k},
           "(batch or 1, nheads or 1, seqlen_q or 1, seqlen_k)"};
 }
 
@@ -267,8 +276,8 @@ static void check_broadcastable(const char* name, const TensorView& t, const Ext
     ok = t.shape[a] == x.ext[a] || (!last && t.shape[a] == 1);
   }
   if (!ok)
-    fail(ErrorKind::value, std::string(name) + ": expected a shape broadcastable to " + want +
-                               " " + x.layout + ", got " + shape_str(t));
+    fail(ErrorKind::value, std::string(name) + ": expected a shape broadcastable to " + want + " " +
+                               x.layout + ", got " + shape_str(t));
   check_device(name, t, device);
 }
 
@@ -280,7 +289,8 @@ void check_extras(const Options& o, const Shapes& s, Device device,
     if (!(o.bias.dtype == DType::float32 || o.bias.dtype == DType::float16 ||
           o.bias.dtype == DType::bfloat16 || o.bias.dtype == DType::float64))
       fail(ErrorKind::type, std::string("bias: expected dtype float32, float16 or bfloat16 (an "
-                                        "additive float bias), got ") + dtype_name(o.bias.dtype));
+                                        "additive float bias), got ") +
+                                dtype_name(o.bias.dtype));
     for (auto [name, t] : outputs) check_no_overlap(name, *t, "bias", o.bias);
   }
   if (o.mask.defined()) {
@@ -295,14 +305,15 @@ void check_extras(const Options& o, const Shapes& s, Device device,
     if (o.dbias.rank != o.bias.rank ||
         !std::equal(o.dbias.shape.begin(), o.dbias.shape.begin() + o.bias.rank,
                     o.bias.shape.begin()))
-      fail(ErrorKind::value, "dbias: expected the shape of bias, " + shape_str(o.bias) +
-                                 ", got " + shape_str(o.dbias));
+      fail(ErrorKind::value, "dbias: expected the shape of bias, " + shape_str(o.bias) + ", got " +
+                                 shape_str(o.dbias));
     check_dtype("dbias", o.dbias, o.bias.dtype, "the dtype of bias");
     check_device("dbias", o.dbias, device);
     for (int a = 0; a + 1 < o.bias.rank; ++a)
       if (o.bias.shape[a] > 1 && o.bias.strides[a] == 0)
         fail(ErrorKind::value, "bias: a stride of 0 along axis " + std::to_string(a) + " (size " +
-                                   std::to_string(o.bias.shape[a]) + ") in a backward that "
+                                   std::to_string(o.bias.shape[a]) +
+                                   ") in a backward that "
                                    "returns dbias; expected a size-1 axis there, which dbias "
                                    "sums into");
     check_no_overlap("dbias", o.dbias, "bias", o.bias);
@@ -333,7 +344,6 @@ void check_extras(const Options& o, const Shapes& s, Device device,
   }
 }
 
-
 // The backward's checks beyond check_attention_args: dout, dq, dk, dv.
 Shapes check_backward_args(const TensorView& dout, const TensorView& q, const TensorView& k,
                            const TensorView& v, const TensorView& out, const TensorView& lse,
@@ -352,8 +362,8 @@ Shapes check_backward_args(const TensorView& dout, const TensorView& q, const Te
   check_shape("dq", dq, {s.batch, s.seqlen_q, s.nheads, s.headdim}, "(the shape of q)");
   check_shape("dk", dk, {s.batch, s.seqlen_k, s.nheads_kv, s.headdim}, "(the shape of k)");
   check_shape("dv", dv, {s.batch, s.seqlen_k, s.nheads_kv, s.headdim}, "(the shape of v)");
-  const NamedView inputs[] = {
-      {"dout", &dout}, {"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"lse", &lse}};
+  const NamedView inputs[] = {{"dout", &dout}, {"q", &q},     {"k", &k},
+                              {"v", &v},       {"out", &out}, {"lse", &lse}};
   const NamedView grads[] = {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}};
   for (auto [gname, g] : grads)
     for (auto [iname, in] : inputs) check_no_overlap(gname, *g, iname, *in);

@@ -62,34 +62,34 @@ std::vector<int64_t> read_cu_seqlens(const char* name, const TensorView& cu, Dev
   check_rank(name, cu, 1, "(batch + 1,)");
   check_dtype(name, cu, DType::int32, "cumulative sequence lengths are int32");
   if (cu.device.type != DeviceType::cpu && cu.device != q_device)
-    fail(ErrorKind::value, std::string(name) + ": expected an array on the CPU (host memory) " +
-                               (q_device.type == DeviceType::cpu
-                                    ? std::string("")
-                                    : std::string("or on the device of q, ") +
-                                          device_name(q_device.type) + ":" +
-                                          std::to_string(q_device.id)) +
-                               ", got " + device_name(cu.device.type) + ":" +
-                               std::to_string(cu.device.id));
+    fail(ErrorKind::value,
+         std::string(name) + ": expected an array on the CPU (host memory) " +
+             (q_device.type == DeviceType::cpu
+                  ? std::string("")
+                  : std::string("or on the device of q, ") + device_name(q_device.type) + ":" +
+                        std::to_string(q_device.id)) +
+             ", got " + device_name(cu.device.type) + ":" + std::to_string(cu.device.id));
   if (cu.shape[0] < 1)
-    fail(ErrorKind::value, std::string(name) + ": expected shape (batch + 1,) with cu[0] == 0, "
+    fail(ErrorKind::value, std::string(name) +
+                               ": expected shape (batch + 1,) with cu[0] == 0, "
                                "got an empty array");
   if (max_seqlen < 0)
-    fail(ErrorKind::value, std::string(max_name) + ": expected >= 0, got " +
-                               std::to_string(max_seqlen));
+    fail(ErrorKind::value,
+         std::string(max_name) + ": expected >= 0, got " + std::to_string(max_seqlen));
   if (cu.device.type != DeviceType::cpu || !read_values) return {};
   const auto* c = static_cast<const int32_t*>(cu.data);
   std::vector<int64_t> off(static_cast<size_t>(cu.shape[0]));
   for (int64_t i = 0; i < cu.shape[0]; ++i) off[i] = c[i * cu.strides[0]];
   if (off[0] != 0)
-    fail(ErrorKind::value, std::string(name) + ": expected " + name + "[0] == 0, got " +
-                               std::to_string(off[0]));
+    fail(ErrorKind::value,
+         std::string(name) + ": expected " + name + "[0] == 0, got " + std::to_string(off[0]));
   for (size_t b = 0; b + 1 < off.size(); ++b) {
     const int64_t len = off[b + 1] - off[b];
     if (len < 0)
       fail(ErrorKind::value, std::string(name) + ": expected non-decreasing offsets, got " + name +
                                  "[" + std::to_string(b + 1) + "] = " + std::to_string(off[b + 1]) +
-                                 " < " + name + "[" + std::to_string(b) + "] = " +
-                                 std::to_string(off[b]));
+                                 " < " + name + "[" + std::to_string(b) +
+                                 "] = " + std::to_string(off[b]));
     if (len > max_seqlen)
       fail(ErrorKind::value, std::string(max_name) + ": sequence " + std::to_string(b) + " of " +
                                  name + " has length " + std::to_string(len) + ", more than " +
@@ -133,8 +133,9 @@ VarlenBatch check_varlen_layout(const TensorView& q, const TensorView& k, const 
                             "max_seqlen_k", max_seqlen_k, read_values);
   if (cu_seqlens_k.device != cu_seqlens_q.device)
     fail(ErrorKind::value, std::string("cu_seqlens_k: expected an array on the device of "
-                                       "cu_seqlens_q, ") + device_name(cu_seqlens_q.device.type) +
-                               ":" + std::to_string(cu_seqlens_q.device.id) + ", got " +
+                                       "cu_seqlens_q, ") +
+                               device_name(cu_seqlens_q.device.type) + ":" +
+                               std::to_string(cu_seqlens_q.device.id) + ", got " +
                                device_name(cu_seqlens_k.device.type) + ":" +
                                std::to_string(cu_seqlens_k.device.id));
   if (cu_seqlens_k.shape[0] != cu_seqlens_q.shape[0])
@@ -148,8 +149,8 @@ VarlenBatch check_varlen_layout(const TensorView& q, const TensorView& k, const 
 // batch-1 views the other checks see.
 Shapes mask_extents(const VarlenBatch& vb, const Shapes& whole, int64_t max_seqlen_q,
                     int64_t max_seqlen_k) {
-  return Shapes{vb.batch(), max_seqlen_q, max_seqlen_k, whole.nheads, whole.nheads_kv,
-                whole.headdim};
+  return Shapes{vb.batch(),   max_seqlen_q,    max_seqlen_k,
+                whole.nheads, whole.nheads_kv, whole.headdim};
 }
 
 // Params of sequence b: its block-mask plane and ALiBi slopes (their batch index is the
@@ -220,8 +221,9 @@ bool gather_paged(const TensorView& q, const TensorView& k, const TensorView& v,
   check_rank("q", q, 3, "(total_q, nheads, headdim)");
   check_rank("cu_seqlens_q", cu_seqlens_q, 1, "(batch + 1,)");
   if (cu_seqlens_q.shape[0] < 1)
-    fail(ErrorKind::value, "cu_seqlens_q: expected shape (batch + 1,) with cu[0] == 0, got an "
-                           "empty array");
+    fail(ErrorKind::value,
+         "cu_seqlens_q: expected shape (batch + 1,) with cu[0] == 0, got an "
+         "empty array");
   const int64_t batch = cu_seqlens_q.shape[0] - 1;
   const char* klay = paged ? "(num_pages, page_size, nheads_kv, headdim) (paged)"
                            : "(total_k, nheads_kv, headdim)";
@@ -276,8 +278,8 @@ bool gather_paged(const TensorView& q, const TensorView& k, const TensorView& v,
     const int64_t len = host_int32(cu_seqlens_k, b + 1) - host_int32(cu_seqlens_k, b);
     if (len < 0)
       fail(ErrorKind::value, "cu_seqlens_k: expected non-decreasing offsets, got cu_seqlens_k[" +
-                                 std::to_string(b + 1) + "] < cu_seqlens_k[" +
-                                 std::to_string(b) + "]");
+                                 std::to_string(b + 1) + "] < cu_seqlens_k[" + std::to_string(b) +
+                                 "]");
     keys[b] = len;
     if (pk.seqused_k.defined()) {
       const int64_t used = host_int32(pk.seqused_k, b);
@@ -407,8 +409,7 @@ void forward_varlen(const TensorView& q, const TensorView& k, const TensorView& 
     return;
   }
   const VarlenBatch vb = check_varlen_layout(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                             max_seqlen_q, max_seqlen_k,
-                                             !options.validate_only);
+                                             max_seqlen_q, max_seqlen_k, !options.validate_only);
   const TensorView q4 = as_batch1(q), k4 = as_batch1(k), v4 = as_batch1(v), o4 = as_batch1(out),
                    l3 = lse_as_batch1(lse);
   const Shapes whole = check_attention_args(q4, k4, v4, o4, l3, options);
@@ -450,8 +451,7 @@ void backward_varlen(const TensorView& dout, const TensorView& q, const TensorVi
                      int64_t max_seqlen_q, int64_t max_seqlen_k, const TensorView& dq,
                      const TensorView& dk, const TensorView& dv, const Options& options) {
   const VarlenBatch vb = check_varlen_layout(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                             max_seqlen_q, max_seqlen_k,
-                                             !options.validate_only);
+                                             max_seqlen_q, max_seqlen_k, !options.validate_only);
   check_rank("dout", dout, 3, "(total_q, nheads, headdim)");
   check_rank("dq", dq, 3, "(total_q, nheads, headdim)");
   check_rank("dk", dk, 3, "(total_k, nheads_kv, headdim)");
@@ -460,9 +460,9 @@ void backward_varlen(const TensorView& dout, const TensorView& q, const TensorVi
   check_shape("dq", dq, {q.shape[0], q.shape[1], q.shape[2]}, "(the shape of q)");
   check_shape("dk", dk, {k.shape[0], k.shape[1], k.shape[2]}, "(the shape of k)");
   check_shape("dv", dv, {k.shape[0], k.shape[1], k.shape[2]}, "(the shape of v)");
-  const TensorView do4 = as_batch1(dout), q4 = as_batch1(q), k4 = as_batch1(k),
-                   v4 = as_batch1(v), o4 = as_batch1(out), l3 = lse_as_batch1(lse),
-                   dq4 = as_batch1(dq), dk4 = as_batch1(dk), dv4 = as_batch1(dv);
+  const TensorView do4 = as_batch1(dout), q4 = as_batch1(q), k4 = as_batch1(k), v4 = as_batch1(v),
+                   o4 = as_batch1(out), l3 = lse_as_batch1(lse), dq4 = as_batch1(dq),
+                   dk4 = as_batch1(dk), dv4 = as_batch1(dv);
   const Shapes whole = check_backward_args(do4, q4, k4, v4, o4, l3, dq4, dk4, dv4, options);
   check_block_mask(options, mask_extents(vb, whole, max_seqlen_q, max_seqlen_k), q.device,
                    {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}});
@@ -485,10 +485,11 @@ void backward_varlen(const TensorView& dout, const TensorView& q, const TensorVi
     const int64_t q0 = vb.cu_q[b], sq = vb.cu_q[b + 1] - q0;
     const int64_t k0 = vb.cu_k[b], sk = vb.cu_k[b + 1] - k0;
     const Shapes s{1, sq, sk, whole.nheads, whole.nheads_kv, whole.headdim};
-    Params p = make_backward_params(
-        slice(do4, 1, q0, sq), slice(q4, 1, q0, sq), slice(k4, 1, k0, sk), slice(v4, 1, k0, sk),
-        slice(o4, 1, q0, sq), slice(l3, 2, q0, sq), slice(dq4, 1, q0, sq),
-        slice(dk4, 1, k0, sk), slice(dv4, 1, k0, sk), options, s);
+    Params p = make_backward_params(slice(do4, 1, q0, sq), slice(q4, 1, q0, sq),
+                                    slice(k4, 1, k0, sk), slice(v4, 1, k0, sk),
+                                    slice(o4, 1, q0, sq), slice(l3, 2, q0, sq),
+                                    slice(dq4, 1, q0, sq), slice(dk4, 1, k0, sk),
+                                    slice(dv4, 1, k0, sk), options, s);
     select_sequence(p, b);
     select_rows(p, q0);
     p.dsinks_ptr = nullptr;  // summed over every sequence below
@@ -502,7 +503,8 @@ void backward_varlen(const TensorView& dout, const TensorView& q, const TensorVi
     cpu::backward_batch(problems);
   }
   if (options.dsinks.defined())  // the packed rows as one batch-1 problem
-    cpu::sinks_backward(make_backward_params(do4, q4, k4, v4, o4, l3, dq4, dk4, dv4, options, whole));
+    cpu::sinks_backward(
+        make_backward_params(do4, q4, k4, v4, o4, l3, dq4, dk4, dv4, options, whole));
 }
 
 }  // namespace flashdl

@@ -24,10 +24,9 @@ void forward(const TensorView& q, const TensorView& k, const TensorView& v, cons
              const TensorView& lse, const Options& options);
 
 // dq, dk, dv shaped and typed like q, k, v; out and lse as the forward returned them.
-void backward(const TensorView& dout, const TensorView& q, const TensorView& k,
-              const TensorView& v, const TensorView& out, const TensorView& lse,
-              const TensorView& dq, const TensorView& dk, const TensorView& dv,
-              const Options& options);
+void backward(const TensorView& dout, const TensorView& q, const TensorView& k, const TensorView& v,
+              const TensorView& out, const TensorView& lse, const TensorView& dq,
+              const TensorView& dk, const TensorView& dv, const Options& options);
 
 // Variable-length batches (flash-attn's varlen layout): the batch's sequences are packed along
 // the first axis. q (total_q, nheads, headdim); k, v (total_k, nheads_kv, headdim); out like q;
@@ -112,8 +111,8 @@ struct KvCacheExtras {
 
 void forward_kvcache(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
                      const TensorView& cache_seqlens, const TensorView& k_new,
-                     const TensorView& v_new, const TensorView& block_table,
-                     const TensorView& out, const TensorView& lse, const Options& options,
+                     const TensorView& v_new, const TensorView& block_table, const TensorView& out,
+                     const TensorView& lse, const Options& options,
                      const KvCacheExtras& extras = {});
 
 // Merges attention results over disjoint key sets, exactly: outs[i] (batch, seqlen, nheads,
@@ -150,9 +149,9 @@ struct BuildInfo {
   std::string cuda_architectures;  // e.g. "80;90", empty without CUDA
   int cuda_device_count;           // 0 when no driver or device; never throws
   std::string cuda_status;         // "ok", or why no device is usable
-  std::string cpu_isa;             // the vector kernels in use: avx512, avx2, generic (FLASHDL_CPU_ISA)
-  int cpu_threads;                 // threads the CPU backend uses
-  int64_t cpu_sram_bytes;          // the fa1 on-chip budget M the CPU backend uses by default
+  std::string cpu_isa;     // the vector kernels in use: avx512, avx2, generic (FLASHDL_CPU_ISA)
+  int cpu_threads;         // threads the CPU backend uses
+  int64_t cpu_sram_bytes;  // the fa1 on-chip budget M the CPU backend uses by default
 };
 
 BuildInfo build_info();

@@ -7,10 +7,10 @@
 namespace flashdl {
 
 enum class ErrorKind : int {
-  value = 0,        // a bad shape, stride, option value: Python ValueError
-  type = 1,         // a bad dtype or array type: Python TypeError
-  unsupported = 2,  // valid request this build or device cannot serve: Python RuntimeError
-  runtime = 3,      // a failure while running (CUDA error, allocation): Python RuntimeError
+  value = 0,            // a bad shape, stride, option value: Python ValueError
+  type = 1,             // a bad dtype or array type: Python TypeError
+  unsupported = 2,      // valid request this build or device cannot serve: Python RuntimeError
+  runtime = 3,          // a failure while running (CUDA error, allocation): Python RuntimeError
   not_implemented = 4,  // a feature not yet on this path (backend, entry): NotImplementedError
 };
 

@@ -34,9 +34,9 @@ struct Options {
   int64_t dropout_head_offset = 0;
   int64_t dropout_nheads_total = 0;
   bool deterministic = false;
-  void* stream = nullptr;     // cudaStream_t for CUDA work; ignored on the CPU
-  int64_t sram_bytes = 0;     // fa1 on-chip budget M in bytes; 0: from the device (CPU: L2 cache)
-  int num_threads = 0;        // CPU threads; 0: the library default
+  void* stream = nullptr;  // cudaStream_t for CUDA work; ignored on the CPU
+  int64_t sram_bytes = 0;  // fa1 on-chip budget M in bytes; 0: from the device (CPU: L2 cache)
+  int num_threads = 0;     // CPU threads; 0: the library default
 
   // Block-sparse attention: a bool view (nblocks_q, nblocks_k) shared by every batch and head, or
   // (batch or 1, nheads or 1, nblocks_q, nblocks_k), over blocks of block_size_q query rows by

@@ -7,7 +7,14 @@
 
 namespace flashdl {
 
-enum class DType : int { float16 = 0, bfloat16 = 1, float32 = 2, float64 = 3, int32 = 4, boolean = 5 };
+enum class DType : int {
+  float16 = 0,
+  bfloat16 = 1,
+  float32 = 2,
+  float64 = 3,
+  int32 = 4,
+  boolean = 5
+};
 
 enum class DeviceType : int { cpu = 0, cuda = 1 };
 

@@ -109,7 +109,8 @@ void run_batch(const std::vector<Params>& problems, void (*run)(const Params&)) 
   const double total = std::accumulate(cost.begin(), cost.end(), 0.0);
   std::vector<size_t> order(problems.size());
   std::iota(order.begin(), order.end(), size_t{0});
-  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return cost[a] > cost[b]; });
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return cost[a] > cost[b]; });
   std::vector<std::vector<size_t>> share(static_cast<size_t>(threads));
   std::vector<double> load(static_cast<size_t>(threads), 0.0);
   for (size_t i : order) {
@@ -145,9 +146,9 @@ bool decode_shaped(const Params& p) {
                            : p.seqlen_k >= 1024 ? 4
                                                 : 2;
   return p.auto_schedule && p.p_dropout == 0.0f && p.block_mask_ptr == nullptr &&
-         p.bias_ptr == nullptr && p.mask_ptr == nullptr &&  // the KV-cache kernel has no bias or mask yet
-         rows <= max_rows && p.seqlen_k >= 256 &&
-         p.seqlen_k <= std::numeric_limits<int32_t>::max();
+         p.bias_ptr == nullptr &&
+         p.mask_ptr == nullptr &&  // the KV-cache kernel has no bias or mask yet
+         rows <= max_rows && p.seqlen_k >= 256 && p.seqlen_k <= std::numeric_limits<int32_t>::max();
 }
 
 }  // namespace

@@ -85,9 +85,10 @@ inline void round_pairs(const float* P, int64_t ld, int64_t mp, int64_t np, uint
 // ip < pairs and c < n (n % 16 == 0); rows from `rows` on count as zeros.
 inline void pair_rows(const float* X, int64_t ldx, int64_t rows, int64_t pairs, int64_t n,
                       uint32_t* dst, int64_t ldd) {
-  alignas(64) static constexpr uint16_t kInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5,
-                                                           21, 6, 22, 7, 23, 8, 24, 9, 25, 10, 26,
-                                                           11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  alignas(64) static constexpr uint16_t kInterleave[32] = {0,  16, 1,  17, 2,  18, 3,  19,
+                                                           4,  20, 5,  21, 6,  22, 7,  23,
+                                                           8,  24, 9,  25, 10, 26, 11, 27,
+                                                           12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i idx = _mm512_load_si512(kInterleave);
   for (int64_t ip = 0; ip < pairs; ++ip) {
     const float* x0 = 2 * ip < rows ? X + 2 * ip * ldx : nullptr;
@@ -132,12 +133,11 @@ struct Bf16BackwardProducts {
     gemm_bf16<false, false>(t.mp, t.np, kd, qw.data.data(), dw, ktw.data.data(), g.Bcp, S, g.Bcp);
   }
   void dp(const Geometry<float>& g, const TilePair& t, float* dP) const {
-    gemm_bf16<false, false>(t.mp, t.np, kd, dow.data.data(), dw, vtw.data.data(), g.Bcp, dP,
-                            g.Bcp);
+    gemm_bf16<false, false>(t.mp, t.np, kd, dow.data.data(), dw, vtw.data.data(), g.Bcp, dP, g.Bcp);
   }
   // X^T Y for X = P or dS (t.mp x nm, in rows of Bcp), Y = dO or Q as row pairs: C += ...
-  void transposed(const Geometry<float>& g, const TilePair& t, const float* X,
-                  const uint32_t* Y, float* C) const {
+  void transposed(const Geometry<float>& g, const TilePair& t, const float* X, const uint32_t* Y,
+                  float* C) const {
     const int64_t n16 = detail::round_up(t.nm, int64_t{16});
     uint32_t* xt = a.get(g.Brp / 2 * g.Bcp);
     pair_rows(X, g.Bcp, t.mp, t.mp / 2, n16, xt, g.Bcp);
@@ -245,9 +245,9 @@ struct Bf16Products {
       for (int64_t w0 = 0; w0 < wb; w0 += W) {
         vec_t<float> r[W];
         for (int64_t i = 0; i < W; ++i)
-          r[i] = i < nr ? vload(reinterpret_cast<const float*>(k + (j0 + i) * p.k_row_stride +
-                                                                2 * w0))
-                        : vec_t<float>{};
+          r[i] = i < nr
+                     ? vload(reinterpret_cast<const float*>(k + (j0 + i) * p.k_row_stride + 2 * w0))
+                     : vec_t<float>{};
         transpose_lanes<float>(r);
         for (int64_t c = 0; c < W; ++c)
           vstore(reinterpret_cast<float*>(Kt + (w0 + c) * g.Bcp + j0), r[c]);
@@ -321,8 +321,10 @@ struct Bf16Products {
       } else {
         const Bias* x = bias + (r < bias_rows ? r : bias_rows - 1) * bias_ld + 16 * half;
         __m512 b;
-        if constexpr (std::is_same_v<Bias, uint16_t>) b = (__m512)vload_bf16(x);  // blocks.inl
-        else b = _mm512_loadu_ps(x);
+        if constexpr (std::is_same_v<Bias, uint16_t>)
+          b = (__m512)vload_bf16(x);  // blocks.inl
+        else
+          b = _mm512_loadu_ps(x);
         return _mm512_fmadd_ps(b, _mm512_set1_ps(static_cast<float>(detail::kLog2e)), t);
       }
     }
@@ -362,9 +364,9 @@ struct Bf16Products {
   // own_ref non-null (no bias, t.np == 32: a row's first tile): each row's reference is its own
   // max over the tile's t.cols keys times c, written to own_ref (ExpTile's kOwnMax).
   template <typename Bias>
-  void scores_exp(const Params& p, const Geometry<float>& g, int64_t kt, const TilePair& t,
-                  float c, const float* ref, float* sums, uint8_t* over, const Bias* bias,
-                  int64_t bias_ld, float* own_ref = nullptr) {
+  void scores_exp(const Params& p, const Geometry<float>& g, int64_t kt, const TilePair& t, float c,
+                  const float* ref, float* sums, uint8_t* over, const Bias* bias, int64_t bias_ld,
+                  float* own_ref = nullptr) {
     const uint32_t* Kt = key_tile(p, g, kt);
     uint32_t* Pw = pw.get(g.Brp * (g.Bcp / 2));
     std::fill(over, over + t.mp, uint8_t{0});
@@ -392,9 +394,9 @@ struct Bf16Products {
           }
         }
         micro_kernel_bf16<false>(kd(g), A, in_place ? q_ld : dw(g), Kt + j, g.Bcp,
-                                 ExpTile<Bias>{vc, ref + i, Pw + i * (g.Bcp / 2) + j / 2,
-                                               g.Bcp / 2, sums + 16 * i, over + i, j == 0, x,
-                                               bias_ld, t.rows - bi, nullptr, 0, 0});
+                                 ExpTile<Bias>{vc, ref + i, Pw + i * (g.Bcp / 2) + j / 2, g.Bcp / 2,
+                                               sums + 16 * i, over + i, j == 0, x, bias_ld,
+                                               t.rows - bi, nullptr, 0, 0});
       }
   }
 
@@ -444,10 +446,10 @@ struct Bf16Products {
 // within each 32 (finish_row restores it).
 struct KvBf16 {
   static constexpr bool kNaturalO = false;  // O's columns permuted within 32 until finish_row
-  using Elem = uint16_t;  // a cache value
-  using Word = uint32_t;  // Q's and P's unit: a pair
-  static constexpr int kElems = 32;       // cache values per vector
-  static constexpr int kKeysPerStep = 2;  // keys per multiply-add of O += P V
+  using Elem = uint16_t;                    // a cache value
+  using Word = uint32_t;                    // Q's and P's unit: a pair
+  static constexpr int kElems = 32;         // cache values per vector
+  static constexpr int kKeysPerStep = 2;    // keys per multiply-add of O += P V
 
   static int64_t words(int64_t dp) { return dp / 2; }
   static __m512i load_full(const uint16_t* p) { return _mm512_loadu_si512(p); }

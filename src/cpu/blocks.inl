@@ -7,12 +7,12 @@ using detail::Mask;
 
 template <typename T>
 struct Geometry {
-  int64_t d, dp;       // head dim, and padded to the vector tile
-  int64_t Br, Bc;      // longest tile of Q rows and of K/V rows
-  int64_t Brp, Bcp;    // padded to the micro-kernel tile: the size of every tile buffer
-  int64_t nqb, nkb;    // number of Q and K/V tiles
+  int64_t d, dp;             // head dim, and padded to the vector tile
+  int64_t Br, Bc;            // longest tile of Q rows and of K/V rows
+  int64_t Brp, Bcp;          // padded to the micro-kernel tile: the size of every tile buffer
+  int64_t nqb, nkb;          // number of Q and K/V tiles
   detail::AxisTiles qt, kt;  // where each tile starts and how long it is
-  T c;                 // softmax scale * log2(e)
+  T c;                       // softmax scale * log2(e)
 };
 
 // Keys are a product's column dimension (a multiple of kNR) everywhere, and in the backward's dK
@@ -31,8 +31,8 @@ int64_t padded_keys(int64_t keys) {
 // Query rows are not split this way: a query tile longer than 48 rows leaves L1 (64-row tiles
 // cost 26% here, benchmarks/results/cpu_tuning.md), and a short last tile costs little.
 inline int64_t block_key_tile(int64_t block, int64_t tile, int64_t align, bool may_grow) {
-  const int64_t pieces =
-      may_grow ? std::max<int64_t>(1, (block + tile / 2) / tile) : detail::ceil_div(block, tile);
+  const int64_t pieces = may_grow ? std::max<int64_t>(1, (block + tile / 2) / tile)
+                                  : detail::ceil_div(block, tile);
   const int64_t t = std::min(block, detail::round_up(detail::ceil_div(block, pieces), align));
   return may_grow ? t : std::min(t, tile);
 }
@@ -132,7 +132,8 @@ struct HeadMods {
   bool on;
   detail::HeadExtras ex;  // the bias and mask of (b, h) (detail/extras.hpp)
   HeadMods(const Params& p, int64_t b, int64_t h)
-      : mod(detail::score_mod_of<T>(p, b, h)), on(detail::has_score_mod(p)),
+      : mod(detail::score_mod_of<T>(p, b, h)),
+        on(detail::has_score_mod(p)),
         ex(detail::extras_of(p, b, h)) {}
   const detail::ScoreMod<T>* get() const { return on ? &mod : nullptr; }
   const detail::HeadExtras* extras() const { return ex.any() ? &ex : nullptr; }
@@ -208,12 +209,16 @@ inline T extras_row_fused(T* __restrict s, const B* __restrict x, T c,
   typedef I ivec __attribute__((vector_size(FLASHDL_VEC_BYTES)));
   typedef uint8_t bvec __attribute__((vector_size(W)));
   auto value = [](B b) -> T {
-    if constexpr (std::is_same_v<B, T>) return b;
-    else return static_cast<T>(bf16_to_float(b));
+    if constexpr (std::is_same_v<B, T>)
+      return b;
+    else
+      return static_cast<T>(bf16_to_float(b));
   };
   auto vvalue = [](const B* b) -> vec_t<T> {
-    if constexpr (std::is_same_v<B, T>) return vload(b);
-    else return vload_bf16(b);
+    if constexpr (std::is_same_v<B, T>)
+      return vload(b);
+    else
+      return vload_bf16(b);
   };
   const vec_t<T> vc = vset1(c), ninf = vset1<T>(-INFINITY);
   vec_t<T> vm = ninf;
@@ -262,8 +267,8 @@ T apply_extras_row(T* s, const detail::HeadExtras& ex, int64_t i, int64_t j0, in
     const int64_t off = ex.bias_offset(i, j0 + a);
     if constexpr (std::is_same_v<T, float>) {
       if (ex.bias_col == 1 && ex.bias_dtype == DType::bfloat16)  // read in place, widened
-        return extras_row_fused(s + a, static_cast<const uint16_t*>(element(ex.bias,
-                                                                            ex.bias_dtype, off)),
+        return extras_row_fused(s + a,
+                                static_cast<const uint16_t*>(element(ex.bias, ex.bias_dtype, off)),
                                 static_cast<T>(detail::kLog2e), keep, n);
     }
     if (ex.bias_col == 1 && ((std::is_same_v<T, float> && ex.bias_dtype == DType::float32) ||
@@ -293,14 +298,16 @@ inline void prefetch_extras_tile(const detail::HeadExtras* ex, const Params& p, 
                                  int64_t h, int64_t i0, int64_t rows, int64_t j0, int64_t cols,
                                  bool dbias) {
   if (ex == nullptr || ex->bias == nullptr || ex->bias_col != 1) return;
-  const int64_t es = ex->bias_dtype == DType::float64 ? 8 : ex->bias_dtype == DType::float32 ? 4 : 2;
+  const int64_t es = ex->bias_dtype == DType::float64   ? 8
+                     : ex->bias_dtype == DType::float32 ? 4
+                                                        : 2;
   prefetch_rows(static_cast<const char*>(ex->bias) + ex->bias_offset(i0, j0) * es,
                 ex->bias_row * es, rows, cols * es);
   if (!dbias || p.dbias_ptr == nullptr || p.dbias_col_stride != 1) return;
-  prefetch_rows<true>(static_cast<const char*>(p.dbias_ptr) +
-                          (b * p.dbias_batch_stride + h * p.dbias_head_stride +
-                           i0 * p.dbias_row_stride + j0) * es,
-                      p.dbias_row_stride * es, rows, cols * es);
+  prefetch_rows<true>(
+      static_cast<const char*>(p.dbias_ptr) +
+          (b * p.dbias_batch_stride + h * p.dbias_head_stride + i0 * p.dbias_row_stride + j0) * es,
+      p.dbias_row_stride * es, rows, cols * es);
 }
 
 // S (the tile pair's Q K^T, unscaled) scaled to the exp2 domain, with invisible keys, padding rows
@@ -343,8 +350,8 @@ bool mask_scores(const Geometry<T>& g, const Mask& mask, T* S, const TilePair& t
   }
   // Every key of every real row visible, no padding column (padding rows are filled below):
   // one scaled max per row without the window's bounds.
-  const bool full =
-      t.cols == t.np && mask.block_fully_visible(t.i0, t.i0 + t.rows, t.j0, t.j0 + t.cols);
+  const bool full = t.cols == t.np &&
+                    mask.block_fully_visible(t.i0, t.i0 + t.rows, t.j0, t.j0 + t.cols);
   for (int64_t r = 0; r < t.mp; ++r) {
     T* s = S + r * g.Bcp;
     if (r >= t.rows) {
@@ -536,8 +543,7 @@ struct DBiasPartials {
 
   DBiasPartials(const Params& p, int threads) {
     on = p.dbias_ptr != nullptr;
-    direct = on && p.bias_batch == p.batch && p.bias_heads == p.nheads &&
-             p.bias_rows == p.seqlen_q;
+    direct = on && p.bias_batch == p.batch && p.bias_heads == p.nheads && p.bias_rows == p.seqlen_q;
     if (on && !direct) {
       elems = p.bias_batch * p.bias_heads * p.bias_rows * p.seqlen_k;
       part.resize(static_cast<size_t>(threads));
@@ -610,7 +616,7 @@ void add_dbias_block(const Params& p, const T* acc, int64_t ld, int64_t rows, in
 template <typename T>
 struct DBiasKeyTiles {
   struct Slice {
-    int64_t first = -1, last = -1, cur = -1;  // key tile indices (task order)
+    int64_t first = -1, last = -1, cur = -1;        // key tile indices (task order)
     int64_t first_kt = 0, last_kt = 0, cur_kt = 0;  // and the key tiles they name
     std::vector<T> head, tail, buf;
   };
@@ -618,7 +624,8 @@ struct DBiasKeyTiles {
   std::vector<Slice> slices;
 
   DBiasKeyTiles(const Params& p, const Geometry<T>& g, int threads)
-      : rows(p.bias_batch * p.bias_heads * p.bias_rows), ld(g.Bcp),
+      : rows(p.bias_batch * p.bias_heads * p.bias_rows),
+        ld(g.Bcp),
         slices(static_cast<size_t>(threads)) {}
 
   // Thread t's slice runs key tile indices first..last.
@@ -684,7 +691,6 @@ struct DBiasKeyTiles {
     s.cur = -1;
   }
 };
-
 
 // d[j] = bfloat16(P[j] != 0 ? dS[j] : 0) for j < n, rounded as float_to_bf16 (to nearest even,
 // NaN kept a quiet NaN): vectors, then a scalar tail.
@@ -866,16 +872,15 @@ void backward_block(const Geometry<T>& g, const Params& p, const Mask& mask, int
   std::copy(dQ, dQ + t.rows * g.dp, dQ0);
   prod.dq(g, t, dS, dQ);
   redo_nonfinite_rows(g, mask, t, dS, dQ0, dQ,
-                      element(p.k_ptr, p.dtype, k_offset(p, b, t.j0, h / p.h_h_k_ratio)),
-                      p.dtype, p.k_row_stride, scratch.xrow, keep, PairProducts<Prod>::value);
+                      element(p.k_ptr, p.dtype, k_offset(p, b, t.j0, h / p.h_h_k_ratio)), p.dtype,
+                      p.k_row_stride, scratch.xrow, keep, PairProducts<Prod>::value);
 }
 
 // The same step with the products in T on Q, dO (t.mp rows of dp), K (Bcp x dp), Kt, Vt (d x Bcp).
 template <typename T>
 void backward_block(const Geometry<T>& g, const Params& p, const Mask& mask, int64_t b, int64_t h,
-                    const TilePair& t, const T* Q, const T* dO, const T* L2, const T* D,
-                    const T* K, const T* Kt, const T* Vt, T* dK, T* dV, T* dQ,
-                    BackwardScratch<T>& scratch) {
+                    const TilePair& t, const T* Q, const T* dO, const T* L2, const T* D, const T* K,
+                    const T* Kt, const T* Vt, T* dK, T* dV, T* dQ, BackwardScratch<T>& scratch) {
   backward_block(g, p, mask, b, h, t, L2, D, BackwardProducts<T>{Q, dO, K, Kt, Vt}, dK, dV, dQ,
                  scratch);
 }
@@ -892,12 +897,12 @@ struct KeyBlock {
     if (pad < 0) pad = g.Bcp;
     load_rows(element(p.k_ptr, p.dtype, k_offset(p, b, j0, hk)), p.dtype, p.k_row_stride, cols, g.d,
               K.get(g.Bcp * g.dp), g.dp, pad);
-    load_rows_transposed(element(p.k_ptr, p.dtype, k_offset(p, b, j0, hk)), p.dtype,
-                         p.k_row_stride, cols, g.d, Kt.get(g.d * g.Bcp), g.Bcp,
-                         scratch.get(kTransposeRows * g.dp), pad);
-    load_rows_transposed(element(p.v_ptr, p.dtype, v_offset(p, b, j0, hk)), p.dtype,
-                         p.v_row_stride, cols, g.d, Vt.get(g.d * g.Bcp), g.Bcp,
-                         scratch.get(kTransposeRows * g.dp), pad);
+    load_rows_transposed(element(p.k_ptr, p.dtype, k_offset(p, b, j0, hk)), p.dtype, p.k_row_stride,
+                         cols, g.d, Kt.get(g.d * g.Bcp), g.Bcp, scratch.get(kTransposeRows * g.dp),
+                         pad);
+    load_rows_transposed(element(p.v_ptr, p.dtype, v_offset(p, b, j0, hk)), p.dtype, p.v_row_stride,
+                         cols, g.d, Vt.get(g.d * g.Bcp), g.Bcp, scratch.get(kTransposeRows * g.dp),
+                         pad);
   }
 };
 
@@ -905,11 +910,11 @@ template <typename T>
 void store_key_grads(const Params& p, const Geometry<T>& g, int64_t b, int64_t hk, int64_t j0,
                      int64_t cols, const T* dK, const T* dV) {
   store_rows(dK, g.dp, cols, g.d, static_cast<T>(p.scale_softmax),
-             element(p.dk_ptr, p.dtype, b * p.dk_batch_stride + j0 * p.dk_row_stride +
-                                            hk * p.dk_head_stride),
+             element(p.dk_ptr, p.dtype,
+                     b * p.dk_batch_stride + j0 * p.dk_row_stride + hk * p.dk_head_stride),
              p.dtype, p.dk_row_stride);
   store_rows(dV, g.dp, cols, g.d, T(1),
-             element(p.dv_ptr, p.dtype, b * p.dv_batch_stride + j0 * p.dv_row_stride +
-                                            hk * p.dv_head_stride),
+             element(p.dv_ptr, p.dtype,
+                     b * p.dv_batch_stride + j0 * p.dv_row_stride + hk * p.dv_head_stride),
              p.dtype, p.dv_row_stride);
 }

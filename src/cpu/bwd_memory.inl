@@ -21,7 +21,7 @@ struct BackwardRows {
 
 template <typename T>
 struct BackwardWorkspace {
-  BackwardRows<T> all;  // every head's (prepare_backward_inputs)
+  BackwardRows<T> all;               // every head's (prepare_backward_inputs)
   std::vector<BackwardRows<T>> own;  // per thread: one kv head group's (fa2_backward_by_keys)
   std::vector<std::vector<T>> part;  // per thread: dQ partials (by keys), dK and dV (by queries)
 

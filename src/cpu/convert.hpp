@@ -18,7 +18,8 @@ inline float bf16_to_float(uint16_t h) {
 inline uint16_t float_to_bf16(float f) {
   uint32_t bits;
   std::memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);  // NaN
+  if ((bits & 0x7fffffffu) > 0x7f800000u)
+    return static_cast<uint16_t>((bits >> 16) | 0x40u);  // NaN
   bits += 0x7fffu + ((bits >> 16) & 1u);
   return static_cast<uint16_t>(bits >> 16);
 }
@@ -87,8 +88,12 @@ inline double load_as_double(const void* base, DType dt, int64_t i) {
 
 inline void store_from_double(void* base, DType dt, int64_t i, double x) {
   switch (dt) {
-    case DType::float16: static_cast<uint16_t*>(base)[i] = float_to_fp16(static_cast<float>(x)); break;
-    case DType::bfloat16: static_cast<uint16_t*>(base)[i] = float_to_bf16(static_cast<float>(x)); break;
+    case DType::float16:
+      static_cast<uint16_t*>(base)[i] = float_to_fp16(static_cast<float>(x));
+      break;
+    case DType::bfloat16:
+      static_cast<uint16_t*>(base)[i] = float_to_bf16(static_cast<float>(x));
+      break;
     case DType::float32: static_cast<float*>(base)[i] = static_cast<float>(x); break;
     case DType::float64: static_cast<double*>(base)[i] = x; break;
     default: break;

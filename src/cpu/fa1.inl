@@ -5,8 +5,8 @@
 
 template <typename T>
 Geometry<T> fa1_geometry(const Params& p, int64_t sram_bytes) {
-  const detail::Fa1Tiles t =
-      detail::fa1_tiles(sram_bytes / static_cast<int64_t>(sizeof(T)), p.headdim);
+  const detail::Fa1Tiles t = detail::fa1_tiles(sram_bytes / static_cast<int64_t>(sizeof(T)),
+                                               p.headdim);
   // make_geometry caps both at the sequence lengths (and at a block mask's blocks), never above
   // the budget's.
   return make_geometry<T>(p, t.Br, t.Bc, false);
@@ -42,9 +42,8 @@ void fa1_forward_impl(const Params& p, int threads, int64_t sram_bytes) {
         const int64_t j0 = g.kt.start(kt), cols = g.kt.size(kt);
         const int64_t i_begin = mask.row_begin(j0), i_end = mask.row_end(j0 + cols - 1);
         bool kv_loaded = false;
-        for (int64_t qt = g.qt.tile_of(i_begin); i_begin < i_end && qt < g.nqb &&
-                                                 g.qt.start(qt) < i_end;
-             ++qt) {  // line 7
+        for (int64_t qt = g.qt.tile_of(i_begin);
+             i_begin < i_end && qt < g.nqb && g.qt.start(qt) < i_end; ++qt) {  // line 7
           if (!pair_in_mask(g, bm, qt, kt)) continue;  // a zero block: never loaded or computed
           if (mask_tile_empty(mods.extras(), g.qt.start(qt), g.qt.size(qt), j0, cols)) continue;
           if (!kv_loaded) {
@@ -59,8 +58,8 @@ void fa1_forward_impl(const Params& p, int threads, int64_t sram_bytes) {
           const TilePair t = tile_pair(g, qt, kt);
           const int64_t i0 = t.i0, rows = t.rows;
           // Line 8: Q_i (O_i, l_i, m_i are read in place below).
-          load_rows(element(p.q_ptr, p.dtype, q_offset(p, b, i0, h)), p.dtype, p.q_row_stride,
-                    rows, g.d, Q, g.dp, g.Brp);
+          load_rows(element(p.q_ptr, p.dtype, q_offset(p, b, i0, h)), p.dtype, p.q_row_stride, rows,
+                    g.d, Q, g.dp, g.Brp);
           // Lines 9-10: S = tau Q K^T (masked), m~ = rowmax, P~ = exp(S - m~), l~ = rowsum.
           const bool hidden = masked_scores(g, mask, Q, Kt, g.Bcp, S, t, m_tilde, mods.get(),
                                             static_cast<T*>(nullptr), mods.extras());
@@ -139,7 +138,7 @@ void fa1_backward_impl(const Params& p, int threads, int64_t sram_bytes) {
     for (int64_t bhk = begin; bhk < end; ++bhk) {
       const int64_t b = bhk / p.nheads_kv, hk = bhk % p.nheads_kv;
       std::fill(dQ, dQ + group * rows_alloc * g.dp, T(0));  // line 5 (dQ in HBM)
-      for (int64_t kt = 0; kt < g.nkb; ++kt) {                // line 6
+      for (int64_t kt = 0; kt < g.nkb; ++kt) {              // line 6
         const int64_t j0 = g.kt.start(kt), cols = g.kt.size(kt);
         std::fill(dK, dK + g.Bcp * g.dp, T(0));  // line 8
         std::fill(dV, dV + g.Bcp * g.dp, T(0));
@@ -150,7 +149,7 @@ void fa1_backward_impl(const Params& p, int threads, int64_t sram_bytes) {
           const BlockMask bm = detail::block_mask_of(p, b, h);
           const detail::HeadExtras ex = detail::extras_of(p, b, h);
           for (int64_t qt = g.qt.tile_of(i_begin); qt < g.nqb && g.qt.start(qt) < i_end;
-               ++qt) {  // line 9
+               ++qt) {                                   // line 9
             if (!pair_in_mask(g, bm, qt, kt)) continue;  // a zero block: never loaded or computed
             if (mask_tile_empty(&ex, g.qt.start(qt), g.qt.size(qt), j0, cols)) continue;
             if (!kv_loaded) {
@@ -168,14 +167,14 @@ void fa1_backward_impl(const Params& p, int threads, int64_t sram_bytes) {
                       rows, g.d, Q, g.dp, g.Brp);
             load_rows(element(p.o_ptr, p.dtype, o_offset(p, b, i0, h)), p.dtype, p.o_row_stride,
                       rows, g.d, O, g.dp, g.Brp);
-            load_rows(element(p.do_ptr, p.dtype, do_offset(p, b, i0, h)), p.dtype,
-                      p.do_row_stride, rows, g.d, dO, g.dp, g.Brp);
+            load_rows(element(p.do_ptr, p.dtype, do_offset(p, b, i0, h)), p.dtype, p.do_row_stride,
+                      rows, g.d, dO, g.dp, g.Brp);
             for (int64_t r = 0; r < t.mp; ++r) {
               // Line 19: D_i = rowsum(dO_i o O_i).
               D[r] = r < rows ? row_dot(dO + r * g.dp, O + r * g.dp, g.dp) : T(0);
-              L2[r] = r < rows ? static_cast<T>(lse_at(p, b, h, i0 + r)) *
-                                     static_cast<T>(detail::kLog2e)
-                               : T(0);
+              L2[r] = r < rows
+                          ? static_cast<T>(lse_at(p, b, h, i0 + r)) * static_cast<T>(detail::kLog2e)
+                          : T(0);
             }
             // Lines 11-21.
             T* dQ_i = dQ + (hg * rows_alloc + tile_row(g, qt)) * g.dp;
@@ -188,8 +187,8 @@ void fa1_backward_impl(const Params& p, int threads, int64_t sram_bytes) {
               }
             }
 #endif
-            backward_block(g, p, mask, b, h, t, Q, dO, L2, D, kv.K.data.data(),
-                           kv.Kt.data.data(), kv.Vt.data.data(), dK, dV, dQ_i, scratch);
+            backward_block(g, p, mask, b, h, t, Q, dO, L2, D, kv.K.data.data(), kv.Kt.data.data(),
+                           kv.Vt.data.data(), dK, dV, dQ_i, scratch);
           }
         }
         store_key_grads(p, g, b, hk, j0, cols, dK, dV);  // line 24

@@ -34,7 +34,7 @@ inline int64_t fa2_forward_block_rows(const Params& p, int64_t key_bytes, int th
 template <typename T>
 struct PackedKV {
   struct Head {
-    RawBuffer<T> Kt, V;  // every tile written whole, padding included, when packed
+    RawBuffer<T> Kt, V;        // every tile written whole, padding included, when packed
     std::vector<char> packed;  // per tile: bit 0 K^T, bit 1 V
     int64_t key = -1;
   };
@@ -265,9 +265,8 @@ inline bool stale_reference_ok(const Params& p, const Geometry<float>& g, const 
       !mask.block_fully_visible(t.i0, t.i0 + t.rows, t.j0, t.j0 + t.cols))
     return false;
   if (ex == nullptr) return true;
-  if (ex->bias != nullptr &&
-      (ex->bias_col != 1 ||
-       (ex->bias_dtype != DType::bfloat16 && ex->bias_dtype != DType::float32)))
+  if (ex->bias != nullptr && (ex->bias_col != 1 || (ex->bias_dtype != DType::bfloat16 &&
+                                                    ex->bias_dtype != DType::float32)))
     return false;
   return ex->keep == nullptr || mask_tile_full(ex, t.i0, t.rows, t.j0, t.cols);
 }
@@ -285,10 +284,9 @@ inline bool stale_reference_ok(const Params& p, const Geometry<float>& g, const 
 // own max, taken in the epilogue from the row's 32 columns in registers; O = P V.
 template <typename Prod>
 void stale_reference_tile(const Params& p, const Geometry<float>& g, const Mask& mask, int64_t kt,
-                          const TilePair& t, int64_t rows, const detail::HeadExtras* ex,
-                          Prod& prod, ForwardTiles<float>& tiles,
-                          detail::OnlineSoftmax<float>* sm, float* lanes, float* S, float* O,
-                          bool own) {
+                          const TilePair& t, int64_t rows, const detail::HeadExtras* ex, Prod& prod,
+                          ForwardTiles<float>& tiles, detail::OnlineSoftmax<float>* sm,
+                          float* lanes, float* S, float* O, bool own) {
   constexpr int64_t W = Simd<float>::W;
   static_assert(PairProducts<Prod>::value && W == 16, "scores_exp's sums are 16 lanes a row");
   float* ref = tiles.row_max.get(g.Brp);
@@ -395,8 +393,8 @@ void fa2_forward_impl(const Params& p, int threads) {
       std::fill(sm.begin(), sm.begin() + g.Brp, detail::OnlineSoftmax<T>{});
       std::fill(lanes, lanes + g.Brp * W, T(0));
       bool q_loaded = false;
-      for (int64_t kt = g.kt.tile_of(j_begin); j_begin < j_end && kt < g.nkb && g.kt.start(kt) < j_end;
-           ++kt) {
+      for (int64_t kt = g.kt.tile_of(j_begin);
+           j_begin < j_end && kt < g.nkb && g.kt.start(kt) < j_end; ++kt) {
         if (!pair_in_mask(g, bm, qt, kt)) continue;  // a zero block: never loaded or computed
         // Products in T pad a tile's keys to one vector (gemm's one-vector strip: a 16-key tile
         // costs 16 columns, not 32); the bfloat16 pair kernels work on whole 32-column groups.
@@ -416,8 +414,8 @@ void fa2_forward_impl(const Params& p, int threads) {
           const bool own = !o_live && own_reference_ok(p, g, mask, t, mods.get(), ex);
           if (own || (o_live && stale_reference_ok(p, g, mask, t, mods.get(), ex) &&
                       std::all_of(sm.begin(), sm.begin() + rows, started))) {
-            stale_reference_tile(p, g, mask, kt, t, rows, ex, prod, tiles, sm.data(),
-                                 lanes, S, O, own);
+            stale_reference_tile(p, g, mask, kt, t, rows, ex, prod, tiles, sm.data(), lanes, S, O,
+                                 own);
             o_live = true;
             continue;
           }
@@ -511,15 +509,15 @@ struct BackwardInputs {
 // padding rows zero: Q = dO = 0 there makes their dS and dV terms 0), lse in the exp2 domain and
 // D = rowsum(dO * O) (Brp entries, zero past the tile's rows). O: scratch of Brp x dp.
 template <typename T>
-void load_query_tile(const Params& p, const Geometry<T>& g, int64_t b, int64_t h, int64_t qt,
-                     T* Q, T* dO, T* L2, T* D, T* O) {
+void load_query_tile(const Params& p, const Geometry<T>& g, int64_t b, int64_t h, int64_t qt, T* Q,
+                     T* dO, T* L2, T* D, T* O) {
   const int64_t i0 = g.qt.start(qt), rows = g.qt.size(qt);
-  load_rows(element(p.q_ptr, p.dtype, q_offset(p, b, i0, h)), p.dtype, p.q_row_stride, rows, g.d,
-            Q, g.dp, g.Brp);
-  load_rows(element(p.do_ptr, p.dtype, do_offset(p, b, i0, h)), p.dtype, p.do_row_stride, rows,
-            g.d, dO, g.dp, g.Brp);
-  load_rows(element(p.o_ptr, p.dtype, o_offset(p, b, i0, h)), p.dtype, p.o_row_stride, rows, g.d,
-            O, g.dp, rows);
+  load_rows(element(p.q_ptr, p.dtype, q_offset(p, b, i0, h)), p.dtype, p.q_row_stride, rows, g.d, Q,
+            g.dp, g.Brp);
+  load_rows(element(p.do_ptr, p.dtype, do_offset(p, b, i0, h)), p.dtype, p.do_row_stride, rows, g.d,
+            dO, g.dp, g.Brp);
+  load_rows(element(p.o_ptr, p.dtype, o_offset(p, b, i0, h)), p.dtype, p.o_row_stride, rows, g.d, O,
+            g.dp, rows);
   for (int64_t r = 0; r < g.Brp; ++r) {
     const bool in_tile = r < rows;
     D[r] = in_tile ? row_dot(dO + r * g.dp, O + r * g.dp, g.dp) : T(0);
@@ -705,8 +703,9 @@ void fa2_backward_by_keys(const Params& p, const Geometry<T>& g, const Mask& mas
             kb_bufs.load(p, g, b, hk, j0, cols, key_pad(p, g, np));
 #if FLASHDL_HAVE_BF16_DOT
             if constexpr (std::is_same_v<T, float>)
-              if (bf16) bprod.keys(g, kb_bufs.K.data.data(), kb_bufs.Kt.data.data(),
-                                   kb_bufs.Vt.data.data());
+              if (bf16)
+                bprod.keys(g, kb_bufs.K.data.data(), kb_bufs.Kt.data.data(),
+                           kb_bufs.Vt.data.data());
 #endif
             kv_loaded = true;
           }
@@ -752,8 +751,8 @@ void fa2_backward_by_keys(const Params& p, const Geometry<T>& g, const Mask& mas
         for (int64_t hg = 0; hg < group; ++hg) {
           const int n = partials_of(bhk, hg, parts.data());
           if (n > 1)
-            store_dq_head(p, g, bhk / p.nheads_kv, bhk % p.nheads_kv * group + hg, parts.data(),
-                          n, acc);
+            store_dq_head(p, g, bhk / p.nheads_kv, bhk % p.nheads_kv * group + hg, parts.data(), n,
+                          acc);
         }
       }
   });
@@ -780,8 +779,8 @@ void fa2_backward_by_keys(const Params& p, const Geometry<T>& g, const Mask& mas
 // dK and dV are summed in per-thread partials over the (batch, kv head) pairs of the thread's
 // slice, reduced in thread order (bitwise reproducible for a given thread count, as by_keys).
 template <typename T>
-void fa2_backward_by_queries(const Params& p, const Geometry<T>& g, const Mask& mask,
-                             bool zigzag, int threads) {
+void fa2_backward_by_queries(const Params& p, const Geometry<T>& g, const Mask& mask, bool zigzag,
+                             int threads) {
   const int64_t group = p.h_h_k_ratio;
   const int64_t ntasks = p.batch * p.nheads * g.nqb;
   const int nthreads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, ntasks)));
@@ -825,7 +824,7 @@ void fa2_backward_by_queries(const Params& p, const Geometry<T>& g, const Mask& 
     const int64_t slots = heads_inner ? p.nheads_kv : keep_tiles ? g.nkb : 1;
     std::vector<KeyBlock<T>>& kb_slots = tiles.slots;
     if (static_cast<int64_t>(kb_slots.size()) < slots) kb_slots.resize(static_cast<size_t>(slots));
-    std::vector<int64_t> loaded(static_cast<size_t>(slots), -1);  // the (bhk, key tile) in each
+    std::vector<int64_t> loaded(static_cast<size_t>(slots), -1);   // the (bhk, key tile) in each
     std::vector<int64_t> queried(static_cast<size_t>(slots), -1);  // the task whose rows each has
     BackwardScratch<T>& scratch = tiles.scratch;
     dbias.attach(t, p, scratch);
@@ -836,8 +835,7 @@ void fa2_backward_by_queries(const Params& p, const Geometry<T>& g, const Mask& 
       bprods.resize(static_cast<size_t>(slots));
 #endif
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t bh = heads_inner ? task / per_batch * p.nheads + task % p.nheads
-                                     : task / g.nqb;
+      const int64_t bh = heads_inner ? task / per_batch * p.nheads + task % p.nheads : task / g.nqb;
       const int64_t b = bh / p.nheads, h = bh % p.nheads, hk = h / group, bhk = bh / group;
       const int64_t qt = block_order(heads_inner ? task % per_batch / p.nheads : task % g.nqb,
                                      g.nqb, zigzag);
@@ -873,16 +871,16 @@ void fa2_backward_by_queries(const Params& p, const Geometry<T>& g, const Mask& 
           kb_bufs.load(p, g, b, hk, tp.j0, tp.cols, key_pad(p, g, tp.np));
 #if FLASHDL_HAVE_BF16_DOT
           if constexpr (std::is_same_v<T, float>)
-            if (bf16) bp->keys(g, kb_bufs.K.data.data(), kb_bufs.Kt.data.data(),
-                               kb_bufs.Vt.data.data());
+            if (bf16)
+              bp->keys(g, kb_bufs.K.data.data(), kb_bufs.Kt.data.data(), kb_bufs.Vt.data.data());
 #endif
           loaded[slot] = bhk * g.nkb + kt;
         }
         T* dK = dK_head + kt * g.Bcp * g.dp;
         T* dV = dV_head + kt * g.Bcp * g.dp;
         if (kt + 1 < g.nkb)  // the next pair's bias (and dBias) rows, a step ahead
-          prefetch_extras_tile(&ex, p, b, h, tp.i0, tp.rows, g.kt.start(kt + 1),
-                               g.kt.size(kt + 1), scratch.dbias == nullptr);
+          prefetch_extras_tile(&ex, p, b, h, tp.i0, tp.rows, g.kt.start(kt + 1), g.kt.size(kt + 1),
+                               scratch.dbias == nullptr);
 #if FLASHDL_HAVE_BF16_DOT
         if constexpr (std::is_same_v<T, float>) {
           if (bf16) {
@@ -916,13 +914,12 @@ void fa2_backward_by_queries(const Params& p, const Geometry<T>& g, const Mask& 
       std::fill(dV, dV + g.Bcp * g.dp, T(0));
       for (int t = 0; t < nthreads; ++t) {
         if (bhk < first_bhk[t] || bhk > last_bhk[t]) continue;
-        const T* src = dkv_part[t].data() + (bhk - first_bhk[t]) * 2 * kv_elems +
-                       kt * g.Bcp * g.dp;
+        const T* src = dkv_part[t].data() + (bhk - first_bhk[t]) * 2 * kv_elems + kt * g.Bcp * g.dp;
         row_axpby(dK, src, g.Bcp * g.dp, T(1), T(1));
         row_axpby(dV, src + kv_elems, g.Bcp * g.dp, T(1), T(1));
       }
-      store_key_grads(p, g, bhk / p.nheads_kv, bhk % p.nheads_kv, g.kt.start(kt), g.kt.size(kt),
-                      dK, dV);
+      store_key_grads(p, g, bhk / p.nheads_kv, bhk % p.nheads_kv, g.kt.start(kt), g.kt.size(kt), dK,
+                      dV);
     }
   });
 }

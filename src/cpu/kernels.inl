@@ -3,7 +3,8 @@
 // FLASHDL_HAVE_F16C, and includes this file: every copy lives in its own namespace, and only the
 // functions defined here carry the wider instructions.
 #if !defined(FLASHDL_ISA_NS) || !defined(FLASHDL_VEC_BYTES) || !defined(FLASHDL_HAVE_F16C)
-#error "include kernels.inl from an isa_*.cpp that defines FLASHDL_ISA_NS, FLASHDL_VEC_BYTES, FLASHDL_HAVE_F16C"
+#error \
+    "include kernels.inl from an isa_*.cpp that defines FLASHDL_ISA_NS, FLASHDL_VEC_BYTES, FLASHDL_HAVE_F16C"
 #endif
 
 // FLASHDL_HAVE_BF16_DOT (AVX512_BF16 copies only): bfloat16 products with vdpbf16ps.

@@ -79,10 +79,10 @@ std::vector<unsigned char> rotated(const Rows& x, const KvAppend& a, bool per_ro
   for (int64_t b = 0; b < B; ++b)
     for (int64_t i = 0; i < S; ++i) {
       const int64_t at = a.cache_seqlens[b] + (per_row ? i : 0);
-      row_in(static_cast<const char*>(a.rotary_cos) + at * a.rotary_cos_stride * es, x.dtype,
-             half, c.data());
-      row_in(static_cast<const char*>(a.rotary_sin) + at * a.rotary_sin_stride * es, x.dtype,
-             half, sn.data());
+      row_in(static_cast<const char*>(a.rotary_cos) + at * a.rotary_cos_stride * es, x.dtype, half,
+             c.data());
+      row_in(static_cast<const char*>(a.rotary_sin) + at * a.rotary_sin_stride * es, x.dtype, half,
+             sn.data());
       for (int64_t h = 0; h < H; ++h) {
         const char* src = in + (b * x.batch_stride + i * x.row_stride + h * x.head_stride) * es;
         char* dst = out + ((b * S + i) * H + h) * d * es;
@@ -134,18 +134,18 @@ void append_rows(const Params& p, const Rows& src, bool values) {
 void forward_kvcache(const Params& params, const KvAppend& a) {
   Params p = params;
   const bool append = a.seqlen_new > 0 && a.k_ptr != nullptr && a.v_ptr != nullptr;
-  Rows k_new{a.k_ptr, p.dtype, p.batch, a.seqlen_new, p.nheads_kv, p.headdim,
-             a.k_batch_stride, a.k_row_stride, a.k_head_stride};
-  const Rows v_new{a.v_ptr, p.dtype, p.batch, a.seqlen_new, p.nheads_kv, p.headdim,
-                   a.v_batch_stride, a.v_row_stride, a.v_head_stride};
+  Rows k_new{a.k_ptr,   p.dtype,          p.batch,        a.seqlen_new,   p.nheads_kv,
+             p.headdim, a.k_batch_stride, a.k_row_stride, a.k_head_stride};
+  const Rows v_new{a.v_ptr,   p.dtype,          p.batch,        a.seqlen_new,   p.nheads_kv,
+                   p.headdim, a.v_batch_stride, a.v_row_stride, a.v_head_stride};
   // Rotary embedding: q and the new keys rotated into buffers (q at cache_seqlens + row when
   // causal or windowed, else at cache_seqlens; key row j at cache_seqlens + j), read from there.
   std::vector<unsigned char> q_rot, k_rot;
   if (a.rotary_dim > 0) {
     if (append) k_new = rotate_into(k_new, a, true, k_rot);
     if (p.batch > 0 && p.seqlen_q > 0 && p.nheads > 0) {
-      const Rows q{p.q_ptr, p.dtype, p.batch, p.seqlen_q, p.nheads, p.headdim,
-                   p.q_batch_stride, p.q_row_stride, p.q_head_stride};
+      const Rows q{p.q_ptr,   p.dtype,          p.batch,        p.seqlen_q,     p.nheads,
+                   p.headdim, p.q_batch_stride, p.q_row_stride, p.q_head_stride};
       const Rows r = rotate_into(q, a, a.rotary_per_row_q, q_rot);
       p.q_ptr = r.data;
       p.q_batch_stride = r.batch_stride;

@@ -236,7 +236,7 @@ inline __m512 kv_reduce8(const __m512* v) {
   // element 4q: v[q]; element 4q + 2: v[4 + q]
   const __m512 z = _mm512_add_ps(y, _mm512_maskz_shuffle_ps(all, y, y, 0xB1));
   alignas(64) static constexpr int32_t kFrom[16] = {0, 4, 8, 12, 2, 6, 10, 14,
-                                                    0, 0, 0, 0, 0, 0, 0, 0};
+                                                    0, 0, 0, 0,  0, 0, 0,  0};
   return _mm512_maskz_permutexvar_ps(all, _mm512_load_si512(kFrom), z);
 }
 
@@ -263,8 +263,7 @@ void kv_scores(const typename K::Word* Q, int64_t ldq, int64_t n,
         const __m512i x0 = _mm512_loadu_si512(q0 + 16 * v), x1 = _mm512_loadu_si512(q1 + 16 * v);
 #pragma GCC unroll 8
         for (int i = 0; i < 8; ++i) {
-          const __m512i kv =
-              v < full ? K::load_full(kp[i] + K::kElems * v) : K::load(kp[i], v, d);
+          const __m512i kv = v < full ? K::load_full(kp[i] + K::kElems * v) : K::load(kp[i], v, d);
           a0[i] = K::dot(a0[i], x0, kv);
           a1[i] = K::dot(a1[i], x1, kv);
         }
@@ -283,8 +282,7 @@ void kv_scores(const typename K::Word* Q, int64_t ldq, int64_t n,
     for (int64_t v = 0; v < full; ++v) {
       const __m512i qv = _mm512_loadu_si512(q + 16 * v);
 #pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i)
-        acc[i] = K::dot(acc[i], qv, K::load_full(kp[i] + K::kElems * v));
+      for (int i = 0; i < 16; ++i) acc[i] = K::dot(acc[i], qv, K::load_full(kp[i] + K::kElems * v));
     }
     if (full < nv) {
       const __m512i qv = _mm512_loadu_si512(q + 16 * full);
@@ -300,8 +298,8 @@ void kv_scores(const typename K::Word* Q, int64_t ldq, int64_t n,
 // (one row a step loaded here; KvBf16's pairs by its values()).
 template <typename K, int R, int A>
 void kv_accumulate_block(const typename K::Word* P, int64_t ldp,
-                         const typename K::Elem* const* vals, int64_t steps, int64_t c0,
-                         int64_t d, float* O, int64_t ldo) {
+                         const typename K::Elem* const* vals, int64_t steps, int64_t c0, int64_t d,
+                         float* O, int64_t ldo) {
   __m512 acc[R][A];
   for (int r = 0; r < R; ++r)
     for (int k = 0; k < A; ++k) acc[r][k] = _mm512_loadu_ps(O + r * ldo + c0 + 16 * k);
@@ -379,10 +377,10 @@ struct KvRowsInPlace {
     for (int64_t j = 0; j < count; ++j) {
       const int64_t key = t.t0 + j0 + j;
       rows_of[j] = j0 + j >= t.cols ? zero_row
-                   : value ? static_cast<const Elem*>(p.v_ptr) +
-                                 detail::v_cache_offset(p, t.b, key, hk)
-                           : static_cast<const Elem*>(p.k_ptr) +
-                                 detail::k_cache_offset(p, t.b, key, hk);
+                   : value
+                       ? static_cast<const Elem*>(p.v_ptr) + detail::v_cache_offset(p, t.b, key, hk)
+                       : static_cast<const Elem*>(p.k_ptr) +
+                             detail::k_cache_offset(p, t.b, key, hk);
     }
     return rows_of;
   }
@@ -399,7 +397,7 @@ struct KvRowsInPlace {
     int64_t ldw = 0;
     const Word* W = K::weights(P, ld, t.rows, t.n, steps, pbuf, &ldw);
     constexpr int64_t kGroup = 16 / K::kKeysPerStep;  // steps of 16 keys: a group's rows of
-                                                       // every kv head are read together
+                                                      // every kv head are read together
     for (int64_t g0 = 0; g0 < steps; g0 += kGroup)
       for (int64_t hk = t.hk_begin; hk < t.hk_end; ++hk) {
         const int64_t r = t.first(hk), count = std::min(kGroup, steps - g0);
@@ -412,8 +410,8 @@ struct KvRowsInPlace {
   // keys row r does not see are the zero row, selected here, so NaN or Inf in them cannot reach it as 0 * NaN would
   // through accumulate(). The same kernel on the same words as accumulate() gives row r, so the
   // result is accumulate()'s bits wherever the unseen values are finite (zeros' signs aside).
-  void accumulate_seen(const Params& p, const KvTile& t, float* P, int64_t ld, int64_t r,
-                       int64_t l, int64_t h, const KvKeep& keep, float* o) {
+  void accumulate_seen(const Params& p, const KvTile& t, float* P, int64_t ld, int64_t r, int64_t l,
+                       int64_t h, const KvKeep& keep, float* o) {
     const int64_t steps = detail::ceil_div(t.cols, int64_t{K::kKeysPerStep});
     const int64_t hk = (t.r0 + r) / t.rows_per_kv;
     int64_t ldw = 0;
@@ -435,8 +433,8 @@ struct KvRowsInPlace {
 // tile of keys [t0, t0 + cols) they do not all see: O[r] = O0[r] + sum over the keys of
 // [lo[r], hi[r]) in the tile that keep[r] keeps of P[r][j] * V[j], V read from the cache.
 template <typename T>
-void redo_cut_rows(const Params& p, int64_t b, int64_t sq, int64_t group, int64_t r0,
-                   int64_t rows, int64_t t0, int64_t cols, const std::vector<int64_t>& lo,
+void redo_cut_rows(const Params& p, int64_t b, int64_t sq, int64_t group, int64_t r0, int64_t rows,
+                   int64_t t0, int64_t cols, const std::vector<int64_t>& lo,
                    const std::vector<int64_t>& hi, const std::vector<KvKeep>& keep, const T* P,
                    int64_t ld, const T* O0, T* O, int64_t dp, Buffer<T>& xrow) {
   const int64_t d = p.headdim;
@@ -450,8 +448,7 @@ void redo_cut_rows(const Params& p, int64_t b, int64_t sq, int64_t group, int64_
     const int64_t hk = (r0 + r) / sq / group;
     for (int64_t j = std::max(lo[r], t0); j < std::min(hi[r], t0 + cols); ++j) {
       if (!keep[r](j)) continue;  // hidden by the boolean mask
-      convert_row_in(element(p.v_ptr, p.dtype, detail::v_cache_offset(p, b, j, hk)), p.dtype, d,
-                     x);
+      convert_row_in(element(p.v_ptr, p.dtype, detail::v_cache_offset(p, b, j, hk)), p.dtype, d, x);
       const T a = P[r * ld + (j - t0)];
       for (int64_t e = 0; e < d; ++e) o[e] += a * x[e];
     }
@@ -530,7 +527,7 @@ void kvcache_forward_impl(const Params& p, int threads) {
       for (int64_t t0 = any_lo; t0 < any_hi; t0 += Bt) {
         const int64_t cols = std::min(Bt, any_hi - t0), n = detail::round_up(cols, int64_t{W});
         const KvTile tile{b, t0, cols, n, r0, rows, rows_per_kv, hk_begin, hk_end};
-        products.scores(p, tile, Sc, Bt);  // S = Q K^T
+        products.scores(p, tile, Sc, Bt);     // S = Q K^T
         for (int64_t r = 0; r < rows; ++r) {  // modifiers, mask, online softmax
           T* srow = Sc + r * Bt;
           std::fill(srow + cols, srow + n, T(0));
@@ -539,8 +536,8 @@ void kvcache_forward_impl(const Params& p, int threads) {
                                                      static_cast<T*>(nullptr))
                             : row_scale_range_max(srow, n, c, l, h);
           if (extras)  // bias added, hidden keys -inf, over the keys the row sees
-            rmax = apply_extras_row(srow, ex[r], (r0 + r) % sq, t0 + pad,
-                                    std::max<int64_t>(l, 0), h);
+            rmax = apply_extras_row(srow, ex[r], (r0 + r) % sq, t0 + pad, std::max<int64_t>(l, 0),
+                                    h);
           const T alpha = sm[r].rescale_factor(rmax);
           sm[r].accumulate(alpha, row_exp2_sum(srow, n, sm[r].reference()));
           if (alpha != T(1)) row_scale(O + r * dp, dp, alpha);

@@ -39,8 +39,8 @@ inline void convert_row_in(const void* src, DType dt, int64_t n, T* dst) {
 #if FLASHDL_HAVE_F16C
       if constexpr (std::is_same_v<T, float>) {
         for (; c + 8 <= n; c += 8)
-          _mm256_storeu_ps(dst + c, _mm256_cvtph_ps(_mm_loadu_si128(
-                                        reinterpret_cast<const __m128i*>(s + c))));
+          _mm256_storeu_ps(dst + c, _mm256_cvtph_ps(
+                                        _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + c))));
       }
 #endif
       for (; c < n; ++c) dst[c] = static_cast<T>(fp16_to_float(s[c]));

@@ -43,8 +43,8 @@ struct Head {
   // Dropout multiplier of element (i, j): 0 or 1 / (1 - p).
   double keep_scale(int64_t i, int64_t j) const {
     if (p.p_dropout <= 0.0f) return 1.0;
-    const bool keep =
-        detail::dropout_keep(p.p_dropout, p.seed, p.offset, detail::dropout_bh(p, b, h), i, j);
+    const bool keep = detail::dropout_keep(p.p_dropout, p.seed, p.offset,
+                                           detail::dropout_bh(p, b, h), i, j);
     return keep ? 1.0 / (1.0 - static_cast<double>(p.p_dropout)) : 0.0;
   }
 };
@@ -78,7 +78,8 @@ void softmax_rows(const Params& p, const Head& hd, std::vector<double>& P, std::
       double s = 0;
       for (int64_t c = 0; c < d; ++c) s += qi[c] * kd[j * d + c];
       row[j] = (mod.score(s) + mod.bias(mask.diag(i), j)) * detail::kLn2;
-      if (ex.bias != nullptr) row[j] += load_as_double(ex.bias, ex.bias_dtype, ex.bias_offset(i, j));
+      if (ex.bias != nullptr)
+        row[j] += load_as_double(ex.bias, ex.bias_dtype, ex.bias_offset(i, j));
       if (G) (*G)[i * sk + j] = mod.grad(s);
       m = std::fmax(m, row[j]);
     }
@@ -138,8 +139,8 @@ void reference_backward(const Params& p, int threads) {
   parallel_for(p.batch * p.nheads_kv, threads, [&](int64_t begin, int64_t end, int thread) {
     double* dbias_acc = nullptr;
     if (!dbias_part.empty()) {
-      dbias_part[thread].assign(
-          static_cast<size_t>(p.bias_batch * p.bias_heads * p.bias_rows * sk), 0.0);
+      dbias_part[thread].assign(static_cast<size_t>(p.bias_batch * p.bias_heads * p.bias_rows * sk),
+                                0.0);
       dbias_acc = dbias_part[thread].data();
     }
     std::vector<double> P, lse, G, dP(sq * sk), dk(sk * d), dv(sk * d), dq(sq * d), dO(sq * d),
@@ -181,7 +182,8 @@ void reference_backward(const Params& p, int threads) {
             const double pij = P[i * sk + j];
             if (pij == 0.0) continue;
             const double dbias = pij * (dP[i * sk + j] - D[i]);  // d loss / d (bias + score)
-            if (dbias_acc != nullptr) dbias_acc[detail::dbias_index(p, b, h, i) + j] += dbias;
+            if (dbias_acc != nullptr)
+              dbias_acc[detail::dbias_index(p, b, h, i) + j] += dbias;
             else if (p.dbias_ptr != nullptr)
               store_from_double(p.dbias_ptr, p.bias_dtype,
                                 b * p.dbias_batch_stride + h * p.dbias_head_stride +
@@ -195,7 +197,8 @@ void reference_backward(const Params& p, int threads) {
           }
         for (int64_t i = 0; i < sq; ++i) {
           const int64_t o = b * p.dq_batch_stride + i * p.dq_row_stride + h * p.dq_head_stride;
-          for (int64_t c = 0; c < d; ++c) store_from_double(p.dq_ptr, p.dtype, o + c, dq[i * d + c]);
+          for (int64_t c = 0; c < d; ++c)
+            store_from_double(p.dq_ptr, p.dtype, o + c, dq[i * d + c]);
         }
       }
       for (int64_t j = 0; j < sk; ++j) {
@@ -213,7 +216,8 @@ void reference_backward(const Params& p, int threads) {
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t ii = r % p.bias_rows, hh = (r / p.bias_rows) % p.bias_heads,
                   bb = r / p.bias_rows / p.bias_heads;
-    const int64_t o = bb * p.dbias_batch_stride + hh * p.dbias_head_stride + ii * p.dbias_row_stride;
+    const int64_t o = bb * p.dbias_batch_stride + hh * p.dbias_head_stride +
+                      ii * p.dbias_row_stride;
     for (int64_t j = 0; j < sk; ++j) {
       double acc = load_as_double(p.dbias_ptr, p.bias_dtype, o + j * p.dbias_col_stride);
       for (const auto& part : dbias_part)

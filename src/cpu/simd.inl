@@ -47,7 +47,7 @@ struct Lanes {
 // halves sent v through the stack, with a store-forwarding stall, every row).
 template <typename T, int N, int Off, size_t... I>
 inline typename Lanes<T, N / 2>::vec half_lanes(typename Lanes<T, N>::vec v,
-                                              std::index_sequence<I...>) {
+                                                std::index_sequence<I...>) {
   return __builtin_shufflevector(v, v, (Off + static_cast<int>(I))...);
 }
 
@@ -96,10 +96,10 @@ inline void transpose_stage(vec_t<T>* r, std::index_sequence<C...>) {
   for (int i = 0; i < W; ++i) {
     if (i & B) continue;
     const vec_t<T> a = r[i], b = r[i + B];
-    r[i] = __builtin_shufflevector(a, b, ((C & B) ? W + static_cast<int>(C) - B
-                                                  : static_cast<int>(C))...);
-    r[i + B] = __builtin_shufflevector(a, b, ((C & B) ? W + static_cast<int>(C)
-                                                      : static_cast<int>(C) + B)...);
+    r[i] = __builtin_shufflevector(
+        a, b, ((C & B) ? W + static_cast<int>(C) - B : static_cast<int>(C))...);
+    r[i + B] = __builtin_shufflevector(
+        a, b, ((C & B) ? W + static_cast<int>(C) : static_cast<int>(C) + B)...);
   }
 }
 

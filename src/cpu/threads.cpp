@@ -61,8 +61,7 @@ class Pool {
     for (auto& w : workers_) w.join();
   }
 
-  void run(int64_t n, int threads,
-           const std::function<void(int64_t, int64_t, int)>& fn) {
+  void run(int64_t n, int threads, const std::function<void(int64_t, int64_t, int)>& fn) {
     std::lock_guard<std::mutex> serial(run_mu_);  // one parallel region at a time
     threads = std::min(threads, 0xffff);
     ensure_workers(threads - 1);
@@ -167,7 +166,7 @@ class Pool {
   int threads_ = 1;
   std::atomic<int> pending_{0};
   std::atomic<uint64_t> region_{0};  // generation << 16 | the region's thread count
-  int sleepers_ = 0;  // workers waiting on cv_ (under mu_)
+  int sleepers_ = 0;                 // workers waiting on cv_ (under mu_)
   std::atomic<int> caller_cpu_{-1};  // the CPU of the last region's caller
   std::atomic<bool> stop_{false};
   std::exception_ptr error_;
@@ -271,8 +270,7 @@ void parallel_tasks(int64_t n, int threads, const std::function<void(Tasks&, int
   });
 }
 
-void parallel_for(int64_t n, int threads,
-                  const std::function<void(int64_t, int64_t, int)>& fn) {
+void parallel_for(int64_t n, int threads, const std::function<void(int64_t, int64_t, int)>& fn) {
   if (n <= 0) return;
   if (threads > n) threads = static_cast<int>(n);
   if (threads <= 1) {

@@ -65,7 +65,7 @@ constexpr Fa2BwdLayout fa2_bwd_layout(int head_dim, Fa2BwdConfig c, int q_stages
 // per CTA: with 64, dK and dV take 128 registers a thread and the main kernel spilled (ptxas,
 // sm_90: 255 registers, 28 bytes of spill stores).
 constexpr Fa2BwdConfig fa2_bwd_config(int head_dim) {
-  return head_dim <= 128 ? Fa2BwdConfig{64, 64, 2}
+  return head_dim <= 128   ? Fa2BwdConfig{64, 64, 2}
          : head_dim <= 192 ? Fa2BwdConfig{32, 64, 2}
                            : Fa2BwdConfig{32, 32, 2};
 }
@@ -95,8 +95,10 @@ enum class Fa2BwdVariant { standard, fallback, none };
 
 inline Fa2BwdVariant pick_fa2_bwd(int head_dim, int smem_optin) {
   const auto optin = static_cast<std::size_t>(smem_optin);
-  if (fa2_bwd_smem_bytes(head_dim, fa2_bwd_config(head_dim)) <= optin) return Fa2BwdVariant::standard;
-  if (fa2_bwd_smem_bytes(head_dim, fa2_bwd_fallback(head_dim)) <= optin) return Fa2BwdVariant::fallback;
+  if (fa2_bwd_smem_bytes(head_dim, fa2_bwd_config(head_dim)) <= optin)
+    return Fa2BwdVariant::standard;
+  if (fa2_bwd_smem_bytes(head_dim, fa2_bwd_fallback(head_dim)) <= optin)
+    return Fa2BwdVariant::fallback;
   return Fa2BwdVariant::none;
 }
 

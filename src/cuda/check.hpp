@@ -68,7 +68,9 @@ class StreamWorkspace {
   StreamWorkspace& operator=(const StreamWorkspace&) = delete;
 
   template <typename U>
-  U* get() const { return static_cast<U*>(ptr_); }
+  U* get() const {
+    return static_cast<U*>(ptr_);
+  }
 
   void release() {
     void* ptr = ptr_;
@@ -83,14 +85,14 @@ class StreamWorkspace {
 
 // Everything a launcher needs besides Params: the device's limits and how the arrays are aligned.
 struct LaunchContext {
-  cudaStream_t stream;   // the caller's stream, passed through (0: the legacy default stream)
+  cudaStream_t stream;  // the caller's stream, passed through (0: the legacy default stream)
   int device;
   int cc_major, cc_minor;
-  int smem_optin;        // cudaDevAttrMaxSharedMemoryPerBlockOptin, bytes
+  int smem_optin;  // cudaDevAttrMaxSharedMemoryPerBlockOptin, bytes
   int max_grid_y, max_grid_z;
-  bool vec_load;         // q, k, v (and dout) rows start on 16-byte boundaries: cp.async copies
-  bool vec_store;        // out (or dq, dk, dv) rows start on 16-byte boundaries: 16-byte stores
-  bool fa2_smem_softmax; // FLASHDL_CUDA_FA2_SMEM_SOFTMAX set: the fa2 forward's fallback softmax
+  bool vec_load;          // q, k, v (and dout) rows start on 16-byte boundaries: cp.async copies
+  bool vec_store;         // out (or dq, dk, dv) rows start on 16-byte boundaries: 16-byte stores
+  bool fa2_smem_softmax;  // FLASHDL_CUDA_FA2_SMEM_SOFTMAX set: the fa2 forward's fallback softmax
   // Backward with dbias: the float32 accumulator of the compact dBias (bias_batch, bias_heads,
   // bias_rows, seqlen_k), zeroed, that the kernels add dS into (runtime.cu); null: none.
   float* dbias_acc;

@@ -17,9 +17,9 @@ struct DecodeArgs {
   int64_t row_chunks;  // chunks of kDecodeRows query rows per kv head
   float* o_part;       // splits > 1: the partial results (decode_workspace), else null
   float* lse_part;
-  ScoreModF mods;      // the call's part of the score modifiers (call_score_mods)
-  bool vec_load;       // q and cache rows on 16-byte boundaries: cp.async
-  bool vec_store;      // out rows on 16-byte boundaries: 16-byte stores
+  ScoreModF mods;  // the call's part of the score modifiers (call_score_mods)
+  bool vec_load;   // q and cache rows on 16-byte boundaries: cp.async
+  bool vec_store;  // out rows on 16-byte boundaries: 16-byte stores
 };
 
 // Attention of every query row over its sequence's keys in the cache, one CTA per (split and row

@@ -123,7 +123,7 @@ inline int64_t decode_num_splits(int64_t requested, int64_t ctas, int64_t max_ke
 // query (the rows of kv head hk are contiguous: hk * group * seqlen_q onward), the normalised
 // O (head_dim floats) and its lse.
 struct DecodeWorkspace {
-  int64_t rows;   // nheads * seqlen_q
+  int64_t rows;    // nheads * seqlen_q
   int64_t o, lse;  // floats of each part
   int64_t floats() const { return o + lse; }
 };

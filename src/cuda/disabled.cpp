@@ -16,18 +16,20 @@ int device_count(std::string* status) {
 }
 
 [[noreturn]] static void not_built() {
-  throw Error(ErrorKind::unsupported, "q: a CUDA array was given but flashdl was built without "
-                                      "the CUDA backend (" FLASHDL_CUDA_REASON ")");
+  throw Error(ErrorKind::unsupported,
+              "q: a CUDA array was given but flashdl was built without "
+              "the CUDA backend (" FLASHDL_CUDA_REASON ")");
 }
 void forward(const Params&) { not_built(); }
 void backward(const Params&) { not_built(); }
 void forward_kvcache(const Params&, const KvAppend&) { not_built(); }
 std::unique_ptr<GatheredKv> gather_kv(const KvGather&) { not_built(); }
 void copy_to_host(void*, const void*, std::size_t, int, void*) { not_built(); }
-void merge_states(const std::vector<TensorView>&, const std::vector<TensorView>&,
-                  const TensorView&, const TensorView&, void*) {
-  throw Error(ErrorKind::unsupported, "out: CUDA arrays were given but flashdl was built without "
-                                      "the CUDA backend (" FLASHDL_CUDA_REASON ")");
+void merge_states(const std::vector<TensorView>&, const std::vector<TensorView>&, const TensorView&,
+                  const TensorView&, void*) {
+  throw Error(ErrorKind::unsupported,
+              "out: CUDA arrays were given but flashdl was built without "
+              "the CUDA backend (" FLASHDL_CUDA_REASON ")");
 }
 
 }  // namespace flashdl::cuda

@@ -25,8 +25,7 @@ constexpr int kSinkThreads = 256;
 // rows t, t + 256, ... of the head in order, then a fixed tree sums the threads: the same order
 // on every run. Varlen: sequence b's rows through detail::sequence_of.
 template <typename T>
-__global__ void __launch_bounds__(kSinkThreads)
-    dsinks_kernel(const __grid_constant__ Params p) {
+__global__ void __launch_bounds__(kSinkThreads) dsinks_kernel(const __grid_constant__ Params p) {
   FLASHDL_DYNAMIC_SMEM(smem);
   float* part = reinterpret_cast<float*>(smem);  // kSinkThreads floats
   const int64_t h = blockIdx.x;
@@ -36,8 +35,8 @@ __global__ void __launch_bounds__(kSinkThreads)
     const detail::Sequence seq = detail::sequence_of(p, b);
     for (int64_t i = threadIdx.x; i < seq.sq; i += kSinkThreads) {
       const int64_t row = seq.q0 + i;
-      const float lse = p.lse_ptr[b * p.lse_batch_stride + h * p.lse_head_stride +
-                                  row * p.lse_row_stride];
+      const float lse =
+          p.lse_ptr[b * p.lse_batch_stride + h * p.lse_head_stride + row * p.lse_row_stride];
       if (!(lse > -INFINITY)) continue;
       const T* o = static_cast<const T*>(p.o_ptr) + b * p.o_batch_stride + row * p.o_row_stride +
                    h * p.o_head_stride;
@@ -89,8 +88,8 @@ void run_dbias_convert(const Params& p, const float* acc, cudaStream_t stream) {
   const int64_t n = dbias_acc_elements(p);
   if (n == 0) return;
   const int64_t blocks = (n + 255) / 256 < 65535 ? (n + 255) / 256 : 65535;
-  FLASHDL_LAUNCH(dim3(static_cast<unsigned>(blocks)), 256, 0, stream, dbias_convert_kernel)(
-      p, acc, n);
+  FLASHDL_LAUNCH(dim3(static_cast<unsigned>(blocks)), 256, 0, stream, dbias_convert_kernel)(p, acc,
+                                                                                            n);
   FLASHDL_CUDA_CHECK_LAUNCH("dbias conversion launch");
 }
 
@@ -99,8 +98,8 @@ void run_sinks_backward(const Params& p, cudaStream_t stream) {
   if (p.nheads > INT32_MAX)
     throw Error(ErrorKind::unsupported, "dsinks: nheads too large for one launch");
   FLASHDL_DTYPE_SWITCH(p.dtype, T, [&] {
-    FLASHDL_LAUNCH(dim3(static_cast<unsigned>(p.nheads)), kSinkThreads, kSinkThreads * sizeof(float),
-                   stream, dsinks_kernel<T>)(p);
+    FLASHDL_LAUNCH(dim3(static_cast<unsigned>(p.nheads)), kSinkThreads,
+                   kSinkThreads * sizeof(float), stream, dsinks_kernel<T>)(p);
   });
   FLASHDL_CUDA_CHECK_LAUNCH("dsinks kernel launch");
 }

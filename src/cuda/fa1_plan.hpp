@@ -73,7 +73,8 @@ auto plan_fa1_tiles(int64_t sram_bytes, int64_t seqlen_q, int64_t seqlen_k, int 
                   std::string("q: the ") + kernel + " kernel for headdim " +
                       std::to_string(head_dim) + " needs " + std::to_string(L.bytes) +
                       " bytes of shared memory for its smallest tiles (16 x 16); the device "
-                      "offers " + std::to_string(smem_optin));
+                      "offers " +
+                      std::to_string(smem_optin));
     }
   }
 }

@@ -70,13 +70,13 @@ constexpr int fa2_fwd_regs_acc_regs(int head_dim, Fa2FwdTile t) {
 }
 
 struct Fa2FwdLayout {
-  int block_m;   // query rows per CTA (Br)
-  int ld_qkv;    // row stride of Q, K, V (elements of T)
-  int ld_s;      // row stride of the per-warp float scratch (shared-memory softmax, epilogue)
+  int block_m;  // query rows per CTA (Br)
+  int ld_qkv;   // row stride of Q, K, V (elements of T)
+  int ld_s;     // row stride of the per-warp float scratch (shared-memory softmax, epilogue)
   std::size_t off_q, off_k, off_v;  // Q; K and V, two stages each
-  std::size_t off_s;     // per warp 16 x ld_s floats (P as T in place, stride 2 ld_s)
-  std::size_t off_rows;  // 16 x 16 floats, entry (r, c) = r: the accumulator row map
-  std::size_t off_rowf;  // block_m floats: per-row factors of the epilogue
+  std::size_t off_s;                // per warp 16 x ld_s floats (P as T in place, stride 2 ld_s)
+  std::size_t off_rows;             // 16 x 16 floats, entry (r, c) = r: the accumulator row map
+  std::size_t off_rowf;             // block_m floats: per-row factors of the epilogue
   std::size_t bytes;
 };
 

@@ -46,14 +46,16 @@ __global__ void __launch_bounds__(kThreads) gather_kernel(const __grid_constant_
     int64_t lo = 0, hi = a.batch;  // cu_k[lo] <= row < cu_k[hi]
     while (hi - lo > 1) {
       const int64_t mid = (lo + hi) / 2;
-      if (a.cu_k[mid] <= row) lo = mid; else hi = mid;
+      if (a.cu_k[mid] <= row)
+        lo = mid;
+      else
+        hi = mid;
     }
     const int64_t j = row - a.cu_k[lo];
-    const int64_t from =
-        a.page_size > 0
-            ? a.table[lo * a.pages + j / a.page_size] * a.page_stride[which] +
-                  (j % a.page_size) * a.row_stride[which]
-            : (a.table[lo] + j) * a.row_stride[which];
+    const int64_t from = a.page_size > 0
+                             ? a.table[lo * a.pages + j / a.page_size] * a.page_stride[which] +
+                                   (j % a.page_size) * a.row_stride[which]
+                             : (a.table[lo] + j) * a.row_stride[which];
     dst[i] = src[from + h * a.head_stride[which] + c];
   }
 }
@@ -72,8 +74,7 @@ class Gathered final : public GatheredKv {
 template <typename U>
 void launch(const GatherArgs& a, int64_t units, cudaStream_t stream) {
   const int64_t blocks = std::min<int64_t>(detail::ceil_div(units, kThreads), 1 << 20);
-  FLASHDL_LAUNCH(dim3(static_cast<unsigned>(blocks), 2), kThreads, 0, stream,
-                 gather_kernel<U>)(a);
+  FLASHDL_LAUNCH(dim3(static_cast<unsigned>(blocks), 2), kThreads, 0, stream, gather_kernel<U>)(a);
   FLASHDL_CUDA_CHECK_LAUNCH("paged varlen gather kernel launch");
 }
 
@@ -134,9 +135,12 @@ std::unique_ptr<GatheredKv> gather_kv(const KvGather& g) {
   a.row_units = d * es / unit;
   a.total = total;
   const int64_t units = total * hk * a.row_units;
-  if (unit == 16) gather::launch<uint4>(a, units, stream);
-  else if (unit == 2) gather::launch<uint16_t>(a, units, stream);
-  else gather::launch<unsigned char>(a, units, stream);
+  if (unit == 16)
+    gather::launch<uint4>(a, units, stream);
+  else if (unit == 2)
+    gather::launch<uint16_t>(a, units, stream);
+  else
+    gather::launch<unsigned char>(a, units, stream);
   return out;
 }
 

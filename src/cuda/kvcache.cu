@@ -54,8 +54,8 @@ __device__ void rotate_row(const T* src, T* dst, const KvAppend& a, int64_t pos,
 // of sequence b at position seqlens[b] + i (rotary_per_row_q) or seqlens[b].
 template <typename T>
 __global__ void __launch_bounds__(kAppendThreads)
-    rotate_q_kernel(const __grid_constant__ Params p, const KvAppend a,
-                    const int32_t* seqlens, T* dst) {
+    rotate_q_kernel(const __grid_constant__ Params p, const KvAppend a, const int32_t* seqlens,
+                    T* dst) {
   const int lane = threadIdx.x % 32;
   const int64_t rows = p.batch * p.seqlen_q * p.nheads;
   const int64_t warps = int64_t(gridDim.x) * (kAppendThreads / 32);
@@ -65,8 +65,8 @@ __global__ void __launch_bounds__(kAppendThreads)
                   b = row / p.nheads / p.seqlen_q;
     const T* src = static_cast<const T*>(p.q_ptr) + b * p.q_batch_stride + i * p.q_row_stride +
                    h * p.q_head_stride;
-    rotate_row(src, dst + row * p.headdim, a, seqlens[b] + (a.rotary_per_row_q ? i : 0),
-               p.headdim, lane);
+    rotate_row(src, dst + row * p.headdim, a, seqlens[b] + (a.rotary_per_row_q ? i : 0), p.headdim,
+               lane);
   }
 }
 
@@ -88,13 +88,12 @@ __global__ void __launch_bounds__(kAppendThreads)
     const int64_t hk = (row / 2) % p.nheads_kv, j = (row / 2 / p.nheads_kv) % a.seqlen_new,
                   b = row / 2 / p.nheads_kv / a.seqlen_new;
     const int64_t pos = p.seqused_k[b] - a.seqlen_new + j;
-    const int64_t slot =
-        is_v ? detail::v_cache_offset(p, b, pos, hk) : detail::k_cache_offset(p, b, pos, hk);
+    const int64_t slot = is_v ? detail::v_cache_offset(p, b, pos, hk)
+                              : detail::k_cache_offset(p, b, pos, hk);
     auto* dst = static_cast<uint16_t*>(const_cast<void*>(is_v ? p.v_ptr : p.k_ptr)) + slot;
-    const auto* src =
-        static_cast<const uint16_t*>(is_v ? a.v_ptr : a.k_ptr) +
-        (is_v ? b * a.v_batch_stride + j * a.v_row_stride + hk * a.v_head_stride
-              : b * a.k_batch_stride + j * a.k_row_stride + hk * a.k_head_stride);
+    const auto* src = static_cast<const uint16_t*>(is_v ? a.v_ptr : a.k_ptr) +
+                      (is_v ? b * a.v_batch_stride + j * a.v_row_stride + hk * a.v_head_stride
+                            : b * a.k_batch_stride + j * a.k_row_stride + hk * a.k_head_stride);
     if (!is_v && a.rotary_dim > 0) {
       rotate_row(reinterpret_cast<const T*>(src), reinterpret_cast<T*>(dst), a, seqlens[b] + j,
                  p.headdim, lane);
@@ -219,12 +218,13 @@ MergeArgs combine_args(const Params& p, const DecodeArgs& a, const DecodeWorkspa
   m.head_dim = p.headdim;
   m.count = static_cast<int>(a.splits);
   const int64_t d = p.headdim;
-  m.part[0] = MergeView{a.o_part, a.lse_part, a.splits * w.rows * d, d, p.seqlen_q * d,
-                        a.splits * w.rows, p.seqlen_q, 1};
+  m.part[0] =
+      MergeView{a.o_part,   a.lse_part, a.splits * w.rows * d, d, p.seqlen_q * d, a.splits * w.rows,
+                p.seqlen_q, 1};
   m.o_part_stride = w.rows * d;
   m.lse_part_stride = w.rows;
-  m.out = MergeView{p.o_ptr, p.lse_ptr, p.o_batch_stride, p.o_row_stride, p.o_head_stride,
-                    p.lse_batch_stride, p.lse_head_stride, p.lse_row_stride};
+  m.out = MergeView{p.o_ptr,         p.lse_ptr,          p.o_batch_stride,  p.o_row_stride,
+                    p.o_head_stride, p.lse_batch_stride, p.lse_head_stride, p.lse_row_stride};
   return m;
 }
 
@@ -268,8 +268,9 @@ void run(Params p, const KvAppend& append, const LaunchContext& ctx) {
       ws = std::make_unique<StreamWorkspace>(static_cast<std::size_t>(w.floats()) * sizeof(float),
                                              ctx.stream);
     float* base = ws ? ws->get<float>() : nullptr;
-    const DecodeArgs a{splits, chunks, base, base ? base + w.o : nullptr,
-                       call_score_mods(p), ctx.vec_load, ctx.vec_store};
+    const DecodeArgs a{
+        splits,       chunks,       base, base ? base + w.o : nullptr, call_score_mods(p),
+        ctx.vec_load, ctx.vec_store};
     launch_decode<T, kHeadDim>(p, a, warps, ctx);
     if (splits > 1) launch_merge<float, T, float>(combine_args(p, a, w), ctx.stream);
     if (ws) ws->release();

@@ -21,8 +21,10 @@ namespace flashdl::cuda {
 namespace {
 
 MergeView view_of(const TensorView& o, const TensorView& lse) {
-  return MergeView{o.data, static_cast<const float*>(lse.data), o.strides[0], o.strides[1],
-                   o.strides[2], lse.strides[0], lse.strides[1], lse.strides[2]};
+  return MergeView{o.data,         static_cast<const float*>(lse.data),
+                   o.strides[0],   o.strides[1],
+                   o.strides[2],   lse.strides[0],
+                   lse.strides[1], lse.strides[2]};
 }
 
 // T: the arrays' element type; Acc: float, or double for double.
@@ -63,8 +65,8 @@ void run_merge_states(const std::vector<TensorView>& outs, const std::vector<Ten
     case DType::float32: return run<float, float>(outs, lses, out, lse, stream);
     case DType::float64: return run<double, double>(outs, lses, out, lse, stream);
     default:
-      throw Error(ErrorKind::type, std::string("out: no CUDA merge for dtype ") +
-                                       dtype_name(out.dtype));
+      throw Error(ErrorKind::type,
+                  std::string("out: no CUDA merge for dtype ") + dtype_name(out.dtype));
   }
 }
 

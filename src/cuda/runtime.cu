@@ -44,7 +44,8 @@ namespace {
 
 // 16-byte vector access needs the base and every row start on a 16-byte boundary: a 16-byte
 // aligned pointer and strides that are multiples of 8 (2-byte) elements.
-bool rows_aligned_16(const void* ptr, int64_t batch_stride, int64_t row_stride, int64_t head_stride) {
+bool rows_aligned_16(const void* ptr, int64_t batch_stride, int64_t row_stride,
+                     int64_t head_stride) {
   return reinterpret_cast<std::uintptr_t>(ptr) % 16 == 0 && batch_stride % 8 == 0 &&
          row_stride % 8 == 0 && head_stride % 8 == 0;
 }
@@ -76,8 +77,9 @@ LaunchContext make_context(const Params& p, bool backward) {
                                 "cudaDeviceGetAttribute(ComputeCapabilityMajor)");
   c.cc_minor = device_attribute(cudaDevAttrComputeCapabilityMinor, c.device,
                                 "cudaDeviceGetAttribute(ComputeCapabilityMinor)");
-  c.smem_optin = smem_limit(device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, c.device,
-                                             "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)"));
+  c.smem_optin = smem_limit(
+      device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, c.device,
+                       "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)"));
   c.max_grid_y = device_attribute(cudaDevAttrMaxGridDimY, c.device,
                                   "cudaDeviceGetAttribute(MaxGridDimY)");
   c.max_grid_z = device_attribute(cudaDevAttrMaxGridDimZ, c.device,
@@ -85,8 +87,9 @@ LaunchContext make_context(const Params& p, bool backward) {
   if (c.cc_major < 8)
     throw Error(ErrorKind::unsupported,
                 "q: the CUDA kernels need compute capability 8.0 or newer (bfloat16 tensor cores, "
-                "cp.async); device " + std::to_string(c.device) + " is " +
-                    std::to_string(c.cc_major) + "." + std::to_string(c.cc_minor));
+                "cp.async); device " +
+                    std::to_string(c.device) + " is " + std::to_string(c.cc_major) + "." +
+                    std::to_string(c.cc_minor));
   const bool qkv = rows_aligned_16(p.q_ptr, p.q_batch_stride, p.q_row_stride, p.q_head_stride) &&
                    rows_aligned_16(p.k_ptr, p.k_batch_stride, p.k_row_stride, p.k_head_stride) &&
                    rows_aligned_16(p.v_ptr, p.v_batch_stride, p.v_row_stride, p.v_head_stride);
@@ -99,18 +102,18 @@ LaunchContext make_context(const Params& p, bool backward) {
     c.vec_load = qkv;
     c.vec_store = rows_aligned_16(p.o_ptr, p.o_batch_stride, p.o_row_stride, p.o_head_stride);
   } else {  // loads q, k, v, dout (out is read row by row); stores dq, dk, dv
-    c.vec_load = qkv && rows_aligned_16(p.do_ptr, p.do_batch_stride, p.do_row_stride, p.do_head_stride);
-    c.vec_store =
-        rows_aligned_16(p.dq_ptr, p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride) &&
-        rows_aligned_16(p.dk_ptr, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride) &&
-        rows_aligned_16(p.dv_ptr, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride);
+    c.vec_load = qkv &&
+                 rows_aligned_16(p.do_ptr, p.do_batch_stride, p.do_row_stride, p.do_head_stride);
+    c.vec_store = rows_aligned_16(p.dq_ptr, p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride) &&
+                  rows_aligned_16(p.dk_ptr, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride) &&
+                  rows_aligned_16(p.dv_ptr, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride);
   }
   return c;
 }
 
 [[noreturn]] void no_kernel(const Params& p) {
-  throw Error(ErrorKind::unsupported, std::string("schedule: no CUDA kernel for '") +
-                                          schedule_name(p.schedule) + "'");
+  throw Error(ErrorKind::unsupported,
+              std::string("schedule: no CUDA kernel for '") + schedule_name(p.schedule) + "'");
 }
 
 // Offsets of a varlen call that arrived in host memory (checked there by varlen.cpp) are copied to

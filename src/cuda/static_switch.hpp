@@ -38,18 +38,18 @@
     return __VA_ARGS__();                      \
   }
 
-#define FLASHDL_HEADDIM_SWITCH(HEADDIM, NAME, ...)                                            \
-  [&] {                                                                                       \
-    switch (HEADDIM) {                                                                        \
-      FLASHDL_HEADDIM_CASE(32, NAME, __VA_ARGS__)                                             \
-      FLASHDL_HEADDIM_CASE(64, NAME, __VA_ARGS__)                                             \
-      FLASHDL_HEADDIM_CASE(96, NAME, __VA_ARGS__)                                             \
-      FLASHDL_HEADDIM_CASE(128, NAME, __VA_ARGS__)                                            \
-      FLASHDL_HEADDIM_CASE(192, NAME, __VA_ARGS__)                                            \
-      FLASHDL_HEADDIM_CASE(256, NAME, __VA_ARGS__)                                            \
-      default:                                                                                \
-        throw ::flashdl::Error(::flashdl::ErrorKind::value,                                   \
-                               "q: no CUDA kernel for headdim " + std::to_string(HEADDIM) +   \
-                                   " (32, 64, 96, 128, 192 or 256)");                         \
-    }                                                                                         \
+#define FLASHDL_HEADDIM_SWITCH(HEADDIM, NAME, ...)                                                 \
+  [&] {                                                                                            \
+    switch (HEADDIM) {                                                                             \
+      FLASHDL_HEADDIM_CASE(32, NAME, __VA_ARGS__)                                                  \
+      FLASHDL_HEADDIM_CASE(64, NAME, __VA_ARGS__)                                                  \
+      FLASHDL_HEADDIM_CASE(96, NAME, __VA_ARGS__)                                                  \
+      FLASHDL_HEADDIM_CASE(128, NAME, __VA_ARGS__)                                                 \
+      FLASHDL_HEADDIM_CASE(192, NAME, __VA_ARGS__)                                                 \
+      FLASHDL_HEADDIM_CASE(256, NAME, __VA_ARGS__)                                                 \
+      default:                                                                                     \
+        throw ::flashdl::Error(::flashdl::ErrorKind::value, "q: no CUDA kernel for headdim " +     \
+                                                                std::to_string(HEADDIM) +          \
+                                                                " (32, 64, 96, 128, 192 or 256)"); \
+    }                                                                                              \
   }()

@@ -100,7 +100,7 @@ struct Rng {
     return z ^ (z >> 31);
   }
   double uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }  // [0, 1)
-  double symmetric(double amp) { return amp * (2.0 * uniform() - 1.0); }    // [-amp, amp)
+  double symmetric(double amp) { return amp * (2.0 * uniform() - 1.0); }      // [-amp, amp)
 };
 
 // ---- arrays -----------------------------------------------------------------------------------
@@ -115,7 +115,8 @@ struct Layout {
 class Array {
  public:
   Array() = default;
-  Array(DType dtype, std::vector<int64_t> shape, const Layout& layout = {}) : shape_(std::move(shape)) {
+  Array(DType dtype, std::vector<int64_t> shape, const Layout& layout = {})
+      : shape_(std::move(shape)) {
     const int rank = static_cast<int>(shape_.size());
     if (rank < 1 || rank > flashdl::kMaxRank) throw std::runtime_error("Array: bad rank");
     std::vector<int> order = layout.order;
@@ -150,8 +151,12 @@ class Array {
 
   // Copies own their storage, so the view must point into the copy's.
   Array(const Array& o)
-      : shape_(o.shape_), words_(o.words_), storage_elems_(o.storage_elems_), elem_(o.elem_),
-        base_(o.base_), view_(o.view_) {
+      : shape_(o.shape_),
+        words_(o.words_),
+        storage_elems_(o.storage_elems_),
+        elem_(o.elem_),
+        base_(o.base_),
+        view_(o.view_) {
     view_.data = bytes() + base_ * elem_;
   }
   Array& operator=(const Array& o) {
@@ -169,8 +174,12 @@ class Array {
   const std::vector<int64_t>& shape() const { return shape_; }
   int64_t numel() const { return view_.numel(); }
   unsigned char* bytes() { return reinterpret_cast<unsigned char*>(words_.data()); }
-  const unsigned char* bytes() const { return reinterpret_cast<const unsigned char*>(words_.data()); }
-  std::vector<unsigned char> byte_copy() const { return {bytes(), bytes() + storage_elems_ * elem_}; }
+  const unsigned char* bytes() const {
+    return reinterpret_cast<const unsigned char*>(words_.data());
+  }
+  std::vector<unsigned char> byte_copy() const {
+    return {bytes(), bytes() + storage_elems_ * elem_};
+  }
 
   // Storage element index of logical element `flat` (row-major over the logical shape).
   int64_t storage_index(int64_t flat) const {
@@ -215,11 +224,31 @@ class Array {
   double load(int64_t e) const {
     const unsigned char* p = bytes() + e * elem_;
     switch (view_.dtype) {
-      case DType::float16: { uint16_t h; std::memcpy(&h, p, 2); return decode_fp16(h); }
-      case DType::bfloat16: { uint16_t h; std::memcpy(&h, p, 2); return decode_bf16(h); }
-      case DType::float32: { float f; std::memcpy(&f, p, 4); return f; }
-      case DType::float64: { double d; std::memcpy(&d, p, 8); return d; }
-      case DType::int32: { int32_t i; std::memcpy(&i, p, 4); return i; }
+      case DType::float16: {
+        uint16_t h;
+        std::memcpy(&h, p, 2);
+        return decode_fp16(h);
+      }
+      case DType::bfloat16: {
+        uint16_t h;
+        std::memcpy(&h, p, 2);
+        return decode_bf16(h);
+      }
+      case DType::float32: {
+        float f;
+        std::memcpy(&f, p, 4);
+        return f;
+      }
+      case DType::float64: {
+        double d;
+        std::memcpy(&d, p, 8);
+        return d;
+      }
+      case DType::int32: {
+        int32_t i;
+        std::memcpy(&i, p, 4);
+        return i;
+      }
       default: return static_cast<double>(*p);
     }
   }
@@ -227,11 +256,27 @@ class Array {
     unsigned char* p = bytes() + e * elem_;
     const double r = round_to(x, view_.dtype);
     switch (view_.dtype) {
-      case DType::float16: { const uint16_t h = encode_fp16(r); std::memcpy(p, &h, 2); break; }
-      case DType::bfloat16: { const uint16_t h = encode_bf16(r); std::memcpy(p, &h, 2); break; }
-      case DType::float32: { const float f = static_cast<float>(r); std::memcpy(p, &f, 4); break; }
+      case DType::float16: {
+        const uint16_t h = encode_fp16(r);
+        std::memcpy(p, &h, 2);
+        break;
+      }
+      case DType::bfloat16: {
+        const uint16_t h = encode_bf16(r);
+        std::memcpy(p, &h, 2);
+        break;
+      }
+      case DType::float32: {
+        const float f = static_cast<float>(r);
+        std::memcpy(p, &f, 4);
+        break;
+      }
       case DType::float64: std::memcpy(p, &r, 8); break;
-      case DType::int32: { const auto i = static_cast<int32_t>(x); std::memcpy(p, &i, 4); break; }
+      case DType::int32: {
+        const auto i = static_cast<int32_t>(x);
+        std::memcpy(p, &i, 4);
+        break;
+      }
       default: *p = x != 0.0; break;
     }
   }

@@ -212,9 +212,12 @@ inline void check_backward_case(const Case& c) {
     const Options ro = options_of(c, Schedule::reference);
     const Grads r64 = run_backward(c, in64, run_forward(c, in64, ro), ro);
     const double tight = 1e-11;
-    CHECK_MSG(max_diff(r64.dq.values(), ref.dq) <= tight * std::max(1.0, max_abs(ref.dq)), "reference dq");
-    CHECK_MSG(max_diff(r64.dk.values(), ref.dk) <= tight * std::max(1.0, max_abs(ref.dk)), "reference dk");
-    CHECK_MSG(max_diff(r64.dv.values(), ref.dv) <= tight * std::max(1.0, max_abs(ref.dv)), "reference dv");
+    CHECK_MSG(max_diff(r64.dq.values(), ref.dq) <= tight * std::max(1.0, max_abs(ref.dq)),
+              "reference dq");
+    CHECK_MSG(max_diff(r64.dk.values(), ref.dk) <= tight * std::max(1.0, max_abs(ref.dk)),
+              "reference dk");
+    CHECK_MSG(max_diff(r64.dv.values(), ref.dv) <= tight * std::max(1.0, max_abs(ref.dv)),
+              "reference dv");
     const Grads rd = run_backward(c, in, run_forward(c, in, ro), ro);
     check_rounded("reference dq", rd.dq.values(), ref.dq, dt);
     check_rounded("reference dk", rd.dk.values(), ref.dk, dt);

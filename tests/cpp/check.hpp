@@ -31,7 +31,8 @@ inline bool report(bool ok, const char* file, int line, const std::string& what)
     ++failures();
     if (failures() <= 200)
       std::fprintf(stderr, "FAIL %s:%d: %s%s%s\n", file, line, what.c_str(),
-                   context().empty() ? "" : "  [case: ", context().empty() ? "" : (context() + "]").c_str());
+                   context().empty() ? "" : "  [case: ",
+                   context().empty() ? "" : (context() + "]").c_str());
   }
   return ok;
 }
@@ -67,21 +68,22 @@ inline int finish() {
 
 #define CHECK(cond) ::flashdl_test::report(static_cast<bool>(cond), __FILE__, __LINE__, #cond)
 
-#define CHECK_MSG(cond, msg) \
-  ::flashdl_test::report(static_cast<bool>(cond), __FILE__, __LINE__, std::string(#cond) + ": " + (msg))
+#define CHECK_MSG(cond, msg)                                          \
+  ::flashdl_test::report(static_cast<bool>(cond), __FILE__, __LINE__, \
+                         std::string(#cond) + ": " + (msg))
 
-#define CHECK_EQ(a, b)                                                                          \
-  ::flashdl_test::report((a) == (b), __FILE__, __LINE__,                                         \
-                         std::string(#a " == " #b " (") + std::to_string(a) + " vs " +           \
+#define CHECK_EQ(a, b)                                                                 \
+  ::flashdl_test::report((a) == (b), __FILE__, __LINE__,                               \
+                         std::string(#a " == " #b " (") + std::to_string(a) + " vs " + \
                              std::to_string(b) + ")")
 
 // |a - b| <= tol, with NaN failing and equal infinities passing.
-#define CHECK_NEAR(a, b, tol)                                                                   \
-  do {                                                                                          \
-    const double ca_ = static_cast<double>(a), cb_ = static_cast<double>(b);                    \
-    const bool ok_ = ca_ == cb_ || std::fabs(ca_ - cb_) <= static_cast<double>(tol);            \
-    ::flashdl_test::report(ok_, __FILE__, __LINE__,                                              \
-                           std::string(#a " ~ " #b ": ") + ::flashdl_test::num(ca_) + " vs " +   \
-                               ::flashdl_test::num(cb_) + ", tol " +                             \
-                               ::flashdl_test::num(static_cast<double>(tol)));                   \
+#define CHECK_NEAR(a, b, tol)                                                                  \
+  do {                                                                                         \
+    const double ca_ = static_cast<double>(a), cb_ = static_cast<double>(b);                   \
+    const bool ok_ = ca_ == cb_ || std::fabs(ca_ - cb_) <= static_cast<double>(tol);           \
+    ::flashdl_test::report(ok_, __FILE__, __LINE__,                                            \
+                           std::string(#a " ~ " #b ": ") + ::flashdl_test::num(ca_) + " vs " + \
+                               ::flashdl_test::num(cb_) + ", tol " +                           \
+                               ::flashdl_test::num(static_cast<double>(tol)));                 \
   } while (0)

@@ -39,7 +39,8 @@ inline int skip_if_isa_unavailable() {
 }
 
 inline const std::vector<DType>& all_dtypes() {
-  static const std::vector<DType> d{DType::float32, DType::float16, DType::bfloat16, DType::float64};
+  static const std::vector<DType> d{DType::float32, DType::float16, DType::bfloat16,
+                                    DType::float64};
   return d;
 }
 
@@ -85,7 +86,9 @@ void set_block_mask(Case& c, int64_t block_q, int64_t block_k, const std::vector
 // A random small case: shapes, GQA group, mask, dropout, layouts and dtype all drawn from `rng`.
 // fa1 also runs with a 1 KiB budget (blocks of 1 to 4 rows), so block edges land everywhere.
 inline Case random_case(Rng& rng, int index) {
-  auto pick = [&](int64_t n) { return static_cast<int64_t>(rng.next() % static_cast<uint64_t>(n)); };
+  auto pick = [&](int64_t n) {
+    return static_cast<int64_t>(rng.next() % static_cast<uint64_t>(n));
+  };
   Case c;
   c.b = 1 + pick(2);
   c.sq = 1 + pick(70);
@@ -97,8 +100,14 @@ inline Case random_case(Rng& rng, int index) {
   switch (pick(4)) {
     case 0: break;
     case 1: c.causal = true; break;
-    case 2: c.left = pick(12) - 1; c.right = pick(12) - 1; break;
-    default: c.causal = true; c.left = pick(8); break;
+    case 2:
+      c.left = pick(12) - 1;
+      c.right = pick(12) - 1;
+      break;
+    default:
+      c.causal = true;
+      c.left = pick(8);
+      break;
   }
   if (pick(5) == 0) c.dropout = 0.2f, c.seed = rng.next(), c.offset = pick(1000);
   Layout* lays[] = {&c.ql, &c.kl, &c.vl, &c.ol};
@@ -194,7 +203,8 @@ struct Forward {
 
 inline Forward run_forward(const Case& c, const Inputs& in, const Options& o) {
   const DType dt = in.q.dtype();
-  Forward f{Array(dt, {c.b, c.sq, c.h, c.d}, c.ol), Array(DType::float32, {c.b, c.h, c.sq}, c.lsel)};
+  Forward f{Array(dt, {c.b, c.sq, c.h, c.d}, c.ol),
+            Array(DType::float32, {c.b, c.h, c.sq}, c.lsel)};
   f.out.poison();
   f.lse.poison();
   const auto q0 = in.q.byte_copy(), k0 = in.k.byte_copy(), v0 = in.v.byte_copy();
@@ -219,13 +229,14 @@ inline Grads run_backward(const Case& c, const Inputs& in, const Forward& f, con
   g.dq.poison();
   g.dk.poison();
   g.dv.poison();
-  const auto before = {in.q.byte_copy(), in.k.byte_copy(), in.v.byte_copy(), in.dout.byte_copy(),
+  const auto before = {in.q.byte_copy(),  in.k.byte_copy(),  in.v.byte_copy(),  in.dout.byte_copy(),
                        f.out.byte_copy(), f.lse.byte_copy(), c.mask.byte_copy()};
   flashdl::backward(in.dout.view(), in.q.view(), in.k.view(), in.v.view(), f.out.view(),
                     f.lse.view(), g.dq.view(), g.dk.view(), g.dv.view(), o);
-  const auto after = {in.q.byte_copy(), in.k.byte_copy(), in.v.byte_copy(), in.dout.byte_copy(),
+  const auto after = {in.q.byte_copy(),  in.k.byte_copy(),  in.v.byte_copy(),  in.dout.byte_copy(),
                       f.out.byte_copy(), f.lse.byte_copy(), c.mask.byte_copy()};
-  CHECK_MSG(std::equal(before.begin(), before.end(), after.begin()), "backward wrote into an input");
+  CHECK_MSG(std::equal(before.begin(), before.end(), after.begin()),
+            "backward wrote into an input");
   check_written(g.dq, "dq");
   check_written(g.dk, "dk");
   check_written(g.dv, "dv");
@@ -282,8 +293,8 @@ inline void check_rounded(const std::string& what, const std::vector<double>& x,
   }
   CHECK_MSG(bad == 0 && x.size() == r.size(),
             what + ": " + std::to_string(bad) + " elements off" +
-                (first >= 0 ? " (first #" + std::to_string(first) + ": " + num(x[first]) +
-                                  " vs " + num(r[first]) + ")"
+                (first >= 0 ? " (first #" + std::to_string(first) + ": " + num(x[first]) + " vs " +
+                                  num(r[first]) + ")"
                             : std::string()));
 }
 

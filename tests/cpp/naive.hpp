@@ -45,7 +45,7 @@ struct Problem {
   double keep(int64_t bi, int64_t hi, int64_t i, int64_t j) const {
     if (dropout <= 0.0f) return 1.0;
     const bool kept = flashdl::detail::dropout_keep(dropout, seed, offset,
-                                                   static_cast<uint64_t>(bi * h + hi), i, j);
+                                                    static_cast<uint64_t>(bi * h + hi), i, j);
     return kept ? 1.0 / (1.0 - static_cast<double>(dropout)) : 0.0;
   }
   int64_t qi(int64_t bi, int64_t i, int64_t hi) const { return ((bi * sq + i) * h + hi) * d; }

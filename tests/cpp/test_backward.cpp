@@ -67,7 +67,8 @@ void gradcheck(const Case& c, Schedule s) {
     return l;
   };
   const double step = 1e-6;
-  for (auto [x, gx] : {std::pair<Array*, const Array*>{&in.q, &g.dq}, {&in.k, &g.dk}, {&in.v, &g.dv}}) {
+  for (auto [x, gx] :
+       {std::pair<Array*, const Array*>{&in.q, &g.dq}, {&in.k, &g.dk}, {&in.v, &g.dv}}) {
     for (int64_t e = 0; e < x->numel(); ++e) {
       const double x0 = x->get(e);
       x->set(e, x0 + step);
@@ -133,18 +134,17 @@ void test_sram_and_threads() {
       check_grads("fa1", run_backward(c, in, run_forward(c, in, o), o), ora, dt);
     }
     for (Schedule s : {Schedule::fa1, Schedule::fa2, Schedule::reference}) {
-      context() = std::string("backward threads ") + flashdl::schedule_name(s) + " " + dtype_str(dt);
+      context() = std::string("backward threads ") + flashdl::schedule_name(s) + " " +
+                  dtype_str(dt);
       const Options o1 = options_of(c, s, 1);
       const Forward f = run_forward(c, in, o1);
       const Grads one = run_backward(c, in, f, o1);
       for (int t : {2, 3}) {
         const Options ot = options_of(c, s, t);
         const Grads a = run_backward(c, in, f, ot), b = run_backward(c, in, f, ot);
-        CHECK_MSG(bitwise_equal(a, b),
-                  "not repeatable with " + std::to_string(t) + " threads");
+        CHECK_MSG(bitwise_equal(a, b), "not repeatable with " + std::to_string(t) + " threads");
         if (s != Schedule::fa2)
-          CHECK_MSG(bitwise_equal(a, one),
-                    std::to_string(t) + " threads differ from 1");
+          CHECK_MSG(bitwise_equal(a, one), std::to_string(t) + " threads differ from 1");
         if (s != Schedule::reference) check_grads(flashdl::schedule_name(s), a, ora, dt);
       }
     }
@@ -185,8 +185,8 @@ void test_kept_memory() {
         Grads g{Array(dt, {c.b, c.sq, c.h, c.d}, c.ol), Array(dt, {c.b, c.sk, c.hk, c.d}, c.kl),
                 Array(dt, {c.b, c.sk, c.hk, c.d}, c.vl)};
         flashdl::backward(ins[i].dout.view(), ins[i].q.view(), ins[i].k.view(), ins[i].v.view(),
-                          fs[i].out.view(), fs[i].lse.view(), g.dq.view(), g.dk.view(),
-                          g.dv.view(), options_of(c, Schedule::fa2, 2));
+                          fs[i].out.view(), fs[i].lse.view(), g.dq.view(), g.dk.view(), g.dv.view(),
+                          options_of(c, Schedule::fa2, 2));
         out.push_back(std::move(g));
       }
     };

@@ -109,7 +109,9 @@ std::vector<Case> cases() {
 // random_case (harness.hpp) plus a mask of random block sizes, rank, broadcasting, layout and
 // density (from none to all blocks set).
 Case random_block_case(Rng& rng, int index) {
-  auto pick = [&](int64_t n) { return static_cast<int64_t>(rng.next() % static_cast<uint64_t>(n)); };
+  auto pick = [&](int64_t n) {
+    return static_cast<int64_t>(rng.next() % static_cast<uint64_t>(n));
+  };
   Case c = random_case(rng, index);
   const int64_t sizes[] = {1, 2, 3, 5, 8, 13, 16, 32, 48, 100};
   const int64_t bq = sizes[pick(10)], bk = sizes[pick(10)];
@@ -130,10 +132,11 @@ Case random_block_case(Rng& rng, int index) {
 }
 
 // max|x - y| within the rule's tolerance for x against ref64 (harness.hpp check_rule).
-void check_close(const std::string& what, const std::vector<double>& x, const std::vector<double>& y,
-                 const std::vector<double>& ref64, const std::vector<double>& naive, DType dt,
-                 double magnitude = 0.0) {
-  const double tol = 2.0 * max_diff(naive, ref64) + rule_eps(dt) * std::max(max_abs(ref64), magnitude);
+void check_close(const std::string& what, const std::vector<double>& x,
+                 const std::vector<double>& y, const std::vector<double>& ref64,
+                 const std::vector<double>& naive, DType dt, double magnitude = 0.0) {
+  const double tol = 2.0 * max_diff(naive, ref64) +
+                     rule_eps(dt) * std::max(max_abs(ref64), magnitude);
   const double diff = max_diff(x, y);
   CHECK_MSG(diff <= tol, what + ": max diff " + num(diff) + " > tol " + num(tol));
 }
@@ -155,8 +158,8 @@ void test_all_true_is_dense() {
       const Inputs in = make_inputs(dense, dt, 5);
       const ForwardOracle fo = forward_oracle(p, in);
       const Oracles bo = oracles(p, in);
-      std::vector<std::pair<Schedule, int64_t>> runs{{Schedule::fa2, 0}, {Schedule::fa1, 0},
-                                                     {Schedule::fa1, 1024}, {Schedule::reference, 0}};
+      std::vector<std::pair<Schedule, int64_t>> runs{
+          {Schedule::fa2, 0}, {Schedule::fa1, 0}, {Schedule::fa1, 1024}, {Schedule::reference, 0}};
       for (auto [s, sram] : runs) {
         const std::string name = run_name(s, sram);
         const Options od = options_of(dense, s, 0, sram), os = options_of(sparse, s, 0, sram);
@@ -165,9 +168,12 @@ void test_all_true_is_dense() {
         check_close(name + " lse", fs.lse.values(), fd.lse.values(), fo.lse64, fo.lsel,
                     DType::float32);
         const Grads gd = run_backward(dense, in, fd, od), gs = run_backward(sparse, in, fs, os);
-        check_close(name + " dq", gs.dq.values(), gd.dq.values(), bo.ref.dq, bo.naive.dq, dt, bo.mag.dq);
-        check_close(name + " dk", gs.dk.values(), gd.dk.values(), bo.ref.dk, bo.naive.dk, dt, bo.mag.dk);
-        check_close(name + " dv", gs.dv.values(), gd.dv.values(), bo.ref.dv, bo.naive.dv, dt, bo.mag.dv);
+        check_close(name + " dq", gs.dq.values(), gd.dq.values(), bo.ref.dq, bo.naive.dq, dt,
+                    bo.mag.dq);
+        check_close(name + " dk", gs.dk.values(), gd.dk.values(), bo.ref.dk, bo.naive.dk, dt,
+                    bo.mag.dk);
+        check_close(name + " dv", gs.dv.values(), gd.dv.values(), bo.ref.dv, bo.naive.dv, dt,
+                    bo.mag.dv);
       }
     }
   }
@@ -254,7 +260,8 @@ void check_poison(const Case& c) {
       int64_t nonzero = 0;
       for (int64_t row : poisoned)
         for (int64_t e = row; e < row + p.d; ++e) nonzero += (dk[e] != 0.0) + (dv[e] != 0.0);
-      CHECK_MSG(nonzero == 0, name + ": " + std::to_string(nonzero) + " dk/dv of poisoned rows not 0");
+      CHECK_MSG(nonzero == 0,
+                name + ": " + std::to_string(nonzero) + " dk/dv of poisoned rows not 0");
     }
   }
 }

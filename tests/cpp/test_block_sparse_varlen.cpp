@@ -44,7 +44,8 @@ TensorView mask_plane(const Array& mask, int64_t s, int64_t sq, int64_t sk) {
 }
 
 // Packed values [first, first + count) of `packed` equal `alone` element for element.
-bool same_values(const std::vector<double>& packed, int64_t first, const std::vector<double>& alone) {
+bool same_values(const std::vector<double>& packed, int64_t first,
+                 const std::vector<double>& alone) {
   for (size_t i = 0; i < alone.size(); ++i)
     if (!(packed[first + i] == alone[i])) return false;
   return true;
@@ -84,7 +85,8 @@ void check_sequences(const Packed& pk, const Array& mask, const std::vector<int3
     const TensorView q = rows_as_batch1(pk.q, q0, sq), dout = rows_as_batch1(pk.dout, q0, sq);
     const TensorView k = rows_as_batch1(pk.k, k0, sk), v = rows_as_batch1(pk.v, k0, sk);
     flashdl::forward(q, k, v, out1.view(), lse1.view(), os);
-    flashdl::backward(dout, q, k, v, out1.view(), lse1.view(), dq1.view(), dk1.view(), dv1.view(), os);
+    flashdl::backward(dout, q, k, v, out1.view(), lse1.view(), dq1.view(), dk1.view(), dv1.view(),
+                      os);
     const std::string seq = "sequence " + std::to_string(s) + ": ";
     CHECK_MSG(same_values(out, q0 * kH * kD, out1.values()), seq + "out differs");
     CHECK_MSG(same_values(dq, q0 * kH * kD, dq1.values()), seq + "dq differs");
@@ -93,7 +95,8 @@ void check_sequences(const Packed& pk, const Array& mask, const std::vector<int3
     const std::vector<double> l1 = lse1.values();
     bool lse_same = true;
     for (int64_t h = 0; h < kH; ++h)
-      for (int64_t i = 0; i < sq; ++i) lse_same = lse_same && lse[h * tq + q0 + i] == l1[h * sq + i];
+      for (int64_t i = 0; i < sq; ++i)
+        lse_same = lse_same && lse[h * tq + q0 + i] == l1[h * sq + i];
     CHECK_MSG(lse_same, seq + "lse differs");
   }
 }
@@ -108,7 +111,8 @@ void test_varlen() {
   const TensorView tcq = flashdl::make_view(cu_q.data(), DType::int32, {nseq + 1});
   const TensorView tck = flashdl::make_view(cu_k.data(), DType::int32, {nseq + 1});
   // Per-sequence planes with padded rows; about 60% of the blocks set.
-  Array mask(DType::boolean, {nseq, kH, nblocks(kMaxQ, kBq), nblocks(kMaxK, kBk)}, Layout{{}, 3, -1});
+  Array mask(DType::boolean, {nseq, kH, nblocks(kMaxQ, kBq), nblocks(kMaxK, kBk)},
+             Layout{{}, 3, -1});
   Rng rng(77);
   std::vector<double> flags(static_cast<size_t>(mask.numel()));
   for (double& f : flags) f = rng.uniform() < 0.6 ? 1.0 : 0.0;
@@ -130,8 +134,8 @@ void test_varlen() {
         flashdl::forward_varlen(pk.q.view(), pk.k.view(), pk.v.view(), tcq, tck, kMaxQ, kMaxK,
                                 pk.out.view(), pk.lse.view(), o);
         flashdl::backward_varlen(pk.dout.view(), pk.q.view(), pk.k.view(), pk.v.view(),
-                                 pk.out.view(), pk.lse.view(), tcq, tck, kMaxQ, kMaxK,
-                                 pk.dq.view(), pk.dk.view(), pk.dv.view(), o);
+                                 pk.out.view(), pk.lse.view(), tcq, tck, kMaxQ, kMaxK, pk.dq.view(),
+                                 pk.dk.view(), pk.dv.view(), o);
         CHECK_MSG(mask.byte_copy() == mask0, "the mask was written");
         check_sequences(pk, mask, cu_q, cu_k, o);
       }

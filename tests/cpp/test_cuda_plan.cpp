@@ -37,7 +37,8 @@ void check_fa2_layout(int d, fc::Fa2BwdConfig c, int q_stages) {
   const std::size_t kv = std::size_t(c.block_n) * L.ld_qkv * 2;
   const std::size_t q = std::size_t(c.block_m) * L.ld_qkv * 2;
   const std::size_t s = std::size_t(c.block_m) * L.ld_s * 4;
-  const std::size_t offs[] = {L.off_k, L.off_v, L.off_q, L.off_do, L.off_s, L.off_dp, L.off_l2, L.off_d};
+  const std::size_t offs[] = {L.off_k, L.off_v,  L.off_q,  L.off_do,
+                              L.off_s, L.off_dp, L.off_l2, L.off_d};
   for (std::size_t o : offs) CHECK_EQ(o % 128, std::size_t(0));
   CHECK(L.off_v - L.off_k >= kv);
   CHECK(L.off_q - L.off_v >= kv);
@@ -69,8 +70,8 @@ void check_fa2_forward_layout(int d, fc::Fa2FwdTile t) {
   CHECK(L.off_v - L.off_k >= 2 * kv);
   CHECK(L.off_s - L.off_v >= 2 * kv);
   CHECK(L.off_rows - L.off_s >= std::size_t(4) * 16 * L.ld_s * 4);  // 16 rows of scratch a warp
-  CHECK(L.off_rowf - L.off_rows >= std::size_t(16 * 16 * 4));      // the row-index tile
-  CHECK(L.bytes - L.off_rowf >= std::size_t(L.block_m) * 4);       // a factor per row
+  CHECK(L.off_rowf - L.off_rows >= std::size_t(16 * 16 * 4));       // the row-index tile
+  CHECK(L.bytes - L.off_rowf >= std::size_t(L.block_m) * 4);        // a factor per row
   // wmma: ld a multiple of 8 halves and of 4 floats; P (T) in place over S needs 2 * ld_s; the
   // epilogue stages 16 columns; the layout check's index tiles (1,536 bytes) sit in K's stage 1,
   // 32-byte aligned.
@@ -141,8 +142,8 @@ void test_fa2_forward_regs_tiles() {
     }
     // Regions apart and aligned as in the general layout; the scratch row holds a row of P as T
     // (2 ld_s halves >= Bc) and the epilogue's 16 columns, and is narrower than the general one.
-    const std::size_t offs[] = {L.off_q, L.off_k, L.off_v, L.off_s, L.off_rows, L.off_rowf,
-                                L.bytes};
+    const std::size_t offs[] = {L.off_q,    L.off_k,    L.off_v, L.off_s,
+                                L.off_rows, L.off_rowf, L.bytes};
     for (std::size_t o : offs) CHECK_EQ(o % 128, std::size_t(0));
     const std::size_t kv = std::size_t(t.block_n) * L.ld_qkv * 2;
     CHECK(L.off_v - L.off_k >= 2 * kv && L.off_s - L.off_v >= 2 * kv);
@@ -314,7 +315,7 @@ void test_fa1_plans() {
           CHECK_EQ(b.ld_s % 4, 0);
           CHECK_EQ(b.ld_o % 4, 0);
           CHECK_EQ(b.ld_kv % 8, 0);
-          const unsigned offs[] = {b.off_k, b.off_v, b.off_dk, b.off_dv, b.off_q, b.off_do,
+          const unsigned offs[] = {b.off_k, b.off_v,  b.off_dk, b.off_dv, b.off_q, b.off_do,
                                    b.off_s, b.off_dp, b.off_dq, b.off_l2, b.off_d};
           for (unsigned o : offs) CHECK_EQ(o % 128, 0u);
         }
@@ -346,8 +347,8 @@ void test_block_ranges() {
     const int64_t sq = len(rng), sk = len(rng), left = win(rng), right = win(rng), block = blk(rng);
     const fd::Mask m = fd::make_mask(sq, sk, left, right);
     context() = "sq=" + std::to_string(sq) + " sk=" + std::to_string(sk) + " w=(" +
-                std::to_string(left) + "," + std::to_string(right) + ") block=" +
-                std::to_string(block);
+                std::to_string(left) + "," + std::to_string(right) +
+                ") block=" + std::to_string(block);
     for (int64_t j0 = 0; j0 < sk; j0 += block) {
       const int64_t j1 = j0 + block < sk ? j0 + block : sk;
       const fd::BlockRange r = fd::query_blocks_for_keys(m, j0, j1, block);
@@ -458,8 +459,8 @@ void test_decode_layouts() {
     for (int w : {4, 2}) {
       context() = "d=" + std::to_string(d) + " warps=" + std::to_string(w);
       const fc::DecodeLayout L = fc::decode_layout(d, w);
-      const std::size_t offs[] = {L.off_q, L.off_k, L.off_v, L.off_s, L.off_rows, L.off_stats,
-                                  L.bytes};
+      const std::size_t offs[] = {L.off_q,    L.off_k,     L.off_v, L.off_s,
+                                  L.off_rows, L.off_stats, L.bytes};
       for (std::size_t o : offs) CHECK_EQ(o % 128, std::size_t(0));
       CHECK_EQ(L.threads, 2 * L.block_n);
       CHECK_EQ(L.block_n, 16 * w);
@@ -500,8 +501,8 @@ void test_decode_splits() {
     const int64_t splits = spl(rng), tile = trial % 2 ? 64 : 32;
     const fd::Mask m = fd::make_mask(sq, sk, left, right);
     context() = "sq=" + std::to_string(sq) + " sk=" + std::to_string(sk) + " w=(" +
-                std::to_string(left) + "," + std::to_string(right) + ") splits=" +
-                std::to_string(splits) + " tile=" + std::to_string(tile);
+                std::to_string(left) + "," + std::to_string(right) +
+                ") splits=" + std::to_string(splits) + " tile=" + std::to_string(tile);
     const fc::KeyRange vis = fc::visible_keys(m);
     int64_t next = vis.begin;
     for (int64_t s = 0; s < splits; ++s) {

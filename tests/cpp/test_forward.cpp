@@ -86,8 +86,10 @@ void test_fa1_sram() {
       const std::vector<double> q = in.q.values(), k = in.k.values(), v = in.v.values();
       std::vector<double> out64, lse64, outl, lsel;
       Naive<double>{p, q, k, v}.forward(DType::float64, out64, lse64);
-      if (dt == DType::float64) outl = out64, lsel = lse64;
-      else Naive<float>{p, q, k, v}.forward(dt, outl, lsel);
+      if (dt == DType::float64)
+        outl = out64, lsel = lse64;
+      else
+        Naive<float>{p, q, k, v}.forward(dt, outl, lsel);
       for (int64_t sram : {int64_t{1024}, int64_t{4096}, int64_t{1} << 18}) {
         context() = cc.name + " " + dtype_str(dt) + " sram_bytes " + std::to_string(sram);
         const Forward f = run_forward(cc, in, options_of(cc, Schedule::fa1, 0, sram));
@@ -143,8 +145,10 @@ void test_calls_in_turn() {
         const std::vector<double> q = in.q.values(), k = in.k.values(), v = in.v.values();
         std::vector<double> out64, lse64, outl, lsel;
         Naive<double>{p, q, k, v}.forward(DType::float64, out64, lse64);
-        if (dt == DType::float64) outl = out64, lsel = lse64;
-        else Naive<float>{p, q, k, v}.forward(dt, outl, lsel);
+        if (dt == DType::float64)
+          outl = out64, lsel = lse64;
+        else
+          Naive<float>{p, q, k, v}.forward(dt, outl, lsel);
         const Forward f = run_forward(c, in, options_of(c, Schedule::fa2, 1));
         check_rule("out", f.out.values(), out64, outl, dt);
         check_rule("lse", f.lse.values(), lse64, lsel, DType::float32);
@@ -198,7 +202,8 @@ void test_zero_lengths() {
       z.sq = which == 1 ? 0 : 4;
       z.h = z.hk = which == 2 ? 0 : 2;
       const Inputs zin = make_inputs(z, DType::float16, 2);
-      Forward zf{Array(DType::float16, {z.b, z.sq, z.h, z.d}), Array(DType::float32, {z.b, z.h, z.sq})};
+      Forward zf{Array(DType::float16, {z.b, z.sq, z.h, z.d}),
+                 Array(DType::float32, {z.b, z.h, z.sq})};
       flashdl::forward(zin.q.view(), zin.k.view(), zin.v.view(), zf.out.view(), zf.lse.view(),
                        options_of(z, s));
     }

@@ -36,7 +36,8 @@ void check_mask(int64_t sq, int64_t sk, int64_t left, int64_t right) {
   auto vis = [&](int64_t i, int64_t j) { return brute_visible(sq, sk, left, right, i, j); };
   for (int64_t i = 0; i < sq; ++i)
     for (int64_t j = -2; j < sk + 2; ++j)
-      if (m.visible(i, j) != vis(i, j)) CHECK_MSG(false, "visible(" + std::to_string(i) + ", " + std::to_string(j) + ")");
+      if (m.visible(i, j) != vis(i, j))
+        CHECK_MSG(false, "visible(" + std::to_string(i) + ", " + std::to_string(j) + ")");
   // Per row: [col_begin, col_end) is exactly the visible keys; both non-decreasing in i.
   for (int64_t i = 0; i < sq; ++i) {
     int64_t first = -1, last = -1;
@@ -225,7 +226,8 @@ void test_finalize_with_sink() {
       const auto f = finalize_with_sink(sm.m, sm.l, sink2);
       double denom = std::exp2(static_cast<double>(sink2));
       for (double x : t) denom += std::exp2(x);
-      const double ref = n ? std::exp2(static_cast<double>(m)) : 0.0;  // the accumulator's reference
+      const double ref = n ? std::exp2(static_cast<double>(m))
+                           : 0.0;  // the accumulator's reference
       const double lse = std::log2(denom) * ln2;
       context() = "sink " + std::to_string(sink) + ", keys " + std::to_string(n);
       CHECK(std::isfinite(f.o_scale) && std::isfinite(f.lse));
@@ -252,7 +254,8 @@ void test_merge() {
     const Direct all = direct_softmax(s, v, d);
     const fd::MergeWeights<double> w = fd::merge_weights(a.lse, b.lse);
     CHECK_NEAR(w.lse, all.lse, 1e-12 * std::fabs(all.lse));
-    for (int64_t c = 0; c < d; ++c) CHECK_NEAR(w.wa * a.out[c] + w.wb * b.out[c], all.out[c], 1e-13);
+    for (int64_t c = 0; c < d; ++c)
+      CHECK_NEAR(w.wa * a.out[c] + w.wb * b.out[c], all.out[c], 1e-13);
   }
   context() = "merge of two empty parts";
   // Double only: merge_weights<float> narrows a double in its braced return (a GCC warning, an
@@ -542,14 +545,16 @@ void test_philox_known_answers() {
   };
   const Kat kats[] = {
       {{0, 0, 0, 0}, {0, 0}, {0x6627e8d5u, 0xe169c58du, 0xbc57ac4cu, 0x9b00dbd8u}},
-      {{0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu}, {0xffffffffu, 0xffffffffu},
+      {{0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu},
+       {0xffffffffu, 0xffffffffu},
        {0x408f276du, 0x41c83b0eu, 0xa20bc7c6u, 0x6d5451fdu}},
-      {{0x243f6a88u, 0x85a308d3u, 0x13198a2eu, 0x03707344u}, {0xa4093822u, 0x299f31d0u},
+      {{0x243f6a88u, 0x85a308d3u, 0x13198a2eu, 0x03707344u},
+       {0xa4093822u, 0x299f31d0u},
        {0xd16cfe09u, 0x94fdccebu, 0x5001e420u, 0x24126ea1u}},
   };
   for (const Kat& k : kats) {
-    const fd::Philox4 r =
-        fd::philox4x32_10(fd::Philox4{{k.ctr[0], k.ctr[1], k.ctr[2], k.ctr[3]}}, k.key[0], k.key[1]);
+    const fd::Philox4 r = fd::philox4x32_10(fd::Philox4{{k.ctr[0], k.ctr[1], k.ctr[2], k.ctr[3]}},
+                                            k.key[0], k.key[1]);
     for (int i = 0; i < 4; ++i) CHECK_EQ(r.x[i], k.out[i]);
   }
 }
@@ -566,7 +571,7 @@ void test_dropout_draws() {
     }
   const double n = static_cast<double>(rows * cols), mean = sum / n;
   CHECK(in_range);
-  CHECK_NEAR(mean, 0.5, 0.005);                // sd of the mean 0.0009
+  CHECK_NEAR(mean, 0.5, 0.005);  // sd of the mean 0.0009
   CHECK_NEAR(sum2 / n - mean * mean, 1.0 / 12, 0.003);
   for (float p : {0.1f, 0.5f, 0.9f}) {
     context() = "kept fraction p " + std::to_string(p);
@@ -587,10 +592,10 @@ void test_dropout_draws() {
   const double base = fd::dropout_uniform(7, 11, 2, 3, 4);
   int64_t differ = 0;
   const double variants[] = {
-      fd::dropout_uniform(8, 11, 2, 3, 4),           fd::dropout_uniform(7 + (1ull << 32), 11, 2, 3, 4),
-      fd::dropout_uniform(7, 12, 2, 3, 4),
-      fd::dropout_uniform(7, 11, 3, 3, 4),           fd::dropout_uniform(7, 11, 2, 4, 4),
-      fd::dropout_uniform(7, 11, 2, 3, 5),           fd::dropout_uniform(7, 11, 2, 4, 3)};
+      fd::dropout_uniform(8, 11, 2, 3, 4), fd::dropout_uniform(7 + (1ull << 32), 11, 2, 3, 4),
+      fd::dropout_uniform(7, 12, 2, 3, 4), fd::dropout_uniform(7, 11, 3, 3, 4),
+      fd::dropout_uniform(7, 11, 2, 4, 4), fd::dropout_uniform(7, 11, 2, 3, 5),
+      fd::dropout_uniform(7, 11, 2, 4, 3)};
   for (double x : variants) differ += x != base;
   CHECK_EQ(differ, 7);
 }

@@ -111,8 +111,7 @@ void test_parallel_tasks_steal() {
   for (size_t i = 1; i < seq1.size(); ++i) CHECK(seq1[i] == seq1[i - 1] + 1);
   // Thread 0: 0..31 in order, then thefts from 63 downwards.
   for (int64_t i = 0; i < 32; ++i) CHECK(seq0[static_cast<size_t>(i)] == i);
-  for (size_t i = 32; i < seq0.size(); ++i)
-    CHECK(seq0[i] == 63 - static_cast<int64_t>(i - 32));
+  for (size_t i = 32; i < seq0.size(); ++i) CHECK(seq0[i] == 63 - static_cast<int64_t>(i - 32));
 }
 
 // Regions back to back with thread counts that change from one to the next (workers outside a
@@ -164,7 +163,8 @@ int main() {
   run_test("threads: static slices", test_static_slices);
   run_test("threads: parallel_for runs each static slice", test_parallel_for_runs_slices);
   run_test("threads: parallel_tasks runs every task once", test_parallel_tasks_once);
-  run_test("threads: a stalled thread's tasks are taken from its slice's end", test_parallel_tasks_steal);
+  run_test("threads: a stalled thread's tasks are taken from its slice's end",
+           test_parallel_tasks_steal);
   run_test("threads: regions with changing thread counts", test_changing_thread_counts);
   run_test("threads: exceptions reach the caller", test_exceptions);
   return finish();

@@ -30,44 +30,62 @@ void test_shapes_and_ranks() {
   Array o1(DType::float32, {2, 5, 4, 9});
   expect_both("out shape", ErrorKind::value, "out", [&](Call& c) { c.out = o1.view(); }, p);
   Array l1(DType::float32, {2, 5, 4});
-  expect_both("lse shape (b, s, h)", ErrorKind::value, "lse", [&](Call& c) { c.lse = l1.view(); }, p);
+  expect_both(
+      "lse shape (b, s, h)", ErrorKind::value, "lse", [&](Call& c) { c.lse = l1.view(); }, p);
   Array k3(DType::float32, {2, 7, 3, 8}), v3(DType::float32, {2, 7, 3, 8});
-  expect_both("nheads % nheads_kv", ErrorKind::value, "k",
-              [&](Call& c) { c.k = k3.view(); c.v = v3.view(); }, p, "3");
+  expect_both(
+      "nheads % nheads_kv", ErrorKind::value, "k",
+      [&](Call& c) {
+        c.k = k3.view();
+        c.v = v3.view();
+      },
+      p, "3");
   for (int64_t d : {0, 257}) {
-    Array qd(DType::float32, {1, 3, 1, d}), kk(DType::float32, {1, 3, 1, d}), vv(DType::float32, {1, 3, 1, d});
+    Array qd(DType::float32, {1, 3, 1, d}), kk(DType::float32, {1, 3, 1, d}),
+        vv(DType::float32, {1, 3, 1, d});
     Array od(DType::float32, {1, 3, 1, d}), ld(DType::float32, {1, 1, 3});
     Call c(p);
     c.q = qd.view(), c.k = kk.view(), c.v = vv.view(), c.out = od.view(), c.lse = ld.view();
-    expect_error("headdim " + std::to_string(d), ErrorKind::value, "q", [&] { c.forward(); }, p,
-                 std::to_string(d));
+    expect_error(
+        "headdim " + std::to_string(d), ErrorKind::value, "q", [&] { c.forward(); }, p,
+        std::to_string(d));
   }
 }
 
 void test_dtypes_devices_strides() {
   Problem p;
   Array qi(DType::int32, {2, 5, 4, 8}), oi(DType::int32, {2, 5, 4, 8});
-  expect_both("q int32", ErrorKind::type, "q", [&](Call& c) { c.q = qi.view(); c.out = oi.view(); },
-              p, "int32");
+  expect_both(
+      "q int32", ErrorKind::type, "q",
+      [&](Call& c) {
+        c.q = qi.view();
+        c.out = oi.view();
+      },
+      p, "int32");
   Array qb(DType::boolean, {2, 5, 4, 8});
   expect_both("q bool", ErrorKind::type, "q", [&](Call& c) { c.q = qb.view(); }, p);
   Array k16(DType::float16, {2, 7, 2, 8});
-  expect_both("k float16 with q float32", ErrorKind::type, "k", [&](Call& c) { c.k = k16.view(); },
-              p, "float16");
+  expect_both(
+      "k float16 with q float32", ErrorKind::type, "k", [&](Call& c) { c.k = k16.view(); }, p,
+      "float16");
   Array o64(DType::float64, {2, 5, 4, 8});
   expect_both("out float64", ErrorKind::type, "out", [&](Call& c) { c.out = o64.view(); }, p);
   Array l64(DType::float64, {2, 4, 5}), l16(DType::float16, {2, 4, 5});
   expect_both("lse float64", ErrorKind::type, "lse", [&](Call& c) { c.lse = l64.view(); }, p);
   expect_both("lse float16", ErrorKind::type, "lse", [&](Call& c) { c.lse = l16.view(); }, p);
-  expect_both("v on cuda, q on cpu", ErrorKind::value, "v",
-              [&](Call& c) { c.v.device = {flashdl::DeviceType::cuda, 0}; }, p, "cuda");
-  expect_both("q last stride 2", ErrorKind::value, "q", [&](Call& c) { c.q.strides[3] = 2; }, p,
-              "contiguous");
-  expect_both("lse last stride 0", ErrorKind::value, "lse", [&](Call& c) { c.lse.strides[2] = 0; }, p);
-  expect_both("out overlapping q", ErrorKind::value, "out", [&](Call& c) { c.out = c.q; }, p, "overlaps q");
-  expect_both("lse inside out", ErrorKind::value, "lse", [&](Call& c) {
-    c.lse.data = p.out.view().data;
-  }, p, "out");
+  expect_both(
+      "v on cuda, q on cpu", ErrorKind::value, "v",
+      [&](Call& c) { c.v.device = {flashdl::DeviceType::cuda, 0}; }, p, "cuda");
+  expect_both(
+      "q last stride 2", ErrorKind::value, "q", [&](Call& c) { c.q.strides[3] = 2; }, p,
+      "contiguous");
+  expect_both(
+      "lse last stride 0", ErrorKind::value, "lse", [&](Call& c) { c.lse.strides[2] = 0; }, p);
+  expect_both(
+      "out overlapping q", ErrorKind::value, "out", [&](Call& c) { c.out = c.q; }, p, "overlaps q");
+  expect_both(
+      "lse inside out", ErrorKind::value, "lse", [&](Call& c) { c.lse.data = p.out.view().data; },
+      p, "out");
   // Backward-only arguments.
   Call c(p);
   c.dq = c.dout;
@@ -94,27 +112,39 @@ void test_dtypes_devices_strides() {
 
 void test_options() {
   Problem p;
-  expect_both("window_left -2", ErrorKind::value, "window_size", [](Call& c) { c.o.window_left = -2; },
-              p, "-2");
-  expect_both("window_right -5", ErrorKind::value, "window_size",
-              [](Call& c) { c.o.window_right = -5; }, p, "-5");
+  expect_both(
+      "window_left -2", ErrorKind::value, "window_size", [](Call& c) { c.o.window_left = -2; }, p,
+      "-2");
+  expect_both(
+      "window_right -5", ErrorKind::value, "window_size", [](Call& c) { c.o.window_right = -5; }, p,
+      "-5");
   for (float d : {1.0f, -0.1f, 1.5f, std::numeric_limits<float>::quiet_NaN()})
-    expect_both("dropout_p " + std::to_string(d), ErrorKind::value, "dropout_p",
-                [d](Call& c) { c.o.dropout_p = d; }, p);
-  expect_both("offset 2^32", ErrorKind::value, "offset",
-              [](Call& c) { c.o.offset = uint64_t{1} << 32; }, p);
-  expect_both("softmax_scale inf", ErrorKind::value, "softmax_scale",
-              [](Call& c) { c.o.softmax_scale = INFINITY; }, p);
-  expect_both("softmax_scale above 1e30", ErrorKind::value, "softmax_scale",
-              [](Call& c) { c.o.softmax_scale = -1.0000001e30; }, p, "<= 1e30");
-  expect_both("sram_bytes -1", ErrorKind::value, "sram_bytes", [](Call& c) { c.o.sram_bytes = -1; }, p);
-  expect_both("num_threads -1", ErrorKind::value, "num_threads", [](Call& c) { c.o.num_threads = -1; }, p);
-  expect_both("schedule code 9", ErrorKind::value, "schedule",
-              [](Call& c) { c.o.schedule = static_cast<flashdl::Schedule>(9); }, p);
-  expect_error("parse_schedule('fa3')", ErrorKind::value, "schedule",
-               [] { flashdl::parse_schedule("fa3"); }, p, "fa3");
-  expect_error("parse_schedule('')", ErrorKind::value, "schedule", [] { flashdl::parse_schedule(""); }, p);
-  expect_error("set_num_threads(-1)", ErrorKind::value, "n", [] { flashdl::set_num_threads(-1); }, p);
+    expect_both(
+        "dropout_p " + std::to_string(d), ErrorKind::value, "dropout_p",
+        [d](Call& c) { c.o.dropout_p = d; }, p);
+  expect_both(
+      "offset 2^32", ErrorKind::value, "offset", [](Call& c) { c.o.offset = uint64_t{1} << 32; },
+      p);
+  expect_both(
+      "softmax_scale inf", ErrorKind::value, "softmax_scale",
+      [](Call& c) { c.o.softmax_scale = INFINITY; }, p);
+  expect_both(
+      "softmax_scale above 1e30", ErrorKind::value, "softmax_scale",
+      [](Call& c) { c.o.softmax_scale = -1.0000001e30; }, p, "<= 1e30");
+  expect_both(
+      "sram_bytes -1", ErrorKind::value, "sram_bytes", [](Call& c) { c.o.sram_bytes = -1; }, p);
+  expect_both(
+      "num_threads -1", ErrorKind::value, "num_threads", [](Call& c) { c.o.num_threads = -1; }, p);
+  expect_both(
+      "schedule code 9", ErrorKind::value, "schedule",
+      [](Call& c) { c.o.schedule = static_cast<flashdl::Schedule>(9); }, p);
+  expect_error(
+      "parse_schedule('fa3')", ErrorKind::value, "schedule", [] { flashdl::parse_schedule("fa3"); },
+      p, "fa3");
+  expect_error(
+      "parse_schedule('')", ErrorKind::value, "schedule", [] { flashdl::parse_schedule(""); }, p);
+  expect_error(
+      "set_num_threads(-1)", ErrorKind::value, "n", [] { flashdl::set_num_threads(-1); }, p);
   context() = "parse_schedule names";
   CHECK(flashdl::parse_schedule("auto") == flashdl::Schedule::automatic);
   CHECK(flashdl::parse_schedule("fa1") == flashdl::Schedule::fa1);
@@ -127,12 +157,17 @@ void test_options() {
 void test_numbers_as_written() {
   Problem p;
   auto message = [](const std::function<void()>& fn) {
-    try { fn(); } catch (const Error& e) { return std::string(e.what()); }
+    try {
+      fn();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
     return std::string("no exception");
   };
   auto ends_with = [](const std::string& msg, const std::string& tail) {
     context() = msg;
-    CHECK(msg.size() >= tail.size() && msg.compare(msg.size() - tail.size(), tail.size(), tail) == 0);
+    CHECK(msg.size() >= tail.size() &&
+          msg.compare(msg.size() - tail.size(), tail.size(), tail) == 0);
   };
   const std::pair<float, const char*> dropouts[] = {
       {1.5f, "got 1.5"}, {-0.1f, "got -0.1"}, {1.0f, "got 1"}, {-1e-9f, "got -1e-09"}};
@@ -153,16 +188,20 @@ void test_cuda_arrays() {
   const flashdl::BuildInfo info = flashdl::build_info();
   if (info.cuda_compiled) return;  // would launch on host memory; tests/cpp/cuda covers this build
   Problem p;
-  Array q(DType::float16, {1, 4, 2, 64}), k(DType::float16, {1, 4, 2, 64}), v(DType::float16, {1, 4, 2, 64});
+  Array q(DType::float16, {1, 4, 2, 64}), k(DType::float16, {1, 4, 2, 64}),
+      v(DType::float16, {1, 4, 2, 64});
   Array out(DType::float16, {1, 4, 2, 64}), lse(DType::float32, {1, 2, 4});
   Call c(p);
   c.q = q.view(), c.k = k.view(), c.v = v.view(), c.out = out.view(), c.lse = lse.view();
   c.dout = q.view(), c.dq = out.view(), c.dk = k.view(), c.dv = v.view();
-  for (TensorView* t : {&c.q, &c.k, &c.v, &c.out, &c.lse}) t->device = {flashdl::DeviceType::cuda, 0};
-  expect_error("cuda arrays in a CPU-only build", ErrorKind::unsupported, "q", [&] { c.forward(); }, p,
-               "CUDA");
+  for (TensorView* t : {&c.q, &c.k, &c.v, &c.out, &c.lse})
+    t->device = {flashdl::DeviceType::cuda, 0};
+  expect_error(
+      "cuda arrays in a CPU-only build", ErrorKind::unsupported, "q", [&] { c.forward(); }, p,
+      "CUDA");
   c.o.schedule = flashdl::Schedule::reference;
-  expect_error("reference schedule on cuda", ErrorKind::unsupported, "schedule", [&] { c.forward(); }, p);
+  expect_error(
+      "reference schedule on cuda", ErrorKind::unsupported, "schedule", [&] { c.forward(); }, p);
   CHECK(info.cuda_device_count == 0);
 }
 
@@ -182,7 +221,8 @@ void test_accepted() {
   // Empty arrays may come with any strides (exporters often give 0): nothing is reached.
   {
     context() = "empty k with last stride 0";
-    Array q(DType::float32, {1, 3, 2, 8}), k(DType::float32, {1, 0, 2, 8}), v(DType::float32, {1, 0, 2, 8});
+    Array q(DType::float32, {1, 3, 2, 8}), k(DType::float32, {1, 0, 2, 8}),
+        v(DType::float32, {1, 0, 2, 8});
     Array out(DType::float32, {1, 3, 2, 8}), lse(DType::float32, {1, 2, 3});
     TensorView kv = k.view();
     kv.strides = {0, 0, 0, 0};
@@ -205,7 +245,8 @@ void test_accepted() {
     Array lse(DType::float32, {s[0], 4, s[1]}), dq(DType::float32, {s[0], s[1], 4, s[3]});
     Array dk(DType::float32, {s[0], s[2], 2, s[3]}), dv(DType::float32, {s[0], s[2], 2, s[3]});
     Array dout(DType::float32, {s[0], s[1], 4, s[3]});
-    for (auto sch : {flashdl::Schedule::fa1, flashdl::Schedule::fa2, flashdl::Schedule::reference}) {
+    for (auto sch :
+         {flashdl::Schedule::fa1, flashdl::Schedule::fa2, flashdl::Schedule::reference}) {
       Options o;
       o.schedule = sch;
       bool ok = true;
@@ -268,7 +309,8 @@ void test_block_mask() {
     };
   };
   const TensorView m = p.mask.view();
-  Array m2(DType::boolean, {3, 3}), b1(DType::boolean, {1, 4, 3, 3}), h1(DType::boolean, {2, 1, 3, 3});
+  Array m2(DType::boolean, {3, 3}), b1(DType::boolean, {1, 4, 3, 3}),
+      h1(DType::boolean, {2, 1, 3, 3});
   Array strided(DType::boolean, {2, 4, 3, 3}, Layout{{2, 0, 1}, 5, 1});
   for (const Array* a : {&p.mask, &m2, &b1, &h1, &strided}) {  // valid masks first
     context() = "valid mask " + std::to_string(a->view().rank);
@@ -277,10 +319,16 @@ void test_block_mask() {
     c.forward();
     c.backward();
   }
-  expect_both("block_size_q 0", ErrorKind::value, "block_size",
-              [&](Call& c) { masked(m)(c); c.o.block_size_q = 0; }, p, "(0, 3)");
-  expect_both("block_size_k -1 with no mask", ErrorKind::value, "block_size",
-              [](Call& c) { c.o.block_size_k = -1; }, p, "-1");
+  expect_both(
+      "block_size_q 0", ErrorKind::value, "block_size",
+      [&](Call& c) {
+        masked(m)(c);
+        c.o.block_size_q = 0;
+      },
+      p, "(0, 3)");
+  expect_both(
+      "block_size_k -1 with no mask", ErrorKind::value, "block_size",
+      [](Call& c) { c.o.block_size_k = -1; }, p, "-1");
   Array r3(DType::boolean, {4, 3, 3}), r1(DType::boolean, {9});
   expect_both("mask rank 3", ErrorKind::value, "block_mask", masked(r3.view()), p, "rank 2 or 4");
   expect_both("mask rank 1", ErrorKind::value, "block_mask", masked(r1.view()), p, "rank 2 or 4");
@@ -298,12 +346,14 @@ void test_block_mask() {
   expect_both("mask on cuda, q on cpu", ErrorKind::value, "block_mask", masked(on_cuda), p, "cuda");
   // The wrong grid, batch or heads (heads are query heads: nheads_kv 2 is wrong).
   Array g1(DType::boolean, {3, 4}), g2(DType::boolean, {2, 3}), g3(DType::boolean, {2, 4, 4, 3});
-  Array g4(DType::boolean, {3, 4, 3, 3}), g5(DType::boolean, {2, 2, 3, 3}), g6(DType::boolean, {4, 2, 3, 3});
+  Array g4(DType::boolean, {3, 4, 3, 3}), g5(DType::boolean, {2, 2, 3, 3}),
+      g6(DType::boolean, {4, 2, 3, 3});
   for (const Array* a : {&g1, &g2, &g3, &g4, &g5, &g6})
     expect_both("mask shape " + std::to_string(a->numel()), ErrorKind::value, "block_mask",
                 masked(a->view()), p, "(3, 3) or (2, 4, 3, 3)");
-  expect_both("default block sizes 128", ErrorKind::value, "block_mask",
-              [&](Call& c) { c.o.block_mask = m; }, p, "(1, 1)");
+  expect_both(
+      "default block sizes 128", ErrorKind::value, "block_mask",
+      [&](Call& c) { c.o.block_mask = m; }, p, "(1, 1)");
   Array wide(DType::boolean, {2, 4, 3, 6});
   TensorView gap = wide.view();
   gap.shape[3] = 3;
@@ -315,30 +365,44 @@ void test_block_mask() {
     v.data = a.view().data;
     return v;
   };
-  for (auto [name, a] : {std::pair<const char*, const Array*>{"out", &p.out}, {"lse", &p.lse},
-                         {"dq", &p.dq}, {"dk", &p.dk}, {"dv", &p.dv}}) {
+  for (auto [name, a] : {std::pair<const char*, const Array*>{"out", &p.out},
+                         {"lse", &p.lse},
+                         {"dq", &p.dq},
+                         {"dk", &p.dk},
+                         {"dv", &p.dv}}) {
     Call c(p);
     masked(inside(*a))(c);
     const bool forward_output = a == &p.out || a == &p.lse;
-    expect_error(std::string(name) + " overlapping the mask", ErrorKind::value, name, [&] {
-      if (forward_output) c.forward(); else c.backward();
-    }, p, "block_mask");
+    expect_error(
+        std::string(name) + " overlapping the mask", ErrorKind::value, name,
+        [&] {
+          if (forward_output)
+            c.forward();
+          else
+            c.backward();
+        },
+        p, "block_mask");
   }
   // A CUDA q (float16, headdim 64: otherwise valid there) with a mask on the CPU: the mask must be
   // on the device of q (the kernels read it there; no silent copy).
-  Array q(DType::float16, {1, 4, 2, 64}), k(DType::float16, {1, 4, 2, 64}), v(DType::float16, {1, 4, 2, 64});
-  Array out(DType::float16, {1, 4, 2, 64}), lse(DType::float32, {1, 2, 4}), cm(DType::boolean, {2, 2});
-  Array dq(DType::float16, {1, 4, 2, 64}), dk(DType::float16, {1, 4, 2, 64}), dv(DType::float16, {1, 4, 2, 64});
+  Array q(DType::float16, {1, 4, 2, 64}), k(DType::float16, {1, 4, 2, 64}),
+      v(DType::float16, {1, 4, 2, 64});
+  Array out(DType::float16, {1, 4, 2, 64}), lse(DType::float32, {1, 2, 4}),
+      cm(DType::boolean, {2, 2});
+  Array dq(DType::float16, {1, 4, 2, 64}), dk(DType::float16, {1, 4, 2, 64}),
+      dv(DType::float16, {1, 4, 2, 64});
   Call c(p);
   c.q = q.view(), c.k = k.view(), c.v = v.view(), c.out = out.view(), c.lse = lse.view();
   c.dout = q.view(), c.dq = dq.view(), c.dk = dk.view(), c.dv = dv.view();
   for (TensorView* t : {&c.q, &c.k, &c.v, &c.out, &c.lse, &c.dout, &c.dq, &c.dk, &c.dv})
     t->device = {flashdl::DeviceType::cuda, 0};
   masked(cm.view())(c);
-  expect_error("forward: cpu mask with cuda q", ErrorKind::value, "block_mask",
-               [&] { c.forward(); }, p, "cuda:0");
-  expect_error("backward: cpu mask with cuda q", ErrorKind::value, "block_mask",
-               [&] { c.backward(); }, p, "cuda:0");
+  expect_error(
+      "forward: cpu mask with cuda q", ErrorKind::value, "block_mask", [&] { c.forward(); }, p,
+      "cuda:0");
+  expect_error(
+      "backward: cpu mask with cuda q", ErrorKind::value, "block_mask", [&] { c.backward(); }, p,
+      "cuda:0");
 }
 
 // Varlen block masks: sized by the batch of sequences and max_seqlen, not by the packed totals.
@@ -353,7 +417,8 @@ void test_varlen_block_mask() {
   std::vector<int32_t> cq{0, 3, 8}, ck{0, 4, 6};
   const TensorView tcq = flashdl::make_view(cq.data(), DType::int32, {3});
   const TensorView tck = flashdl::make_view(ck.data(), DType::int32, {3});
-  Array m2(DType::boolean, {3, 2}), m4(DType::boolean, {2, 4, 3, 2}), m1(DType::boolean, {1, 4, 3, 2});
+  Array m2(DType::boolean, {3, 2}), m4(DType::boolean, {2, 4, 3, 2}),
+      m1(DType::boolean, {1, 4, 3, 2});
   const auto before = {q.byte_copy(), k.byte_copy(), v.byte_copy(), m2.byte_copy(), m4.byte_copy()};
   // forward_varlen, or backward_varlen (with q as dout) on what the forward left in out and lse.
   auto call = [&](const TensorView& m, int64_t block_q, bool backward) {
@@ -363,10 +428,11 @@ void test_varlen_block_mask() {
       o.block_size_q = block_q;
       o.block_size_k = 3;
       if (!backward)
-        flashdl::forward_varlen(q.view(), k.view(), v.view(), tcq, tck, 5, 4, out.view(), lse.view(), o);
+        flashdl::forward_varlen(q.view(), k.view(), v.view(), tcq, tck, 5, 4, out.view(),
+                                lse.view(), o);
       else
-        flashdl::backward_varlen(q.view(), q.view(), k.view(), v.view(), out.view(), lse.view(), tcq,
-                                 tck, 5, 4, dq.view(), dk.view(), dv.view(), o);
+        flashdl::backward_varlen(q.view(), q.view(), k.view(), v.view(), out.view(), lse.view(),
+                                 tcq, tck, 5, 4, dq.view(), dk.view(), dv.view(), o);
     };
   };
   for (const Array* a : {&m2, &m4, &m1}) {
@@ -374,7 +440,8 @@ void test_varlen_block_mask() {
     call(a->view(), 2, false)();
     call(a->view(), 2, true)();
   }
-  Array total(DType::boolean, {4, 2}), seqs(DType::boolean, {3, 4, 3, 2}), r3(DType::boolean, {2, 3, 2});
+  Array total(DType::boolean, {4, 2}), seqs(DType::boolean, {3, 4, 3, 2}),
+      r3(DType::boolean, {2, 3, 2});
   Array f32(DType::float32, {3, 2}), wide(DType::boolean, {3, 4});
   TensorView cuda = m2.view(), gap = wide.view(), in_out = m2.view(), in_dq = m2.view();
   cuda.device = {flashdl::DeviceType::cuda, 0};
@@ -401,7 +468,8 @@ void test_varlen_block_mask() {
                "block_mask");
   context() = "varlen block_mask calls";
   const auto after = {q.byte_copy(), k.byte_copy(), v.byte_copy(), m2.byte_copy(), m4.byte_copy()};
-  CHECK_MSG(std::equal(before.begin(), before.end(), after.begin()), "a varlen call wrote an input");
+  CHECK_MSG(std::equal(before.begin(), before.end(), after.begin()),
+            "a varlen call wrote an input");
 }
 
 // Score modifiers on q (2, 5, 4, 8): softcap finite and >= 0; ALiBi slopes float32 of shape
@@ -436,9 +504,10 @@ void test_score_mods() {
     }
   const double nan = std::numeric_limits<double>::quiet_NaN();
   const std::pair<double, const char*> caps[] = {
-      {-1.0, "got -1"}, {-1e-300, "got -1e-300"}, {-INFINITY, "got -inf"}, {INFINITY, "got inf"},
-      {nan, "got nan"}, {1e-300, "[1e-30, 1e30], got 1e-300"}, {9.99e-31, "got 9.99e-31"},
-      {1.0000001e30, "got 1.0000001e+30"}};
+      {-1.0, "got -1"},           {-1e-300, "got -1e-300"},
+      {-INFINITY, "got -inf"},    {INFINITY, "got inf"},
+      {nan, "got nan"},           {1e-300, "[1e-30, 1e30], got 1e-300"},
+      {9.99e-31, "got 9.99e-31"}, {1.0000001e30, "got 1.0000001e+30"}};
   for (auto [cap, tail] : caps)
     expect_both("softcap " + num(cap), ErrorKind::value, "softcap", slopes(TensorView{}, cap), p,
                 tail);
@@ -472,7 +541,7 @@ void test_score_mods() {
   // Non-finite slopes, named with their index.
   Array n1 = s1, n2 = s2, n3 = padded;
   n1.set(1, nan);
-  n2.set(6, INFINITY);  // [1, 2]
+  n2.set(6, INFINITY);   // [1, 2]
   n3.set(3, -INFINITY);  // [0, 3] of the padded layout
   expect_both("slopes nan", ErrorKind::value, "alibi_slopes", slopes(n1.view()), p, "nan at [1]");
   expect_both("slopes inf", ErrorKind::value, "alibi_slopes", slopes(n2.view()), p,
@@ -480,31 +549,44 @@ void test_score_mods() {
   expect_both("slopes -inf, padded rows", ErrorKind::value, "alibi_slopes", slopes(n3.view()), p,
               "-inf at [0, 3]");
   // Outputs overlapping the slopes (read from the output's own memory).
-  for (auto [name, a] : {std::pair<const char*, const Array*>{"out", &p.out}, {"lse", &p.lse},
-                         {"dq", &p.dq}, {"dk", &p.dk}, {"dv", &p.dv}}) {
+  for (auto [name, a] : {std::pair<const char*, const Array*>{"out", &p.out},
+                         {"lse", &p.lse},
+                         {"dq", &p.dq},
+                         {"dk", &p.dk},
+                         {"dv", &p.dv}}) {
     TensorView inside = s1.view();
     inside.data = a->view().data;
     Call c(p);
     slopes(inside)(c);
     const bool forward_output = a == &p.out || a == &p.lse;
-    expect_error(std::string(name) + " overlapping the slopes", ErrorKind::value, name, [&] {
-      if (forward_output) c.forward(); else c.backward();
-    }, p, "alibi_slopes");
+    expect_error(
+        std::string(name) + " overlapping the slopes", ErrorKind::value, name,
+        [&] {
+          if (forward_output)
+            c.forward();
+          else
+            c.backward();
+        },
+        p, "alibi_slopes");
   }
   // A CUDA q with CPU slopes: the slopes must be on the device of q (no silent copy).
-  Array q(DType::float16, {1, 4, 2, 64}), k(DType::float16, {1, 4, 2, 64}), v(DType::float16, {1, 4, 2, 64});
+  Array q(DType::float16, {1, 4, 2, 64}), k(DType::float16, {1, 4, 2, 64}),
+      v(DType::float16, {1, 4, 2, 64});
   Array out(DType::float16, {1, 4, 2, 64}), lse(DType::float32, {1, 2, 4}), cs(DType::float32, {2});
-  Array dq(DType::float16, {1, 4, 2, 64}), dk(DType::float16, {1, 4, 2, 64}), dv(DType::float16, {1, 4, 2, 64});
+  Array dq(DType::float16, {1, 4, 2, 64}), dk(DType::float16, {1, 4, 2, 64}),
+      dv(DType::float16, {1, 4, 2, 64});
   Call c(p);
   c.q = q.view(), c.k = k.view(), c.v = v.view(), c.out = out.view(), c.lse = lse.view();
   c.dout = q.view(), c.dq = dq.view(), c.dk = dk.view(), c.dv = dv.view();
   for (TensorView* t : {&c.q, &c.k, &c.v, &c.out, &c.lse, &c.dout, &c.dq, &c.dk, &c.dv})
     t->device = {flashdl::DeviceType::cuda, 0};
   slopes(cs.view())(c);
-  expect_error("forward: cpu slopes with cuda q", ErrorKind::value, "alibi_slopes",
-               [&] { c.forward(); }, p, "cuda:0");
-  expect_error("backward: cpu slopes with cuda q", ErrorKind::value, "alibi_slopes",
-               [&] { c.backward(); }, p, "cuda:0");
+  expect_error(
+      "forward: cpu slopes with cuda q", ErrorKind::value, "alibi_slopes", [&] { c.forward(); }, p,
+      "cuda:0");
+  expect_error(
+      "backward: cpu slopes with cuda q", ErrorKind::value, "alibi_slopes", [&] { c.backward(); },
+      p, "cuda:0");
   context() = "score-modifier calls";
   const auto after = {s1.byte_copy(), s2.byte_copy(), padded.byte_copy()};
   CHECK_MSG(std::equal(saved.begin(), saved.end(), after.begin()), "a call wrote the slopes");
@@ -533,10 +615,11 @@ void test_varlen_score_mods() {
       o.alibi_slopes = a;
       o.softcap = softcap;
       if (!backward)
-        flashdl::forward_varlen(q.view(), k.view(), v.view(), tcq, tck, 5, 4, out.view(), lse.view(), o);
+        flashdl::forward_varlen(q.view(), k.view(), v.view(), tcq, tck, 5, 4, out.view(),
+                                lse.view(), o);
       else
-        flashdl::backward_varlen(q.view(), q.view(), k.view(), v.view(), out.view(), lse.view(), tcq,
-                                 tck, 5, 4, dq.view(), dk.view(), dv.view(), o);
+        flashdl::backward_varlen(q.view(), q.view(), k.view(), v.view(), out.view(), lse.view(),
+                                 tcq, tck, 5, 4, dq.view(), dk.view(), dv.view(), o);
     };
   };
   for (const Array* a : {&s1, &s2}) {
@@ -550,15 +633,17 @@ void test_varlen_score_mods() {
                  call(total.view(), 0.0, bwd), p, "(4,) or (2, 4)");
     expect_error(pass + "3 rows for 2 sequences", ErrorKind::value, "alibi_slopes",
                  call(three.view(), 0.0, bwd), p, "(4,) or (2, 4)");
-    expect_error(pass + "nan slope", ErrorKind::value, "alibi_slopes", call(nanrow.view(), 0.0, bwd),
-                 p, "nan at [1, 1]");
-    expect_error(pass + "softcap -2", ErrorKind::value, "softcap", call(TensorView{}, -2.0, bwd), p);
+    expect_error(pass + "nan slope", ErrorKind::value, "alibi_slopes",
+                 call(nanrow.view(), 0.0, bwd), p, "nan at [1, 1]");
+    expect_error(pass + "softcap -2", ErrorKind::value, "softcap", call(TensorView{}, -2.0, bwd),
+                 p);
     expect_error(pass + "softcap nan", ErrorKind::value, "softcap",
                  call(s2.view(), std::numeric_limits<double>::quiet_NaN(), bwd), p);
   }
   context() = "varlen score-modifier calls";
   const auto after = {q.byte_copy(), k.byte_copy(), v.byte_copy(), s2.byte_copy()};
-  CHECK_MSG(std::equal(before.begin(), before.end(), after.begin()), "a varlen call wrote an input");
+  CHECK_MSG(std::equal(before.begin(), before.end(), after.begin()),
+            "a varlen call wrote an input");
 }
 
 // Written arrays: refused when they address one element twice (stride 0, or strides that may
@@ -566,15 +651,18 @@ void test_varlen_score_mods() {
 // element are accepted and computed as separate arrays would be.
 void test_written_overlap() {
   Problem p;
-  expect_both("out expanded over seqlen", ErrorKind::value, "out",
-              [&](Call& c) { c.out.strides[1] = 0; }, p, "stride 0 on axis 1");
-  expect_both("out rows on top of heads", ErrorKind::value, "out",
-              [&](Call& c) { c.out.strides = {40, 8, 8, 1}; }, p, "may address one element");
+  expect_both(
+      "out expanded over seqlen", ErrorKind::value, "out", [&](Call& c) { c.out.strides[1] = 0; },
+      p, "stride 0 on axis 1");
+  expect_both(
+      "out rows on top of heads", ErrorKind::value, "out",
+      [&](Call& c) { c.out.strides = {40, 8, 8, 1}; }, p, "may address one element");
   {
     Call c(p);
     c.dk.strides[0] = 0;
-    expect_error("dk expanded over batch", ErrorKind::value, "dk", [&] { c.backward(); }, p,
-                 "stride 0 on axis 0");
+    expect_error(
+        "dk expanded over batch", ErrorKind::value, "dk", [&] { c.backward(); }, p,
+        "stride 0 on axis 0");
   }
   // out and dq interleaved in one (2, 5, 8, 8) buffer: heads 0-3 and 4-7.
   Array buf(DType::float32, {2, 5, 8, 8});
@@ -594,7 +682,8 @@ void test_written_overlap() {
       for (int64_t s = 0; s < 5; ++s)
         for (int64_t h = 0; h < 4; ++h)
           for (int64_t d = 0; d < 8; ++d)
-            CHECK(buf.get(((b * 5 + s) * 8 + h + 4) * 8 + d) == expected[((b * 5 + s) * 4 + h) * 8 + d]);
+            CHECK(buf.get(((b * 5 + s) * 8 + h + 4) * 8 + d) ==
+                  expected[((b * 5 + s) * 4 + h) * 8 + d]);
   }
   {
     context() = "dq and dk interleaved, disjoint";
@@ -620,8 +709,8 @@ void test_written_overlap() {
     TensorView shifted = lo;  // heads 1-4: shares heads 1-3 with lo
     shifted.data = static_cast<char*>(lo.data) + 8 * sizeof(float);
     c.dk = shifted;
-    expect_error("dq and dk sharing heads", ErrorKind::value, "dq", [&] { c.backward(); }, g,
-                 "overlaps dk");
+    expect_error(
+        "dq and dk sharing heads", ErrorKind::value, "dq", [&] { c.backward(); }, g, "overlaps dk");
   }
 }
 
@@ -656,8 +745,9 @@ void test_extras() {
   Array dspread(DType::float32, {2, 4, 5, 7});
   c.o.bias = spread;
   c.o.dbias = dspread.view();
-  expect_error("dbias of a stride-0 bias", ErrorKind::value, "bias", [&] { c.backward(); }, p,
-               "stride of 0");
+  expect_error(
+      "dbias of a stride-0 bias", ErrorKind::value, "bias", [&] { c.backward(); }, p,
+      "stride of 0");
   c.o.bias = TensorView{};
   c.o.dbias = TensorView{};
   c.o.dsinks = dsinks.view();
@@ -665,15 +755,19 @@ void test_extras() {
 
   // CUDA arrays: accepted by the checks (the CUDA kernels take bias, mask and sinks); checked
   // with validate_only, so no device (and no CUDA build) is needed.
-  Array q(DType::float16, {1, 4, 2, 64}), k(DType::float16, {1, 4, 2, 64}), v(DType::float16, {1, 4, 2, 64});
+  Array q(DType::float16, {1, 4, 2, 64}), k(DType::float16, {1, 4, 2, 64}),
+      v(DType::float16, {1, 4, 2, 64});
   Array out(DType::float16, {1, 4, 2, 64}), lse(DType::float32, {1, 2, 4});
-  Array cbias(DType::float16, {1, 2, 4, 4}), cmask(DType::boolean, {1, 1, 4, 4}), csinks(DType::float32, {2});
+  Array cbias(DType::float16, {1, 2, 4, 4}), cmask(DType::boolean, {1, 1, 4, 4}),
+      csinks(DType::float32, {2});
   Call g(p);
   g.q = q.view(), g.k = k.view(), g.v = v.view(), g.out = out.view(), g.lse = lse.view();
-  for (TensorView* t : {&g.q, &g.k, &g.v, &g.out, &g.lse}) t->device = {flashdl::DeviceType::cuda, 0};
+  for (TensorView* t : {&g.q, &g.k, &g.v, &g.out, &g.lse})
+    t->device = {flashdl::DeviceType::cuda, 0};
   const flashdl::Device gpu{flashdl::DeviceType::cuda, 0};
   for (auto [name, view] : {std::pair<const char*, TensorView>{"bias", cbias.view()},
-                            {"mask", cmask.view()}, {"sinks", csinks.view()}}) {
+                            {"mask", cmask.view()},
+                            {"sinks", csinks.view()}}) {
     Call one = g;
     view.device = gpu;
     if (std::string(name) == "bias") one.o.bias = view;

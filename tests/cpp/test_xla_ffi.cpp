@@ -83,13 +83,41 @@ struct Attrs {
   std::vector<A::ByteSpan*> names;
   std::vector<void*> ptrs;
 
-  Attrs& flag(const std::string& n, bool v) { return add(n, [&](Entry& e) { e.b = v; e.scalar = {A::kPred, nullptr}; }); }
-  Attrs& i64(const std::string& n, int64_t v) { return add(n, [&](Entry& e) { e.i = v; e.scalar = {A::kS64, nullptr}; }); }
-  Attrs& i32(const std::string& n, int32_t v) { return add(n, [&](Entry& e) { e.i32 = v; e.scalar = {A::kS32, nullptr}; }); }
-  Attrs& f64(const std::string& n, double v) { return add(n, [&](Entry& e) { e.d = v; e.scalar = {A::kF64, nullptr}; }); }
-  Attrs& f32(const std::string& n, float v) { return add(n, [&](Entry& e) { e.f = v; e.scalar = {A::kF32, nullptr}; }); }
+  Attrs& flag(const std::string& n, bool v) {
+    return add(n, [&](Entry& e) {
+      e.b = v;
+      e.scalar = {A::kPred, nullptr};
+    });
+  }
+  Attrs& i64(const std::string& n, int64_t v) {
+    return add(n, [&](Entry& e) {
+      e.i = v;
+      e.scalar = {A::kS64, nullptr};
+    });
+  }
+  Attrs& i32(const std::string& n, int32_t v) {
+    return add(n, [&](Entry& e) {
+      e.i32 = v;
+      e.scalar = {A::kS32, nullptr};
+    });
+  }
+  Attrs& f64(const std::string& n, double v) {
+    return add(n, [&](Entry& e) {
+      e.d = v;
+      e.scalar = {A::kF64, nullptr};
+    });
+  }
+  Attrs& f32(const std::string& n, float v) {
+    return add(n, [&](Entry& e) {
+      e.f = v;
+      e.scalar = {A::kF32, nullptr};
+    });
+  }
   Attrs& str(const std::string& n, const char* v) {
-    return add(n, [&](Entry& e) { e.type = A::kAttrString; e.text = {v, std::strlen(v)}; });
+    return add(n, [&](Entry& e) {
+      e.type = A::kAttrString;
+      e.text = {v, std::strlen(v)};
+    });
   }
 
   template <typename F>
@@ -123,8 +151,8 @@ struct Attrs {
       }
       ptrs.push_back(&e.scalar);
     }
-    return {sizeof(A::Attrs), nullptr, static_cast<int64_t>(entries.size()), types.data(),
-            names.data(), ptrs.data()};
+    return {sizeof(A::Attrs), nullptr,      static_cast<int64_t>(entries.size()),
+            types.data(),     names.data(), ptrs.data()};
   }
 };
 
@@ -278,8 +306,8 @@ void test_errors_come_back_through_the_api() {
                call(handler("flashdl_attention_fwd"), {&q, &k_ok, &v}, {&out}, ok),
                A::kInvalidArgument, "lse:", out);
   // Stages other than execute do nothing.
-  CHECK(call(handler("flashdl_attention_fwd"), {&q, &k_ok, &v}, {&out, &lse}, ok,
-             A::kPrepare) == nullptr);
+  CHECK(call(handler("flashdl_attention_fwd"), {&q, &k_ok, &v}, {&out, &lse}, ok, A::kPrepare) ==
+        nullptr);
   CHECK(all_nan(out));
 }
 
@@ -334,8 +362,7 @@ void test_dropout_seed_buffer() {
   as_ints(wrong, bad, two, A::kS32);
   Attrs a = default_attrs(false);
   a.f64("dropout_p", 0.3).i64("offset", 5);
-  CHECK(call(handler("flashdl_attention_fwd"), {&q, &k, &v, &words}, {&out, &lse}, a) ==
-        nullptr);
+  CHECK(call(handler("flashdl_attention_fwd"), {&q, &k, &v, &words}, {&out, &lse}, a) == nullptr);
   flashdl::Options o;
   o.schedule = flashdl::Schedule::fa2;
   o.dropout_p = 0.3f;
@@ -352,8 +379,7 @@ void test_dropout_seed_buffer() {
   Attrs c = default_attrs(false);
   c.f64("dropout_p", 0.3).i64("offset", 5);
   expect_error("seed dtype",
-               call(handler("flashdl_attention_fwd"), {&q, &k, &v, &wrong}, {&out2, &lse},
-                    c),
+               call(handler("flashdl_attention_fwd"), {&q, &k, &v, &wrong}, {&out2, &lse}, c),
                A::kInvalidArgument, "seed:", out2);
 
   // A shard of a sharded call (flashdl.jax): (low, high, batch offset, head offset) and the

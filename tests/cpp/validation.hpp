@@ -32,10 +32,12 @@ inline const char* kind_name(ErrorKind k) {
 // A valid problem: q (2, 5, 4, 8), k, v (2, 7, 2, 8), all float32, plus outputs and gradients,
 // and a block mask (every third block zero) for blocks of 2 x 3: a 3 x 3 grid per batch and head.
 struct Problem {
-  Array q{DType::float32, {2, 5, 4, 8}}, k{DType::float32, {2, 7, 2, 8}}, v{DType::float32, {2, 7, 2, 8}};
+  Array q{DType::float32, {2, 5, 4, 8}}, k{DType::float32, {2, 7, 2, 8}},
+      v{DType::float32, {2, 7, 2, 8}};
   Array dout{DType::float32, {2, 5, 4, 8}};
   Array out{DType::float32, {2, 5, 4, 8}}, lse{DType::float32, {2, 4, 5}};
-  Array dq{DType::float32, {2, 5, 4, 8}}, dk{DType::float32, {2, 7, 2, 8}}, dv{DType::float32, {2, 7, 2, 8}};
+  Array dq{DType::float32, {2, 5, 4, 8}}, dk{DType::float32, {2, 7, 2, 8}},
+      dv{DType::float32, {2, 7, 2, 8}};
   Array mask{DType::boolean, {2, 4, 3, 3}};
   Problem() {
     Rng rng(1);
@@ -52,8 +54,15 @@ struct Call {
   TensorView q, k, v, out, lse, dout, dq, dk, dv;
   Options o;
   explicit Call(const Problem& p)
-      : q(p.q.view()), k(p.k.view()), v(p.v.view()), out(p.out.view()), lse(p.lse.view()),
-        dout(p.dout.view()), dq(p.dq.view()), dk(p.dk.view()), dv(p.dv.view()) {}
+      : q(p.q.view()),
+        k(p.k.view()),
+        v(p.v.view()),
+        out(p.out.view()),
+        lse(p.lse.view()),
+        dout(p.dout.view()),
+        dq(p.dq.view()),
+        dk(p.dk.view()),
+        dv(p.dv.view()) {}
   void forward() const { flashdl::forward(q, k, v, out, lse, o); }
   void backward() const { flashdl::backward(dout, q, k, v, out, lse, dq, dk, dv, o); }
 };
@@ -61,7 +70,8 @@ struct Call {
 // Runs fn, expects Error(kind) whose message starts with "<arg>:" (and contains `detail`), and
 // that none of the inputs changed.
 inline void expect_error(const std::string& what, ErrorKind kind, const std::string& arg,
-                  const std::function<void()>& fn, const Problem& p, const std::string& detail = "") {
+                         const std::function<void()>& fn, const Problem& p,
+                         const std::string& detail = "") {
   context() = what;
   const auto before = p.inputs();
   bool thrown = false;
@@ -85,8 +95,8 @@ inline void expect_error(const std::string& what, ErrorKind kind, const std::str
 
 // Both entry points see the same forward arguments: check each error on both.
 inline void expect_both(const std::string& what, ErrorKind kind, const std::string& arg,
-                 const std::function<void(Call&)>& edit, const Problem& p,
-                 const std::string& detail = "") {
+                        const std::function<void(Call&)>& edit, const Problem& p,
+                        const std::string& detail = "") {
   Call c(p);
   edit(c);
   expect_error("forward: " + what, kind, arg, [&] { c.forward(); }, p, detail);

@@ -55,7 +55,9 @@ const Arch& arch() {
     const char* env = std::getenv("FLASHDL_EMU_ARCH");
     if (env && std::string(env) == "sm_80") return Arch{8, 0, 108, 166912};
     if (env && std::string(env) != "sm_90") {
-      std::fprintf(stderr, "flashdl CUDA emulator: FLASHDL_EMU_ARCH must be sm_80 or sm_90, got '%s'\n", env);
+      std::fprintf(stderr,
+                   "flashdl CUDA emulator: FLASHDL_EMU_ARCH must be sm_80 or sm_90, got '%s'\n",
+                   env);
       std::abort();
     }
     return Arch{9, 0, 132, 232448};
@@ -99,7 +101,8 @@ void* map_guarded(std::size_t bytes, std::size_t align, Region* region) {
   return p;
 #endif
   const std::size_t body = round_up(std::max<std::size_t>(bytes, 1), kPage);
-  void* map = mmap(nullptr, body + kPage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  void* map = mmap(nullptr, body + kPage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1,
+                   0);
   if (map == MAP_FAILED) return nullptr;
   mprotect(static_cast<char*>(map) + body, kPage, PROT_NONE);
   *region = Region{map, body + kPage, bytes};
@@ -175,7 +178,8 @@ struct Scheduler {
   unsigned char* smem = nullptr;
   std::size_t smem_bytes = 0;
   int live = 0, at_barrier = 0;
-  int bar_or = 0, bar_or_result = 0;  // __syncthreads_or: this barrier's OR, the last released one's
+  int bar_or = 0,
+      bar_or_result = 0;  // __syncthreads_or: this barrier's OR, the last released one's
   std::vector<WarpState> warps;
 
   ~Scheduler() {
@@ -237,7 +241,8 @@ inline void switching_to(void** save, const void* bottom, std::size_t size) {
   (void)save, (void)bottom, (void)size;
 #endif
 }
-inline void arrived(void* save, const void** old_bottom = nullptr, std::size_t* old_size = nullptr) {
+inline void arrived(void* save, const void** old_bottom = nullptr,
+                    std::size_t* old_size = nullptr) {
 #if FLASHDL_EMU_ASAN
   __sanitizer_finish_switch_fiber(save, old_bottom, old_size);
 #else
@@ -285,7 +290,8 @@ std::string deadlock_report(const Scheduler& s) {
   std::string r = "deadlock: no thread can run;";
   int done = 0;
   for (const Fiber& f : s.fibers) done += f.state == State::done;
-  r += " " + std::to_string(s.at_barrier) + " at __syncthreads, " + std::to_string(done) + " exited";
+  r += " " + std::to_string(s.at_barrier) + " at __syncthreads, " + std::to_string(done) +
+       " exited";
   for (std::size_t w = 0; w < s.warps.size(); ++w)
     if (s.warps[w].arrived > 0)
       r += "; warp " + std::to_string(w) + ": " + std::to_string(s.warps[w].arrived) +
@@ -385,7 +391,8 @@ void warp_collective(unsigned mask, int kind, void* mine, WarpOp op, void* ctx) 
   Scheduler& s = *sched;
   Fiber* f = s.current;
   WarpState& w = s.warps[static_cast<std::size_t>(f->warp)];
-  if (!(mask >> f->lane & 1u)) fail_here("a warp collective whose mask leaves out the calling lane");
+  if (!(mask >> f->lane & 1u))
+    fail_here("a warp collective whose mask leaves out the calling lane");
   if (w.arrived == 0) {
     w.kind = kind;
     w.mask = mask;
@@ -399,7 +406,8 @@ void warp_collective(unsigned mask, int kind, void* mine, WarpOp op, void* ctx) 
   if (++w.arrived == __builtin_popcount(mask)) {
     op(w.slots, ctx);
     for (int l = 0; l < 32; ++l)
-      if (mask >> l & 1u) s.fibers[static_cast<std::size_t>(f->warp * 32 + l)].state = State::runnable;
+      if (mask >> l & 1u)
+        s.fibers[static_cast<std::size_t>(f->warp * 32 + l)].state = State::runnable;
     w.arrived = 0;
   }
   yield();
@@ -407,13 +415,16 @@ void warp_collective(unsigned mask, int kind, void* mine, WarpOp op, void* ctx) 
 
 void pipeline_memcpy_async(void* dst, const void* src, std::size_t bytes, std::size_t zfill) {
   Scheduler& s = *sched;
-  const auto d = reinterpret_cast<std::uintptr_t>(dst), sm = reinterpret_cast<std::uintptr_t>(s.smem);
-  if (bytes != 4 && bytes != 8 && bytes != 16) fail_here("cp.async of " + std::to_string(bytes) + " bytes");
+  const auto d = reinterpret_cast<std::uintptr_t>(dst),
+             sm = reinterpret_cast<std::uintptr_t>(s.smem);
+  if (bytes != 4 && bytes != 8 && bytes != 16)
+    fail_here("cp.async of " + std::to_string(bytes) + " bytes");
   if (d % bytes || reinterpret_cast<std::uintptr_t>(src) % bytes) fail_here("cp.async misaligned");
   if (zfill > bytes) fail_here("cp.async zero-fill larger than the copy");
-  if (d < sm || d + bytes > sm + s.smem_bytes) fail_here("cp.async destination outside shared memory");
-  s.current->uncommitted.push_back(Copy{static_cast<unsigned char*>(dst),
-                                        static_cast<const unsigned char*>(src), bytes, zfill});
+  if (d < sm || d + bytes > sm + s.smem_bytes)
+    fail_here("cp.async destination outside shared memory");
+  s.current->uncommitted.push_back(
+      Copy{static_cast<unsigned char*>(dst), static_cast<const unsigned char*>(src), bytes, zfill});
 }
 
 void pipeline_commit() {
@@ -513,7 +524,8 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
   if (device != 0) return record(cudaErrorInvalidDevice);
   const auto& a = flashdl_emu::arch();
   *prop = cudaDeviceProp{};
-  std::snprintf(prop->name, sizeof prop->name, "flashdl CUDA host emulator (sm_%d%d)", a.major, a.minor);
+  std::snprintf(prop->name, sizeof prop->name, "flashdl CUDA host emulator (sm_%d%d)", a.major,
+                a.minor);
   prop->major = a.major;
   prop->minor = a.minor;
   prop->multiProcessorCount = a.sms;
@@ -588,7 +600,9 @@ cudaError_t cudaFree(void* ptr) {
   flashdl_emu::allocations.erase(it);
   return cudaSuccess;
 }
-cudaError_t cudaMallocAsync(void** ptr, std::size_t bytes, cudaStream_t) { return cudaMalloc(ptr, bytes); }
+cudaError_t cudaMallocAsync(void** ptr, std::size_t bytes, cudaStream_t) {
+  return cudaMalloc(ptr, bytes);
+}
 cudaError_t cudaFreeAsync(void* ptr, cudaStream_t) { return cudaFree(ptr); }
 
 namespace {

@@ -100,7 +100,8 @@ void warp_kernel(int* out) {
   for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
   const int from7 = __shfl_sync(0xffffffffu, lane * 10, 7);
   const unsigned odd = __ballot_sync(0xffffffffu, lane % 2);
-  const int all_small = __all_sync(0xffffffffu, lane < 32), any_big = __any_sync(0xffffffffu, lane > 30);
+  const int all_small = __all_sync(0xffffffffu, lane < 32),
+            any_big = __any_sync(0xffffffffu, lane > 30);
   out[threadIdx.x] = (sum == 496) + 2 * (from7 == 70) + 4 * (odd == 0xaaaaaaaau) + 8 * all_small +
                      16 * any_big;
 }
@@ -278,7 +279,8 @@ void check_aborts() {
   // Past the end of an allocation: exactly (AddressSanitizer), else beyond the guard page.
 #if defined(__SANITIZE_ADDRESS__)
   const std::size_t past = 1000;  // one float past 1000
-  const char* how = "abort: a kernel reading one float past a cudaMalloc allocation (AddressSanitizer)";
+  const char* how =
+      "abort: a kernel reading one float past a cudaMalloc allocation (AddressSanitizer)";
 #else
   const std::size_t past = 1000 + 256;  // 1 KiB past the end: within the guard page
   const char* how = "abort: a kernel reading past a cudaMalloc allocation's guard page";
@@ -286,7 +288,8 @@ void check_aborts() {
   float *p, *sink;
   cudaMalloc(reinterpret_cast<void**>(&p), 1000 * sizeof(float));
   cudaMalloc(reinterpret_cast<void**>(&sink), sizeof(float));
-  expect(!dies([&] { FLASHDL_EMU_LAUNCH(1, 1, 0, nullptr, read_kernel)(p, std::size_t(999), sink); }),
+  expect(!dies(
+             [&] { FLASHDL_EMU_LAUNCH(1, 1, 0, nullptr, read_kernel)(p, std::size_t(999), sink); }),
          "no abort: a kernel reading the last float of an allocation");
   expect(dies([&] { FLASHDL_EMU_LAUNCH(1, 1, 0, nullptr, read_kernel)(p, past, sink); }), how);
   cudaFree(p);

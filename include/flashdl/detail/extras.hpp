@@ -34,7 +34,9 @@ FLASHDL_HD HeadExtras extras_of(const Params& p, int64_t b, int64_t h) {
   if (p.bias_ptr != nullptr) {
     e.bias = static_cast<const char*>(p.bias_ptr) +
              (b * p.bias_batch_stride + h * p.bias_head_stride) *
-                 (p.bias_dtype == DType::float64 ? 8 : p.bias_dtype == DType::float32 ? 4 : 2);
+                 (p.bias_dtype == DType::float64   ? 8
+                  : p.bias_dtype == DType::float32 ? 4
+                                                   : 2);
     e.bias_dtype = p.bias_dtype;
     e.bias_row = p.bias_row_stride;
     e.bias_col = p.bias_col_stride;
@@ -48,7 +50,9 @@ FLASHDL_HD HeadExtras extras_of(const Params& p, int64_t b, int64_t h) {
 }
 
 // Whether a call has a bias or a mask (the kernels keep their plain path otherwise).
-FLASHDL_HD bool has_extras(const Params& p) { return p.bias_ptr != nullptr || p.mask_ptr != nullptr; }
+FLASHDL_HD bool has_extras(const Params& p) {
+  return p.bias_ptr != nullptr || p.mask_ptr != nullptr;
+}
 
 // The row of the compact dBias, (bias_batch, bias_heads, bias_rows, seqlen_k) row-major, that
 // score (b, h, i, j) adds into, and (dbias_index) its first element.

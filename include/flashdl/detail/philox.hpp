@@ -41,8 +41,8 @@ FLASHDL_HD float dropout_uniform(uint64_t seed, uint64_t offset, uint64_t bh, ui
                                  uint64_t col) {
   const Philox4 ctr{{static_cast<uint32_t>(col), static_cast<uint32_t>(row),
                      static_cast<uint32_t>(bh), static_cast<uint32_t>(offset)}};
-  const Philox4 r =
-      philox4x32_10(ctr, static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
+  const Philox4 r = philox4x32_10(ctr, static_cast<uint32_t>(seed),
+                                  static_cast<uint32_t>(seed >> 32));
   return static_cast<float>(r.x[0] >> 8) * (1.0f / 16777216.0f);
 }
 

@@ -65,9 +65,10 @@ FLASHDL_HD ScoreMod<T> score_mod_of(const Params& p, int64_t b, int64_t h) {
   m.cap = capped ? static_cast<T>(p.softcap * kLog2e) : T(0);
   m.slope = p.alibi_slopes_ptr == nullptr
                 ? T(0)
-                : static_cast<T>(static_cast<double>(p.alibi_slopes_ptr[b * p.alibi_batch_stride +
-                                                                        h * p.alibi_head_stride]) *
-                                 kLog2e);
+                : static_cast<T>(
+                      static_cast<double>(
+                          p.alibi_slopes_ptr[b * p.alibi_batch_stride + h * p.alibi_head_stride]) *
+                      kLog2e);
   return m;
 }
 

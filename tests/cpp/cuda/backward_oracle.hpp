@@ -51,8 +51,7 @@ inline BwdOracle reference_backward(const Shape& s, flashdl::Options o, const Bw
   r.dq.assign(nq, 0.0);
   r.dk.assign(nk, 0.0);
   r.dv.assign(nk, 0.0);
-  flashdl::backward(in_view(dout, {s.b, s.sq, s.h, s.d}), qv, kv, vv,
-                    out, lse,
+  flashdl::backward(in_view(dout, {s.b, s.sq, s.h, s.d}), qv, kv, vv, out, lse,
                     make_view(r.dq.data(), DType::float64, {s.b, s.sq, s.h, s.d}),
                     make_view(r.dk.data(), DType::float64, {s.b, s.sk, s.hk, s.d}),
                     make_view(r.dv.data(), DType::float64, {s.b, s.sk, s.hk, s.d}), o);

@@ -99,9 +99,9 @@ HostMask make_mask(MaskKind kind, int64_t b, int64_t h, int64_t sq, int64_t sk, 
     for (int64_t hi = 0; hi < (m.rank == 2 ? 1 : lh); ++hi)
       for (int64_t qb = 0; qb < nbq; ++qb)
         for (int64_t kb = 0; kb < nbk; ++kb) {
-          const int64_t off = m.rank == 2 ? qb * m.strides[0] + kb
-                                          : bi * m.strides[0] + hi * m.strides[1] +
-                                                qb * m.strides[2] + kb;
+          const int64_t off = m.rank == 2
+                                  ? qb * m.strides[0] + kb
+                                  : bi * m.strides[0] + hi * m.strides[1] + qb * m.strides[2] + kb;
           m.bytes[size_t(off)] = flag(bi, head_broadcast ? 0 : hi, qb, kb) ? 1 : 0;
         }
   return m;
@@ -122,8 +122,8 @@ struct Visibility {
 // saved output the backward reads (16-bit values); the forward's result goes to `fwd`. mods: the
 // score modifiers (cuda_harness.hpp), or null.
 inline Grads naive_lowp(const Shape& s, const Visibility& vis, const BwdInputs& in,
-                        const std::vector<float>& out, flashdl::DType dt,
-                        std::vector<double>& fwd, const ScoreMods* mods = nullptr) {
+                        const std::vector<float>& out, flashdl::DType dt, std::vector<double>& fwd,
+                        const ScoreMods* mods = nullptr) {
   const auto nq = size_t(s.b * s.sq * s.h * s.d), nk = size_t(s.b * s.sk * s.hk * s.d);
   std::vector<float> gq(nq, 0.0f), gk(nk, 0.0f), gv(nk, 0.0f), p(size_t(s.sk)), g(size_t(s.sk)),
       acc(size_t(s.d));

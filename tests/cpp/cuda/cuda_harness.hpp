@@ -21,14 +21,14 @@
 
 namespace cuda_test {
 
-#define CUDA_TEST_CHECK(expr)                                                           \
-  do {                                                                                  \
-    const cudaError_t err_ = (expr);                                                    \
-    if (err_ != cudaSuccess) {                                                          \
-      std::fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #expr,         \
-                   cudaGetErrorString(err_));                                           \
-      std::exit(1);                                                                     \
-    }                                                                                   \
+#define CUDA_TEST_CHECK(expr)                                                   \
+  do {                                                                          \
+    const cudaError_t err_ = (expr);                                            \
+    if (err_ != cudaSuccess) {                                                  \
+      std::fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #expr, \
+                   cudaGetErrorString(err_));                                   \
+      std::exit(1);                                                             \
+    }                                                                           \
   } while (0)
 
 // ---- 16-bit floats (round to nearest even) -------------------------------------------------------
@@ -328,7 +328,8 @@ inline void plant_nonfinite(const Shape& s, const std::vector<int64_t>& keys, st
 // Per query row i (of every batch entry and head): whether it sees none of `keys`, so that its
 // output, lse and gradients must be those of the clean inputs. visible(i, j): the row's mask.
 template <typename Visible>
-std::vector<char> rows_blind_to(int64_t sq, const std::vector<int64_t>& keys, const Visible& visible) {
+std::vector<char> rows_blind_to(int64_t sq, const std::vector<int64_t>& keys,
+                                const Visible& visible) {
   std::vector<char> blind(size_t(sq), 1);
   for (int64_t i = 0; i < sq; ++i)
     for (const int64_t j : keys) blind[size_t(i)] &= !visible(i, j);
@@ -382,7 +383,7 @@ inline std::vector<double> select_rows(const std::vector<double>& x, int64_t bat
 // flash-attn's order: s = scale q.k; s = softcap tanh(s / softcap); s -= slope |i + sk - sq - j|.
 // Written from the definition, independently of the library's detail/score_mod.hpp.
 struct ScoreMods {
-  float softcap = 0.0f;       // 0: off
+  float softcap = 0.0f;  // 0: off
   int64_t nheads = 0;
   std::vector<float> slopes;  // logical (b, nheads) (broadcast slopes repeated); empty: no ALiBi
 

@@ -39,9 +39,12 @@ struct SavedArrays {
       : lq(make_layout(s.b, s.sq, s.h, s.d, Kind::contiguous)),
         lk(make_layout(s.b, s.sk, s.hk, s.d, Kind::contiguous)),
         ll(lse_layout(s.b, s.h, s.sq, false)),
-        q(size_t(lq.span) * 2, t.host), k(size_t(lk.span) * 2, t.host),
-        v(size_t(lk.span) * 2, t.host), dout(size_t(lq.span) * 2, t.host),
-        out(size_t(lq.span) * 2, t.host), lse(size_t(ll.span) * 4, t.host) {
+        q(size_t(lq.span) * 2, t.host),
+        k(size_t(lk.span) * 2, t.host),
+        v(size_t(lk.span) * 2, t.host),
+        dout(size_t(lq.span) * 2, t.host),
+        out(size_t(lq.span) * 2, t.host),
+        lse(size_t(ll.span) * 4, t.host) {
     q.upload(place(in.q, lq, dt));
     k.upload(place(in.k, lk, dt));
     v.upload(place(in.v, lk, dt));
@@ -130,14 +133,14 @@ inline int run_backward_accuracy(const Target& t, const Cli& cli) {
   // The slice plans are checked against the CPU reference of the same slice, which
   // test_dropout_slice.py shows to be bitwise the slice of the whole call.
   if (cli.quick) {
-    plans = {{{1, 70, 45, 2, 1, 0, true, {0.3f, 11, 1}}, {64}},  // 25 rows see nothing
+    plans = {{{1, 70, 45, 2, 1, 0, true, {0.3f, 11, 1}}, {64}},            // 25 rows see nothing
              {{1, 70, 45, 2, 1, 0, true, {0.3f, 11, 1}, 3, 2, 6}, {64}}};  // a slice
   } else {
     plans = {
         {{2, 97, 97, 4, 2, 0, false, {0.17f, 1234, 5}}, {64, 128}},  // ragged, GQA
         {{1, 257, 130, 2, 1, 0, true, {0.5f, 77, 0}}, {64, 128}},    // MQA, 127 empty rows
         {{1, 130, 300, 2, 2, 0, true, {0.1f, 0xfeedull << 32, 3}}, {32, 256}},  // 170 unseen keys
-        {{2, 97, 97, 4, 2, 0, false, {0.17f, 1234, 5}, 5, 8, 16}, {64}},  // a slice, GQA
+        {{2, 97, 97, 4, 2, 0, false, {0.17f, 1234, 5}, 5, 8, 16}, {64}},        // a slice, GQA
     };
   }
   int failures = 0;
@@ -159,8 +162,9 @@ inline int run_backward_accuracy(const Target& t, const Cli& cli) {
       const BwdOracle ref = reference_backward(s, pr.options(), in, true);
       const BwdOracle plain = reference_backward(s, pr.options(false), in, true);
       for (const DType dt : {DType::float16, DType::bfloat16}) {
-        const GradBounds tol = grad_bounds(
-            ref, plain, naive_lowp_backward(s, in, rounded(plain.out, dt), dt), pr.drop.p, dt);
+        const GradBounds tol = grad_bounds(ref, plain,
+                                           naive_lowp_backward(s, in, rounded(plain.out, dt), dt),
+                                           pr.drop.p, dt);
         const SavedArrays saved(t, s, dt, in, rounded(ref.out, dt), ref.lse);
         std::vector<Grads> grads(std::size(kBackwardVariants));
         std::vector<char> ran(grads.size(), 0);
@@ -177,9 +181,8 @@ inline int run_backward_accuracy(const Target& t, const Cli& cli) {
         for (size_t vi = 0; vi + 1 < grads.size(); ++vi) {
           if (!ran[vi] || !ran.back()) continue;  // filtered out, or threw
           const std::string label = label_of(kBackwardVariants[vi].name, dt) + " vs fa2";
-          failures += run_case(label, [&] {
-            return check_grads(label, s, grads[vi], grads.back(), tol);
-          });
+          failures += run_case(label,
+                               [&] { return check_grads(label, s, grads[vi], grads.back(), tol); });
         }
       }
     }

@@ -72,7 +72,9 @@ inline MaskStats compare_with_mask(const Problem& pr, const bool* keep, const Fw
               char buf[160];
               std::snprintf(buf, sizeof buf, " first at (b %lld, h %lld, i %lld, j %lld): %g, %s",
                             (long long)b, (long long)h, (long long)i, (long long)c, o[c],
-                            !visible ? "invisible" : kept ? "kept" : "dropped");
+                            !visible ? "invisible"
+                            : kept   ? "kept"
+                                     : "dropped");
               m.first = buf;
             }
           } else if (kept) {
@@ -133,12 +135,13 @@ inline int mask_problem(const Target& t, const Cli& cli, const Problem& pr) {
         const bool large = m.visible >= 100000;
         const bool fraction_ok = !large || std::fabs(fraction - keep_rate) <= 0.01;
         const bool ok = m.ok() && fraction_ok;
-        std::printf("%s %s | kept %.4f of %lld%s, worst rel %.1e, %lld pattern / %lld value "
-                    "errors%s%s%s\n",
-                    ok ? "ok  " : "FAIL", label.c_str(), fraction, (long long)m.visible,
-                    large ? " (checked)" : "", m.worst_rel, (long long)m.pattern_errors,
-                    (long long)m.value_errors, m.first.c_str(), m.lse_ok ? "" : " [lse]",
-                    fraction_ok ? "" : " [kept fraction]");
+        std::printf(
+            "%s %s | kept %.4f of %lld%s, worst rel %.1e, %lld pattern / %lld value "
+            "errors%s%s%s\n",
+            ok ? "ok  " : "FAIL", label.c_str(), fraction, (long long)m.visible,
+            large ? " (checked)" : "", m.worst_rel, (long long)m.pattern_errors,
+            (long long)m.value_errors, m.first.c_str(), m.lse_ok ? "" : " [lse]",
+            fraction_ok ? "" : " [kept fraction]");
         return ok;
       });
     }
@@ -154,13 +157,13 @@ inline int run_mask_tests(const Target& t, const Cli& cli) {
                 {1, 100, 40, 4, 2, 64, true, {}, 2, 4, 10}};
   } else {
     problems = {
-        {1, 1, 64, 2, 2, 64, false, {}},     // one query row
-        {2, 100, 40, 4, 2, 64, false, {}},   // GQA, sq > sk; columns 40..63 stay 0
-        {1, 300, 64, 4, 1, 64, false, {}},   // MQA
-        {2, 512, 64, 4, 4, 64, false, {}},   // 262,144 elements: the kept fraction
-        {1, 130, 64, 2, 1, 64, true, {}},    // causal, 66 rows see nothing
-        {2, 40, 64, 2, 2, 64, true, {}},     // causal, sq < sk
-        {1, 200, 100, 2, 1, 128, true, {}},  // head dim 128, causal
+        {1, 1, 64, 2, 2, 64, false, {}},             // one query row
+        {2, 100, 40, 4, 2, 64, false, {}},           // GQA, sq > sk; columns 40..63 stay 0
+        {1, 300, 64, 4, 1, 64, false, {}},           // MQA
+        {2, 512, 64, 4, 4, 64, false, {}},           // 262,144 elements: the kept fraction
+        {1, 130, 64, 2, 1, 64, true, {}},            // causal, 66 rows see nothing
+        {2, 40, 64, 2, 2, 64, true, {}},             // causal, sq < sk
+        {1, 200, 100, 2, 1, 128, true, {}},          // head dim 128, causal
         {1, 100, 40, 4, 2, 64, true, {}, 2, 4, 10},  // a slice: batch 2, heads 4..7 of 10
         {2, 64, 64, 2, 2, 64, false, {}, 3, 0, 2},   // a batch slice: batches 3..4
     };

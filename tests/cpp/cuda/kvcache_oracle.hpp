@@ -21,15 +21,15 @@ namespace cuda_test {
 
 struct KvCase {
   int64_t b, sq, h, hk;
-  int64_t capacity;            // keys a sequence can hold (paged: rounded up to whole pages)
-  int64_t seqlen_new;          // keys appended by the call (0: none)
-  std::vector<int32_t> lens;   // cache_seqlens: keys before the append, per sequence
-  int64_t page_size;           // 0: contiguous cache
+  int64_t capacity;           // keys a sequence can hold (paged: rounded up to whole pages)
+  int64_t seqlen_new;         // keys appended by the call (0: none)
+  std::vector<int32_t> lens;  // cache_seqlens: keys before the append, per sequence
+  int64_t page_size;          // 0: contiguous cache
   bool causal;
-  int64_t left, right;         // window as passed; causal adds right = 0
-  Kind kind;                   // layout of q, out, the caches and the new keys
+  int64_t left, right;  // window as passed; causal adds right = 0
+  Kind kind;            // layout of q, out, the caches and the new keys
   ModSpec mods;
-  std::vector<int64_t> splits;  // the num_splits values each run takes (0: chosen)
+  std::vector<int64_t> splits;    // the num_splits values each run takes (0: chosen)
   std::vector<float> sinks = {};  // attention sinks, one per query head (empty: none)
 
   int64_t used(int64_t bi) const { return lens[size_t(bi)] + seqlen_new; }
@@ -161,12 +161,11 @@ inline KvOracle kv_oracle(const KvCase& c, int64_t d, const KvValues& x, flashdl
     if (!c.sinks.empty()) {
       o.sinks = flashdl::make_view(const_cast<float*>(c.sinks.data()), flashdl::DType::float32,
                                    {c.h});
-      flashdl::forward(
-          flashdl::make_view(q64.data(), flashdl::DType::float64, {1, c.sq, c.h, d}),
-          flashdl::make_view(k64.data(), flashdl::DType::float64, {1, n, c.hk, d}),
-          flashdl::make_view(v64.data(), flashdl::DType::float64, {1, n, c.hk, d}),
-          flashdl::make_view(o64.data(), flashdl::DType::float64, {1, c.sq, c.h, d}),
-          flashdl::make_view(l.data(), flashdl::DType::float32, {1, c.h, c.sq}), o);
+      flashdl::forward(flashdl::make_view(q64.data(), flashdl::DType::float64, {1, c.sq, c.h, d}),
+                       flashdl::make_view(k64.data(), flashdl::DType::float64, {1, n, c.hk, d}),
+                       flashdl::make_view(v64.data(), flashdl::DType::float64, {1, n, c.hk, d}),
+                       flashdl::make_view(o64.data(), flashdl::DType::float64, {1, c.sq, c.h, d}),
+                       flashdl::make_view(l.data(), flashdl::DType::float32, {1, c.h, c.sq}), o);
     }
     std::copy(o64.begin(), o64.end(), r.out.begin() + bi * qrow);
     std::copy(l.begin(), l.end(), r.lse.begin() + bi * c.h * c.sq);

@@ -144,8 +144,10 @@ inline bool run_one(const Target& t, const MergeCase& c, DType dt, std::mt19937&
   bool gaps = true;
   const std::vector<double> got = gather_any(out.download<unsigned char>(), lo, dt, gaps);
   const std::vector<uint32_t> lb = lse.download<uint32_t>();
-  const double tol = dt == DType::float16 ? 1e-3 : dt == DType::bfloat16 ? 8e-3
-                     : dt == DType::float32 ? 1e-5 : 1e-12;
+  const double tol = dt == DType::float16    ? 1e-3
+                     : dt == DType::bfloat16 ? 8e-3
+                     : dt == DType::float32  ? 1e-5
+                                             : 1e-12;
   double err = 0.0;
   bool lse_ok = true;
   for (int64_t bi = 0; bi < c.b; ++bi)
@@ -186,7 +188,7 @@ inline bool run_one(const Target& t, const MergeCase& c, DType dt, std::mt19937&
 inline int run_merge_states(const Target& t, const Cli& cli) {
   const std::vector<MergeCase> cs =
       cli.quick ? std::vector<MergeCase>{{2, 3, 4, 64, 2}, {2, 2, 2, 40, 9}}
-                : std::vector<MergeCase>{{2, 3, 4, 64, 2},  {1, 5, 3, 128, 8}, {2, 2, 2, 40, 9},
+                : std::vector<MergeCase>{{2, 3, 4, 64, 2},   {1, 5, 3, 128, 8}, {2, 2, 2, 40, 9},
                                          {1, 3, 2, 256, 19}, {3, 1, 5, 1, 3},   {1, 1, 1, 300, 4},
                                          {2, 2, 3, 96, 1}};
   int failures = 0;

@@ -48,14 +48,14 @@ const Case kCases[] = {
     {1, 1, 257, 4, 1, false, -1, -1, Kind::transposed, Kind::contiguous, false},  // MQA
     {1, 1, 257, 4, 2, true, -1, -1, Kind::padded, Kind::odd, false},              // GQA
     {2, 257, 1000, 2, 1, true, -1, -1, Kind::transposed, Kind::transposed, false},
-    {1, 1000, 257, 2, 2, true, -1, -1, Kind::contiguous, Kind::odd, true},  // 743 empty rows
-    {1, 1000, 1000, 1, 1, false, -1, -1, Kind::odd, Kind::padded, false},   // no 16-byte rows
+    {1, 1000, 257, 2, 2, true, -1, -1, Kind::contiguous, Kind::odd, true},    // 743 empty rows
+    {1, 1000, 1000, 1, 1, false, -1, -1, Kind::odd, Kind::padded, false},     // no 16-byte rows
     {1, 257, 257, 2, 1, false, 32, 8, Kind::padded, Kind::contiguous, true},  // sliding window
     {1, 100, 130, 2, 2, false, -1, 5, Kind::contiguous, Kind::transposed, false},
     {1, 130, 100, 4, 2, false, 7, -1, Kind::transposed, Kind::contiguous, false},
     {1, 130, 100, 2, 2, true, 20, -1, Kind::odd, Kind::odd, true},
-    {1, 300, 40, 1, 1, false, 0, 0, Kind::contiguous, Kind::padded, false},  // 260 empty rows
-    {1, 40, 300, 2, 1, false, 0, 0, Kind::padded, Kind::odd, false},         // 260 unseen keys
+    {1, 300, 40, 1, 1, false, 0, 0, Kind::contiguous, Kind::padded, false},     // 260 empty rows
+    {1, 40, 300, 2, 1, false, 0, 0, Kind::padded, Kind::odd, false},            // 260 unseen keys
     {1, 5, 0, 2, 1, false, -1, -1, Kind::contiguous, Kind::contiguous, false},  // dq = 0
     {1, 0, 9, 2, 1, false, -1, -1, Kind::contiguous, Kind::padded, false},      // dk = dv = 0
 };
@@ -145,10 +145,18 @@ struct Saved {
       : lq(make_layout(s.b, s.sq, s.h, s.d, c.in)),
         lk(make_layout(s.b, s.sk, s.hk, s.d, c.in)),
         ll(lse_layout(s.b, s.h, s.sq, c.strided_lse)),
-        hq(place(in.q, lq, dt)), hk(place(in.k, lk, dt)), hv(place(in.v, lk, dt)),
-        hdout(place(in.dout, lq, dt)), hout(place(out_r, lq, dt)), hlse(place_lse(lse_r, ll)),
-        q(hq.size() * 2, t.host), k(hk.size() * 2, t.host), v(hv.size() * 2, t.host),
-        dout(hdout.size() * 2, t.host), out(hout.size() * 2, t.host), lse(hlse.size() * 4, t.host) {
+        hq(place(in.q, lq, dt)),
+        hk(place(in.k, lk, dt)),
+        hv(place(in.v, lk, dt)),
+        hdout(place(in.dout, lq, dt)),
+        hout(place(out_r, lq, dt)),
+        hlse(place_lse(lse_r, ll)),
+        q(hq.size() * 2, t.host),
+        k(hk.size() * 2, t.host),
+        v(hv.size() * 2, t.host),
+        dout(hdout.size() * 2, t.host),
+        out(hout.size() * 2, t.host),
+        lse(hlse.size() * 4, t.host) {
     q.upload(hq);
     k.upload(hk);
     v.upload(hv);
@@ -276,7 +284,9 @@ struct PlantPlan {
 int run_planted(const Target& t, const Cli& cli) {
   std::vector<PlantPlan> ps{
       // causal: keys 70 and 97 share the block of rows 64..127, rows 64..69 and 70..96 are blind
-      {{1, 100, 100, 2, 1, true, -1, -1, Kind::contiguous, Kind::contiguous, false}, {70, 97}, {64}},
+      {{1, 100, 100, 2, 1, true, -1, -1, Kind::contiguous, Kind::contiguous, false},
+       {70, 97},
+       {64}},
       // a window (row i sees keys i + 79 .. i + 103): key 82 is seen by rows 0..3, 139 by 36..44;
       // keys 107..114 only by the blind rows 4..35 (causal leaves no such key: row 99 sees all)
       {{2, 45, 140, 2, 1, false, 16, 8, Kind::padded, Kind::odd, false}, {82, 139}, {128}},
@@ -353,8 +363,9 @@ int run_repeats(const Target& t, const Cli& cli) {
     int calls;
     bool dq_must_match;
   };
-  const Repeat repeats[] = {
-      {kVariants[3], 50, true}, {kVariants[0], 20, true}, {kVariants[2], 20, false}};
+  const Repeat repeats[] = {{kVariants[3], 50, true},
+                            {kVariants[0], 20, true},
+                            {kVariants[2], 20, false}};
   const Case c{2, 1000, 1000, 4, 2, true, -1, -1, Kind::contiguous, Kind::contiguous, false};
   const DType dt = DType::float16;
   int failures = 0;

@@ -63,7 +63,7 @@ const Case kCases[] = {
     {"all-zero mask", 1, 70, 90, 2, 1, false, 32, 32, MaskKind::shared, 0.0, -1, -1,
      Kind::contiguous},
 };
-const Case kQuick = {"quick", 1, 100, 130, 4, 2, true, 48, 80, MaskKind::full, 0.6, 1, -1,
+const Case kQuick = {"quick",         1, 100, 130, 4, 2, true, 48, 80, MaskKind::full, 0.6, 1, -1,
                      Kind::contiguous};
 
 struct Variant {
@@ -112,9 +112,12 @@ struct Arrays {
       : lq(make_layout(s.b, s.sq, s.h, s.d, c.layout)),
         lk(make_layout(s.b, s.sk, s.hk, s.d, c.layout)),
         ll(lse_layout(s.b, s.h, s.sq, false)),
-        q(size_t(lq.span) * 2, t.host), k(size_t(lk.span) * 2, t.host),
-        v(size_t(lk.span) * 2, t.host), dout(size_t(lq.span) * 2, t.host),
-        out(size_t(lq.span) * 2, t.host), lse(size_t(ll.span) * 4, t.host),
+        q(size_t(lq.span) * 2, t.host),
+        k(size_t(lk.span) * 2, t.host),
+        v(size_t(lk.span) * 2, t.host),
+        dout(size_t(lq.span) * 2, t.host),
+        out(size_t(lq.span) * 2, t.host),
+        lse(size_t(ll.span) * 4, t.host),
         mask(m.bytes.size(), t.host) {
     q.upload(place(in.q, lq, dt));
     k.upload(place(in.k, lk, dt));
@@ -212,10 +215,11 @@ void report_bad_rows(const Shape& s, const BwdOracle& ref, const Result& r, doub
                 e2 = std::max(e2, std::fabs(r.out[at + c] - ref.out[at2 + c]));
               if (e2 < best_e) best_e = e2, best = i2;
             }
-            std::printf("     out[:4] %.4g %.4g %.4g %.4g want %.4g %.4g %.4g %.4g; closest "
-                        "reference row i=%lld (max diff %.3e)\n",
-                        r.out[at], r.out[at + 1], r.out[at + 2], r.out[at + 3], ref.out[at],
-                        ref.out[at + 1], ref.out[at + 2], ref.out[at + 3], (long long)best, best_e);
+            std::printf(
+                "     out[:4] %.4g %.4g %.4g %.4g want %.4g %.4g %.4g %.4g; closest "
+                "reference row i=%lld (max diff %.3e)\n",
+                r.out[at], r.out[at + 1], r.out[at + 2], r.out[at + 3], ref.out[at],
+                ref.out[at + 1], ref.out[at + 2], ref.out[at + 3], (long long)best, best_e);
           }
           ++bad;
         }
@@ -355,8 +359,9 @@ int run_nan(const Target& t, const Cli& cli) {
                 : std::vector<Blocks>{{64, 64}, {48, 48}, {100, 100}, {32, 80}};
   int failures = 0;
   for (const Blocks& bl : blocks) {
-    const Case c{"NaN in zero blocks", 2, 300, 330, 4, 2, false, bl.bq, bl.bk, MaskKind::full,
-                 0.6, 1, 2, Kind::contiguous};
+    const Case c{
+        "NaN in zero blocks", 2, 300, 330, 4, 2, false, bl.bq, bl.bk, MaskKind::full, 0.6, 1, 2,
+        Kind::contiguous};
     const Shape s = shape_of(c, 64);
     const int64_t last_kb = (c.sk - 1) / c.bk;
     // mask_of's random blocks, with the last key block (ragged unless bk divides sk) zero too
@@ -368,9 +373,8 @@ int run_nan(const Target& t, const Cli& cli) {
     const BwdInputs in = random_inputs(s, uint32_t(bl.bq * 1000 + bl.bk));
     for (const Variant& var : kVariants)
       for (const char* poisoned : {"q", "kv"}) {
-        const std::string label =
-            std::string("NaN in ") + poisoned + " rows of zero blocks " +
-            label_of(c, 64, DType::float16, var.name, "fwd+bwd");
+        const std::string label = std::string("NaN in ") + poisoned + " rows of zero blocks " +
+                                  label_of(c, 64, DType::float16, var.name, "fwd+bwd");
         if (!cli.selected(label)) continue;
         failures += run_case(label, [&] {
           const Result clean = forward_backward(t, c, s, DType::float16, in, m, var);
@@ -413,8 +417,20 @@ int run_nan(const Target& t, const Cli& cli) {
 // planted value must get it (the test plants what it says). The backward reads the clean
 // forward's out and lse (the rows compared only read their own).
 int run_planted(const Target& t, const Cli& cli) {
-  const Case c{"NaN/Inf at keys blind rows share a tile with", 2, 300, 330, 4, 2, false, 48, 80,
-               MaskKind::shared, 1.0, -1, -1, Kind::contiguous};
+  const Case c{"NaN/Inf at keys blind rows share a tile with",
+               2,
+               300,
+               330,
+               4,
+               2,
+               false,
+               48,
+               80,
+               MaskKind::shared,
+               1.0,
+               -1,
+               -1,
+               Kind::contiguous};
   const HostMask m = make_mask(c.kind, c.b, c.h, c.sq, c.sk, c.bq, c.bk,
                                [](int64_t, int64_t, int64_t qb, int64_t kb) {
                                  return kb == 1 ? qb % 2 == 0 : kb == 3 ? qb % 2 == 1 : true;
@@ -450,8 +466,8 @@ int run_planted(const Target& t, const Cli& cli) {
       for (const Variant& var : kVariants)
         for (const bool bwd : {false, true}) {
           if (!bwd && var.deterministic) continue;  // the same forward as fa2
-          const std::string label =
-              "masked NaN/Inf " + label_of(c, d, dt, var.name, bwd ? "bwd" : "fwd");
+          const std::string label = "masked NaN/Inf " +
+                                    label_of(c, d, dt, var.name, bwd ? "bwd" : "fwd");
           if (!cli.selected(label)) continue;
           failures += run_case(label, [&] {
             const Result r = run(t, c, s, dt, dev, m, var, bwd);
@@ -501,15 +517,14 @@ int run_planted(const Target& t, const Cli& cli) {
 
 // fa1 and deterministic fa2 with a block mask: 20 calls, every result bitwise equal.
 int run_repeats(const Target& t, const Cli& cli) {
-  const Case c{"repeat", 2, 1000, 1000, 4, 2, true, 48, 80, MaskKind::full, 0.5, -1, -1,
-               Kind::contiguous};
+  const Case c{"repeat", 2,  1000,           1000, 4,  2,  true,
+               48,       80, MaskKind::full, 0.5,  -1, -1, Kind::contiguous};
   const Shape s = shape_of(c, 128);
   const HostMask m = mask_of(c, 4242);
   const BwdInputs in = random_inputs(s, 4242);
   int failures = 0;
   for (const Variant& var : {kVariants[0], kVariants[3]}) {
-    const std::string label =
-        "repeat x20 " + label_of(c, 128, DType::float16, var.name, "fwd+bwd");
+    const std::string label = "repeat x20 " + label_of(c, 128, DType::float16, var.name, "fwd+bwd");
     if (!cli.selected(label)) continue;
     failures += run_case(label, [&] {
       const Result first = forward_backward(t, c, s, DType::float16, in, m, var);
@@ -598,8 +613,8 @@ int run_score_mods(const Target& t, const Cli& cli) {
                         0.7, 0, 3, Kind::contiguous},
                        {2.0, Alibi::none},
                        0},
-                      {{"alibi, zero blocks", 2, 230, 260, 4, 2, true, 100, 64, MaskKind::full,
-                        0.7, 0, 3, Kind::contiguous},
+                      {{"alibi, zero blocks", 2, 230, 260, 4, 2, true, 100, 64, MaskKind::full, 0.7,
+                        0, 3, Kind::contiguous},
                        {0.0, Alibi::batch_heads},
                        0},
                       {{"blocks = the fa2 tile, softcap+alibi", 2, 200, 260, 4, 2, false, 64, 64,
@@ -626,8 +641,8 @@ int run_score_mods(const Target& t, const Cli& cli) {
       const Dead dead = dead_of(s, vis);
       const BwdInputs in = random_inputs(s, uint32_t(104729 * seed + size_t(d)));
       const ModArgs mod(t.host, cases[ci].m, s.b, s.h);
-      const flashdl::TensorView host_mask =
-          m.view(const_cast<uint8_t*>(m.bytes.data()), flashdl::Device{});
+      const flashdl::TensorView host_mask = m.view(const_cast<uint8_t*>(m.bytes.data()),
+                                                   flashdl::Device{});
       const BwdOracle ref = reference_backward(s, mod.apply(options_of(c, m, host_mask), true), in,
                                                true);
       for (const DType dt : {DType::float16, DType::bfloat16}) {
@@ -646,8 +661,8 @@ int run_score_mods(const Target& t, const Cli& cli) {
               if (bwd) return check_backward(label, s, ref, lowp, dead, r, dt);
               const bool ok = check_forward(label, s, ref, lowp_out, dead, r, dt);
               if (!ok || std::getenv("FLASHDL_TEST_DUMP_ALL") != nullptr)
-                dump_forward(label, s, dt, cases[ci].m.softcap, mod.naive().slopes, in, vis,
-                                    ref, r);
+                dump_forward(label, s, dt, cases[ci].m.softcap, mod.naive().slopes, in, vis, ref,
+                             r);
               return ok;
             });
           }

@@ -201,11 +201,10 @@ std::string label_of(const Case& c) {
   std::snprintf(buf, sizeof buf,
                 "%s %s%s b=%lld sq=%lld sk=%lld h=%lld/%lld d=%lld%s%s bias=%s(%s) mask=%s%s%s%s",
                 flashdl::dtype_name(c.dt), flashdl::schedule_name(c.sched), c.det ? "(det)" : "",
-                (long long)c.b, (long long)c.sq, (long long)c.sk, (long long)c.h,
-                (long long)c.hk, (long long)c.d, c.causal ? " causal" : "",
-                c.wl >= 0 ? " window" : "", bcast_name(c.bias), flashdl::dtype_name(c.bias_dt),
-                bcast_name(c.mask), c.sinks ? " sinks" : "", c.backward ? " bwd" : "",
-                c.nonfinite ? " nonfinite" : "");
+                (long long)c.b, (long long)c.sq, (long long)c.sk, (long long)c.h, (long long)c.hk,
+                (long long)c.d, c.causal ? " causal" : "", c.wl >= 0 ? " window" : "",
+                bcast_name(c.bias), flashdl::dtype_name(c.bias_dt), bcast_name(c.mask),
+                c.sinks ? " sinks" : "", c.backward ? " bwd" : "", c.nonfinite ? " nonfinite" : "");
   return buf;
 }
 
@@ -263,8 +262,10 @@ bool run_one(const Case& c, const Target& t, uint32_t seed) {
   std::mt19937 rng(seed);
   std::uniform_int_distribution<int> u(-128, 128);  // multiples of 1/64 in [-2, 2]
   const bool th = t.host;
-  Arr q = contiguous(c.dt, {c.b, c.sq, c.h, c.d}, th), k = contiguous(c.dt, {c.b, c.sk, c.hk, c.d}, th),
-      v = contiguous(c.dt, {c.b, c.sk, c.hk, c.d}, th), dout = contiguous(c.dt, {c.b, c.sq, c.h, c.d}, th);
+  Arr q = contiguous(c.dt, {c.b, c.sq, c.h, c.d}, th),
+      k = contiguous(c.dt, {c.b, c.sk, c.hk, c.d}, th),
+      v = contiguous(c.dt, {c.b, c.sk, c.hk, c.d}, th),
+      dout = contiguous(c.dt, {c.b, c.sq, c.h, c.d}, th);
   for (Arr* a : {&q, &k, &v, &dout})
     for (int64_t e = 0; e < a->numel(); ++e) a->set(e, u(rng) / 64.0);
   Arr bias = extra_array(c.bias, c.bias_dt, c, th);
@@ -281,8 +282,8 @@ bool run_one(const Case& c, const Target& t, uint32_t seed) {
       const int64_t i = (e / cols) % rows, j = e % cols;
       bool x = keep(rng);
       if (i % 7 == 3) x = false;                       // rows that keep nothing
-      if (j == 5 || (j >= 40 && j < 48)) x = false;     // keys no row keeps
-      if (c.sk > 64 && j >= 64 && j < 128) x = false;   // a whole key block hidden: skipped
+      if (j == 5 || (j >= 40 && j < 48)) x = false;    // keys no row keeps
+      if (c.sk > 64 && j >= 64 && j < 128) x = false;  // a whole key block hidden: skipped
       mask.set(e, x ? 1.0 : 0.0);
     }
     hidden_keys = {5, 41, 47};
@@ -329,19 +330,23 @@ bool run_one(const Case& c, const Target& t, uint32_t seed) {
   oref.schedule = Schedule::reference;
   flashdl::forward(q64.view(true), k64.view(true), v64.view(true), out64.view(true),
                    lse64.view(true), oref);
-  Arr outc = contiguous(c.dt, {c.b, c.sq, c.h, c.d}, true), lsec = contiguous(DType::float32, {c.b, c.h, c.sq}, true);
+  Arr outc = contiguous(c.dt, {c.b, c.sq, c.h, c.d}, true),
+      lsec = contiguous(DType::float32, {c.b, c.h, c.sq}, true);
   flashdl::Options ocpu = with_extras(o, &bias, &mask, &sinks, true);
   ocpu.schedule = Schedule::fa2;
-  flashdl::forward(q.view(true), k.view(true), v.view(true), outc.view(true), lsec.view(true), ocpu);
+  flashdl::forward(q.view(true), k.view(true), v.view(true), outc.view(true), lsec.view(true),
+                   ocpu);
 
   // The call under test.
-  Arr out = contiguous(c.dt, {c.b, c.sq, c.h, c.d}, th), lse = contiguous(DType::float32, {c.b, c.h, c.sq}, th);
+  Arr out = contiguous(c.dt, {c.b, c.sq, c.h, c.d}, th),
+      lse = contiguous(DType::float32, {c.b, c.h, c.sq}, th);
   out.dev->poison();
   lse.dev->poison();
   flashdl::Options ot = with_extras(o, &bias, &mask, &sinks, false);
   ot.schedule = c.sched;
   ot.stream = t.stream;
-  flashdl::forward(q.view(false), k.view(false), v.view(false), out.view(false), lse.view(false), ot);
+  flashdl::forward(q.view(false), k.view(false), v.view(false), out.view(false), lse.view(false),
+                   ot);
   t.sync();
   std::string why;
   const double eps = c.dt == DType::float16 ? 1.0 / 1024 : 1.0 / 128;
@@ -353,7 +358,10 @@ bool run_one(const Case& c, const Target& t, uint32_t seed) {
     Arr dq64 = contiguous(DType::float64, {c.b, c.sq, c.h, c.d}, true),
         dk64 = contiguous(DType::float64, {c.b, c.sk, c.hk, c.d}, true),
         dv64 = contiguous(DType::float64, {c.b, c.sk, c.hk, c.d}, true);
-    Arr dbias64 = c.bias != Bcast::none ? contiguous(DType::float64, std::vector<int64_t>(bias.shape, bias.shape + 4), true) : Arr();
+    Arr dbias64 = c.bias != Bcast::none
+                      ? contiguous(DType::float64, std::vector<int64_t>(bias.shape, bias.shape + 4),
+                                   true)
+                      : Arr();
     Arr dsinks64 = c.sinks ? contiguous(DType::float32, {c.h}, true) : Arr();
     flashdl::Options bref = oref;
     if (dbias64.rank > 0) bref.dbias = dbias64.view(true);
@@ -361,9 +369,12 @@ bool run_one(const Case& c, const Target& t, uint32_t seed) {
     flashdl::backward(do64.view(true), q64.view(true), k64.view(true), v64.view(true),
                       out64.view(true), lse64.view(true), dq64.view(true), dk64.view(true),
                       dv64.view(true), bref);
-    Arr dqc = contiguous(c.dt, {c.b, c.sq, c.h, c.d}, true), dkc = contiguous(c.dt, {c.b, c.sk, c.hk, c.d}, true),
+    Arr dqc = contiguous(c.dt, {c.b, c.sq, c.h, c.d}, true),
+        dkc = contiguous(c.dt, {c.b, c.sk, c.hk, c.d}, true),
         dvc = contiguous(c.dt, {c.b, c.sk, c.hk, c.d}, true);
-    Arr dbiasc = c.bias != Bcast::none ? contiguous(c.bias_dt, std::vector<int64_t>(bias.shape, bias.shape + 4), true) : Arr();
+    Arr dbiasc = c.bias != Bcast::none
+                     ? contiguous(c.bias_dt, std::vector<int64_t>(bias.shape, bias.shape + 4), true)
+                     : Arr();
     Arr dsinksc = c.sinks ? contiguous(DType::float32, {c.h}, true) : Arr();
     flashdl::Options bcpu = ocpu;
     if (dbiasc.rank > 0) bcpu.dbias = dbiasc.view(true);
@@ -371,27 +382,33 @@ bool run_one(const Case& c, const Target& t, uint32_t seed) {
     flashdl::backward(dout.view(true), q.view(true), k.view(true), v.view(true), outc.view(true),
                       lsec.view(true), dqc.view(true), dkc.view(true), dvc.view(true), bcpu);
 
-    Arr dq = contiguous(c.dt, {c.b, c.sq, c.h, c.d}, th), dk = contiguous(c.dt, {c.b, c.sk, c.hk, c.d}, th),
+    Arr dq = contiguous(c.dt, {c.b, c.sq, c.h, c.d}, th),
+        dk = contiguous(c.dt, {c.b, c.sk, c.hk, c.d}, th),
         dv = contiguous(c.dt, {c.b, c.sk, c.hk, c.d}, th);
-    Arr dbias = c.bias != Bcast::none ? contiguous(c.bias_dt, std::vector<int64_t>(bias.shape, bias.shape + 4), th) : Arr();
+    Arr dbias = c.bias != Bcast::none
+                    ? contiguous(c.bias_dt, std::vector<int64_t>(bias.shape, bias.shape + 4), th)
+                    : Arr();
     Arr dsinks = c.sinks ? contiguous(DType::float32, {c.h}, th) : Arr();
     for (Arr* a : {&dq, &dk, &dv, &dbias, &dsinks})
       if (a->rank > 0) a->dev->poison();
     flashdl::Options bt = ot;
     if (dbias.rank > 0) bt.dbias = dbias.view(false);
     if (c.sinks) bt.dsinks = dsinks.view(false);
-    flashdl::backward(dout.view(false), q.view(false), k.view(false), v.view(false), out.view(false),
-                      lse.view(false), dq.view(false), dk.view(false), dv.view(false), bt);
+    flashdl::backward(dout.view(false), q.view(false), k.view(false), v.view(false),
+                      out.view(false), lse.view(false), dq.view(false), dk.view(false),
+                      dv.view(false), bt);
     t.sync();
     ok = within("dq", dq.values_dev(), dqc.values_host(), dq64.values_host(), 3.0, eps, why) && ok;
     ok = within("dk", dk.values_dev(), dkc.values_host(), dk64.values_host(), 3.0, eps, why) && ok;
     ok = within("dv", dv.values_dev(), dvc.values_host(), dv64.values_host(), 3.0, eps, why) && ok;
     if (dbias.rank > 0)
       ok = within("dbias", dbias.values_dev(), dbiasc.values_host(), dbias64.values_host(), 3.0,
-                  c.bias_dt == DType::float32 ? eps : 2 * eps, why) && ok;
+                  c.bias_dt == DType::float32 ? eps : 2 * eps, why) &&
+           ok;
     if (c.sinks)
-      ok = within("dsinks", dsinks.values_dev(), dsinksc.values_host(), dsinks64.values_host(),
-                  3.0, eps, why) && ok;
+      ok = within("dsinks", dsinks.values_dev(), dsinksc.values_host(), dsinks64.values_host(), 3.0,
+                  eps, why) &&
+           ok;
   }
   std::printf("%s %s%s\n", ok ? "ok  " : "FAIL", label_of(c).c_str(), why.c_str());
   return ok;
@@ -400,8 +417,8 @@ bool run_one(const Case& c, const Target& t, uint32_t seed) {
 // An all-true mask gives the results of no mask bit for bit (fa2, shared-memory softmax: the path
 // every masked call takes; sinks and bias off).
 bool run_all_true(const Target& t, DType dt, bool causal) {
-  Case c{dt, Schedule::fa2, false, 2, 70, 150, 4, 2, 64, causal, -1, -1, Bcast::none,
-         DType::float32, Bcast::none, false, false, false};
+  Case c{dt, Schedule::fa2, false,          2,           70,    150,   4,    2, 64, causal, -1,
+         -1, Bcast::none,   DType::float32, Bcast::none, false, false, false};
   std::mt19937 rng(7);
   std::uniform_int_distribution<int> u(-128, 128);
   const bool th = t.host;
@@ -417,14 +434,16 @@ bool run_all_true(const Target& t, DType dt, bool causal) {
   setenv("FLASHDL_CUDA_FA2_SMEM_SOFTMAX", "1", 1);
   std::vector<double> res[2][2];
   for (int with = 0; with < 2; ++with) {
-    Arr out = contiguous(dt, {c.b, c.sq, c.h, c.d}, th), lse = contiguous(DType::float32, {c.b, c.h, c.sq}, th);
+    Arr out = contiguous(dt, {c.b, c.sq, c.h, c.d}, th),
+        lse = contiguous(DType::float32, {c.b, c.h, c.sq}, th);
     out.dev->poison();
     flashdl::Options o;
     o.causal = causal;
     o.schedule = Schedule::fa2;
     o.stream = t.stream;
     if (with) o.mask = mask.view(false);
-    flashdl::forward(q.view(false), k.view(false), v.view(false), out.view(false), lse.view(false), o);
+    flashdl::forward(q.view(false), k.view(false), v.view(false), out.view(false), lse.view(false),
+                     o);
     t.sync();
     res[with][0] = out.values_dev();
     res[with][1] = lse.values_dev();
@@ -441,8 +460,8 @@ bool run_all_true(const Target& t, DType dt, bool causal) {
 // total_q or 1, max_seqlen_k), row r the packed query row, columns from its sequence's first key;
 // cu_seqlens on the device. Against the CPU varlen reference (float64) and fa2, forward and
 // backward with dbias and dsinks.
-bool run_varlen(const Target& t, DType dt, Schedule sched, bool det, int bias_mode,
-                bool causal, uint32_t seed) {
+bool run_varlen(const Target& t, DType dt, Schedule sched, bool det, int bias_mode, bool causal,
+                uint32_t seed) {
   const std::vector<int32_t> lq = {17, 0, 100, 1, 60}, lk = {40, 9, 100, 130, 70};
   std::vector<int32_t> cq(1, 0), ck(1, 0);
   for (size_t i = 0; i < lq.size(); ++i) {
@@ -489,10 +508,12 @@ bool run_varlen(const Target& t, DType dt, Schedule sched, bool det, int bias_mo
   struct Run {
     Arr out, lse, dq, dk, dv, dbias, dsinks;
   };
-  auto run = [&](DType rdt, Schedule s, bool ref, const Arr& qq, const Arr& kk,
-                 const Arr& vv, const Arr& dd, const Arr& bb) {
-    Run r{contiguous(rdt, {tq, h, d}, ref || th), contiguous(DType::float32, {h, tq}, ref || th),
-          contiguous(rdt, {tq, h, d}, ref || th), contiguous(rdt, {tk, hk, d}, ref || th),
+  auto run = [&](DType rdt, Schedule s, bool ref, const Arr& qq, const Arr& kk, const Arr& vv,
+                 const Arr& dd, const Arr& bb) {
+    Run r{contiguous(rdt, {tq, h, d}, ref || th),
+          contiguous(DType::float32, {h, tq}, ref || th),
+          contiguous(rdt, {tq, h, d}, ref || th),
+          contiguous(rdt, {tk, hk, d}, ref || th),
           contiguous(rdt, {tk, hk, d}, ref || th),
           contiguous(bb.dt, std::vector<int64_t>(bb.shape, bb.shape + 3), ref || th),
           contiguous(DType::float32, {h}, ref || th)};
@@ -501,17 +522,13 @@ bool run_varlen(const Target& t, DType dt, Schedule sched, bool det, int bias_mo
     flashdl::Options x = with(o, bb, ref);
     x.schedule = s;
     x.stream = ref ? nullptr : t.stream;
-    flashdl::forward_varlen(qq.view(ref), kk.view(ref), vv.view(ref),
-                            cuq.view(ref),
-                            cuk.view(ref), msq, msk,
-                            r.out.view(ref), r.lse.view(ref), x);
+    flashdl::forward_varlen(qq.view(ref), kk.view(ref), vv.view(ref), cuq.view(ref), cuk.view(ref),
+                            msq, msk, r.out.view(ref), r.lse.view(ref), x);
     x.dbias = r.dbias.view(ref);
     x.dsinks = r.dsinks.view(ref);
-    flashdl::backward_varlen(dd.view(ref), qq.view(ref), kk.view(ref),
-                             vv.view(ref), r.out.view(ref), r.lse.view(ref),
-                             cuq.view(ref),
-                             cuk.view(ref), msq, msk,
-                             r.dq.view(ref), r.dk.view(ref), r.dv.view(ref), x);
+    flashdl::backward_varlen(dd.view(ref), qq.view(ref), kk.view(ref), vv.view(ref),
+                             r.out.view(ref), r.lse.view(ref), cuq.view(ref), cuk.view(ref), msq,
+                             msk, r.dq.view(ref), r.dk.view(ref), r.dv.view(ref), x);
     return r;
   };
   Arr q64 = converted(q, DType::float64), k64 = converted(k, DType::float64),
@@ -524,18 +541,23 @@ bool run_varlen(const Target& t, DType dt, Schedule sched, bool det, int bias_mo
   const double eps = dt == DType::float16 ? 1.0 / 1024 : 1.0 / 128;
   std::string why;
   auto host_vals = [](const Arr& a) { return a.values_host(); };
-  bool ok = within("out", got.out.values_dev(), host_vals(cpu.out), host_vals(ref.out), 2.0, eps, why);
+  bool ok = within("out", got.out.values_dev(), host_vals(cpu.out), host_vals(ref.out), 2.0, eps,
+                   why);
   ok = lse_ok(got.lse.values_dev(), host_vals(cpu.lse), host_vals(ref.lse), why) && ok;
   ok = within("dq", got.dq.values_dev(), host_vals(cpu.dq), host_vals(ref.dq), 3.0, eps, why) && ok;
   ok = within("dk", got.dk.values_dev(), host_vals(cpu.dk), host_vals(ref.dk), 3.0, eps, why) && ok;
   ok = within("dv", got.dv.values_dev(), host_vals(cpu.dv), host_vals(ref.dv), 3.0, eps, why) && ok;
   ok = within("dbias", got.dbias.values_dev(), host_vals(cpu.dbias), host_vals(ref.dbias), 3.0,
-              2 * eps, why) && ok;
-  ok = within("dsinks", got.dsinks.values_dev(), host_vals(cpu.dsinks), host_vals(ref.dsinks),
-              3.0, eps, why) && ok;
+              2 * eps, why) &&
+       ok;
+  ok = within("dsinks", got.dsinks.values_dev(), host_vals(cpu.dsinks), host_vals(ref.dsinks), 3.0,
+              eps, why) &&
+       ok;
   std::printf("%s varlen %s %s%s bias=%s%s%s\n", ok ? "ok  " : "FAIL", flashdl::dtype_name(dt),
               flashdl::schedule_name(sched), det ? "(det)" : "",
-              bias_mode == 0 ? "(h,1,msk)" : bias_mode == 1 ? "(1,tq,msk)bf16" : "(h,tq,msk)f16",
+              bias_mode == 0   ? "(h,1,msk)"
+              : bias_mode == 1 ? "(1,tq,msk)bf16"
+                               : "(h,tq,msk)f16",
               causal ? " causal" : "", why.c_str());
   return ok;
 }
@@ -549,15 +571,19 @@ bool run_determinism(const Target& t) {
   const int64_t b = 1, sq = 40, sk = 90, h = 2, hk = 1, d = 32;
   std::mt19937 rng(11);
   std::uniform_int_distribution<int> u(-128, 128);
-  Arr q = contiguous(DType::float16, {b, sq, h, d}, th), k = contiguous(DType::float16, {b, sk, hk, d}, th),
-      v = contiguous(DType::float16, {b, sk, hk, d}, th), dout = contiguous(DType::float16, {b, sq, h, d}, th);
-  Arr full = contiguous(DType::float32, {b, h, sq, sk}, th), small = contiguous(DType::float32, {1, h, 1, sk}, th);
+  Arr q = contiguous(DType::float16, {b, sq, h, d}, th),
+      k = contiguous(DType::float16, {b, sk, hk, d}, th),
+      v = contiguous(DType::float16, {b, sk, hk, d}, th),
+      dout = contiguous(DType::float16, {b, sq, h, d}, th);
+  Arr full = contiguous(DType::float32, {b, h, sq, sk}, th),
+      small = contiguous(DType::float32, {1, h, 1, sk}, th);
   Arr sinks = contiguous(DType::float32, {h}, th);
   for (Arr* a : {&q, &k, &v, &dout, &full, &small, &sinks}) {
     for (int64_t e = 0; e < a->numel(); ++e) a->set(e, u(rng) / 64.0);
     a->upload();
   }
-  Arr out = contiguous(DType::float16, {b, sq, h, d}, th), lse = contiguous(DType::float32, {b, h, sq}, th);
+  Arr out = contiguous(DType::float16, {b, sq, h, d}, th),
+      lse = contiguous(DType::float32, {b, h, sq}, th);
   flashdl::Options o;
   o.schedule = Schedule::fa2;
   o.deterministic = true;
@@ -570,13 +596,17 @@ bool run_determinism(const Target& t) {
     x.schedule = sched;
     x.deterministic = det;
     x.bias = small.view(false);
-    flashdl::forward(q.view(false), k.view(false), v.view(false), out.view(false), lse.view(false), x);
+    flashdl::forward(q.view(false), k.view(false), v.view(false), out.view(false), lse.view(false),
+                     x);
     t.sync();
-    Arr dq = contiguous(DType::float16, {b, sq, h, d}, th), dk = contiguous(DType::float16, {b, sk, hk, d}, th),
-        dv = contiguous(DType::float16, {b, sk, hk, d}, th), db = contiguous(DType::float32, {1, h, 1, sk}, th);
+    Arr dq = contiguous(DType::float16, {b, sq, h, d}, th),
+        dk = contiguous(DType::float16, {b, sk, hk, d}, th),
+        dv = contiguous(DType::float16, {b, sk, hk, d}, th),
+        db = contiguous(DType::float32, {1, h, 1, sk}, th);
     x.dbias = db.view(false);
-    flashdl::backward(dout.view(false), q.view(false), k.view(false), v.view(false), out.view(false),
-                      lse.view(false), dq.view(false), dk.view(false), dv.view(false), x);
+    flashdl::backward(dout.view(false), q.view(false), k.view(false), v.view(false),
+                      out.view(false), lse.view(false), dq.view(false), dk.view(false),
+                      dv.view(false), x);
     t.sync();
     return db.values_dev();
   };
@@ -601,14 +631,18 @@ bool run_determinism(const Target& t) {
   for (int rep = 0; rep < 2; ++rep) {
     flashdl::Options x = o;
     x.bias = full.view(false);
-    flashdl::forward(q.view(false), k.view(false), v.view(false), out.view(false), lse.view(false), x);
-    Arr dq = contiguous(DType::float16, {b, sq, h, d}, th), dk = contiguous(DType::float16, {b, sk, hk, d}, th),
-        dv = contiguous(DType::float16, {b, sk, hk, d}, th), db = contiguous(DType::float32, {b, h, sq, sk}, th),
+    flashdl::forward(q.view(false), k.view(false), v.view(false), out.view(false), lse.view(false),
+                     x);
+    Arr dq = contiguous(DType::float16, {b, sq, h, d}, th),
+        dk = contiguous(DType::float16, {b, sk, hk, d}, th),
+        dv = contiguous(DType::float16, {b, sk, hk, d}, th),
+        db = contiguous(DType::float32, {b, h, sq, sk}, th),
         ds = contiguous(DType::float32, {h}, th);
     x.dbias = db.view(false);
     x.dsinks = ds.view(false);
-    flashdl::backward(dout.view(false), q.view(false), k.view(false), v.view(false), out.view(false),
-                      lse.view(false), dq.view(false), dk.view(false), dv.view(false), x);
+    flashdl::backward(dout.view(false), q.view(false), k.view(false), v.view(false),
+                      out.view(false), lse.view(false), dq.view(false), dk.view(false),
+                      dv.view(false), x);
     t.sync();
     const auto a = db.values_dev(), c = ds.values_dev();
     if (rep == 0) {
@@ -628,10 +662,13 @@ bool run_determinism(const Target& t) {
 bool run_batch0(const Target& t) {
   const bool th = t.host;
   const int64_t sq = 9, sk = 12, h = 2, d = 32;
-  Arr q = contiguous(DType::bfloat16, {0, sq, h, d}, th), k = contiguous(DType::bfloat16, {0, sk, h, d}, th),
-      v = contiguous(DType::bfloat16, {0, sk, h, d}, th), o = contiguous(DType::bfloat16, {0, sq, h, d}, th),
+  Arr q = contiguous(DType::bfloat16, {0, sq, h, d}, th),
+      k = contiguous(DType::bfloat16, {0, sk, h, d}, th),
+      v = contiguous(DType::bfloat16, {0, sk, h, d}, th),
+      o = contiguous(DType::bfloat16, {0, sq, h, d}, th),
       lse = contiguous(DType::float32, {0, h, sq}, th);
-  Arr bias = contiguous(DType::float16, {1, h, sq, sk}, th), dbias = contiguous(DType::float16, {1, h, sq, sk}, th);
+  Arr bias = contiguous(DType::float16, {1, h, sq, sk}, th),
+      dbias = contiguous(DType::float16, {1, h, sq, sk}, th);
   Arr sinks = contiguous(DType::float32, {h}, th), dsinks = contiguous(DType::float32, {h}, th);
   for (int64_t e = 0; e < bias.numel(); ++e) bias.set(e, 0.5);
   for (int64_t e = 0; e < h; ++e) sinks.set(e, 1.0);
@@ -663,34 +700,54 @@ int main(int argc, char** argv) {
     std::vector<Case> cases;
     const DType f16 = DType::float16, bf16 = DType::bfloat16, f32 = DType::float32;
     // The quick set: one case per feature and kernel.
-    cases.push_back({f16, Schedule::fa2, false, 2, 70, 150, 4, 2, 64, false, -1, -1, Bcast::none, f32, Bcast::none, true, true, false});
-    cases.push_back({bf16, Schedule::fa1, false, 2, 70, 150, 4, 2, 64, true, -1, -1, Bcast::none, f32, Bcast::none, true, true, false});
-    cases.push_back({f16, Schedule::fa2, false, 2, 70, 150, 4, 2, 64, false, -1, -1, Bcast::full, f16, Bcast::none, false, false, false});
-    cases.push_back({bf16, Schedule::fa2, false, 2, 70, 150, 4, 2, 64, true, -1, -1, Bcast::heads1, f32, Bcast::full, true, false, false});
-    cases.push_back({f16, Schedule::fa1, false, 2, 70, 150, 4, 2, 64, false, 30, 10, Bcast::batch1_transposed, bf16, Bcast::heads1, false, false, false});
-    cases.push_back({f16, Schedule::fa2, false, 2, 70, 150, 4, 2, 64, false, -1, -1, Bcast::h0, f32, Bcast::full, false, false, true});
-    cases.push_back({bf16, Schedule::fa1, false, 1, 40, 150, 2, 1, 64, false, -1, -1, Bcast::none, f32, Bcast::full, false, false, true});
+    cases.push_back({f16, Schedule::fa2, false, 2, 70, 150, 4, 2, 64, false, -1, -1, Bcast::none,
+                     f32, Bcast::none, true, true, false});
+    cases.push_back({bf16, Schedule::fa1, false, 2, 70, 150, 4, 2, 64, true, -1, -1, Bcast::none,
+                     f32, Bcast::none, true, true, false});
+    cases.push_back({f16, Schedule::fa2, false, 2, 70, 150, 4, 2, 64, false, -1, -1, Bcast::full,
+                     f16, Bcast::none, false, false, false});
+    cases.push_back({bf16, Schedule::fa2, false, 2, 70, 150, 4, 2, 64, true, -1, -1, Bcast::heads1,
+                     f32, Bcast::full, true, false, false});
+    cases.push_back({f16, Schedule::fa1, false, 2, 70, 150, 4, 2, 64, false, 30, 10,
+                     Bcast::batch1_transposed, bf16, Bcast::heads1, false, false, false});
+    cases.push_back({f16, Schedule::fa2, false, 2, 70, 150, 4, 2, 64, false, -1, -1, Bcast::h0, f32,
+                     Bcast::full, false, false, true});
+    cases.push_back({bf16, Schedule::fa1, false, 1, 40, 150, 2, 1, 64, false, -1, -1, Bcast::none,
+                     f32, Bcast::full, false, false, true});
     // Backward with dbias: full-size (direct: each element once, deterministic too) and broadcast
     // (atomics into the float32 accumulator), with masks, sinks and NaN at hidden keys.
-    cases.push_back({f16, Schedule::fa2, false, 2, 70, 150, 4, 2, 64, false, -1, -1, Bcast::full, f32, Bcast::full, true, true, false});
-    cases.push_back({bf16, Schedule::fa2, true, 2, 70, 150, 4, 2, 64, true, -1, -1, Bcast::full, bf16, Bcast::heads1, false, true, false});
-    cases.push_back({f16, Schedule::fa2, false, 2, 70, 150, 4, 2, 64, false, 30, 10, Bcast::heads1, f16, Bcast::none, false, true, false});
-    cases.push_back({bf16, Schedule::fa1, false, 2, 70, 150, 4, 2, 64, false, -1, -1, Bcast::batch1_transposed, f32, Bcast::full, true, true, true});
-    cases.push_back({f16, Schedule::fa2, true, 1, 40, 150, 2, 1, 64, false, -1, -1, Bcast::none, f32, Bcast::full, false, true, true});
+    cases.push_back({f16, Schedule::fa2, false, 2, 70, 150, 4, 2, 64, false, -1, -1, Bcast::full,
+                     f32, Bcast::full, true, true, false});
+    cases.push_back({bf16, Schedule::fa2, true, 2, 70, 150, 4, 2, 64, true, -1, -1, Bcast::full,
+                     bf16, Bcast::heads1, false, true, false});
+    cases.push_back({f16, Schedule::fa2, false, 2, 70, 150, 4, 2, 64, false, 30, 10, Bcast::heads1,
+                     f16, Bcast::none, false, true, false});
+    cases.push_back({bf16, Schedule::fa1, false, 2, 70, 150, 4, 2, 64, false, -1, -1,
+                     Bcast::batch1_transposed, f32, Bcast::full, true, true, true});
+    cases.push_back({f16, Schedule::fa2, true, 1, 40, 150, 2, 1, 64, false, -1, -1, Bcast::none,
+                     f32, Bcast::full, false, true, true});
     // deterministic=True with a broadcast bias: dbias by fa2's own kernel (fa2_dbias.cuh)
-    cases.push_back({f16, Schedule::fa2, true, 2, 70, 150, 4, 2, 64, true, -1, -1, Bcast::heads1, f32, Bcast::full, true, true, false});
-    cases.push_back({bf16, Schedule::fa2, true, 2, 70, 150, 4, 2, 64, false, 30, 10, Bcast::batch1_transposed, bf16, Bcast::none, false, true, true});
-    cases.push_back({bf16, Schedule::fa1, true, 2, 70, 150, 4, 2, 64, true, -1, -1, Bcast::heads1, f32, Bcast::full, true, true, false});
+    cases.push_back({f16, Schedule::fa2, true, 2, 70, 150, 4, 2, 64, true, -1, -1, Bcast::heads1,
+                     f32, Bcast::full, true, true, false});
+    cases.push_back({bf16, Schedule::fa2, true, 2, 70, 150, 4, 2, 64, false, 30, 10,
+                     Bcast::batch1_transposed, bf16, Bcast::none, false, true, true});
+    cases.push_back({bf16, Schedule::fa1, true, 2, 70, 150, 4, 2, 64, true, -1, -1, Bcast::heads1,
+                     f32, Bcast::full, true, true, false});
     if (!cli.quick) {
       for (Schedule s : {Schedule::fa1, Schedule::fa2})
         for (DType dt : {f16, bf16})
           for (Bcast m : {Bcast::none, Bcast::full, Bcast::batch1_transposed})
-            cases.push_back({dt, s, false, 2, 100, 200, 4, 1, 128, true, -1, -1, Bcast::full, dt, m, true, true, false});
+            cases.push_back({dt, s, false, 2, 100, 200, 4, 1, 128, true, -1, -1, Bcast::full, dt, m,
+                             true, true, false});
       for (bool det : {false, true})
-        cases.push_back({f16, Schedule::fa2, det, 2, 129, 257, 4, 4, 96, false, 50, 50, Bcast::full, f32, Bcast::heads1, true, true, true});
-      cases.push_back({bf16, Schedule::fa1, false, 3, 129, 90, 6, 2, 32, true, -1, -1, Bcast::heads1, bf16, Bcast::batch1_transposed, true, true, false});
-      cases.push_back({f16, Schedule::fa2, true, 2, 100, 200, 4, 1, 128, false, -1, -1, Bcast::heads1, f16, Bcast::heads1, true, true, false});
-      cases.push_back({bf16, Schedule::fa2, true, 3, 129, 90, 6, 2, 256, true, -1, -1, Bcast::heads1, f32, Bcast::batch1_transposed, false, true, false});
+        cases.push_back({f16, Schedule::fa2, det, 2, 129, 257, 4, 4, 96, false, 50, 50, Bcast::full,
+                         f32, Bcast::heads1, true, true, true});
+      cases.push_back({bf16, Schedule::fa1, false, 3, 129, 90, 6, 2, 32, true, -1, -1,
+                       Bcast::heads1, bf16, Bcast::batch1_transposed, true, true, false});
+      cases.push_back({f16, Schedule::fa2, true, 2, 100, 200, 4, 1, 128, false, -1, -1,
+                       Bcast::heads1, f16, Bcast::heads1, true, true, false});
+      cases.push_back({bf16, Schedule::fa2, true, 3, 129, 90, 6, 2, 256, true, -1, -1,
+                       Bcast::heads1, f32, Bcast::batch1_transposed, false, true, false});
     }
     int failures = 0;
     uint32_t seed = 1;
@@ -730,8 +787,7 @@ int main(int argc, char** argv) {
         return run_varlen(t, vc.dt, vc.s, vc.det, vc.bias, vc.causal, seed);
       });
     }
-    if (cli.selected("batch 0"))
-      failures += run_case("batch 0", [&] { return run_batch0(t); });
+    if (cli.selected("batch 0")) failures += run_case("batch 0", [&] { return run_batch0(t); });
     if (!t.host && cli.selected("deterministic"))
       failures += run_case("deterministic dbias/dsinks", [&] { return run_determinism(t); });
     if (!t.host && cli.selected("all-true")) {

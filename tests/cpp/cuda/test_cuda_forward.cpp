@@ -44,16 +44,16 @@ struct Case {
 const Case kCases[] = {
     {2, 17, 17, 4, 4, false, -1, -1, Kind::contiguous, false, false},
     {2, 17, 17, 4, 4, true, -1, -1, Kind::contiguous, true, false},
-    {1, 1, 257, 4, 1, false, -1, -1, Kind::transposed, false, false},   // MQA
-    {1, 1, 257, 4, 2, true, -1, -1, Kind::padded, false, false},        // GQA
+    {1, 1, 257, 4, 1, false, -1, -1, Kind::transposed, false, false},  // MQA
+    {1, 1, 257, 4, 2, true, -1, -1, Kind::padded, false, false},       // GQA
     {2, 257, 1000, 2, 1, true, -1, -1, Kind::transposed, false, true},
     {1, 1000, 257, 2, 2, true, -1, -1, Kind::contiguous, true, false},  // 743 empty rows
     {1, 1000, 1000, 1, 1, false, -1, -1, Kind::odd, false, false},      // no 16-byte rows
     {1, 257, 257, 2, 1, false, 32, 8, Kind::padded, false, true},       // sliding window
     {1, 100, 130, 2, 2, false, -1, 5, Kind::contiguous, false, false},
     {1, 130, 100, 2, 2, true, 20, -1, Kind::odd, true, false},
-    {1, 300, 40, 1, 1, false, 0, 0, Kind::contiguous, false, false},    // diagonal only
-    {1, 5, 0, 2, 1, false, -1, -1, Kind::contiguous, false, false},     // no keys at all
+    {1, 300, 40, 1, 1, false, 0, 0, Kind::contiguous, false, false},  // diagonal only
+    {1, 5, 0, 2, 1, false, -1, -1, Kind::contiguous, false, false},   // no keys at all
 };
 
 const int kHeadDims[] = {32, 64, 96, 128, 192, 256};
@@ -300,7 +300,8 @@ std::vector<PlantPlan> plant_plans(const Cli& cli) {
   v[0].dims = all_dims;
   v[1].dims = all_dims;
   // seqlen_q > seqlen_k, causal: the last keys are seen by the last rows only; odd strides
-  v.push_back({{2, 300, 200, 4, 2, true, -1, -1, Kind::odd, true, false}, {150, 198, 199}, {64, 256}});
+  v.push_back(
+      {{2, 300, 200, 4, 2, true, -1, -1, Kind::odd, true, false}, {150, 198, 199}, {64, 256}});
   // both window sides, many blocks, transposed storage
   v.push_back({{1, 257, 257, 2, 2, false, 32, 8, Kind::transposed, false, true},
                {0, 40, 129, 256},
@@ -320,8 +321,9 @@ int run_planted(const Target& t, const Cli& cli) {
       auto hk = random_values(s.b * s.sk * s.hk * d, rng);
       auto hv = random_values(s.b * s.sk * s.hk * d, rng);
       const Oracle ref = reference(c, s, hq, hk, hv);
-      const std::vector<char> blind =
-          rows_blind_to(s.sq, ps[pi].keys, [&](int64_t i, int64_t j) { return s.visible(i, j); });
+      const std::vector<char> blind = rows_blind_to(s.sq, ps[pi].keys, [&](int64_t i, int64_t j) {
+        return s.visible(i, j);
+      });
       size_t n_blind = 0;
       for (char b : blind) n_blind += size_t(b);
       std::vector<float> pk = hk, pv = hv;
@@ -374,13 +376,16 @@ std::vector<ModPlan> mod_plans(const Cli& cli) {
     };
   return {
       // softcap alone, no mask: the unmasked (full-block) path, GQA
-      {{2, 97, 130, 4, 2, false, -1, -1, Kind::contiguous, false, true}, {2.0, Alibi::none},
+      {{2, 97, 130, 4, 2, false, -1, -1, Kind::contiguous, false, true},
+       {2.0, Alibi::none},
        all_dims},
       // ALiBi (nheads,), causal with seqlen_q > seqlen_k: 33 empty rows
-      {{2, 130, 97, 4, 4, true, -1, -1, Kind::transposed, true, false}, {0.0, Alibi::heads},
+      {{2, 130, 97, 4, 4, true, -1, -1, Kind::transposed, true, false},
+       {0.0, Alibi::heads},
        {64, 128}},
       // ALiBi (batch, nheads) with padded rows, MQA, sliding window
-      {{2, 257, 300, 4, 1, false, 32, 8, Kind::padded, false, true}, {0.0, Alibi::strided},
+      {{2, 257, 300, 4, 1, false, 32, 8, Kind::padded, false, true},
+       {0.0, Alibi::strided},
        {64, 256}},
       // both, causal, GQA, every head dim
       {{2, 300, 200, 4, 2, true, -1, -1, Kind::contiguous, true, false},

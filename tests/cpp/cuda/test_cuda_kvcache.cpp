@@ -78,7 +78,20 @@ std::vector<KvCase> cases(const Cli& cli) {
       {2, 0, 4, 2, 64, 3, {10, 61}, 16, false, -1, -1, C, kNoMods, {0}},
       // attention sinks (the sink in each row's denominator once, whatever the splits)
       {2, 1, 4, 2, 300, 1, {150, 0}, 16, true, -1, -1, C, kNoMods, {1, 0, 3}, kSinks4},
-      {1, 3, 8, 1, 900, 2, {800}, 0, false, 40, 4, O, {2.0, Alibi::batch_heads}, {1, 0, 5},
+      {1,
+       3,
+       8,
+       1,
+       900,
+       2,
+       {800},
+       0,
+       false,
+       40,
+       4,
+       O,
+       {2.0, Alibi::batch_heads},
+       {1, 0, 5},
        kSinks8},
       {2, 4, 8, 2, 700, 4, {600, 33}, 0, true, -1, -1, T, kNoMods, {1, 4}, kSinks8},
   };
@@ -144,8 +157,8 @@ KvResult run_target(const Target& t, const KvCase& c, int64_t d, DType dt, const
   const bool append = c.seqlen_new > 0;
   flashdl::forward_kvcache(view_of(q, dt, lq, 4), view_of(kc, dt, cl.L, 4),
                            view_of(vc, dt, cl.L, 4), lens_v, append ? view_of(kn, dt, ln, 4) : none,
-                           append ? view_of(vn, dt, ln, 4) : none, table_v,
-                           view_of(out, dt, lq, 4), view_of(lse, DType::float32, ll, 3), o);
+                           append ? view_of(vn, dt, ln, 4) : none, table_v, view_of(out, dt, lq, 4),
+                           view_of(lse, DType::float32, ll, 3), o);
   t.sync();
 
   KvResult r;
@@ -280,10 +293,11 @@ int run_nonfinite(const Target& t, const Cli& cli) {
                 }
             const bool ok = err <= tol && g.gaps_untouched && g.cache_ok && seeing > 0 &&
                             seeing_finite == 0;
-            std::printf("%s %s | blind rows err %.2e tol %.2e; %lld of %lld rows that see a "
-                        "planted key finite\n",
-                        ok ? "ok  " : "FAIL", label.c_str(), err, tol, (long long)seeing_finite,
-                        (long long)seeing);
+            std::printf(
+                "%s %s | blind rows err %.2e tol %.2e; %lld of %lld rows that see a "
+                "planted key finite\n",
+                ok ? "ok  " : "FAIL", label.c_str(), err, tol, (long long)seeing_finite,
+                (long long)seeing);
             return ok;
           });
         }
@@ -296,7 +310,7 @@ int run_nonfinite(const Target& t, const Cli& cli) {
 // The same call 50 times: bitwise equal out and lse (each split's CTA merges its warps and the
 // combine its splits in a fixed order, so a difference would be a race).
 int run_race(const Target& t, const Cli& cli) {
-  const KvCase c{2, 2, 8, 2, 2000, 0, {1999, 1500}, 16, true, -1, -1, Kind::contiguous,
+  const KvCase c{2,       2,  8, 2, 2000, 0, {1999, 1500}, 16, true, -1, -1, Kind::contiguous,
                  kNoMods, {0}};
   const int64_t d = 128;
   const std::string label = "race x50 " + label_of(c, d, DType::float16, 0);
@@ -464,8 +478,8 @@ int run_extras(const Target& t, const Cli& cli) {
       char buf[200];
       std::snprintf(buf, sizeof buf, "kvcache bias+mask %s case %zu d=%lld %s%s splits=%lld%s%s",
                     flashdl::dtype_name(dt), ci, (long long)c.d, c.page ? "paged " : "",
-                    c.full_bias ? "full bias" : "bias (1, h, 1, cap) stride 0",
-                    (long long)c.splits, c.sinks ? " sinks" : "", c.pad.empty() ? "" : " leftpad");
+                    c.full_bias ? "full bias" : "bias (1, h, 1, cap) stride 0", (long long)c.splits,
+                    c.sinks ? " sinks" : "", c.pad.empty() ? "" : " leftpad");
       const std::string label = buf;
       if (!cli.selected(label)) continue;
       failures += run_case(label, [&] {
@@ -491,7 +505,8 @@ int run_extras(const Target& t, const Cli& cli) {
         for (int64_t bb = 0; bb < c.b; ++bb)  // (columns are cache positions: j + leftpad)
           for (const int64_t j : hidden_keys)
             for (int64_t i = 0; i < c.sq; ++i)
-              mask[size_t((bb * c.sq + i) * c.cap + j + (c.pad.empty() ? 0 : c.pad[size_t(bb)]))] = 0;
+              mask[size_t((bb * c.sq + i) * c.cap + j + (c.pad.empty() ? 0 : c.pad[size_t(bb)]))] =
+                  0;
         std::vector<float> sinks = random_values(c.h, rng);
         std::vector<int32_t> table;
         for (int64_t i = 0; i < c.b * per; ++i) table.push_back(int32_t((i * 7 + 3) % npages));
@@ -543,14 +558,17 @@ int run_extras(const Target& t, const Cli& cli) {
           o.num_splits = c.splits;
           const auto dev = bb_.device();
           o.bias = c.full_bias
-                       ? flashdl::TensorView{bb_.ptr, DType::float32, dev, 4, {c.b, c.h, c.sq, c.cap},
+                       ? flashdl::TensorView{bb_.ptr,
+                                             DType::float32,
+                                             dev,
+                                             4,
+                                             {c.b, c.h, c.sq, c.cap},
                                              {c.h * c.sq * c.cap, c.sq * c.cap, c.cap, 1}}
-                       : flashdl::TensorView{bb_.ptr, DType::float32, dev, 4, {c.b, c.h, c.sq, c.cap},
-                                             {0, c.cap, 0, 1}};
-          o.mask = flashdl::TensorView{bm.ptr, DType::boolean, dev, 4, {c.b, 1, c.sq, c.cap},
-                                       {c.sq * c.cap, 0, c.cap, 1}};
-          if (c.sinks)
-            o.sinks = flashdl::TensorView{bs.ptr, DType::float32, dev, 1, {c.h}, {1}};
+                       : flashdl::TensorView{bb_.ptr, DType::float32,          dev,
+                                             4,       {c.b, c.h, c.sq, c.cap}, {0, c.cap, 0, 1}};
+          o.mask = flashdl::TensorView{bm.ptr, DType::boolean,        dev,
+                                       4,      {c.b, 1, c.sq, c.cap}, {c.sq * c.cap, 0, c.cap, 1}};
+          if (c.sinks) o.sinks = flashdl::TensorView{bs.ptr, DType::float32, dev, 1, {c.h}, {1}};
           std::vector<int32_t> lens = c.lens, pad = c.pad, tab = table;
           flashdl::KvCacheExtras x;
           if (!pad.empty()) x.cache_leftpad = flashdl::make_view(pad.data(), DType::int32, {c.b});

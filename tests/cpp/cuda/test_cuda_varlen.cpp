@@ -47,7 +47,9 @@ struct Mask {
   bool causal;
   int64_t left, right;
 };
-const Mask kMasks[] = {{"full", false, -1, -1}, {"causal", true, -1, -1}, {"window(24,3)", false, 24, 3}};
+const Mask kMasks[] = {{"full", false, -1, -1},
+                       {"causal", true, -1, -1},
+                       {"window(24,3)", false, 24, 3}};
 
 std::vector<int32_t> offsets(const std::vector<int32_t>& lens) {
   std::vector<int32_t> cu(1, 0);
@@ -100,7 +102,8 @@ std::vector<double> values_of(const std::vector<uint16_t>& b, DType dt) {
   return x;
 }
 
-flashdl::TensorView packed_view(const Buffer& buf, DType dt, int64_t rows, int64_t heads, int64_t d) {
+flashdl::TensorView packed_view(const Buffer& buf, DType dt, int64_t rows, int64_t heads,
+                                int64_t d) {
   return flashdl::TensorView{buf.ptr, dt, buf.device(), 3, {rows, heads, d}, {heads * d, d, 1}};
 }
 
@@ -124,7 +127,8 @@ int run_case_set(const Target& t, const Cli& cli, DType dt, int64_t d, const Mas
     Sequence s{kLensQ[size_t(b)], kLensK[size_t(b)], {}, {}, {}, {}};
     const Shape sh = shape_of(s.sq, s.sk, d, mask);
     s.in = BwdInputs{random_values(s.sq * kHeads * d, rng), random_values(s.sk * kHeadsKv * d, rng),
-                     random_values(s.sk * kHeadsKv * d, rng), random_values(s.sq * kHeads * d, rng)};
+                     random_values(s.sk * kHeadsKv * d, rng),
+                     random_values(s.sq * kHeads * d, rng)};
     s.ref = reference_backward(sh, options_of(mask), s.in, true);
     naive_lowp(sh, s.in.q, s.in.k, s.in.v, dt, s.lowp_out);
     std::vector<float> out_f(s.ref.out.size());
@@ -163,8 +167,10 @@ int run_case_set(const Target& t, const Cli& cli, DType dt, int64_t d, const Mas
   dev_cu_q.upload(cu_q);
   dev_cu_k.upload(cu_k);
   const auto cu_len = int64_t(cu_q.size());
-  const auto host_cu_q = flashdl::make_view(const_cast<int32_t*>(cu_q.data()), DType::int32, {cu_len});
-  const auto host_cu_k = flashdl::make_view(const_cast<int32_t*>(cu_k.data()), DType::int32, {cu_len});
+  const auto host_cu_q = flashdl::make_view(const_cast<int32_t*>(cu_q.data()), DType::int32,
+                                            {cu_len});
+  const auto host_cu_k = flashdl::make_view(const_cast<int32_t*>(cu_k.data()), DType::int32,
+                                            {cu_len});
 
   int failures = 0;
   for (const Variant& var : kVariants)
@@ -187,30 +193,40 @@ int run_case_set(const Target& t, const Cli& cli, DType dt, int64_t d, const Mas
         o.schedule = var.schedule;
         o.deterministic = var.deterministic;
         o.stream = t.stream;
-        const auto cq = cu_on_device ? flashdl::TensorView{dev_cu_q.ptr, DType::int32, dev_cu_q.device(), 1, {cu_len}, {1}}
-                                     : host_cu_q;
-        const auto ck = cu_on_device ? flashdl::TensorView{dev_cu_k.ptr, DType::int32, dev_cu_k.device(), 1, {cu_len}, {1}}
-                                     : host_cu_k;
+        const auto cq = cu_on_device
+                            ? flashdl::TensorView{dev_cu_q.ptr, DType::int32, dev_cu_q.device(), 1,
+                                                  {cu_len},     {1}}
+                            : host_cu_q;
+        const auto ck = cu_on_device
+                            ? flashdl::TensorView{dev_cu_k.ptr, DType::int32, dev_cu_k.device(), 1,
+                                                  {cu_len},     {1}}
+                            : host_cu_k;
         // One spare row after the packed rows: it belongs to no sequence and must stay NaN.
-        Buffer out((size_t(total_q + 1) * kHeads * d) * 2, host), lse(size_t(kHeads * (total_q + 1)) * 4, host);
-        Buffer dq((size_t(total_q + 1) * kHeads * d) * 2, host), dk((size_t(total_k + 1) * kHeadsKv * d) * 2, host),
+        Buffer out((size_t(total_q + 1) * kHeads * d) * 2, host),
+            lse(size_t(kHeads * (total_q + 1)) * 4, host);
+        Buffer dq((size_t(total_q + 1) * kHeads * d) * 2, host),
+            dk((size_t(total_k + 1) * kHeadsKv * d) * 2, host),
             dv((size_t(total_k + 1) * kHeadsKv * d) * 2, host);
         for (Buffer* b : {&out, &lse, &dq, &dk, &dv}) b->poison();
-        const auto lse_view = flashdl::TensorView{lse.ptr, DType::float32, lse.device(), 2,
-                                                  {kHeads, total_q}, {total_q + 1, 1}};
-        flashdl::forward_varlen(packed_view(bq, dt, total_q, kHeads, d), packed_view(bk, dt, total_k, kHeadsKv, d),
+        const auto lse_view = flashdl::TensorView{lse.ptr, DType::float32,    lse.device(),
+                                                  2,       {kHeads, total_q}, {total_q + 1, 1}};
+        flashdl::forward_varlen(packed_view(bq, dt, total_q, kHeads, d),
+                                packed_view(bk, dt, total_k, kHeadsKv, d),
                                 packed_view(bv, dt, total_k, kHeadsKv, d), cq, ck, max_q, max_k,
                                 packed_view(out, dt, total_q, kHeads, d), lse_view, o);
         flashdl::backward_varlen(
             packed_view(bdo, dt, total_q, kHeads, d), packed_view(bq, dt, total_q, kHeads, d),
             packed_view(bk, dt, total_k, kHeadsKv, d), packed_view(bv, dt, total_k, kHeadsKv, d),
             packed_view(bos, dt, total_q, kHeads, d),
-            flashdl::TensorView{bls.ptr, DType::float32, bls.device(), 2, {kHeads, total_q}, {total_q, 1}},
+            flashdl::TensorView{
+                bls.ptr, DType::float32, bls.device(), 2, {kHeads, total_q}, {total_q, 1}},
             cq, ck, max_q, max_k, packed_view(dq, dt, total_q, kHeads, d),
-            packed_view(dk, dt, total_k, kHeadsKv, d), packed_view(dv, dt, total_k, kHeadsKv, d), o);
+            packed_view(dk, dt, total_k, kHeadsKv, d), packed_view(dv, dt, total_k, kHeadsKv, d),
+            o);
         t.sync();
-        const std::vector<uint16_t> out_b = out.download<uint16_t>(), dq_b = dq.download<uint16_t>(),
-                                    dk_b = dk.download<uint16_t>(), dv_b = dv.download<uint16_t>();
+        const std::vector<uint16_t> out_b = out.download<uint16_t>(),
+                                    dq_b = dq.download<uint16_t>(), dk_b = dk.download<uint16_t>(),
+                                    dv_b = dv.download<uint16_t>();
         const std::vector<float> lse_h = lse.download<float>();
         const std::vector<double> out_all = values_of(out_b, dt), dq_all = values_of(dq_b, dt),
                                   dk_all = values_of(dk_b, dt), dv_all = values_of(dv_b, dt);
@@ -236,13 +252,18 @@ int run_case_set(const Target& t, const Cli& cli, DType dt, int64_t d, const Mas
               const float want = s.ref.lse[size_t(h * s.sq + i)];
               const float got = lse_h[size_t(h * (total_q + 1) + q0 + i)];
               const bool good = std::isinf(want) ? got == want
-                                                 : std::fabs(double(got) - want) <= 1e-3 + 1e-4 * std::fabs(want);
+                                                 : std::fabs(double(got) - want) <=
+                                                       1e-3 + 1e-4 * std::fabs(want);
               if (!good) ok = false, why += " [lse of sequence " + std::to_string(b) + "]";
             }
-          const GradError eq = grad_error(rows_of(dq_all, q0, s.sq, kHeads, d), s.ref.dq, s.lowp.dq, dt);
-          const GradError ek = grad_error(rows_of(dk_all, k0, s.sk, kHeadsKv, d), s.ref.dk, s.lowp.dk, dt);
-          const GradError ev = grad_error(rows_of(dv_all, k0, s.sk, kHeadsKv, d), s.ref.dv, s.lowp.dv, dt);
-          if (!eq.ok() || !ek.ok() || !ev.ok()) ok = false, why += " [gradients of sequence " + std::to_string(b) + "]";
+          const GradError eq = grad_error(rows_of(dq_all, q0, s.sq, kHeads, d), s.ref.dq, s.lowp.dq,
+                                          dt);
+          const GradError ek = grad_error(rows_of(dk_all, k0, s.sk, kHeadsKv, d), s.ref.dk,
+                                          s.lowp.dk, dt);
+          const GradError ev = grad_error(rows_of(dv_all, k0, s.sk, kHeadsKv, d), s.ref.dv,
+                                          s.lowp.dv, dt);
+          if (!eq.ok() || !ek.ok() || !ev.ok())
+            ok = false, why += " [gradients of sequence " + std::to_string(b) + "]";
         }
         // The spare rows: no sequence's, never written.
         auto spare_untouched = [](const std::vector<uint16_t>& x, int64_t from) {
@@ -250,8 +271,10 @@ int run_case_set(const Target& t, const Cli& cli, DType dt, int64_t d, const Mas
             if (x[i] != 0xffff) return false;
           return true;
         };
-        if (!spare_untouched(out_b, total_q * kHeads * d) || !spare_untouched(dq_b, total_q * kHeads * d) ||
-            !spare_untouched(dk_b, total_k * kHeadsKv * d) || !spare_untouched(dv_b, total_k * kHeadsKv * d))
+        if (!spare_untouched(out_b, total_q * kHeads * d) ||
+            !spare_untouched(dq_b, total_q * kHeads * d) ||
+            !spare_untouched(dk_b, total_k * kHeadsKv * d) ||
+            !spare_untouched(dv_b, total_k * kHeadsKv * d))
           ok = false, why += " [wrote past the packed rows]";
         for (int64_t h = 0; h < kHeads; ++h)
           if (float_to_bits(lse_h[size_t(h * (total_q + 1) + total_q)]) != 0xffffffffu)
@@ -264,26 +287,54 @@ int run_case_set(const Target& t, const Cli& cli, DType dt, int64_t d, const Mas
             const Sequence& s = seqs[size_t(b)];
             if (s.sq == 0) continue;
             const int64_t q0 = cu_q[size_t(b)], k0 = cu_k[size_t(b)];
-            Buffer aq(size_t(s.sq * kHeads * d) * 2, host), ak(size_t(s.sk * kHeadsKv * d) * 2, host),
+            Buffer aq(size_t(s.sq * kHeads * d) * 2, host),
+                ak(size_t(s.sk * kHeadsKv * d) * 2, host),
                 av(size_t(s.sk * kHeadsKv * d) * 2, host), ao(size_t(s.sq * kHeads * d) * 2, host),
                 al(size_t(kHeads * s.sq) * 4, host);
             aq.upload(bits_of(s.in.q, dt));
             ak.upload(bits_of(s.in.k, dt));
             av.upload(bits_of(s.in.v, dt));
-            flashdl::forward(
-                flashdl::TensorView{aq.ptr, dt, aq.device(), 4, {1, s.sq, kHeads, d}, {s.sq * kHeads * d, kHeads * d, d, 1}},
-                flashdl::TensorView{ak.ptr, dt, ak.device(), 4, {1, s.sk, kHeadsKv, d}, {s.sk * kHeadsKv * d, kHeadsKv * d, d, 1}},
-                flashdl::TensorView{av.ptr, dt, av.device(), 4, {1, s.sk, kHeadsKv, d}, {s.sk * kHeadsKv * d, kHeadsKv * d, d, 1}},
-                flashdl::TensorView{ao.ptr, dt, ao.device(), 4, {1, s.sq, kHeads, d}, {s.sq * kHeads * d, kHeads * d, d, 1}},
-                flashdl::TensorView{al.ptr, DType::float32, al.device(), 3, {1, kHeads, s.sq}, {kHeads * s.sq, s.sq, 1}}, o);
+            flashdl::forward(flashdl::TensorView{aq.ptr,
+                                                 dt,
+                                                 aq.device(),
+                                                 4,
+                                                 {1, s.sq, kHeads, d},
+                                                 {s.sq * kHeads * d, kHeads * d, d, 1}},
+                             flashdl::TensorView{ak.ptr,
+                                                 dt,
+                                                 ak.device(),
+                                                 4,
+                                                 {1, s.sk, kHeadsKv, d},
+                                                 {s.sk * kHeadsKv * d, kHeadsKv * d, d, 1}},
+                             flashdl::TensorView{av.ptr,
+                                                 dt,
+                                                 av.device(),
+                                                 4,
+                                                 {1, s.sk, kHeadsKv, d},
+                                                 {s.sk * kHeadsKv * d, kHeadsKv * d, d, 1}},
+                             flashdl::TensorView{ao.ptr,
+                                                 dt,
+                                                 ao.device(),
+                                                 4,
+                                                 {1, s.sq, kHeads, d},
+                                                 {s.sq * kHeads * d, kHeads * d, d, 1}},
+                             flashdl::TensorView{al.ptr,
+                                                 DType::float32,
+                                                 al.device(),
+                                                 3,
+                                                 {1, kHeads, s.sq},
+                                                 {kHeads * s.sq, s.sq, 1}},
+                             o);
             t.sync();
             const std::vector<uint16_t> alone = ao.download<uint16_t>();
             if (std::memcmp(alone.data(), out_b.data() + q0 * kHeads * d, alone.size() * 2) != 0)
-              ok = false, why += " [fa2 out of sequence " + std::to_string(b) + " differs from it alone]";
+              ok = false,
+              why += " [fa2 out of sequence " + std::to_string(b) + " differs from it alone]";
             (void)k0;
           }
         }
-        std::printf("%s %s | out err %.2e%s\n", ok ? "ok  " : "FAIL", label.c_str(), worst, why.c_str());
+        std::printf("%s %s | out err %.2e%s\n", ok ? "ok  " : "FAIL", label.c_str(), worst,
+                    why.c_str());
         return ok;
       });
     }
@@ -390,17 +441,22 @@ int run_paged_case(const Target& t, const Cli& cli, const PagedCase& c, std::mt1
       const auto ln = int64_t(cq.size());
       const auto qv = packed_view(bq, c.dt, total_q, h, d);
       const auto ov = packed_view(bo, c.dt, total_q, h, d);
-      const auto lv = flashdl::TensorView{bl.ptr, DType::float32, bl.device(), 2, {h, total_q},
-                                          {total_q, 1}};
+      const auto lv = flashdl::TensorView{bl.ptr, DType::float32, bl.device(),
+                                          2,      {h, total_q},   {total_q, 1}};
       const auto cqv = flashdl::make_view(cq.data(), DType::int32, {ln});
       const auto ckv = flashdl::make_view(ck.data(), DType::int32, {ln});
       flashdl::PagedKv pk;
       flashdl::TensorView kv, vv;
       if (use_pages) {
         const int64_t d0 = paged ? num_pages : total_k;
-        kv = paged ? flashdl::TensorView{bk.ptr, c.dt, bk.device(), 4, {num_pages, ps, hk, d},
-                                         {ps * hk * hs, hk * hs, hs, 1}}
-                   : flashdl::TensorView{bk.ptr, c.dt, bk.device(), 3, {d0, hk, d}, {hk * hs, hs, 1}};
+        kv = paged
+                 ? flashdl::TensorView{bk.ptr,
+                                       c.dt,
+                                       bk.device(),
+                                       4,
+                                       {num_pages, ps, hk, d},
+                                       {ps * hk * hs, hk * hs, hs, 1}}
+                 : flashdl::TensorView{bk.ptr, c.dt, bk.device(), 3, {d0, hk, d}, {hk * hs, hs, 1}};
         vv = kv;
         vv.data = bv.ptr;
         if (paged) pk.block_table = flashdl::make_view(tb.data(), DType::int32, {batch, max_pages});
@@ -445,7 +501,8 @@ int run_paged_case(const Target& t, const Cli& cli, const PagedCase& c, std::mt1
       }
       for (size_t i = 0; i + 1 < cpu.lse.size(); ++i) {
         const float a = pag.lse[i], b = cpu.lse[i];
-        const bool good = std::isinf(b) ? a == b : std::fabs(double(a) - b) <= 1e-3 + 1e-4 * std::fabs(b);
+        const bool good = std::isinf(b) ? a == b
+                                        : std::fabs(double(a) - b) <= 1e-3 + 1e-4 * std::fabs(b);
         if (!good) {
           ok = false, why += " [lse differs from the CPU backend at " + std::to_string(i) + "]";
           break;
@@ -486,8 +543,9 @@ int run_paged_refusals(const Target& t, const Cli& cli) {
     bt.upload(tab);
     bcu.upload(cu);
     const auto qv = packed_view(bq, DType::float16, 4, kHeads, d);
-    const flashdl::TensorView kv{bk.ptr, DType::float16, bk.device(), 4, {2, 4, kHeadsKv, d},
-                                 {4 * kHeadsKv * d, kHeadsKv * d, d, 1}};
+    const flashdl::TensorView kv{
+        bk.ptr, DType::float16,      bk.device(),
+        4,      {2, 4, kHeadsKv, d}, {4 * kHeadsKv * d, kHeadsKv * d, d, 1}};
     const auto ov = packed_view(bo, DType::float16, 4, kHeads, d);
     const flashdl::TensorView lv{bl.ptr, DType::float32, bl.device(), 2, {kHeads, 4}, {4, 1}};
     const auto host_cu = flashdl::make_view(cu.data(), DType::int32, {2});
@@ -508,7 +566,8 @@ int run_paged_refusals(const Target& t, const Cli& cli) {
       return false;
     };
     flashdl::PagedKv dev_table, host_table;
-    dev_table.block_table = flashdl::TensorView{bt.ptr, DType::int32, bt.device(), 2, {1, 1}, {1, 1}};
+    dev_table.block_table = flashdl::TensorView{bt.ptr, DType::int32, bt.device(),
+                                                2,      {1, 1},       {1, 1}};
     host_table.block_table = flashdl::make_view(tab.data(), DType::int32, {1, 1});
     const bool ok = refused(host_cu, dev_table, "block_table") &&
                     refused(dev_cu, host_table, "cu_seqlens_q");
@@ -540,18 +599,63 @@ int main(int argc, char** argv) {
     const DType f16 = DType::float16, bf16 = DType::bfloat16;
     // Chunked prefill: new rows against the keys already in the pages, causal bottom-right; an
     // empty query sequence, one with no keys, pages smaller than a key tile.
-    const PagedCase quick{"float16 d=64 pages of 16 causal", f16, 64, {17, 0, 30, 1},
-                          {40, 9, 70, 0}, {}, 16, true, -1, fa2, 0};
+    const PagedCase quick{"float16 d=64 pages of 16 causal",
+                          f16,
+                          64,
+                          {17, 0, 30, 1},
+                          {40, 9, 70, 0},
+                          {},
+                          16,
+                          true,
+                          -1,
+                          fa2,
+                          0};
     std::vector<PagedCase> paged_cases{quick};
     if (!cli.quick) {
-      paged_cases.push_back({"bfloat16 d=128 pages of 256 full", bf16, 128, {64, 3, 100},
-                             {300, 600, 100}, {}, 256, false, -1, fa2, 0});
-      paged_cases.push_back({"float16 d=64 pages of 1 window(24,0) fa1", f16, 64, {20, 5},
-                             {50, 7}, {}, 1, true, 24, fa1, 0});
-      paged_cases.push_back({"bfloat16 d=64 pages of 48 seqused_k causal misaligned", bf16, 64,
-                             {30, 10, 4}, {200, 60, 96}, {150, 0, 96}, 48, true, -1, fa2, 3});
-      paged_cases.push_back({"float16 d=128 seqused_k only causal", f16, 128, {12, 40, 2},
-                             {90, 45, 0}, {70, 45, 0}, 0, true, -1, fa2, 0});
+      paged_cases.push_back({"bfloat16 d=128 pages of 256 full",
+                             bf16,
+                             128,
+                             {64, 3, 100},
+                             {300, 600, 100},
+                             {},
+                             256,
+                             false,
+                             -1,
+                             fa2,
+                             0});
+      paged_cases.push_back({"float16 d=64 pages of 1 window(24,0) fa1",
+                             f16,
+                             64,
+                             {20, 5},
+                             {50, 7},
+                             {},
+                             1,
+                             true,
+                             24,
+                             fa1,
+                             0});
+      paged_cases.push_back({"bfloat16 d=64 pages of 48 seqused_k causal misaligned",
+                             bf16,
+                             64,
+                             {30, 10, 4},
+                             {200, 60, 96},
+                             {150, 0, 96},
+                             48,
+                             true,
+                             -1,
+                             fa2,
+                             3});
+      paged_cases.push_back({"float16 d=128 seqused_k only causal",
+                             f16,
+                             128,
+                             {12, 40, 2},
+                             {90, 45, 0},
+                             {70, 45, 0},
+                             0,
+                             true,
+                             -1,
+                             fa2,
+                             0});
     }
     for (const PagedCase& c : paged_cases) failures += run_paged_case(t, cli, c, rng);
     failures += run_paged_refusals(t, cli);

@@ -43,8 +43,8 @@ class Span {
  public:
   Span(size_t bytes, bool host) : bytes_(bytes), host_(host) {
     if (host_) {
-      void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                     -1, 0);
+      void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
       if (p == MAP_FAILED) {
         std::fprintf(stderr, "mmap of %zu bytes failed\n", bytes);
         std::exit(1);
@@ -146,7 +146,8 @@ class Array {
   void upload(const std::vector<U>& x) const {
     for (int64_t o = 0; o < outer_count_; ++o) {
       std::vector<U> run = read_run(o);
-      for_each(o, [&](int64_t logical, int64_t in_run) { run[size_t(in_run)] = x[size_t(logical)]; });
+      for_each(o,
+               [&](int64_t logical, int64_t in_run) { run[size_t(in_run)] = x[size_t(logical)]; });
       span_->put((o * run_stride_ + 1) * int64_t(sizeof(U)), run.data(), run.size() * sizeof(U));
     }
   }
@@ -161,7 +162,8 @@ class Array {
         spares_ok &= raw[i] == 0xff && raw[raw.size() - 1 - i] == 0xff;
       std::vector<U> run(static_cast<size_t>(run_));
       std::memcpy(run.data(), raw.data() + sizeof(U), size_t(run_) * sizeof(U));
-      for_each(o, [&](int64_t logical, int64_t in_run) { x[size_t(logical)] = run[size_t(in_run)]; });
+      for_each(o,
+               [&](int64_t logical, int64_t in_run) { x[size_t(logical)] = run[size_t(in_run)]; });
     }
     return x;
   }
@@ -238,7 +240,8 @@ struct Compare {
   void nonzero(const char* name, const std::vector<uint16_t>& a, DType dt) {
     double m = 0.0;
     for (uint16_t x : a) m = std::fmax(m, std::fabs(double(from_bits(x, dt))));
-    if (!(m > 0.0) || std::isnan(m)) ok = false, why += std::string(" [") + name + " all zero or NaN]";
+    if (!(m > 0.0) || std::isnan(m))
+      ok = false, why += std::string(" [") + name + " all zero or NaN]";
   }
 };
 
@@ -263,9 +266,9 @@ struct DenseOut {
 DenseOut run_dense(const Target& t, bool wide, DType dt, const Variant& var, bool causal, bool bias,
                    const std::vector<std::vector<uint16_t>>& in, int64_t sq, int64_t sk) {
   Half q(t, {kB, sq, kH, kD}, wide), k(t, {kB, sk, kHk, kD}, wide), v(t, {kB, sk, kHk, kD}, wide),
-      dout(t, {kB, sq, kH, kD}, wide), out(t, {kB, sq, kH, kD}, wide), dq(t, {kB, sq, kH, kD}, wide),
-      dk(t, {kB, sk, kHk, kD}, wide), dv(t, {kB, sk, kHk, kD}, wide), bs(t, {kB, kH, sq, sk}, wide),
-      dbs(t, {kB, kH, sq, sk}, wide);
+      dout(t, {kB, sq, kH, kD}, wide), out(t, {kB, sq, kH, kD}, wide),
+      dq(t, {kB, sq, kH, kD}, wide), dk(t, {kB, sk, kHk, kD}, wide), dv(t, {kB, sk, kHk, kD}, wide),
+      bs(t, {kB, kH, sq, sk}, wide), dbs(t, {kB, kH, sq, sk}, wide);
   Float lse(t, {kB, kH, sq}, wide);
   q.upload(in[0]);
   k.upload(in[1]);
@@ -394,8 +397,10 @@ int varlen_cases(const Target& t, const Cli& cli, std::mt19937& rng) {
       if (!cli.selected(label)) continue;
       failures += run_case(label, [&] {
         const std::vector<std::vector<uint16_t>> in = {
-            bits_of(random_values(tq * kH * kD, rng), dt), bits_of(random_values(tk * kHk * kD, rng), dt),
-            bits_of(random_values(tk * kHk * kD, rng), dt), bits_of(random_values(tq * kH * kD, rng), dt)};
+            bits_of(random_values(tq * kH * kD, rng), dt),
+            bits_of(random_values(tk * kHk * kD, rng), dt),
+            bits_of(random_values(tk * kHk * kD, rng), dt),
+            bits_of(random_values(tq * kH * kD, rng), dt)};
         const VarlenOut a = run_varlen(t, false, dt, var, in);
         const VarlenOut w = run_varlen(t, true, dt, var, in);
         Compare c;
@@ -476,7 +481,8 @@ KvOut run_kvcache(const Target& t, bool wide, bool paged, int64_t splits, DType 
   const flashdl::TensorView none{};
   flashdl::forward_kvcache(q.view(dt), paged ? pool_view(*kpool) : kc_c->view(dt),
                            paged ? pool_view(*vpool) : vc_c->view(dt),
-                           flashdl::make_view(lens.data(), DType::int32, {kB}), kn.view(dt), vn.view(dt),
+                           flashdl::make_view(lens.data(), DType::int32, {kB}), kn.view(dt),
+                           vn.view(dt),
                            paged ? flashdl::make_view(table.data(), DType::int32, {kB, per}) : none,
                            out.view(dt), lse.view(DType::float32), o);
   t.sync();
@@ -515,7 +521,8 @@ int kvcache_cases(const Target& t, const Cli& cli, std::mt19937& rng) {
               bits_of(random_values(kB * kNew * kHk * kD, rng), dt),
               bits_of(random_values(kB * kCache * kHk * kD, rng), dt),
               bits_of(random_values(kB * kCache * kHk * kD, rng), dt),
-              bits_of(random_values(pool, rng), dt), bits_of(random_values(pool, rng), dt)};
+              bits_of(random_values(pool, rng), dt),
+              bits_of(random_values(pool, rng), dt)};
           const KvOut a = run_kvcache(t, false, paged, splits, dt, in);
           const KvOut w = run_kvcache(t, true, paged, splits, dt, in);
           Compare c;

@@ -174,36 +174,44 @@ struct Launcher {
       void (*kernel)(Ps...);
       std::tuple<std::decay_t<Ps>...>* args;
     } ctx{kernel, &args};
-    launch(cfg, [](void* c) {
-      auto* x = static_cast<Ctx*>(c);
-      std::apply(x->kernel, *x->args);  // every thread gets its own copy of the parameters
-    }, &ctx);
+    launch(
+        cfg,
+        [](void* c) {
+          auto* x = static_cast<Ctx*>(c);
+          std::apply(x->kernel, *x->args);  // every thread gets its own copy of the parameters
+        },
+        &ctx);
   }
 };
 template <typename... Ps>
 Launcher<Ps...> launcher(void (*kernel)(Ps...), dim3 grid, dim3 block, std::size_t smem,
                          cudaStream_t) {
-  return Launcher<Ps...>{kernel, LaunchConfig{grid, block, smem, reinterpret_cast<const void*>(kernel)}};
+  return Launcher<Ps...>{kernel,
+                         LaunchConfig{grid, block, smem, reinterpret_cast<const void*>(kernel)}};
 }
 
 template <typename T>
 struct ShuffleSlot {
   T value;
-  int src;   // lane to read
+  int src;  // lane to read
   T result;
 };
 template <typename T>
 T shuffle(unsigned mask, T v, int src) {
   static_assert(std::is_trivially_copyable<T>::value, "shuffled values are bit copies");
   ShuffleSlot<T> slot{v, src, v};
-  warp_collective(mask, kShuffle, &slot, [](void* const* s, void*) {
-    for (int l = 0; l < 32; ++l) {
-      if (!s[l]) continue;
-      auto* me = static_cast<ShuffleSlot<T>*>(s[l]);
-      const int from = me->src & 31;
-      if (s[from]) me->result = static_cast<ShuffleSlot<T>*>(s[from])->value;  // else: own value
-    }
-  }, nullptr);
+  warp_collective(
+      mask, kShuffle, &slot,
+      [](void* const* s, void*) {
+        for (int l = 0; l < 32; ++l) {
+          if (!s[l]) continue;
+          auto* me = static_cast<ShuffleSlot<T>*>(s[l]);
+          const int from = me->src & 31;
+          if (s[from])
+            me->result = static_cast<ShuffleSlot<T>*>(s[from])->value;  // else: own value
+        }
+      },
+      nullptr);
   return slot.result;
 }
 
@@ -213,13 +221,16 @@ struct VoteSlot {
 };
 inline unsigned ballot(unsigned mask, int pred) {
   VoteSlot slot{pred != 0, 0u};
-  warp_collective(mask, kVote, &slot, [](void* const* s, void*) {
-    unsigned b = 0;
-    for (int l = 0; l < 32; ++l)
-      if (s[l] && static_cast<VoteSlot*>(s[l])->pred) b |= 1u << l;
-    for (int l = 0; l < 32; ++l)
-      if (s[l]) static_cast<VoteSlot*>(s[l])->ballot = b;
-  }, nullptr);
+  warp_collective(
+      mask, kVote, &slot,
+      [](void* const* s, void*) {
+        unsigned b = 0;
+        for (int l = 0; l < 32; ++l)
+          if (s[l] && static_cast<VoteSlot*>(s[l])->pred) b |= 1u << l;
+        for (int l = 0; l < 32; ++l)
+          if (s[l]) static_cast<VoteSlot*>(s[l])->ballot = b;
+      },
+      nullptr);
   return slot.ballot;
 }
 
@@ -240,8 +251,8 @@ constexpr int warpSize = 32;
 inline void __syncthreads() { ::flashdl_emu::syncthreads(); }
 inline int __syncthreads_or(int pred) { return ::flashdl_emu::syncthreads_or(pred); }
 inline void __syncwarp(unsigned mask = 0xffffffffu) {
-  ::flashdl_emu::warp_collective(mask, ::flashdl_emu::kSyncwarp, &mask,
-                                 [](void* const*, void*) {}, nullptr);
+  ::flashdl_emu::warp_collective(
+      mask, ::flashdl_emu::kSyncwarp, &mask, [](void* const*, void*) {}, nullptr);
 }
 template <typename T>
 T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
@@ -253,13 +264,15 @@ T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int src = lane ^ lane_mask;
   // A source outside the lane's segment of `width` lanes leaves the value unchanged.
-  return ::flashdl_emu::shuffle(mask, v, (src & ~(width - 1)) == (lane & ~(width - 1)) ? src : lane);
+  return ::flashdl_emu::shuffle(mask, v,
+                                (src & ~(width - 1)) == (lane & ~(width - 1)) ? src : lane);
 }
 template <typename T>
 T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int src = lane + static_cast<int>(delta);
-  return ::flashdl_emu::shuffle(mask, v, (src & ~(width - 1)) == (lane & ~(width - 1)) ? src : lane);
+  return ::flashdl_emu::shuffle(mask, v,
+                                (src & ~(width - 1)) == (lane & ~(width - 1)) ? src : lane);
 }
 inline unsigned __ballot_sync(unsigned mask, int pred) { return ::flashdl_emu::ballot(mask, pred); }
 inline int __all_sync(unsigned mask, int pred) {
@@ -271,12 +284,30 @@ inline void __threadfence() {}
 inline void __threadfence_block() {}
 
 inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
-inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
+inline unsigned atomicAdd(unsigned* p, unsigned v) {
+  return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
+}
 
-inline float __int_as_float(int x) { float f; std::memcpy(&f, &x, 4); return f; }
-inline int __float_as_int(float f) { int x; std::memcpy(&x, &f, 4); return x; }
-inline float __uint_as_float(unsigned x) { float f; std::memcpy(&f, &x, 4); return f; }
-inline unsigned __float_as_uint(float f) { unsigned x; std::memcpy(&x, &f, 4); return x; }
+inline float __int_as_float(int x) {
+  float f;
+  std::memcpy(&f, &x, 4);
+  return f;
+}
+inline int __float_as_int(float f) {
+  int x;
+  std::memcpy(&x, &f, 4);
+  return x;
+}
+inline float __uint_as_float(unsigned x) {
+  float f;
+  std::memcpy(&f, &x, 4);
+  return f;
+}
+inline unsigned __float_as_uint(float f) {
+  unsigned x;
+  std::memcpy(&x, &f, 4);
+  return x;
+}
 inline float atomicAdd(float* p, float v) {
   unsigned* u = reinterpret_cast<unsigned*>(p);
   unsigned cur = __atomic_load_n(u, __ATOMIC_RELAXED);

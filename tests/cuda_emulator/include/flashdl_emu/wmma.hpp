@@ -67,9 +67,9 @@ inline void check_ptr(const void* p, unsigned ldm, std::size_t elem_bytes, const
   if (reinterpret_cast<std::uintptr_t>(p) % 32 != 0)
     ::flashdl_emu::fail((std::string(what) + ": pointer not 32-byte aligned").c_str());
   if ((ldm * elem_bytes) % 16 != 0)
-    ::flashdl_emu::fail((std::string(what) + ": leading dimension not a multiple of 16 bytes").c_str());
+    ::flashdl_emu::fail(
+        (std::string(what) + ": leading dimension not a multiple of 16 bytes").c_str());
 }
-
 
 template <typename T>
 struct MmaLane {
@@ -124,28 +124,31 @@ inline void mma_sync(fragment<accumulator, 16, 16, 16, float>& d,
                      const fragment<matrix_b, 16, 16, 16, T, LB>& b,
                      const fragment<accumulator, 16, 16, 16, float>& c) {
   detail::MmaLane<T> mine{d.x, a.x, b.x, c.x};
-  ::flashdl_emu::warp_collective(0xffffffffu, ::flashdl_emu::kMma, &mine, [](void* const* s, void*) {
-    float A[16][16], B[16][16], C[16][16];
-    for (int l = 0; l < 32; ++l) {
-      const auto* m = static_cast<const detail::MmaLane<T>*>(s[l]);
-      for (int i = 0; i < 8; ++i) {
-        A[detail::acc_row(l, i)][detail::acc_col(l, i)] = static_cast<float>(m->a[i]);
-        B[detail::b_row(l, i)][detail::b_col(l, i)] = static_cast<float>(m->b[i]);
-        C[detail::acc_row(l, i)][detail::acc_col(l, i)] = m->c[i];
-      }
-    }
-    float D[16][16];
-    for (int r = 0; r < 16; ++r)
-      for (int col = 0; col < 16; ++col) {
-        float acc = C[r][col];
-        for (int k = 0; k < 16; ++k) acc += A[r][k] * B[k][col];
-        D[r][col] = acc;
-      }
-    for (int l = 0; l < 32; ++l) {
-      auto* m = static_cast<const detail::MmaLane<T>*>(s[l]);
-      for (int i = 0; i < 8; ++i) m->d[i] = D[detail::acc_row(l, i)][detail::acc_col(l, i)];
-    }
-  }, nullptr);
+  ::flashdl_emu::warp_collective(
+      0xffffffffu, ::flashdl_emu::kMma, &mine,
+      [](void* const* s, void*) {
+        float A[16][16], B[16][16], C[16][16];
+        for (int l = 0; l < 32; ++l) {
+          const auto* m = static_cast<const detail::MmaLane<T>*>(s[l]);
+          for (int i = 0; i < 8; ++i) {
+            A[detail::acc_row(l, i)][detail::acc_col(l, i)] = static_cast<float>(m->a[i]);
+            B[detail::b_row(l, i)][detail::b_col(l, i)] = static_cast<float>(m->b[i]);
+            C[detail::acc_row(l, i)][detail::acc_col(l, i)] = m->c[i];
+          }
+        }
+        float D[16][16];
+        for (int r = 0; r < 16; ++r)
+          for (int col = 0; col < 16; ++col) {
+            float acc = C[r][col];
+            for (int k = 0; k < 16; ++k) acc += A[r][k] * B[k][col];
+            D[r][col] = acc;
+          }
+        for (int l = 0; l < 32; ++l) {
+          auto* m = static_cast<const detail::MmaLane<T>*>(s[l]);
+          for (int i = 0; i < 8; ++i) m->d[i] = D[detail::acc_row(l, i)][detail::acc_col(l, i)];
+        }
+      },
+      nullptr);
 }
 
 }  // namespace wmma
