@@ -2,13 +2,15 @@
 # The project's test command (README: "Run the tests"). Steps, each printed with the time elapsed
 # since the start, and a table of their durations at the end:
 #   1. torch 2.13 (CPU), jax, transformers and flax into the active Python (their tests skip
-#      without them)
-#   2. flashdl with its C++ tests, one CMake tree (build/tests), installed into the active Python
-#   3. the C++ suite (ctest, label cpu)
-#   4. the documentation site: built warning-free, its doctests, every public name in the reference
-#   5. the Python suite (pytest, two worker processes)
-#   6. the CUDA C++ tests' quick cases on flashdl's CUDA host emulator (build/emulated)
-#   7. the sdist, a manylinux CPU wheel built from it, smoke-tested in a fresh venv
+#      without them), and the linters at their pinned versions (tools/lint-requirements.txt)
+#   2. the habits check, tools/lint.sh: ruff (lint and format) and mypy over python/flashdl,
+#      clang-format over the C++ and CUDA sources (tools/lint_cpp.sh); seconds
+#   3. flashdl with its C++ tests, one CMake tree (build/tests), installed into the active Python
+#   4. the C++ suite (ctest, label cpu)
+#   5. the documentation site: built warning-free, its doctests, every public name in the reference
+#   6. the Python suite (pytest, two worker processes)
+#   7. the CUDA C++ tests' quick cases on flashdl's CUDA host emulator (build/emulated)
+#   8. the sdist, a manylinux CPU wheel built from it, smoke-tested in a fresh venv
 # Each tree is built once and kept: a second run rebuilds only what changed. The long checks (the
 # emulated quick cases under AddressSanitizer, the complete emulated CUDA suites, many more
 # hypothesis examples) are tests/run_long.sh.
@@ -72,15 +74,19 @@ quietly() {
 }
 trap 'status=$?; end_step; if [ $status -ne 0 ]; then echo; echo "[$(clock)] FAILED in: $STEP_NAME"; fi' EXIT
 
-step "1/7 frameworks: torch 2.13 (CPU), jax, transformers, flax into $("$PYTHON" -c 'import sys; print(sys.prefix)')"
+step "1/8 frameworks: torch 2.13 (CPU), jax, transformers, flax; linters; into $("$PYTHON" -c 'import sys; print(sys.prefix)')"
 # They go into the active environment (use a virtual environment to keep them apart).
 "$PYTHON" -m pip install -q "torch==2.13.0" || echo "note: torch not installed, its tests will skip"
 "$PYTHON" -m pip install -q jax || echo "note: jax not installed, its tests will skip"
 "$PYTHON" -m pip install -q transformers \
   || echo "note: transformers not installed, its tests will skip"
 "$PYTHON" -m pip install -q flax || echo "note: flax not installed, its tests will skip"
+"$PYTHON" -m pip install -q -r tools/lint-requirements.txt
 
-step "2/7 flashdl with its C++ tests (FLASHDL_CUDA=$FLASHDL_CUDA, CUDAARCHS=$CUDAARCHS, tree $BUILD_DIR)"
+step "2/8 habits: ruff, mypy, clang-format (tools/lint.sh)"
+PYTHON="$PYTHON" bash tools/lint.sh
+
+step "3/8 flashdl with its C++ tests (FLASHDL_CUDA=$FLASHDL_CUDA, CUDAARCHS=$CUDAARCHS, tree $BUILD_DIR)"
 # -v for the build's progress lines ([n/N] Building ...); the whole output is in the log.
 quietly pip_install '^ *\[[0-9]+/[0-9]+\]|flashdl: CUDA backend|Successfully installed' \
   "$PYTHON" -m pip install -v ".[test,docs]" \
@@ -88,13 +94,13 @@ quietly pip_install '^ *\[[0-9]+/[0-9]+\]|flashdl: CUDA backend|Successfully ins
   -Ccmake.define.FLASHDL_BUILD_TESTS=ON \
   -Ccmake.define.FLASHDL_CUDA="$FLASHDL_CUDA"
 
-step "3/7 C++ suite (ctest, CPU kernels once per compiled instruction set)"
+step "4/8 C++ suite (ctest, CPU kernels once per compiled instruction set)"
 ctest --test-dir "$BUILD_DIR" --output-on-failure -j 2
 
-step "4/7 documentation: sphinx-build -W, doctests, every public name in the reference"
+step "5/8 documentation: sphinx-build -W, doctests, every public name in the reference"
 PYTHON="$PYTHON" bash tools/check_docs.sh
 
-step "5/7 Python suite (pytest)"
+step "6/8 Python suite (pytest)"
 "$PYTHON" -m pytest tests/python -q -n 2
 
 # The CUDA kernels on the CPU: the CUDA backend's sources compiled against flashdl's CUDA host
@@ -103,14 +109,14 @@ step "5/7 Python suite (pytest)"
 # "emulator_full" runs the complete suites).
 EMU_TARGETS=(test_emulator test_cuda_forward test_cuda_backward test_cuda_block_sparse
              test_cuda_kvcache test_cuda_varlen test_cuda_extras test_cuda_wide_offsets)
-step "6/7 CUDA C++ quick cases on the CUDA host emulator (tree $EMU_BUILD_DIR)"
+step "7/8 CUDA C++ quick cases on the CUDA host emulator (tree $EMU_BUILD_DIR)"
 cmake -S . -B "$EMU_BUILD_DIR" -DFLASHDL_CUDA=EMULATE -DFLASHDL_EMU_ASAN=OFF \
   -DFLASHDL_BUILD_PYTHON=OFF -DFLASHDL_BUILD_TESTS=ON >/dev/null
 quietly build-emulated '^\[ *[0-9]+(/[0-9]+|%)\]' \
   cmake --build "$EMU_BUILD_DIR" -j 2 --target "${EMU_TARGETS[@]}"
 ctest --test-dir "$EMU_BUILD_DIR" -L '^emulator$' --output-on-failure -j 2
 
-step "7/7 sdist, then a manylinux CPU wheel from it, smoke-tested in a fresh venv"
+step "8/8 sdist, then a manylinux CPU wheel from it, smoke-tested in a fresh venv"
 PYTHON="$PYTHON" bash tools/build_wheels.sh --smoke build/dist
 
 end_step

@@ -260,7 +260,8 @@ def main(argv=None) -> int:
     print(f"{'flashdl ' + a.schedule + ' (' + where + ')':28s}{t_fd:9.3f}s  {mib(m_fd):>14s}")
     if not a.no_naive:
         naive, t_nv, m_nv = measure(
-            "naive NumPy attention (N x N scores)", lambda: naive_attention(*host, a.causal, scale)
+            "naive NumPy attention (N x N scores)",
+            lambda: naive_attention(host[0], host[1], host[2], a.causal, scale),
         )
         print(f"{'naive NumPy (float32)':28s}{t_nv:9.3f}s  {mib(m_nv):>14s}")
         nerr = float(np.max(np.abs(naive - ref64), initial=0))

@@ -267,9 +267,9 @@ def attention(
         and dropout_nheads_total.__class__ is int
         and dropout_nheads_total == 0
     ):
-        result = _fast_forward(q, k, v, causal, return_lse)
-        if result is not None:
-            return result
+        fast = _fast_forward(q, k, v, causal, return_lse)
+        if fast is not None:
+            return fast
     return_lse = _checks.flag("return_lse", return_lse)
     return_seed = _checks.flag("return_seed", return_seed)
     bhsd = _args.is_heads_first(layout)

@@ -217,7 +217,8 @@ def dot_product_attention(
             f"got {implementation!r}"
         )
     if implementation is not None:
-        return jax.nn.dot_product_attention(
+        # (implementation checked above; JAX's overloads take return_residual as a literal)
+        return jax.nn.dot_product_attention(  # type: ignore[call-overload]
             query,
             key,
             value,

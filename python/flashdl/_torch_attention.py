@@ -355,10 +355,12 @@ def attention_varlen(
         ``torch.tensor`` makes them) are narrowed to int32 where every value fits.
     max_seqlen_q, max_seqlen_k : int
         Bounds on the sequence lengths.
-    causal, softmax_scale, schedule, window_size, dropout_p, seed, offset, block_mask, block_size, deterministic, alibi_slopes, softcap : optional
+    causal, softmax_scale, schedule, window_size, dropout_p, seed, offset : optional
         As in :func:`attention` and :func:`flashdl.attention_varlen`. With dropout, sequence ``b``
-        gets the mask dense batch ``b`` would get; with a block mask, its plane ``b`` (or the shared
-        one), blocks counted from the sequence's start.
+        gets the mask dense batch ``b`` would get.
+    block_mask, block_size, deterministic, alibi_slopes, softcap : optional
+        As in :func:`attention` and :func:`flashdl.attention_varlen`; with a block mask, sequence
+        ``b`` gets its plane ``b`` (or the shared one), blocks counted from the sequence's start.
     return_lse : bool, default False
         Also return lse, float32 (nheads, total_q), without gradient.
     layout : {"thd", "htd"}, default "thd"

@@ -244,7 +244,9 @@ def ulysses_attention(
         rank gets the one its query heads read; their gradients are summed back).
     group : torch.distributed.ProcessGroup, optional
         The group (None: the default group).
-    causal, softmax_scale, window_size, alibi_slopes, softcap, block_mask, block_size, schedule, deterministic : optional
+    causal, softmax_scale, window_size, softcap, schedule, deterministic : optional
+        As in :func:`attention`, over global positions.
+    alibi_slopes, block_mask, block_size : optional
         As in :func:`attention`, over global positions and global heads: ``alibi_slopes``
         (nheads,) or (batch, nheads) and a ``block_mask`` with a heads axis hold every head (each
         rank takes its own).
@@ -343,22 +345,27 @@ def ulysses_attention(
     if not varlen and not virtual:
         out, lse = attention(qh, kh, vh, **opts)
         return _result(out, lse, group, seq_dim, False, return_lse)
+    flat: Tuple[torch.Tensor, ...]
+    bounds: List[Optional[int]]
     if varlen:
+        assert cu_seqlens_q is not None and cu_seqlens_k is not None  # (varlen: both, as checked)
         flat = (qh, kh, vh)
-        cus: List[torch.Tensor] = [cu_seqlens_q, cu_seqlens_k]
+        cus = [cu_seqlens_q, cu_seqlens_k]
         bounds = [max_seqlen_q, max_seqlen_k]
     else:  # dense with dropout: the virtual batch of packed sequences (see the module's notes)
         b, sq, sk = qh.shape[0], qh.shape[1], kh.shape[1]
         flat = tuple(x.reshape(-1, *x.shape[2:]) for x in (qh, kh, vh))
         cus = [torch.arange(b + 1, dtype=torch.int32) * n for n in (sq, sk)]
         bounds = [sq, sk]
-    bounds = [
+    lengths = [
         int(torch.diff(cu).max()) if m is None and cu.numel() > 1 else (m or 0)
         for m, cu in zip(bounds, cus)
     ]
     if virtual:
         cus = [_virtual_cu(cu, rank, world) for cu in cus]
-    out, lse = attention_varlen(*flat, cus[0], cus[1], bounds[0], bounds[1], **opts)
+    out, lse = attention_varlen(
+        flat[0], flat[1], flat[2], cus[0], cus[1], lengths[0], lengths[1], **opts
+    )
     if not varlen:  # back from the virtual batch: (b sq, h, d) and (h, b sq)
         out = out.view(qh.shape)
         lse = lse.view(lse.shape[0], qh.shape[0], -1).transpose(0, 1)

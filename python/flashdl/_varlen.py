@@ -4,7 +4,7 @@ packed with no padding (flash-attn's varlen layout), any DLPack array in, the ca
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal, Optional, Tuple, overload
+from typing import TYPE_CHECKING, Any, Dict, Literal, Optional, Tuple, overload
 
 import numpy as np
 
@@ -123,8 +123,9 @@ def attention_varlen(
     max_seqlen_q, max_seqlen_k : int
         Bounds on the sequence lengths (no sequence may be longer).
     causal, softmax_scale, schedule, return_lse, window_size, dropout_p, seed, offset, softcap, sinks : optional
-        As in :func:`attention`, per sequence (the sinks are per head, shared by every sequence). With dropout, sequence ``b`` gets the mask dense batch
-        ``b`` would get, with row and column counted within the sequence.
+        As in :func:`attention`, per sequence (the sinks are per head, shared by every sequence).
+        With dropout, sequence ``b`` gets the mask dense batch ``b`` would get, with row and column
+        counted within the sequence.
     block_mask : bool array, optional
         ``(nblocks_q, nblocks_k)`` for every sequence, or
         ``(batch or 1, nheads or 1, nblocks_q, nblocks_k)`` with one plane per sequence, with
@@ -190,7 +191,7 @@ def attention_varlen(
     frame.refuse_autograd(
         {"q": q, "k": k, "v": v}, "flashdl.attention_varlen", "flashdl.torch.attention_varlen"
     )
-    paged = {}
+    paged: Dict[str, Any] = {}
     if block_table is not None or seqused_k is not None:
         if heads_first:
             raise ValueError(
@@ -283,7 +284,9 @@ def attention_varlen_backward(
         The forward's log-sum-exp.
     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         As in the forward.
-    causal, softmax_scale, schedule, window_size, dropout_p, seed, offset, block_mask, block_size, alibi_slopes, softcap, sinks : optional
+    causal, softmax_scale, schedule, window_size, dropout_p, seed, offset : optional
+        As in the forward.
+    block_mask, block_size, alibi_slopes, softcap, sinks : optional
         As in the forward. With ``sinks``, dsinks (float32 (nheads,), summed over every
         sequence) is appended to the result.
     deterministic : bool, default False

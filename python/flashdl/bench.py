@@ -370,7 +370,9 @@ def _numpy_dtype(name):
         try:
             import ml_dtypes
         except ImportError:
-            raise SystemExit("--dtype bfloat16 on the CPU needs ml_dtypes (pip install ml_dtypes)")
+            raise SystemExit(
+                "--dtype bfloat16 on the CPU needs ml_dtypes (pip install ml_dtypes)"
+            ) from None
         return ml_dtypes.bfloat16
     return np.dtype(name)
 

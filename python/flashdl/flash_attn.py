@@ -52,7 +52,7 @@ This module only adapts arguments: validation and every kernel are flashdl's.
 from __future__ import annotations
 
 import numbers
-from typing import Literal, Optional, Tuple, Union, overload
+from typing import Any, Dict, Literal, Optional, Tuple, Union, overload
 
 import numpy as np
 import torch
@@ -538,7 +538,7 @@ def flash_attn_with_kvcache(
         cache_batch_idx = cache_batch_idx.cpu()
     if isinstance(block_table, torch.Tensor) and block_table.device.type != "cpu":
         block_table = block_table.cpu()
-    rotary = {}
+    rotary: Dict[str, Any] = {}
     if rotary_cos is not None or rotary_sin is not None:
         rotary = dict(
             rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved
