@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The habits check, run by the test command (tests/run.sh step 2) in seconds: over python/flashdl
 # ruff's lint rules and its formatting (ruff format --check), then mypy, all as pyproject.toml
-# configures them; then tools/lint_cpp.sh (clang-format over the C++ and CUDA sources). Exits
-# non-zero on any finding, after running every check.
+# configures them, and the package's import graph (tools/import_graph.py: no import circle, no
+# private name taken from another module, no file over 800 lines); then tools/lint_cpp.sh
+# (clang-format over the C++ and CUDA sources). Exits non-zero on any finding, after running every
+# check.
 #
 #   python -m pip install -r tools/lint-requirements.txt    # the pinned versions, once
 #   bash tools/lint.sh
@@ -44,6 +46,7 @@ fi
 if check_version mypy; then
   step "$PYTHON" -m mypy --cache-dir build/mypy_cache
 fi
+step "$PYTHON" tools/import_graph.py
 if [ -f tools/lint_cpp.sh ]; then
   step bash tools/lint_cpp.sh
 fi

@@ -15,6 +15,7 @@ import math
 import sys
 import threading
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -52,7 +53,7 @@ class Progress:
     def __init__(self, label: str):
         self.label = label
         self._done = threading.Event()
-        self._thread = None
+        self._thread: Optional[threading.Thread] = None
 
     def __enter__(self):
         if sys.stderr.isatty():

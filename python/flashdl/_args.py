@@ -334,13 +334,13 @@ class LayoutErrors:
         (own, own_axes), (other, other_axes) = names.items()
         if self.heads_first:
             (own, own_axes), (other, other_axes) = (other, other_axes), (own, own_axes)
-        if (
-            len(self.shapes) != 3
-            or fits(*self.shapes, self.heads_first, self.same_batch)
-            or not fits(*self.shapes, not self.heads_first, self.same_batch)
-        ):
+        if len(self.shapes) != 3:
             return ""
         q, k, v = self.shapes
+        if fits(q, k, v, self.heads_first, self.same_batch) or not fits(
+            q, k, v, not self.heads_first, self.same_batch
+        ):
+            return ""
         return (
             f"; {self.names} of shapes {q}, {k}, {v} do not fit layout={own!r} {own_axes} but "
             f"fit {other_axes}: pass layout={other!r} if that is their order"

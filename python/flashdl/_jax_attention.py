@@ -27,8 +27,8 @@ def _attention_fwd(q, k, v, extras, cfg):
 def _attention_bwd(cfg, residuals, cotangents):
     # lse leaves attention() under stop_gradient, so its cotangent is zero: dout alone flows.
     dout, _ = cotangents
-    *arrays, extras = residuals
-    dq, dk, dv, *grads = _jax_ffi.backward(dout, *arrays, cfg, extras)
+    q, k, v, out, lse, extras = residuals
+    dq, dk, dv, *grads = _jax_ffi.backward(dout, q, k, v, out, lse, cfg, extras)
     return dq, dk, dv, _extra_cotangents(cfg, extras, grads)
 
 

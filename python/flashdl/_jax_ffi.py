@@ -220,7 +220,7 @@ def raw_forward(cfg, vmap_method="broadcast_all", dropout_nheads_total=0):
         fn = jax.ffi.ffi_call(FWD, fwd_outputs(q), vmap_method=vmap_method)
         return tuple(fn(q, k, v, *extras, **cfg.attrs(False), **slice_attrs(dropout_nheads_total)))
 
-    call.with_nheads_total = lambda n: raw_forward(cfg, vmap_method, n)
+    call.with_nheads_total = lambda n: raw_forward(cfg, vmap_method, n)  # type: ignore[attr-defined]
     return call
 
 
@@ -271,7 +271,7 @@ def raw_backward(cfg, vmap_method="broadcast_all", dropout_nheads_total=0):
             )
         )
 
-    call.with_nheads_total = lambda n: raw_backward(cfg, vmap_method, n)
+    call.with_nheads_total = lambda n: raw_backward(cfg, vmap_method, n)  # type: ignore[attr-defined]
     return call
 
 

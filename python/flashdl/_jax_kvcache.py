@@ -126,7 +126,7 @@ def _bias_mask_sinks(q, k_cache, block_table, sinks, bias, mask):
                 f"{sinks.dtype} of shape {tuple(sinks.shape)}"
             )
     want = (b, h, sq, capacity)
-    out = []
+    out: list = []
     for name, x, kinds in (("bias", bias, "f"), ("mask", mask, "b")):
         if x is None:
             out.append(None)

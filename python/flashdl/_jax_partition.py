@@ -176,10 +176,10 @@ def _fold_vmap(fn, nout, names=(), serial=False):
                 "logit per head, shared by every batch entry); map q, k, v (and "
                 "bias, mask) and pass sinks unmapped (in_axes=None)"
             )
-        args = [
+        args = tuple(
             x if b else jnp.broadcast_to(x, (axis_size,) + x.shape)
             for x, b in zip(args, in_batched)
-        ]
+        )
         if serial:
             return tuple(jax.lax.map(lambda xs: f(*xs), tuple(args))), (True,) * nout
         batch = args[0].shape[1]

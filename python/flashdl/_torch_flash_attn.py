@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from typing import Any, Callable, Tuple, TypeVar, Union
+from typing import Any, Callable, Dict, Tuple, TypeVar, Union
 
 import torch
 
@@ -291,7 +291,7 @@ def varlen(
     q, k, v = (maybe_contiguous(x) for x in (q, k, v))
     window = window_pair(window_size)
     seed = seed_for(q, dropout_p, return_attn_probs)
-    paged = {}
+    paged: Dict[str, Any] = {}
     if block_table is not None or seqused_k is not None:
         # flash-attn takes these on the GPU; flashdl checks them on the host, with the offsets.
         paged = {

@@ -294,7 +294,8 @@ def _option_grads(ctx, first, opts, extra):
 
 
 def _attention_setup(ctx, inputs, output):
-    _save(ctx, inputs[:3], *output, inputs[3:])
+    out, lse = output
+    _save(ctx, inputs[:3], out, lse, inputs[3:])
 
 
 def _attention_grad(ctx, dout, _dlse):
@@ -431,7 +432,8 @@ def _attention_varlen_backward_fake(dout, q, k, v, *args):
 
 
 def _attention_varlen_setup(ctx, inputs, output):
-    _save(ctx, inputs[:5], *output, inputs[7:])
+    out, lse = output
+    _save(ctx, inputs[:5], out, lse, inputs[7:])
     ctx.max_seqlens = inputs[5:7]
 
 

@@ -272,9 +272,7 @@ class RingAttention(torch.autograd.Function):
         empty = [True] * n  # nothing merged into this query chunk yet: copy, do not merge
         for step in range(last + 1):
             owner = (ring.rank - step) % ring.world
-            reqs = bufs = None
-            if step < last:
-                reqs, bufs = ring.start(kv)
+            pending = ring.start(kv) if step < last else None
             ks, vs = _split_rows(kv[0], n), _split_rows(kv[1], n)
             for qa, kb, blk in _blocks(mine, chunks_of(owner, ring.world, layout), c, window):
                 rows, keys = slice(blk.q0, blk.q1), slice(blk.k0, blk.k1)
@@ -292,7 +290,8 @@ class RingAttention(torch.autograd.Function):
                     empty[qa] = False
                 else:
                     _merge_into(accs[qa][:, rows], acc_lses[qa][:, :, rows], out, lse)
-            if reqs is not None:
+            if pending is not None:
+                reqs, bufs = pending
                 _Ring.wait(reqs)
                 kv = bufs
         out = acc.to(q.dtype)

@@ -638,9 +638,10 @@ def _from_4d(mask, causal, window, batch, seq_q, seq_k):
         key = (weakref.ref(mask), mask._version, causal, window, batch, seq_q, seq_k)
     except RuntimeError:  # inference tensors have no version counter: no caching
         key = None
-    for cached, result in _DECOMPOSED if key is not None else ():
-        if cached[0]() is mask and cached[1:] == key[1:]:
-            return result
+    if key is not None:
+        for cached, result in _DECOMPOSED:
+            if cached[0]() is mask and cached[1:] == key[1:]:
+                return result
     if seq_q != seq_k:
         raise _NotSequences(
             "flashdl attention: a 4-D attention_mask with a KV cache "
@@ -701,8 +702,8 @@ def _from_4d(mask, causal, window, batch, seq_q, seq_k):
             "bidirectional blocks, or another window than the sliding_window argument"
         )
     # Runs are numbered 1, 2, ... in each row; their lengths, row after row.
-    lengths = [torch.bincount(run[b][live[b]] - 1) for b in range(batch) if bool(live[b].any())]
-    lengths = torch.cat(lengths) if lengths else torch.zeros(0, dtype=torch.int64)
+    per_row = [torch.bincount(run[b][live[b]] - 1) for b in range(batch) if bool(live[b].any())]
+    lengths = torch.cat(per_row) if per_row else torch.zeros(0, dtype=torch.int64)
     idx = live.flatten().nonzero().flatten().to(mask.device)
     cu = _cumulative(lengths)
     result = _Varlen(idx, idx, cu, cu)
