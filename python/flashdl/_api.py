@@ -35,56 +35,27 @@ def _dropout_slice(batch_offset, head_offset, nheads_total):
     }
 
 
+# Typing overloads, kept compact (a signature to a few lines, not a line per parameter).
+# fmt: off
 @overload
-def attention(
-    q: ArrayLike,
-    k: ArrayLike,
-    v: ArrayLike,
-    *,
-    return_lse: Literal[False] = ...,
-    return_seed: Literal[False] = ...,
-    **options: Unpack[AttentionOptions],
-) -> ArrayLike: ...
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, return_lse: Literal[False] = ...,
+              return_seed: Literal[False] = ..., **options: Unpack[AttentionOptions]) -> ArrayLike: ...
 @overload
-def attention(
-    q: ArrayLike,
-    k: ArrayLike,
-    v: ArrayLike,
-    *,
-    return_lse: Literal[True],
-    return_seed: Literal[False] = ...,
-    **options: Unpack[AttentionOptions],
-) -> Tuple[ArrayLike, ArrayLike]: ...
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, return_lse: Literal[True],
+              return_seed: Literal[False] = ..., **options: Unpack[AttentionOptions]
+              ) -> Tuple[ArrayLike, ArrayLike]: ...
 @overload
-def attention(
-    q: ArrayLike,
-    k: ArrayLike,
-    v: ArrayLike,
-    *,
-    return_lse: Literal[False] = ...,
-    return_seed: Literal[True],
-    **options: Unpack[AttentionOptions],
-) -> Tuple[ArrayLike, int]: ...
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, return_lse: Literal[False] = ...,
+              return_seed: Literal[True], **options: Unpack[AttentionOptions]
+              ) -> Tuple[ArrayLike, int]: ...
 @overload
-def attention(
-    q: ArrayLike,
-    k: ArrayLike,
-    v: ArrayLike,
-    *,
-    return_lse: Literal[True],
-    return_seed: Literal[True],
-    **options: Unpack[AttentionOptions],
-) -> Tuple[ArrayLike, ArrayLike, int]: ...
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, return_lse: Literal[True],
+              return_seed: Literal[True], **options: Unpack[AttentionOptions]
+              ) -> Tuple[ArrayLike, ArrayLike, int]: ...
 @overload
-def attention(
-    q: ArrayLike,
-    k: ArrayLike,
-    v: ArrayLike,
-    *,
-    return_lse: bool = ...,
-    return_seed: bool = ...,
-    **options: Unpack[AttentionOptions],
-) -> Any: ...
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, return_lse: bool = ...,
+              return_seed: bool = ..., **options: Unpack[AttentionOptions]) -> Any: ...
+# fmt: on
 
 
 def attention(

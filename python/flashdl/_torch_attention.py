@@ -44,33 +44,19 @@ _NO_OFFSET = 0
 _BLOCK = 128
 
 
+# Typing overloads, kept compact (a signature to a few lines, not a line per parameter).
+# fmt: off
 @overload
-def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    return_lse: Literal[False] = ...,
-    **options: Unpack[TorchOptions],
-) -> torch.Tensor: ...
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+              return_lse: Literal[False] = ..., **options: Unpack[TorchOptions]) -> torch.Tensor: ...
 @overload
-def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    return_lse: Literal[True],
-    **options: Unpack[TorchOptions],
-) -> Tuple[torch.Tensor, torch.Tensor]: ...
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: Literal[True],
+              **options: Unpack[TorchOptions]) -> Tuple[torch.Tensor, torch.Tensor]: ...
 @overload
-def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    return_lse: bool = ...,
-    **options: Unpack[TorchOptions],
-) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]: ...
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool = ...,
+              **options: Unpack[TorchOptions]
+              ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]: ...
+# fmt: on
 
 
 def attention(
@@ -268,45 +254,25 @@ def attention(
     return (out, lse) if return_lse else out
 
 
+# Typing overloads, kept compact (a signature to a few lines, not a line per parameter).
+# fmt: off
 @overload
-def attention_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: ArrayLike,
-    cu_seqlens_k: ArrayLike,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    *,
-    return_lse: Literal[False] = ...,
-    **options: Unpack[TorchVarlenOptions],
-) -> torch.Tensor: ...
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     cu_seqlens_q: ArrayLike, cu_seqlens_k: ArrayLike, max_seqlen_q: int,
+                     max_seqlen_k: int, *, return_lse: Literal[False] = ...,
+                     **options: Unpack[TorchVarlenOptions]) -> torch.Tensor: ...
 @overload
-def attention_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: ArrayLike,
-    cu_seqlens_k: ArrayLike,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    *,
-    return_lse: Literal[True],
-    **options: Unpack[TorchVarlenOptions],
-) -> Tuple[torch.Tensor, torch.Tensor]: ...
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     cu_seqlens_q: ArrayLike, cu_seqlens_k: ArrayLike, max_seqlen_q: int,
+                     max_seqlen_k: int, *, return_lse: Literal[True],
+                     **options: Unpack[TorchVarlenOptions]) -> Tuple[torch.Tensor, torch.Tensor]: ...
 @overload
-def attention_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: ArrayLike,
-    cu_seqlens_k: ArrayLike,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    *,
-    return_lse: bool = ...,
-    **options: Unpack[TorchVarlenOptions],
-) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]: ...
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     cu_seqlens_q: ArrayLike, cu_seqlens_k: ArrayLike, max_seqlen_q: int,
+                     max_seqlen_k: int, *, return_lse: bool = ...,
+                     **options: Unpack[TorchVarlenOptions]
+                     ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]: ...
+# fmt: on
 
 
 def attention_varlen(

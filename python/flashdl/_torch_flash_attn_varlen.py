@@ -17,67 +17,41 @@ from ._torch_flash_attn import flash_attn_errors as _flash_attn_errors
 from ._torch_flash_attn import varlen as _varlen
 
 
+# Typing overloads, kept compact (a signature to a few lines, not a line per parameter).
+# fmt: off
 @overload
-def flash_attn_varlen_func(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    dropout_p: float = ...,
-    softmax_scale: Optional[float] = ...,
-    causal: bool = ...,
-    window_size: Tuple[int, int] = ...,
-    softcap: float = ...,
-    alibi_slopes: Optional[torch.Tensor] = ...,
-    deterministic: bool = ...,
-    return_attn_probs: Literal[False] = ...,
-    block_table: Optional[torch.Tensor] = ...,
-    seqused_k: Optional[torch.Tensor] = ...,
-) -> torch.Tensor: ...
+def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = ...,
+                           softmax_scale: Optional[float] = ..., causal: bool = ...,
+                           window_size: Tuple[int, int] = ..., softcap: float = ...,
+                           alibi_slopes: Optional[torch.Tensor] = ..., deterministic: bool = ...,
+                           return_attn_probs: Literal[False] = ...,
+                           block_table: Optional[torch.Tensor] = ...,
+                           seqused_k: Optional[torch.Tensor] = ...) -> torch.Tensor: ...
 @overload
-def flash_attn_varlen_func(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    dropout_p: float = ...,
-    softmax_scale: Optional[float] = ...,
-    causal: bool = ...,
-    window_size: Tuple[int, int] = ...,
-    softcap: float = ...,
-    alibi_slopes: Optional[torch.Tensor] = ...,
-    deterministic: bool = ...,
-    *,
-    return_attn_probs: Literal[True],
-    block_table: Optional[torch.Tensor] = ...,
-    seqused_k: Optional[torch.Tensor] = ...,
-) -> _WithProbs: ...
+def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = ...,
+                           softmax_scale: Optional[float] = ..., causal: bool = ...,
+                           window_size: Tuple[int, int] = ..., softcap: float = ...,
+                           alibi_slopes: Optional[torch.Tensor] = ..., deterministic: bool = ...,
+                           *, return_attn_probs: Literal[True],
+                           block_table: Optional[torch.Tensor] = ...,
+                           seqused_k: Optional[torch.Tensor] = ...
+                           ) -> _WithProbs: ...
 @overload
-def flash_attn_varlen_func(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    dropout_p: float = ...,
-    softmax_scale: Optional[float] = ...,
-    causal: bool = ...,
-    window_size: Tuple[int, int] = ...,
-    softcap: float = ...,
-    alibi_slopes: Optional[torch.Tensor] = ...,
-    deterministic: bool = ...,
-    return_attn_probs: bool = ...,
-    block_table: Optional[torch.Tensor] = ...,
-    seqused_k: Optional[torch.Tensor] = ...,
-) -> _OutOrProbs: ...
+def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = ...,
+                           softmax_scale: Optional[float] = ..., causal: bool = ...,
+                           window_size: Tuple[int, int] = ..., softcap: float = ...,
+                           alibi_slopes: Optional[torch.Tensor] = ..., deterministic: bool = ...,
+                           return_attn_probs: bool = ...,
+                           block_table: Optional[torch.Tensor] = ...,
+                           seqused_k: Optional[torch.Tensor] = ...
+                           ) -> _OutOrProbs: ...
+# fmt: on
 
 
 @_flash_attn_errors
@@ -165,49 +139,34 @@ def flash_attn_varlen_func(
     )
 
 
+# Typing overloads, kept compact (a signature to a few lines, not a line per parameter).
+# fmt: off
 @overload
-def flash_attn_varlen_qkvpacked_func(
-    qkv: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    max_seqlen: int,
-    dropout_p: float = ...,
-    softmax_scale: Optional[float] = ...,
-    causal: bool = ...,
-    window_size: Tuple[int, int] = ...,
-    softcap: float = ...,
-    alibi_slopes: Optional[torch.Tensor] = ...,
-    deterministic: bool = ...,
-    return_attn_probs: Literal[False] = ...,
-) -> torch.Tensor: ...
+def flash_attn_varlen_qkvpacked_func(qkv: torch.Tensor, cu_seqlens: torch.Tensor,
+                                     max_seqlen: int, dropout_p: float = ...,
+                                     softmax_scale: Optional[float] = ..., causal: bool = ...,
+                                     window_size: Tuple[int, int] = ..., softcap: float = ...,
+                                     alibi_slopes: Optional[torch.Tensor] = ...,
+                                     deterministic: bool = ...,
+                                     return_attn_probs: Literal[False] = ...) -> torch.Tensor: ...
 @overload
-def flash_attn_varlen_qkvpacked_func(
-    qkv: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    max_seqlen: int,
-    dropout_p: float = ...,
-    softmax_scale: Optional[float] = ...,
-    causal: bool = ...,
-    window_size: Tuple[int, int] = ...,
-    softcap: float = ...,
-    alibi_slopes: Optional[torch.Tensor] = ...,
-    deterministic: bool = ...,
-    *,
-    return_attn_probs: Literal[True],
-) -> _WithProbs: ...
+def flash_attn_varlen_qkvpacked_func(qkv: torch.Tensor, cu_seqlens: torch.Tensor,
+                                     max_seqlen: int, dropout_p: float = ...,
+                                     softmax_scale: Optional[float] = ..., causal: bool = ...,
+                                     window_size: Tuple[int, int] = ..., softcap: float = ...,
+                                     alibi_slopes: Optional[torch.Tensor] = ...,
+                                     deterministic: bool = ..., *,
+                                     return_attn_probs: Literal[True]
+                                     ) -> _WithProbs: ...
 @overload
-def flash_attn_varlen_qkvpacked_func(
-    qkv: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    max_seqlen: int,
-    dropout_p: float = ...,
-    softmax_scale: Optional[float] = ...,
-    causal: bool = ...,
-    window_size: Tuple[int, int] = ...,
-    softcap: float = ...,
-    alibi_slopes: Optional[torch.Tensor] = ...,
-    deterministic: bool = ...,
-    return_attn_probs: bool = ...,
-) -> _OutOrProbs: ...
+def flash_attn_varlen_qkvpacked_func(qkv: torch.Tensor, cu_seqlens: torch.Tensor,
+                                     max_seqlen: int, dropout_p: float = ...,
+                                     softmax_scale: Optional[float] = ..., causal: bool = ...,
+                                     window_size: Tuple[int, int] = ..., softcap: float = ...,
+                                     alibi_slopes: Optional[torch.Tensor] = ...,
+                                     deterministic: bool = ..., return_attn_probs: bool = ...
+                                     ) -> _OutOrProbs: ...
+# fmt: on
 
 
 @_flash_attn_errors
@@ -277,58 +236,36 @@ def flash_attn_varlen_qkvpacked_func(
     )
 
 
+# Typing overloads, kept compact (a signature to a few lines, not a line per parameter).
+# fmt: off
 @overload
-def flash_attn_varlen_kvpacked_func(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    dropout_p: float = ...,
-    softmax_scale: Optional[float] = ...,
-    causal: bool = ...,
-    window_size: Tuple[int, int] = ...,
-    softcap: float = ...,
-    alibi_slopes: Optional[torch.Tensor] = ...,
-    deterministic: bool = ...,
-    return_attn_probs: Literal[False] = ...,
-) -> torch.Tensor: ...
+def flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor,
+                                    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                                    max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = ...,
+                                    softmax_scale: Optional[float] = ..., causal: bool = ...,
+                                    window_size: Tuple[int, int] = ..., softcap: float = ...,
+                                    alibi_slopes: Optional[torch.Tensor] = ...,
+                                    deterministic: bool = ...,
+                                    return_attn_probs: Literal[False] = ...) -> torch.Tensor: ...
 @overload
-def flash_attn_varlen_kvpacked_func(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    dropout_p: float = ...,
-    softmax_scale: Optional[float] = ...,
-    causal: bool = ...,
-    window_size: Tuple[int, int] = ...,
-    softcap: float = ...,
-    alibi_slopes: Optional[torch.Tensor] = ...,
-    deterministic: bool = ...,
-    *,
-    return_attn_probs: Literal[True],
-) -> _WithProbs: ...
+def flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor,
+                                    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                                    max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = ...,
+                                    softmax_scale: Optional[float] = ..., causal: bool = ...,
+                                    window_size: Tuple[int, int] = ..., softcap: float = ...,
+                                    alibi_slopes: Optional[torch.Tensor] = ...,
+                                    deterministic: bool = ..., *, return_attn_probs: Literal[True]
+                                    ) -> _WithProbs: ...
 @overload
-def flash_attn_varlen_kvpacked_func(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    dropout_p: float = ...,
-    softmax_scale: Optional[float] = ...,
-    causal: bool = ...,
-    window_size: Tuple[int, int] = ...,
-    softcap: float = ...,
-    alibi_slopes: Optional[torch.Tensor] = ...,
-    deterministic: bool = ...,
-    return_attn_probs: bool = ...,
-) -> _OutOrProbs: ...
+def flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor,
+                                    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                                    max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = ...,
+                                    softmax_scale: Optional[float] = ..., causal: bool = ...,
+                                    window_size: Tuple[int, int] = ..., softcap: float = ...,
+                                    alibi_slopes: Optional[torch.Tensor] = ...,
+                                    deterministic: bool = ..., return_attn_probs: bool = ...
+                                    ) -> _OutOrProbs: ...
+# fmt: on
 
 
 @_flash_attn_errors

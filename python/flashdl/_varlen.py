@@ -31,45 +31,23 @@ def _host_index(name, x):
     return _args.int32_index(name, x)
 
 
+# Typing overloads, kept compact (a signature to a few lines, not a line per parameter).
+# fmt: off
 @overload
-def attention_varlen(
-    q: ArrayLike,
-    k: ArrayLike,
-    v: ArrayLike,
-    cu_seqlens_q: ArrayLike,
-    cu_seqlens_k: ArrayLike,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    *,
-    return_lse: Literal[False] = ...,
-    **options: Unpack[VarlenOptions],
-) -> ArrayLike: ...
+def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
+                     cu_seqlens_k: ArrayLike, max_seqlen_q: int, max_seqlen_k: int, *,
+                     return_lse: Literal[False] = ..., **options: Unpack[VarlenOptions]
+                     ) -> ArrayLike: ...
 @overload
-def attention_varlen(
-    q: ArrayLike,
-    k: ArrayLike,
-    v: ArrayLike,
-    cu_seqlens_q: ArrayLike,
-    cu_seqlens_k: ArrayLike,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    *,
-    return_lse: Literal[True],
-    **options: Unpack[VarlenOptions],
-) -> Tuple[ArrayLike, ArrayLike]: ...
+def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
+                     cu_seqlens_k: ArrayLike, max_seqlen_q: int, max_seqlen_k: int, *,
+                     return_lse: Literal[True], **options: Unpack[VarlenOptions]
+                     ) -> Tuple[ArrayLike, ArrayLike]: ...
 @overload
-def attention_varlen(
-    q: ArrayLike,
-    k: ArrayLike,
-    v: ArrayLike,
-    cu_seqlens_q: ArrayLike,
-    cu_seqlens_k: ArrayLike,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    *,
-    return_lse: bool = ...,
-    **options: Unpack[VarlenOptions],
-) -> Any: ...
+def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
+                     cu_seqlens_k: ArrayLike, max_seqlen_q: int, max_seqlen_k: int, *,
+                     return_lse: bool = ..., **options: Unpack[VarlenOptions]) -> Any: ...
+# fmt: on
 
 
 def attention_varlen(

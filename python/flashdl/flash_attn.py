@@ -99,49 +99,29 @@ for _f in (
 del _f
 
 
+# Typing overloads, kept compact (a signature to a few lines, not a line per parameter).
+# fmt: off
 @overload
-def flash_attn_func(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    dropout_p: float = ...,
-    softmax_scale: Optional[float] = ...,
-    causal: bool = ...,
-    window_size: Tuple[int, int] = ...,
-    softcap: float = ...,
-    alibi_slopes: Optional[torch.Tensor] = ...,
-    deterministic: bool = ...,
-    return_attn_probs: Literal[False] = ...,
-) -> torch.Tensor: ...
+def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = ...,
+                    softmax_scale: Optional[float] = ..., causal: bool = ...,
+                    window_size: Tuple[int, int] = ..., softcap: float = ...,
+                    alibi_slopes: Optional[torch.Tensor] = ..., deterministic: bool = ...,
+                    return_attn_probs: Literal[False] = ...) -> torch.Tensor: ...
 @overload
-def flash_attn_func(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    dropout_p: float = ...,
-    softmax_scale: Optional[float] = ...,
-    causal: bool = ...,
-    window_size: Tuple[int, int] = ...,
-    softcap: float = ...,
-    alibi_slopes: Optional[torch.Tensor] = ...,
-    deterministic: bool = ...,
-    *,
-    return_attn_probs: Literal[True],
-) -> _WithProbs: ...
+def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = ...,
+                    softmax_scale: Optional[float] = ..., causal: bool = ...,
+                    window_size: Tuple[int, int] = ..., softcap: float = ...,
+                    alibi_slopes: Optional[torch.Tensor] = ..., deterministic: bool = ..., *,
+                    return_attn_probs: Literal[True]
+                    ) -> _WithProbs: ...
 @overload
-def flash_attn_func(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    dropout_p: float = ...,
-    softmax_scale: Optional[float] = ...,
-    causal: bool = ...,
-    window_size: Tuple[int, int] = ...,
-    softcap: float = ...,
-    alibi_slopes: Optional[torch.Tensor] = ...,
-    deterministic: bool = ...,
-    return_attn_probs: bool = ...,
-) -> _OutOrProbs: ...
+def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = ...,
+                    softmax_scale: Optional[float] = ..., causal: bool = ...,
+                    window_size: Tuple[int, int] = ..., softcap: float = ...,
+                    alibi_slopes: Optional[torch.Tensor] = ..., deterministic: bool = ...,
+                    return_attn_probs: bool = ...
+                    ) -> _OutOrProbs: ...
+# fmt: on
 
 
 @_flash_attn_errors
@@ -226,43 +206,30 @@ def flash_attn_func(
     )
 
 
+# Typing overloads, kept compact (a signature to a few lines, not a line per parameter).
+# fmt: off
 @overload
-def flash_attn_qkvpacked_func(
-    qkv: torch.Tensor,
-    dropout_p: float = ...,
-    softmax_scale: Optional[float] = ...,
-    causal: bool = ...,
-    window_size: Tuple[int, int] = ...,
-    softcap: float = ...,
-    alibi_slopes: Optional[torch.Tensor] = ...,
-    deterministic: bool = ...,
-    return_attn_probs: Literal[False] = ...,
-) -> torch.Tensor: ...
+def flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = ...,
+                              softmax_scale: Optional[float] = ..., causal: bool = ...,
+                              window_size: Tuple[int, int] = ..., softcap: float = ...,
+                              alibi_slopes: Optional[torch.Tensor] = ...,
+                              deterministic: bool = ..., return_attn_probs: Literal[False] = ...
+                              ) -> torch.Tensor: ...
 @overload
-def flash_attn_qkvpacked_func(
-    qkv: torch.Tensor,
-    dropout_p: float = ...,
-    softmax_scale: Optional[float] = ...,
-    causal: bool = ...,
-    window_size: Tuple[int, int] = ...,
-    softcap: float = ...,
-    alibi_slopes: Optional[torch.Tensor] = ...,
-    deterministic: bool = ...,
-    *,
-    return_attn_probs: Literal[True],
-) -> _WithProbs: ...
+def flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = ...,
+                              softmax_scale: Optional[float] = ..., causal: bool = ...,
+                              window_size: Tuple[int, int] = ..., softcap: float = ...,
+                              alibi_slopes: Optional[torch.Tensor] = ...,
+                              deterministic: bool = ..., *, return_attn_probs: Literal[True]
+                              ) -> _WithProbs: ...
 @overload
-def flash_attn_qkvpacked_func(
-    qkv: torch.Tensor,
-    dropout_p: float = ...,
-    softmax_scale: Optional[float] = ...,
-    causal: bool = ...,
-    window_size: Tuple[int, int] = ...,
-    softcap: float = ...,
-    alibi_slopes: Optional[torch.Tensor] = ...,
-    deterministic: bool = ...,
-    return_attn_probs: bool = ...,
-) -> _OutOrProbs: ...
+def flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = ...,
+                              softmax_scale: Optional[float] = ..., causal: bool = ...,
+                              window_size: Tuple[int, int] = ..., softcap: float = ...,
+                              alibi_slopes: Optional[torch.Tensor] = ...,
+                              deterministic: bool = ..., return_attn_probs: bool = ...
+                              ) -> _OutOrProbs: ...
+# fmt: on
 
 
 @_flash_attn_errors
@@ -325,46 +292,30 @@ def flash_attn_qkvpacked_func(
     )
 
 
+# Typing overloads, kept compact (a signature to a few lines, not a line per parameter).
+# fmt: off
 @overload
-def flash_attn_kvpacked_func(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    dropout_p: float = ...,
-    softmax_scale: Optional[float] = ...,
-    causal: bool = ...,
-    window_size: Tuple[int, int] = ...,
-    softcap: float = ...,
-    alibi_slopes: Optional[torch.Tensor] = ...,
-    deterministic: bool = ...,
-    return_attn_probs: Literal[False] = ...,
-) -> torch.Tensor: ...
+def flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float = ...,
+                             softmax_scale: Optional[float] = ..., causal: bool = ...,
+                             window_size: Tuple[int, int] = ..., softcap: float = ...,
+                             alibi_slopes: Optional[torch.Tensor] = ...,
+                             deterministic: bool = ..., return_attn_probs: Literal[False] = ...
+                             ) -> torch.Tensor: ...
 @overload
-def flash_attn_kvpacked_func(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    dropout_p: float = ...,
-    softmax_scale: Optional[float] = ...,
-    causal: bool = ...,
-    window_size: Tuple[int, int] = ...,
-    softcap: float = ...,
-    alibi_slopes: Optional[torch.Tensor] = ...,
-    deterministic: bool = ...,
-    *,
-    return_attn_probs: Literal[True],
-) -> _WithProbs: ...
+def flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float = ...,
+                             softmax_scale: Optional[float] = ..., causal: bool = ...,
+                             window_size: Tuple[int, int] = ..., softcap: float = ...,
+                             alibi_slopes: Optional[torch.Tensor] = ...,
+                             deterministic: bool = ..., *, return_attn_probs: Literal[True]
+                             ) -> _WithProbs: ...
 @overload
-def flash_attn_kvpacked_func(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    dropout_p: float = ...,
-    softmax_scale: Optional[float] = ...,
-    causal: bool = ...,
-    window_size: Tuple[int, int] = ...,
-    softcap: float = ...,
-    alibi_slopes: Optional[torch.Tensor] = ...,
-    deterministic: bool = ...,
-    return_attn_probs: bool = ...,
-) -> _OutOrProbs: ...
+def flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float = ...,
+                             softmax_scale: Optional[float] = ..., causal: bool = ...,
+                             window_size: Tuple[int, int] = ..., softcap: float = ...,
+                             alibi_slopes: Optional[torch.Tensor] = ...,
+                             deterministic: bool = ..., return_attn_probs: bool = ...
+                             ) -> _OutOrProbs: ...
+# fmt: on
 
 
 @_flash_attn_errors
