@@ -75,6 +75,18 @@ constexpr Fa2BwdConfig fa2_bwd_fallback(int head_dim) {
                            : Fa2BwdConfig{32, 32, 1};
 }
 
+// The dense calls' tiles (no dropout, block mask, score modifier, bias or mask: BwdCall::dense)
+// where the device has the shared memory (203 KiB at d 128: sm_90's 227 KiB, not the A100's 163):
+// 64 queries x 128 keys, FlashAttention-2's own at d 128. Against 64 x 64 each HMMA carries half
+// the Q / dO copies, barriers, dQ atomics and per-pair setup (SASS model, sm_90 float16, cycles
+// per HMMA: d 64 22.1 -> 17.9, d 128 17.3 -> 15.2). Not for the other calls: their per-pair
+// features spill with these tiles (ptxas sm_90 float16 d 128: 255 registers and 3,820 bytes of
+// spill loads with a bias, 1,808 with dropout or a block mask; the dense kernel 254 and none).
+// Head dims above 128 keep the standard tiles.
+constexpr Fa2BwdConfig fa2_bwd_dense_config(int head_dim) {
+  return head_dim <= 128 ? Fa2BwdConfig{64, 128, 2} : fa2_bwd_config(head_dim);
+}
+
 // The warp grid over dK_j / dV_j: Bc / 16 key bands; the rest of the 8 warps split the head dim.
 constexpr int fa2_bwd_key_bands(Fa2BwdConfig c) { return c.block_n / 16; }
 constexpr int fa2_bwd_dim_splits(Fa2BwdConfig c) { return kBwdWarps / fa2_bwd_key_bands(c); }

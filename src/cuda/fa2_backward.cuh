@@ -24,6 +24,7 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "bwd_block.cuh"
 #include "bwd_stats.cuh"
@@ -608,10 +609,28 @@ inline BwdCall bwd_call(const Params& p) {
   return BwdCall::dense;
 }
 
+// The main kernel of one instantiation, a CTA per (key block, kv head, batch).
+template <typename Tr, BwdCall kCall>
+void launch_bwd_main(const Params& p, const LaunchContext& ctx, const ScoreModF& mods,
+                     const float* l2, const float* d, float* dq, float* dbias_acc) {
+  const auto n_blocks = static_cast<unsigned>(detail::ceil_div(p.seqlen_k, Tr::kBlockN));
+  const auto kernel = fa2bwd::backward_kernel<Tr, kCall>;
+  FLASHDL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(Tr::kMain.bytes)));
+  FLASHDL_LAUNCH(dim3(n_blocks, static_cast<unsigned>(p.nheads_kv), static_cast<unsigned>(p.batch)),
+                 Tr::kThreads, Tr::kMain.bytes, ctx.stream, kernel)(p, mods, l2, d, dq, dbias_acc,
+                                                                    ctx.vec_load);
+  FLASHDL_CUDA_CHECK_LAUNCH("fa2 backward kernel launch");
+}
+
 // Launches for one tile variant: preprocess, the main kernel, then the dQ conversion or the
-// deterministic dQ pass, all on the caller's stream with one stream-ordered workspace.
-template <typename Tr>
+// deterministic dQ pass, all on the caller's stream with one stream-ordered workspace. Tr: the
+// tiles of every kernel but the dense call's main kernel, which has TrDense's where the device
+// has their shared memory (else Tr's, through the features instantiation: the dense one is
+// compiled for TrDense only).
+template <typename Tr, typename TrDense>
 void launch_fa2_bwd(const Params& p, const LaunchContext& ctx) {
+  static_assert(TrDense::kBlockN >= Tr::kBlockN, "the grid checks below hold for both");
   const int64_t n_blocks = detail::ceil_div(p.seqlen_k, Tr::kBlockN);
   const int64_t m_blocks = detail::ceil_div(p.seqlen_q, Tr::kBlockM);
   const int64_t pre_blocks = detail::ceil_div(p.seqlen_q, fa2bwd::kPreRows);
@@ -647,15 +666,18 @@ void launch_fa2_bwd(const Params& p, const LaunchContext& ctx) {
     FLASHDL_CUDA_CHECK_LAUNCH("fa2 backward preprocess kernel launch");
   }
   if (p.seqlen_k > 0) {
-    auto kernel = fa2bwd::backward_kernel<Tr, BwdCall::dense>;
-    if (bwd_call(p) == BwdCall::features) kernel = fa2bwd::backward_kernel<Tr, BwdCall::features>;
-    if (bwd_call(p) == BwdCall::extras) kernel = fa2bwd::backward_kernel<Tr, BwdCall::extras>;
-    FLASHDL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(Tr::kMain.bytes)));
-    FLASHDL_LAUNCH(dim3(static_cast<unsigned>(n_blocks), static_cast<unsigned>(p.nheads_kv), z),
-                   Tr::kThreads, Tr::kMain.bytes, ctx.stream, kernel)(p, mods, l2, d, dq,
-                                                                      dbias_acc, ctx.vec_load);
-    FLASHDL_CUDA_CHECK_LAUNCH("fa2 backward kernel launch");
+    const BwdCall call = bwd_call(p);
+    if (call == BwdCall::extras) {
+      launch_bwd_main<Tr, BwdCall::extras>(p, ctx, mods, l2, d, dq, dbias_acc);
+    } else if (call == BwdCall::features) {
+      launch_bwd_main<Tr, BwdCall::features>(p, ctx, mods, l2, d, dq, dbias_acc);
+    } else if constexpr (std::is_same_v<Tr, TrDense>) {
+      launch_bwd_main<Tr, BwdCall::dense>(p, ctx, mods, l2, d, dq, dbias_acc);
+    } else if (TrDense::kMain.bytes <= static_cast<std::size_t>(ctx.smem_optin)) {
+      launch_bwd_main<TrDense, BwdCall::dense>(p, ctx, mods, l2, d, dq, dbias_acc);
+    } else {
+      launch_bwd_main<Tr, BwdCall::features>(p, ctx, mods, l2, d, dq, dbias_acc);
+    }
   }
   if (p.seqlen_q > 0 && p.deterministic) {
     const auto kernel = extras ? fa2bwd::dq_kernel<Tr, true> : fa2bwd::dq_kernel<Tr, false>;
@@ -681,9 +703,11 @@ void launch_fa2_backward(const Params& p, const LaunchContext& ctx) {
   constexpr bool kHasFallback =
       fa2_bwd_smem_bytes(kHeadDim, fa2_bwd_config(kHeadDim)) > kFa2SmallestOptin;
   const Fa2BwdVariant v = pick_fa2_bwd(kHeadDim, ctx.smem_optin);
-  if (v == Fa2BwdVariant::standard) return launch_fa2_bwd<Fa2BwdStandard<T, kHeadDim>>(p, ctx);
+  if (v == Fa2BwdVariant::standard)
+    return launch_fa2_bwd<Fa2BwdStandard<T, kHeadDim>, Fa2BwdDense<T, kHeadDim>>(p, ctx);
   if constexpr (kHasFallback) {
-    if (v == Fa2BwdVariant::fallback) return launch_fa2_bwd<Fa2BwdFallback<T, kHeadDim>>(p, ctx);
+    if (v == Fa2BwdVariant::fallback)
+      return launch_fa2_bwd<Fa2BwdFallback<T, kHeadDim>, Fa2BwdFallback<T, kHeadDim>>(p, ctx);
   }
   const Fa2BwdConfig needed = kHasFallback ? fa2_bwd_fallback(kHeadDim) : fa2_bwd_config(kHeadDim);
   throw Error(ErrorKind::unsupported,

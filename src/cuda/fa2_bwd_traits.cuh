@@ -53,6 +53,10 @@ using Fa2BwdStandard = Fa2BwdTraits<T, kHeadDim, fa2_bwd_config(kHeadDim).block_
                                     fa2_bwd_config(kHeadDim).block_n,
                                     fa2_bwd_config(kHeadDim).stages>;
 template <typename T, int kHeadDim>
+using Fa2BwdDense = Fa2BwdTraits<T, kHeadDim, fa2_bwd_dense_config(kHeadDim).block_m,
+                                 fa2_bwd_dense_config(kHeadDim).block_n,
+                                 fa2_bwd_dense_config(kHeadDim).stages>;
+template <typename T, int kHeadDim>
 using Fa2BwdFallback = Fa2BwdTraits<T, kHeadDim, fa2_bwd_fallback(kHeadDim).block_m,
                                     fa2_bwd_fallback(kHeadDim).block_n,
                                     fa2_bwd_fallback(kHeadDim).stages>;

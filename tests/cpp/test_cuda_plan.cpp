@@ -241,6 +241,14 @@ void test_fa2_backward_configs() {
     CHECK(fc::pick_fa2_bwd(d, kSmall) ==
           (std_fits_small ? fc::Fa2BwdVariant::standard : fc::Fa2BwdVariant::fallback));
     CHECK(fc::pick_fa2_bwd(d, 16 * 1024) == fc::Fa2BwdVariant::none);
+    // The dense calls' tiles: valid, at least as many keys as the standard ones (the launcher's
+    // grid checks use the standard's), fitting an H100 (227 KiB), the standard's above d 128.
+    const fc::Fa2BwdConfig dense = fc::fa2_bwd_dense_config(d);
+    CHECK(fc::fa2_bwd_config_valid(d, dense));
+    check_fa2_layout(d, dense, dense.stages);
+    CHECK(dense.block_n >= std_c.block_n && dense.block_m == std_c.block_m);
+    CHECK(fc::fa2_bwd_smem_bytes(d, dense) <= std::size_t(kH100));
+    if (d > 128) CHECK(dense.block_n == std_c.block_n && dense.stages == std_c.stages);
     // The warp grid: 8 warps = key bands x head-dim slices, every slice whole 16-column tiles.
     CHECK_EQ(fc::fa2_bwd_key_bands(std_c) * fc::fa2_bwd_dim_splits(std_c), fc::kBwdWarps);
     CHECK_EQ((d / 16) % fc::fa2_bwd_dim_splits(std_c), 0);
@@ -264,7 +272,8 @@ void test_fa2_backward_pair_stores() {
       CHECK_EQ(fc::acc_col(lane, i + 1), fc::acc_col(lane, i) + 1);
     }
   for (int d : kHeadDims)
-    for (const fc::Fa2BwdConfig c : {fc::fa2_bwd_config(d), fc::fa2_bwd_fallback(d)})
+    for (const fc::Fa2BwdConfig c :
+         {fc::fa2_bwd_config(d), fc::fa2_bwd_fallback(d), fc::fa2_bwd_dense_config(d)})
       for (int st : {1, 2}) {
         const int ld_s = fc::fa2_bwd_layout(d, c, st).ld_s;
         context() = "d=" + std::to_string(d) + " ld_s=" + std::to_string(ld_s);

@@ -152,20 +152,20 @@ def _fwd(d):
 
 
 def _bwd(d):
+    bm, bn = 64, 128  # bwd_plan.hpp's fa2_bwd_config for d <= 128
     return {
         'title': f'bwd d{d}', 'fa2': f'bwd_h{d}', 'ftz': False,
-        # S, dP, dV, dK and dQ of a 64 x 64 pair over 8 warps; the next pair's Q and dO copies;
+        # S, dP, dV, dK and dQ of a bm x bn pair over 8 warps; the next pair's Q and dO copies;
         # the pair's two barriers; dQ's paired float atomics; no global load (lse/D: 2 warps)
-        'expect': {'HMMA': 5 * 64 * 64 * d // 2048 // 8, 'LDGSTS': 2 * 64 * d * 2 // 16 // 256,
-                   'BAR': 2, 'REDG': 64 * d // 2 // 256, 'LDG': 0},
+        'expect': {'HMMA': 5 * bm * bn * d // 2048 // 8, 'LDGSTS': 2 * bm * d * 2 // 16 // 256,
+                   'BAR': 2, 'REDG': bm * d // 2 // 256, 'LDG': 0},
         'unit': ('#include "fa2_backward.cuh"\nnamespace flashdl::cuda {\n'
                  f'template void launch_fa2_backward<__half, {d}>(const Params&, '
                  'const LaunchContext&);\n}\n'),
-        # the standard tiles (64 x 64, 2 stages; not the 99 KiB fallback), dense instantiation
-        # (BwdCall::dense, 0) where there is one, else the one without extras
-        'function': [r'backward_kernelINS0_12Fa2BwdTraitsI6__halfLi%dELi64ELi64ELi2EEE'
-                     r'LNS0_7BwdCallE0EEEv' % d,
-                     r'backward_kernelINS0_12Fa2BwdTraitsI6__halfLi%dELi64ELi64ELi2EEELb0EEEv' % d],
+        # the standard tiles (2 stages; not the 99 KiB fallback), dense instantiation
+        # (BwdCall::dense, 0)
+        'function': [r'backward_kernelINS0_12Fa2BwdTraitsI6__halfLi%dELi%dELi%dELi2EEE'
+                     r'LNS0_7BwdCallE0EEEv' % (d, bm, bn)],
         'sources': _BWD_SOURCES, 'markers': _BWD_MARKERS, 'path': _BWD_PATH, 'same_cta': True,
     }
 
