@@ -138,11 +138,12 @@ __device__ __forceinline__ void plain_prob_and_ds(float x, float y, float l2, fl
 // written as T at sP and sdS (ld_p elements a row). No float S or dP in shared memory and no
 // barrier between the products and the softmax; the caller synchronises before P and dS are
 // read. Operands through load_frag: the kernel checks twin_loads_hold_backward at its start.
-// Where every tile of a warp has the same key fragment (kWarps a multiple of kNTiles), the
-// warp's products run side by side, each K and V fragment loaded once for all of them: one tile
-// at a time, each of its two chains of kD / 16 products waited for in turn, left the tensor
-// cores idle (the H100's source-level profile, 2026-11-27).
-template <typename T, int kD, bool kMasked, int kMTiles, int kNTiles, int kWarps>
+// Where the tiles deal out evenly, each warp owns kNPer key fragments by kMTiles * kNPer / kWarps
+// query fragments and its products run side by side, each K and V fragment loaded once for all
+// its query fragments (and, with kNPer 2, each Q and dO fragment once for both key fragments):
+// one tile at a time, each of its two chains of kD / 16 products waited for in turn, left the
+// tensor cores idle (the H100's source-level profile, 2026-11-27).
+template <typename T, int kD, bool kMasked, int kMTiles, int kNTiles, int kWarps, int kNPer = 1>
 __device__ __forceinline__ void probs_and_ds_in_registers(
     const T* sQ, const T* sdO, const T* sK, const T* sV, int ld_qkv, T* sP, T* sdS, int ld_p,
     const FragMap& map, const float* sL2, const float* sD, int64_t i0, int64_t j0,
@@ -185,32 +186,44 @@ __device__ __forceinline__ void probs_and_ds_in_registers(
     }
   };
   const int warp = threadIdx.x / 32;
-  if constexpr (kWarps % kNTiles == 0 && (kMTiles * kNTiles) % kWarps == 0) {
-    constexpr int kPer = kMTiles * kNTiles / kWarps;
-    const int nf = warp % kNTiles;
-    FragAcc s[kPer], dp[kPer];
+  // Warp w: key fragments (w % kNGroups) * kNPer + j, query fragments w / kNGroups + i * kMWarps.
+  constexpr int kNGroups = kNTiles / kNPer;
+  constexpr int kMWarps = kWarps / (kNGroups > 0 ? kNGroups : 1);
+  if constexpr (kNTiles % kNPer == 0 && kWarps % kNGroups == 0 && kMTiles % kMWarps == 0) {
+    constexpr int kMPer = kMTiles / kMWarps;
+    const int ng = warp % kNGroups, mg = warp / kNGroups;
+    FragAcc s[kMPer][kNPer], dp[kMPer][kNPer];
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      wmma::fill_fragment(s[i], 0.0f);
-      wmma::fill_fragment(dp[i], 0.0f);
-    }
+    for (int i = 0; i < kMPer; ++i)
+#pragma unroll
+      for (int j = 0; j < kNPer; ++j) {
+        wmma::fill_fragment(s[i][j], 0.0f);
+        wmma::fill_fragment(dp[i][j], 0.0f);
+      }
 #pragma unroll
     for (int kf = 0; kf < kD / kFrag; ++kf) {
-      FragBt<T> bk, bv;
-      load_frag(bk, sK + nf * kFrag * ld_qkv + kf * kFrag, ld_qkv);
-      load_frag(bv, sV + nf * kFrag * ld_qkv + kf * kFrag, ld_qkv);
+      FragBt<T> bk[kNPer], bv[kNPer];
 #pragma unroll
-      for (int i = 0; i < kPer; ++i) {
-        const int rf = (warp + i * kWarps) / kNTiles;
+      for (int j = 0; j < kNPer; ++j) {
+        load_frag(bk[j], sK + (ng * kNPer + j) * kFrag * ld_qkv + kf * kFrag, ld_qkv);
+        load_frag(bv[j], sV + (ng * kNPer + j) * kFrag * ld_qkv + kf * kFrag, ld_qkv);
+      }
+#pragma unroll
+      for (int i = 0; i < kMPer; ++i) {
+        const int rf = mg + i * kMWarps;
         FragA<T> a;
         load_frag(a, sQ + rf * kFrag * ld_qkv + kf * kFrag, ld_qkv);
-        wmma::mma_sync(s[i], a, bk, s[i]);
+#pragma unroll
+        for (int j = 0; j < kNPer; ++j) wmma::mma_sync(s[i][j], a, bk[j], s[i][j]);
         load_frag(a, sdO + rf * kFrag * ld_qkv + kf * kFrag, ld_qkv);
-        wmma::mma_sync(dp[i], a, bv, dp[i]);
+#pragma unroll
+        for (int j = 0; j < kNPer; ++j) wmma::mma_sync(dp[i][j], a, bv[j], dp[i][j]);
       }
     }
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) finish((warp + i * kWarps) / kNTiles, nf, s[i], dp[i]);
+    for (int i = 0; i < kMPer; ++i)
+#pragma unroll
+      for (int j = 0; j < kNPer; ++j) finish(mg + i * kMWarps, ng * kNPer + j, s[i][j], dp[i][j]);
   } else {
     for (int t = warp; t < kMTiles * kNTiles; t += kWarps) {
       const int rf = t / kNTiles, nf = t % kNTiles;

@@ -25,6 +25,7 @@ struct Fa2BwdConfig {
   int block_m;  // Br: query rows per streamed block
   int block_n;  // Bc: keys per CTA
   int stages;   // buffers for the streamed Q, dO, lse, D (2: the next block loads during this one)
+  int band_frags = 1;  // 16-key fragments in each warp's band of dK_j / dV_j (1 or 2)
 };
 
 constexpr std::size_t align128(std::size_t x) { return (x + 127) / 128 * 128; }
@@ -84,16 +85,21 @@ constexpr Fa2BwdConfig fa2_bwd_fallback(int head_dim) {
 // spill loads with a bias, 1,808 with dropout or a block mask; the dense kernel 254 and none).
 // Head dims above 128 keep the standard tiles.
 constexpr Fa2BwdConfig fa2_bwd_dense_config(int head_dim) {
-  return head_dim <= 128 ? Fa2BwdConfig{64, 128, 2} : fa2_bwd_config(head_dim);
+  return head_dim <= 128 ? Fa2BwdConfig{64, 128, 2, 2} : fa2_bwd_config(head_dim);
 }
 
-// The warp grid over dK_j / dV_j: Bc / 16 key bands; the rest of the 8 warps split the head dim.
-constexpr int fa2_bwd_key_bands(Fa2BwdConfig c) { return c.block_n / 16; }
+// The warp grid over dK_j / dV_j: Bc / (16 band_frags) key bands; the rest of the 8 warps split
+// the head dim. Bands of 32 keys (band_frags 2, the dense tiles) against 16: per 16 query rows a
+// warp loads 4 fragments of P / dS and 2 x (its head-dim slice) of dO / Q instead of 2 and twice
+// the slice, for the same products (64 x 128 tiles: 10 -> 8 LDSM per 16 HMMA at d 64, 18 -> 12
+// per 32 at d 128).
+constexpr int fa2_bwd_key_bands(Fa2BwdConfig c) { return c.block_n / (16 * c.band_frags); }
 constexpr int fa2_bwd_dim_splits(Fa2BwdConfig c) { return kBwdWarps / fa2_bwd_key_bands(c); }
 
 // True when the warp grid covers dK_j and dV_j exactly with whole 16 x 16 tiles.
 constexpr bool fa2_bwd_config_valid(int head_dim, Fa2BwdConfig c) {
-  return c.block_m % 16 == 0 && c.block_n % 16 == 0 && c.block_m >= 16 && c.block_n >= 16 &&
+  return (c.band_frags == 1 || c.band_frags == 2) && c.block_n % (16 * c.band_frags) == 0 &&
+         c.block_m % 16 == 0 && c.block_n % 16 == 0 && c.block_m >= 16 && c.block_n >= 16 &&
          kBwdWarps % fa2_bwd_key_bands(c) == 0 && head_dim % 16 == 0 &&
          (head_dim / 16) % fa2_bwd_dim_splits(c) == 0 && (c.stages == 1 || c.stages == 2);
 }

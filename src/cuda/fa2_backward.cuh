@@ -8,7 +8,8 @@
 //    (bwd_block.cuh, with the dropout mask regenerated from its Philox counters, and the head's
 //    score modifiers: softcap, ALiBi), stored as T for the products that need them transposed
 //    or as operands; then dV_j += (P Z)^T dO_i
-//    and dK_j += dS^T Q_i into registers (each warp a 16-key band and a slice of the head dim)
+//    and dK_j += dS^T Q_i into registers (each warp a band of 16 or 32 keys and a slice of the
+//    head dim)
 //    and, unless deterministic, dQ_i += dS K_j into a float32 accumulator with atomics. dK_j
 //    (times the scale) and dV_j are written once at the end; with GQA they already sum over the
 //    group, so no reduction follows.
@@ -90,12 +91,12 @@ __device__ __forceinline__ void pair_probs(const typename Tr::T* sQ, const typen
     T* sdS = reinterpret_cast<T*>(sdP);
     if (all)
       bwd::probs_and_ds_in_registers<T, Tr::kHeadDim, false, Tr::kFragsM, Tr::kFragsN,
-                                     Tr::kNWarps>(sQ, sdO, sK, sV, Tr::kLd, sP, sdS, Tr::kLdP,
+                                     Tr::kNWarps, Tr::kSdPKeyFrags>(sQ, sdO, sK, sV, Tr::kLd, sP, sdS, Tr::kLdP,
                                                   map, sL2, sD, i0, j0, mask, bm, drop, mod, ex,
                                                   dbias);
     else
       bwd::probs_and_ds_in_registers<T, Tr::kHeadDim, true, Tr::kFragsM, Tr::kFragsN,
-                                     Tr::kNWarps>(sQ, sdO, sK, sV, Tr::kLd, sP, sdS, Tr::kLdP,
+                                     Tr::kNWarps, Tr::kSdPKeyFrags>(sQ, sdO, sK, sV, Tr::kLd, sP, sdS, Tr::kLdP,
                                                   map, sL2, sD, i0, j0, mask, bm, drop, mod, ex,
                                                   dbias);
   } else {
@@ -355,12 +356,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   __syncthreads();  // S and dP are overwritten below
 
   const int band = warp % Tr::kKeyBands, split = warp / Tr::kKeyBands;
-  FragAcc acc_dk[Tr::kFragsDW], acc_dv[Tr::kFragsDW];
+  constexpr int kB = Tr::kBandFrags;
+  FragAcc acc_dk[kB][Tr::kFragsDW], acc_dv[kB][Tr::kFragsDW];
 #pragma unroll
-  for (int f = 0; f < Tr::kFragsDW; ++f) {
-    wmma::fill_fragment(acc_dk[f], 0.0f);
-    wmma::fill_fragment(acc_dv[f], 0.0f);
-  }
+  for (int b = 0; b < kB; ++b)
+#pragma unroll
+    for (int f = 0; f < Tr::kFragsDW; ++f) {
+      wmma::fill_fragment(acc_dk[b][f], 0.0f);
+      wmma::fill_fragment(acc_dv[b][f], 0.0f);
+    }
 
   // Two barriers per pair: this one (the pair's block visible to all; every warp done with the
   // previous pair's stage, P and dS) and pair_probs' (P and dS visible).
@@ -406,21 +410,27 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const T* sP = reinterpret_cast<const T*>(sS);
     const T* sdS = reinterpret_cast<const T*>(sdP);
 
-    // dV_j += P^T dO_i and dK_j += dS^T Q_i: this warp's 16 keys x kFragsDW * 16 columns. Not
-    // unrolled over kf: hoisting every fragment load made ptxas spill (bfloat16, d = 128).
+    // dV_j += P^T dO_i and dK_j += dS^T Q_i: this warp's kB * 16 keys x kFragsDW * 16 columns.
+    // Not unrolled over kf: hoisting every fragment load made ptxas spill (bfloat16, d = 128).
 #pragma unroll 1
     for (int kf = 0; kf < Tr::kFragsM; ++kf) {
-      FragAt<T> a_p, a_ds;
-      load_frag(a_p, sP + kf * kFrag * Tr::kLdP + band * kFrag, Tr::kLdP);
-      load_frag(a_ds, sdS + kf * kFrag * Tr::kLdP + band * kFrag, Tr::kLdP);
+      FragAt<T> a_p[kB], a_ds[kB];
+#pragma unroll
+      for (int b = 0; b < kB; ++b) {
+        load_frag(a_p[b], sP + kf * kFrag * Tr::kLdP + (band * kB + b) * kFrag, Tr::kLdP);
+        load_frag(a_ds[b], sdS + kf * kFrag * Tr::kLdP + (band * kB + b) * kFrag, Tr::kLdP);
+      }
 #pragma unroll
       for (int f = 0; f < Tr::kFragsDW; ++f) {
         const int col = (split * Tr::kFragsDW + f) * kFrag;
-        FragB<T> b;
-        load_frag(b, sdO + kf * kFrag * kLd + col, kLd);
-        wmma::mma_sync(acc_dv[f], a_p, b, acc_dv[f]);
-        load_frag(b, sQ + kf * kFrag * kLd + col, kLd);
-        wmma::mma_sync(acc_dk[f], a_ds, b, acc_dk[f]);
+        FragB<T> b_do, b_q;
+        load_frag(b_do, sdO + kf * kFrag * kLd + col, kLd);
+        load_frag(b_q, sQ + kf * kFrag * kLd + col, kLd);
+#pragma unroll
+        for (int b = 0; b < kB; ++b) {
+          wmma::mma_sync(acc_dv[b][f], a_p[b], b_do, acc_dv[b][f]);
+          wmma::mma_sync(acc_dk[b][f], a_ds[b], b_q, acc_dk[b][f]);
+        }
       }
     }
 
@@ -461,16 +471,18 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   T* gdV = static_cast<T*>(p.dv_ptr) + batch * p.dv_batch_stride + kv_head * p.dv_head_stride +
            seq.k0 * p.dv_row_stride;
 #pragma unroll
-  for (int f = 0; f < Tr::kFragsDW; ++f) {
-    const int col = (split * Tr::kFragsDW + f) * kFrag;
+  for (int b = 0; b < kB; ++b)
 #pragma unroll
-    for (int e = 0; e < FragAcc::num_elements; ++e) {
-      const int64_t key = n0 + band * kFrag + map.r[e];
-      if (key >= seqlen_k) continue;
-      gdK[key * p.dk_row_stride + col + map.c[e]] = from_float<T>(acc_dk[f].x[e] * scale);
-      gdV[key * p.dv_row_stride + col + map.c[e]] = from_float<T>(acc_dv[f].x[e]);
+    for (int f = 0; f < Tr::kFragsDW; ++f) {
+      const int col = (split * Tr::kFragsDW + f) * kFrag;
+#pragma unroll
+      for (int e = 0; e < FragAcc::num_elements; ++e) {
+        const int64_t key = n0 + (band * kB + b) * kFrag + map.r[e];
+        if (key >= seqlen_k) continue;
+        gdK[key * p.dk_row_stride + col + map.c[e]] = from_float<T>(acc_dk[b][f].x[e] * scale);
+        gdV[key * p.dv_row_stride + col + map.c[e]] = from_float<T>(acc_dv[b][f].x[e]);
+      }
     }
-  }
 #endif
 }
 

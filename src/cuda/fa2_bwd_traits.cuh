@@ -10,14 +10,15 @@ namespace flashdl::cuda {
 // What a backward call has, as far as the main kernel's instantiation goes (fa2_backward.cuh).
 enum class BwdCall { dense, features, extras };
 
-template <typename T_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
+template <typename T_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, int kBandFrags_ = 1>
 struct Fa2BwdTraits {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;  // Br: query rows per streamed block
   static constexpr int kBlockN = kBlockN_;  // Bc: keys per CTA of the main kernel
   static constexpr int kStages = kStages_;
-  static constexpr Fa2BwdConfig kConfig{kBlockM, kBlockN, kStages};
+  static constexpr int kBandFrags = kBandFrags_;  // 16-key fragments per warp's dK / dV band
+  static constexpr Fa2BwdConfig kConfig{kBlockM, kBlockN, kStages, kBandFrags};
   static constexpr int kNWarps = kBwdWarps;
   static constexpr int kThreads = kBwdThreads;
 
@@ -25,10 +26,20 @@ struct Fa2BwdTraits {
   static constexpr int kFragsN = kBlockN / kFrag;
   static constexpr int kFragsD = kHeadDim / kFrag;
 
-  // dK_j, dV_j: warp w owns key band w % kKeyBands and head-dim slice w / kKeyBands.
+  // dK_j, dV_j: warp w owns key band w % kKeyBands (kBandFrags fragments) and head-dim slice
+  // w / kKeyBands.
   static constexpr int kKeyBands = fa2_bwd_key_bands(kConfig);
   static constexpr int kDimSplits = fa2_bwd_dim_splits(kConfig);
   static constexpr int kFragsDW = kFragsD / kDimSplits;  // dK (and dV) fragments per warp
+
+  // S and dP: each warp kSdPKeyFrags key fragments by kSdPRowFrags query fragments (bwd_block.cuh,
+  // probs_and_ds_in_registers); 2 x 2 where that leaves whole blocks of at least two query
+  // fragments (64 x 128: per 16-column step 8 fragment loads for 16 HMMA instead of 10), else
+  // one key fragment.
+  static constexpr bool kSdPPairs = kFragsN % 2 == 0 && kNWarps % (kFragsN / 2) == 0 &&
+                                    kFragsM % (kNWarps / (kFragsN / 2)) == 0 &&
+                                    kFragsM / (kNWarps / (kFragsN / 2)) >= 2;
+  static constexpr int kSdPKeyFrags = kSdPPairs ? 2 : 1;
 
   // dQ tiles (kFragsM x kFragsD) dealt to the warps in turn: at most this many per warp.
   static constexpr int kDqTiles = kFragsM * kFragsD;
@@ -55,7 +66,8 @@ using Fa2BwdStandard = Fa2BwdTraits<T, kHeadDim, fa2_bwd_config(kHeadDim).block_
 template <typename T, int kHeadDim>
 using Fa2BwdDense = Fa2BwdTraits<T, kHeadDim, fa2_bwd_dense_config(kHeadDim).block_m,
                                  fa2_bwd_dense_config(kHeadDim).block_n,
-                                 fa2_bwd_dense_config(kHeadDim).stages>;
+                                 fa2_bwd_dense_config(kHeadDim).stages,
+                                 fa2_bwd_dense_config(kHeadDim).band_frags>;
 template <typename T, int kHeadDim>
 using Fa2BwdFallback = Fa2BwdTraits<T, kHeadDim, fa2_bwd_fallback(kHeadDim).block_m,
                                     fa2_bwd_fallback(kHeadDim).block_n,

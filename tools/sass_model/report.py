@@ -152,7 +152,7 @@ def _fwd(d):
 
 
 def _bwd(d):
-    bm, bn = 64, 128  # bwd_plan.hpp's fa2_bwd_config for d <= 128
+    bm, bn = 64, 128  # bwd_plan.hpp's fa2_bwd_dense_config for d <= 128 (bands of 2 fragments)
     return {
         'title': f'bwd d{d}', 'fa2': f'bwd_h{d}', 'ftz': False,
         # S, dP, dV, dK and dQ of a bm x bn pair over 8 warps; the next pair's Q and dO copies;
@@ -164,7 +164,7 @@ def _bwd(d):
                  'const LaunchContext&);\n}\n'),
         # the standard tiles (2 stages; not the 99 KiB fallback), dense instantiation
         # (BwdCall::dense, 0)
-        'function': [r'backward_kernelINS0_12Fa2BwdTraitsI6__halfLi%dELi%dELi%dELi2EEE'
+        'function': [r'backward_kernelINS0_12Fa2BwdTraitsI6__halfLi%dELi%dELi%dELi2ELi2EEE'
                      r'LNS0_7BwdCallE0EEEv' % (d, bm, bn)],
         'sources': _BWD_SOURCES, 'markers': _BWD_MARKERS, 'path': _BWD_PATH, 'same_cta': True,
     }
