@@ -70,13 +70,11 @@ __device__ __forceinline__ float prob_of(float t, float l2) {
 // modded).
 template <bool kMasked>
 __device__ __forceinline__ void prob_and_ds_terms(float x, float y, float l2, float d, int64_t i,
-                                                  int64_t j, int64_t diag,
-                                                  const detail::Mask& mask,
+                                                  int64_t j, int64_t diag, const detail::Mask& mask,
                                                   const detail::BlockMask& bm,
-                                                  const detail::Dropout& drop,
-                                                  const ScoreModF& mod, bool modded,
-                                                  const detail::HeadExtras& ex, float& p,
-                                                  float& ds, float& ds_bias) {
+                                                  const detail::Dropout& drop, const ScoreModF& mod,
+                                                  bool modded, const detail::HeadExtras& ex,
+                                                  float& p, float& ds, float& ds_bias) {
   p = 0.0f;
   ds = 0.0f;
   ds_bias = 0.0f;

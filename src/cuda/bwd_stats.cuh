@@ -24,11 +24,10 @@ __global__ void __launch_bounds__(kPreRows * 32)
   const int64_t h = blockIdx.y, b = blockIdx.z;
   const detail::Sequence seq = detail::sequence_of(p, b);
   if (i >= seq.sq) return;
-  const T* o = static_cast<const T*>(p.o_ptr) + b * p.o_batch_stride + (seq.q0 + i) * p.o_row_stride +
-               h * p.o_head_stride;
+  const T* o = static_cast<const T*>(p.o_ptr) + b * p.o_batch_stride +
+               (seq.q0 + i) * p.o_row_stride + h * p.o_head_stride;
   const T* dout = static_cast<const T*>(p.do_ptr) + b * p.do_batch_stride +
-                  (seq.q0 + i) * p.do_row_stride +
-                  h * p.do_head_stride;
+                  (seq.q0 + i) * p.do_row_stride + h * p.do_head_stride;
   float acc = 0.0f;
   for (int64_t c = lane; c < p.headdim; c += 32) acc += to_float(o[c]) * to_float(dout[c]);
   acc = warp_sum(acc);

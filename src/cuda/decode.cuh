@@ -100,9 +100,9 @@ __device__ __forceinline__ void row_offsets(const Params& p, int64_t b, int64_t 
 // unused rows in P V. cp.async with vec (the caller commits, waits and synchronises), else plain
 // loads visible after the same barrier.
 template <typename Tr>
-__device__ __forceinline__ void load_kv(typename Tr::T* sK, typename Tr::T* sV,
-                                        const int64_t* rows, const typename Tr::T* gK,
-                                        const typename Tr::T* gV, bool vec) {
+__device__ __forceinline__ void load_kv(typename Tr::T* sK, typename Tr::T* sV, const int64_t* rows,
+                                        const typename Tr::T* gK, const typename Tr::T* gV,
+                                        bool vec) {
   using T = typename Tr::T;
   constexpr int kChunks = Tr::kHeadDim / 8;  // 16-byte chunks per row
   constexpr int kPerTile = Tr::kBlockN * kChunks;
@@ -159,8 +159,8 @@ __device__ __forceinline__ bool warp_rows_nonfinite(const typename Tr::T* s) {
   constexpr int kChunks = Tr::kHeadDim / 8;
   unsigned hit = 0u;
   for (int idx = threadIdx.x % 32; idx < kFrag * kChunks; idx += 32) {
-    const uint4 u =
-        *reinterpret_cast<const uint4*>(s + (idx / kChunks) * Tr::kLdQKV + (idx % kChunks) * 8);
+    const uint4 u = *reinterpret_cast<const uint4*>(s + (idx / kChunks) * Tr::kLdQKV +
+                                                    (idx % kChunks) * 8);
     const unsigned w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
@@ -178,9 +178,9 @@ __device__ __forceinline__ bool warp_rows_nonfinite(const typename Tr::T* s) {
 // its boolean mask); rows, cols: the accumulator's element map. Per lane 16 x (kFragsD * 8) FMAs.
 template <typename Tr>
 __device__ __forceinline__ void accumulate_pv_seen(const typename Tr::T* sP,
-                                                const typename Tr::T* sV, unsigned shown,
-                                                const FragRows& rows, const FragRows& cols,
-                                                FragAcc (&acc)[Tr::kFragsD]) {
+                                                   const typename Tr::T* sV, unsigned shown,
+                                                   const FragRows& rows, const FragRows& cols,
+                                                   FragAcc (&acc)[Tr::kFragsD]) {
   unsigned shown_i[FragAcc::num_elements];
 #pragma unroll
   for (int i = 0; i < FragAcc::num_elements; ++i)
@@ -193,8 +193,8 @@ __device__ __forceinline__ void accumulate_pv_seen(const typename Tr::T* sP,
       const float pk = to_float(sP[rows.r[i] * Tr::kLdP + c]);
 #pragma unroll
       for (int df = 0; df < Tr::kFragsD; ++df)
-        acc[df].x[i] =
-            fmaf(pk, to_float(sV[c * Tr::kLdQKV + df * kFrag + cols.r[i]]), acc[df].x[i]);
+        acc[df].x[i] = fmaf(pk, to_float(sV[c * Tr::kLdQKV + df * kFrag + cols.r[i]]),
+                            acc[df].x[i]);
     }
 }
 
@@ -225,16 +225,16 @@ __device__ __forceinline__ void merge_warps_and_store(const Params& p, const Dec
                                                       int rows) {
   using T = typename Tr::T;
   constexpr int kW = Tr::kNWarps, kD = Tr::kHeadDim, kChunks = kD / 8;
-  float* s_lse = stats;                          // [warp][row]
-  float* s_wa = stats + kW * kDecodeRows;        // [warp][row]
-  float* s_wb = stats + 2 * kW * kDecodeRows;    // [warp][row]
-  float* s_total = stats + 3 * kW * kDecodeRows; // [row]
+  float* s_lse = stats;                           // [warp][row]
+  float* s_wa = stats + kW * kDecodeRows;         // [warp][row]
+  float* s_wb = stats + 2 * kW * kDecodeRows;     // [warp][row]
+  float* s_total = stats + 3 * kW * kDecodeRows;  // [row]
   if (threadIdx.x < kDecodeRows) {
     const int r = threadIdx.x;
     float total = -INFINITY;
     for (int w = 0; w < kW; ++w) {
-      const detail::MergeWeights<float> mw =
-          detail::merge_weights(total, s_lse[w * kDecodeRows + r]);
+      const detail::MergeWeights<float> mw = detail::merge_weights(total,
+                                                                   s_lse[w * kDecodeRows + r]);
       s_wa[w * kDecodeRows + r] = mw.wa;
       s_wb[w * kDecodeRows + r] = mw.wb;
       total = mw.lse;
@@ -255,7 +255,7 @@ __device__ __forceinline__ void merge_warps_and_store(const Params& p, const Dec
   __syncthreads();
 
   const int64_t group = p.h_h_k_ratio, sq = p.seqlen_q;
-  const int64_t rows_all = p.nheads * sq;                    // workspace rows per (batch, split)
+  const int64_t rows_all = p.nheads * sq;  // workspace rows per (batch, split)
   const int64_t part = (b * a.splits + split) * rows_all + hk * group * sq + g0;  // row 0's
   for (int idx = threadIdx.x; idx < rows * kChunks; idx += Tr::kThreads) {
     const int r = idx / kChunks, c = (idx % kChunks) * 8;
@@ -311,8 +311,8 @@ __device__ __noinline__ void apply_extras(float* sS, const ScoreModF& mod, bool 
 // n0, clamped to [0, 16]) and kept by the boolean mask (column n0 + c + cache_leftpad[b]), if any.
 // Not inlined: only the rare slow path of masked calls runs it.
 template <typename Tr>
-__device__ __noinline__ unsigned shown_keys(const Params& p, int64_t b, int64_t head,
-                                           int64_t i, int lo, int hi, int64_t n0) {
+__device__ __noinline__ unsigned shown_keys(const Params& p, int64_t b, int64_t head, int64_t i,
+                                            int lo, int hi, int64_t n0) {
   unsigned shown = hi > lo ? (((1u << hi) - 1u) & ~((1u << lo) - 1u)) : 0u;
   if (p.mask_ptr != nullptr && shown != 0u) {
     const detail::HeadExtras ex = detail::extras_of(p, b, head);
@@ -428,8 +428,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
         const int lo = r < rows ? int(lo_rel < 0 ? 0 : lo_rel > kFrag ? kFrag : lo_rel) : 0;
         const int hi = r < rows ? int(hi_rel < 0 ? 0 : hi_rel > kFrag ? kFrag : hi_rel) : 0;
         decode::accumulate_pv_seen<Tr>(reinterpret_cast<const T*>(sS), sVw,
-                                       decode::shown_keys<Tr>(p, b, head, i, lo, hi, n0),
-                                       frag_rows, frag_cols, acc_o);
+                                       decode::shown_keys<Tr>(p, b, head, i, lo, hi, n0), frag_rows,
+                                       frag_cols, acc_o);
       } else {
         fa2::accumulate_pv<Tr>(reinterpret_cast<const T*>(sS), sVw, acc_o);
       }

@@ -55,8 +55,9 @@ __device__ void row_stats(const Params& p, const T* sdO, int ld_kv, float* sL2, 
     acc = warp_sum(acc);
     if (lane == 0) {
       sD[r] = acc;
-      sL2[r] = p.lse_ptr[batch * p.lse_batch_stride + head * p.lse_head_stride +
-                         i * p.lse_row_stride] * float(detail::kLog2e);
+      sL2[r] =
+          p.lse_ptr[batch * p.lse_batch_stride + head * p.lse_head_stride + i * p.lse_row_stride] *
+          float(detail::kLog2e);
     }
   }
 }
@@ -216,16 +217,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       needed_key_rows(p, batch, head0, group, qb.begin * L.Br, rows_end, j0, kv_rows, flags,
                       kThreads);
       auto keep = [&](int r) { return flags[r] != 0; };
-      load_tile<kD, kThreads>(sK, L.ld_kv, gK + j0 * p.k_row_stride, p.k_row_stride, L.Bc,
-                              kv_rows, vec_load, keep);
-      load_tile<kD, kThreads>(sV, L.ld_kv, gV + j0 * p.v_row_stride, p.v_row_stride, L.Bc,
-                              kv_rows, vec_load, keep);
+      load_tile<kD, kThreads>(sK, L.ld_kv, gK + j0 * p.k_row_stride, p.k_row_stride, L.Bc, kv_rows,
+                              vec_load, keep);
+      load_tile<kD, kThreads>(sV, L.ld_kv, gV + j0 * p.v_row_stride, p.v_row_stride, L.Bc, kv_rows,
+                              vec_load, keep);
     }
     for (int64_t hg = 0; hg < group && needed; ++hg) {
       const int64_t h = head0 + hg;
       const detail::Dropout drop = detail::dropout_of(p, batch, h);
       const detail::BlockMask bm = detail::block_mask_of(p, batch, h);
-      const ScoreModF mod = head_score_mods(mods, p, batch, h);  // varlen: the sequence's
+      const ScoreModF mod = head_score_mods(mods, p, batch, h);        // varlen: the sequence's
       const detail::HeadExtras ex = head_extras(p, batch, h, seq.q0);  // bias, mask
       const DBiasAcc dbias = head_dbias(p, dbias_acc, batch, h, seq.q0);
       const T* gQ = static_cast<const T*>(p.q_ptr) + batch * p.q_batch_stride +
@@ -256,19 +257,19 @@ __global__ void __launch_bounds__(kThreads, 1)
         const bool masked = !(c.all && mask.block_fully_visible(i0, i0 + rows, j0, j0 + L.Bc)) ||
                             ex.any();
         if (!masked)
-          bwd::probs_and_ds<T, false>(sS, sdP, L.ld_s, L.Br, L.Bc, sL2, sD, i0, j0, mask, bm,
-                                      drop, mod, ex, dbias, kWarps);
+          bwd::probs_and_ds<T, false>(sS, sdP, L.ld_s, L.Br, L.Bc, sL2, sD, i0, j0, mask, bm, drop,
+                                      mod, ex, dbias, kWarps);
         else
           bwd::probs_and_ds<T, true>(sS, sdP, L.ld_s, L.Br, L.Bc, sL2, sD, i0, j0, mask, bm, drop,
                                      mod, ex, dbias, kWarps);
         // A masked pair whose K holds a NaN or Inf redoes dS K_j over visible keys (dq_visible);
         // the vote rides on the barrier the pair needs anyway (masked: the same in every thread).
-        const bool nonfinite_k =
-            masked ? __syncthreads_or(tile_has_nonfinite<kD, kThreads>(sK, L.ld_kv, L.Bc))
-                   : (__syncthreads(), false);
+        const bool nonfinite_k = masked ? __syncthreads_or(
+                                              tile_has_nonfinite<kD, kThreads>(sK, L.ld_kv, L.Bc))
+                                        : (__syncthreads(), false);
         // Lines 16, 22 and the product of line 21.
-        pair_products<T, kD>(reinterpret_cast<const T*>(sS), reinterpret_cast<const T*>(sdP),
-                             ld_p, sQ, sdO, sK, L.ld_kv, sdK, sdV, sdQ, L.ld_o, L.Br, L.Bc);
+        pair_products<T, kD>(reinterpret_cast<const T*>(sS), reinterpret_cast<const T*>(sdP), ld_p,
+                             sQ, sdO, sK, L.ld_kv, sdK, sdV, sdQ, L.ld_o, L.Br, L.Bc);
         __syncthreads();
         if (nonfinite_k) {
           dq_visible<T, kD>(reinterpret_cast<const T*>(sdP), ld_p, sK, L.ld_kv, sdQ, L.ld_o, L.Br,
@@ -319,9 +320,9 @@ void launch_fa1_backward(const Params& p, const LaunchContext& ctx) {
   StreamWorkspace ws((floats > 0 ? floats : 1) * sizeof(float), ctx.stream);  // dQ
   // deterministic=True with a broadcast dBias: the kernel adds none, fa2dbias sums it.
   const bool dbias_tiles = fa2dbias::wanted(p, ctx.dbias_acc);
-  FLASHDL_LAUNCH(static_cast<unsigned>(ctas), fa1bwd::kThreads, L.bytes, ctx.stream, kernel)(
-      p, call_score_mods(p), L, ws.get<float>(), dbias_tiles ? nullptr : ctx.dbias_acc,
-      ctx.vec_load, ctx.vec_store);
+  FLASHDL_LAUNCH(static_cast<unsigned>(ctas), fa1bwd::kThreads, L.bytes, ctx.stream,
+                 kernel)(p, call_score_mods(p), L, ws.get<float>(),
+                         dbias_tiles ? nullptr : ctx.dbias_acc, ctx.vec_load, ctx.vec_store);
   FLASHDL_CUDA_CHECK_LAUNCH("fa1 backward kernel launch");
   ws.release();
   if (dbias_tiles) fa2dbias::launch_with_stats<T, kHeadDim>(p, ctx);

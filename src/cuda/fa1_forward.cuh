@@ -58,7 +58,8 @@ __device__ void scores(const T* sQ, const T* sK, float* sS, const Fa1Layout& L) 
       wmma::load_matrix_sync(b, sK + cf * kFrag * L.ld_kv + kf * kFrag, L.ld_kv);
       wmma::mma_sync(acc, a, b, acc);
     }
-    wmma::store_matrix_sync(sS + rf * kFrag * L.ld_s + cf * kFrag, acc, L.ld_s, wmma::mem_row_major);
+    wmma::store_matrix_sync(sS + rf * kFrag * L.ld_s + cf * kFrag, acc, L.ld_s,
+                            wmma::mem_row_major);
   }
 }
 
@@ -158,7 +159,8 @@ __device__ void pv(const T* sP, const T* sV, float* sO, const Fa1Layout& L) {
       wmma::load_matrix_sync(b, sV + kf * kFrag * L.ld_kv + df * kFrag, L.ld_kv);
       wmma::mma_sync(acc, a, b, acc);
     }
-    wmma::store_matrix_sync(sO + rf * kFrag * L.ld_o + df * kFrag, acc, L.ld_o, wmma::mem_row_major);
+    wmma::store_matrix_sync(sO + rf * kFrag * L.ld_o + df * kFrag, acc, L.ld_o,
+                            wmma::mem_row_major);
   }
 }
 
@@ -272,7 +274,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const detail::Mask mask = detail::make_mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
   const detail::Dropout drop = detail::dropout_of(p, batch, head);
   const detail::BlockMask bm = detail::block_mask_of(p, batch, head);
-  const ScoreModF mod = head_score_mods(mods, p, batch, head);  // varlen: the sequence's
+  const ScoreModF mod = head_score_mods(mods, p, batch, head);        // varlen: the sequence's
   const detail::HeadExtras ex = head_extras(p, batch, head, seq.q0);  // bias, mask
   const int64_t Tc = detail::ceil_div(seqlen_k, L.Bc);
   for (int64_t j = 0; j < Tc; ++j) {  // line 5: K/V blocks outer
@@ -309,7 +311,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (!__syncthreads_or(any)) continue;
       }
       // Line 8: Q_i to shared memory; O_i, l_i, m_i are read from the workspace where used.
-      load_tile<kD, kThreads>(sQ, L.ld_kv, gQ + i0 * p.q_row_stride, p.q_row_stride, L.Br, rows, vec_load);
+      load_tile<kD, kThreads>(sQ, L.ld_kv, gQ + i0 * p.q_row_stride, p.q_row_stride, L.Br, rows,
+                              vec_load);
       __pipeline_commit();
       __pipeline_wait_prior(0);
       __syncthreads();
@@ -330,9 +333,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         softmax_rows<T, true>(sS, sScale, gM, gL, L, i0, rows, j0, mask, bm, drop, scale_log2);
       // A masked pair whose V holds a NaN or Inf takes the scalar P V over visible keys; the vote
       // rides on the barrier the pair needs anyway (masked is the same in every thread).
-      const bool nonfinite_v =
-          masked ? __syncthreads_or(tile_has_nonfinite<kD, kThreads>(sV, L.ld_kv, L.Bc))
-                 : (__syncthreads(), false);
+      const bool nonfinite_v = masked ? __syncthreads_or(
+                                            tile_has_nonfinite<kD, kThreads>(sV, L.ld_kv, L.Bc))
+                                      : (__syncthreads(), false);
       if (nonfinite_v)
         pv_visible<T, kD>(reinterpret_cast<const T*>(sS), sV, sO, L, i0, rows, j0, mask, bm, ex);
       else
@@ -356,15 +359,15 @@ void launch_fa1_forward(const Params& p, const LaunchContext& ctx) {
                                ctx.smem_optin);
   const int64_t ctas = p.batch * p.nheads;
   if (ctas > INT32_MAX)
-    throw Error(ErrorKind::unsupported, "q: batch * nheads = " + std::to_string(ctas) +
-                                            " is too large for one fa1 launch");
+    throw Error(ErrorKind::unsupported,
+                "q: batch * nheads = " + std::to_string(ctas) + " is too large for one fa1 launch");
   const auto kernel = fa1::forward_kernel<T, kHeadDim>;
   FLASHDL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(L.bytes)));
   const std::size_t rows = static_cast<std::size_t>(ctas * p.seqlen_q);
   StreamWorkspace ws(rows * (kHeadDim + 2) * sizeof(float), ctx.stream);  // O, m, l
-  FLASHDL_LAUNCH(static_cast<unsigned>(ctas), fa1::kThreads, L.bytes, ctx.stream, kernel)(
-      p, call_score_mods(p), L, ws.get<float>(), ctx.vec_load, ctx.vec_store);
+  FLASHDL_LAUNCH(static_cast<unsigned>(ctas), fa1::kThreads, L.bytes, ctx.stream,
+                 kernel)(p, call_score_mods(p), L, ws.get<float>(), ctx.vec_load, ctx.vec_store);
   FLASHDL_CUDA_CHECK_LAUNCH("fa1 forward kernel launch");
   ws.release();
 }

@@ -90,25 +90,25 @@ __device__ __forceinline__ void pair_probs(const typename Tr::T* sQ, const typen
     T* sP = reinterpret_cast<T*>(sS);
     T* sdS = reinterpret_cast<T*>(sdP);
     if (all)
-      bwd::probs_and_ds_in_registers<T, Tr::kHeadDim, false, Tr::kFragsM, Tr::kFragsN,
-                                     Tr::kNWarps, Tr::kSdPKeyFrags>(sQ, sdO, sK, sV, Tr::kLd, sP, sdS, Tr::kLdP,
-                                                  map, sL2, sD, i0, j0, mask, bm, drop, mod, ex,
-                                                  dbias);
+      bwd::probs_and_ds_in_registers<T, Tr::kHeadDim, false, Tr::kFragsM, Tr::kFragsN, Tr::kNWarps,
+                                     Tr::kSdPKeyFrags>(sQ, sdO, sK, sV, Tr::kLd, sP, sdS, Tr::kLdP,
+                                                       map, sL2, sD, i0, j0, mask, bm, drop, mod,
+                                                       ex, dbias);
     else
-      bwd::probs_and_ds_in_registers<T, Tr::kHeadDim, true, Tr::kFragsM, Tr::kFragsN,
-                                     Tr::kNWarps, Tr::kSdPKeyFrags>(sQ, sdO, sK, sV, Tr::kLd, sP, sdS, Tr::kLdP,
-                                                  map, sL2, sD, i0, j0, mask, bm, drop, mod, ex,
-                                                  dbias);
+      bwd::probs_and_ds_in_registers<T, Tr::kHeadDim, true, Tr::kFragsM, Tr::kFragsN, Tr::kNWarps,
+                                     Tr::kSdPKeyFrags>(sQ, sdO, sK, sV, Tr::kLd, sP, sdS, Tr::kLdP,
+                                                       map, sL2, sD, i0, j0, mask, bm, drop, mod,
+                                                       ex, dbias);
   } else {
-    bwd::scores_and_dp<T, Tr::kHeadDim>(sQ, sdO, sK, sV, Tr::kLd, sS, sdP, Tr::kLdS,
-                                        Tr::kFragsM, Tr::kFragsN, Tr::kNWarps);
+    bwd::scores_and_dp<T, Tr::kHeadDim>(sQ, sdO, sK, sV, Tr::kLd, sS, sdP, Tr::kLdS, Tr::kFragsM,
+                                        Tr::kFragsN, Tr::kNWarps);
     __syncthreads();
     if (all)
       bwd::probs_and_ds<T, false>(sS, sdP, Tr::kLdS, Tr::kBlockM, Tr::kBlockN, sL2, sD, i0, j0,
                                   mask, bm, drop, mod, ex, dbias, Tr::kNWarps);
     else
-      bwd::probs_and_ds<T, true>(sS, sdP, Tr::kLdS, Tr::kBlockM, Tr::kBlockN, sL2, sD, i0, j0,
-                                 mask, bm, drop, mod, ex, dbias, Tr::kNWarps);
+      bwd::probs_and_ds<T, true>(sS, sdP, Tr::kLdS, Tr::kBlockM, Tr::kBlockN, sL2, sD, i0, j0, mask,
+                                 bm, drop, mod, ex, dbias, Tr::kNWarps);
   }
   __syncthreads();
 }
@@ -299,16 +299,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   auto load_q = [&](PairAt a, int stage) {
     const int64_t h = a.h, i0 = a.i0;
     const int rows = int(seqlen_q - i0 < kM ? seqlen_q - i0 : kM);
-    const T* gQ = static_cast<const T*>(p.q_ptr) + batch * p.q_batch_stride +
-                  h * p.q_head_stride + (seq.q0 + i0) * p.q_row_stride;
+    const T* gQ = static_cast<const T*>(p.q_ptr) + batch * p.q_batch_stride + h * p.q_head_stride +
+                  (seq.q0 + i0) * p.q_row_stride;
     const T* gdO = static_cast<const T*>(p.do_ptr) + batch * p.do_batch_stride +
                    h * p.do_head_stride + (seq.q0 + i0) * p.do_row_stride;
     // Query rows the head's block mask hides from every key of this block: zero-filled.
     const detail::BlockMask bm = block_mask(h);
     auto keep = [&](int r) { return bm.row_any(i0 + r, n0, n0 + kv_rows); };
     if constexpr (kDense) {  // every row: the loader's unrolled copies
-      load_tile_rows<kM, kD, Tr::kThreads>(q_stage(L.off_q, stage), kLd, gQ, p.q_row_stride,
-                                           rows, vec_load);
+      load_tile_rows<kM, kD, Tr::kThreads>(q_stage(L.off_q, stage), kLd, gQ, p.q_row_stride, rows,
+                                           vec_load);
       load_tile_rows<kM, kD, Tr::kThreads>(q_stage(L.off_do, stage), kLd, gdO, p.do_row_stride,
                                            rows, vec_load);
     } else {
@@ -403,10 +403,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       mod = head_score_mods(mods, p, batch, h);
     }
     pair_probs<Tr, true>(sQ, sdO, sK, sV, sS, sdP, map, stat_stage(L.off_l2, stage),
-                   stat_stage(L.off_d, stage), i0, rows, n0, mask, block_mask(h), cover(it).all,
-                   kDense ? detail::Dropout{} : detail::dropout_of(p, batch, h), mod,
-                   kExtras ? head_extras(p, batch, h, seq.q0) : detail::HeadExtras{},
-                   kExtras ? head_dbias(p, dbias_acc, batch, h, seq.q0) : DBiasAcc{});
+                         stat_stage(L.off_d, stage), i0, rows, n0, mask, block_mask(h),
+                         cover(it).all,
+                         kDense ? detail::Dropout{} : detail::dropout_of(p, batch, h), mod,
+                         kExtras ? head_extras(p, batch, h, seq.q0) : detail::HeadExtras{},
+                         kExtras ? head_dbias(p, dbias_acc, batch, h, seq.q0) : DBiasAcc{});
     const T* sP = reinterpret_cast<const T*>(sS);
     const T* sdS = reinterpret_cast<const T*>(sdP);
 
@@ -439,9 +440,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       // A masked pair with a NaN or Inf in K: dQ from K with those zeroed, then K reloaded for
       // the next pairs' scores (keys the flags zero-filled come back as they are: every pair with
       // them is masked, and so takes this path too).
-      const bool slow_dq =
-          k_nonfinite && !(cover(it).all && mask.block_fully_visible(i0, i0 + rows, n0, n0 + kN) &&
-                           !(kExtras && detail::has_extras(p)));
+      const bool slow_dq = k_nonfinite && !(cover(it).all &&
+                                            mask.block_fully_visible(i0, i0 + rows, n0, n0 + kN) &&
+                                            !(kExtras && detail::has_extras(p)));
       if (slow_dq) {
         __syncthreads();  // every warp done with K's scores
         zero_nonfinite<kD, Tr::kThreads>(sK, kLd, kN);
@@ -532,11 +533,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const T* gV = static_cast<const T*>(p.v_ptr) + batch * p.v_batch_stride +
                 kv_head * p.v_head_stride + seq.k0 * p.v_row_stride;
   if (n_begin < n_end) {
-    load_tile<kD, Tr::kThreads>(sQ, kLd, static_cast<const T*>(p.q_ptr) + batch * p.q_batch_stride +
-                                             h * p.q_head_stride + (seq.q0 + m0) * p.q_row_stride,
+    load_tile<kD, Tr::kThreads>(sQ, kLd,
+                                static_cast<const T*>(p.q_ptr) + batch * p.q_batch_stride +
+                                    h * p.q_head_stride + (seq.q0 + m0) * p.q_row_stride,
                                 p.q_row_stride, kM, rows, vec_load);
-    load_tile<kD, Tr::kThreads>(sdO, kLd, static_cast<const T*>(p.do_ptr) + batch * p.do_batch_stride +
-                                              h * p.do_head_stride + (seq.q0 + m0) * p.do_row_stride,
+    load_tile<kD, Tr::kThreads>(sdO, kLd,
+                                static_cast<const T*>(p.do_ptr) + batch * p.do_batch_stride +
+                                    h * p.do_head_stride + (seq.q0 + m0) * p.do_row_stride,
                                 p.do_row_stride, kM, rows, vec_load);
     const int64_t row0 = (batch * p.nheads + h) * p.seqlen_q;
     bwd::load_stats(sL2, sD, ws_l2 + row0, ws_d + row0, m0, kM, seqlen_q, Tr::kThreads);
@@ -605,7 +608,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     for (int e = 0; e < FragAcc::num_elements; ++e) {
       const int r = rf * kFrag + map.r[e];
       if (r < rows)
-        gdQ[(m0 + r) * p.dq_row_stride + df * kFrag + map.c[e]] = from_float<T>(acc[u].x[e] * scale);
+        gdQ[(m0 + r) * p.dq_row_stride + df * kFrag + map.c[e]] = from_float<T>(acc[u].x[e] *
+                                                                                scale);
     }
   }
 #endif
@@ -630,8 +634,8 @@ void launch_bwd_main(const Params& p, const LaunchContext& ctx, const ScoreModF&
   FLASHDL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(Tr::kMain.bytes)));
   FLASHDL_LAUNCH(dim3(n_blocks, static_cast<unsigned>(p.nheads_kv), static_cast<unsigned>(p.batch)),
-                 Tr::kThreads, Tr::kMain.bytes, ctx.stream, kernel)(p, mods, l2, d, dq, dbias_acc,
-                                                                    ctx.vec_load);
+                 Tr::kThreads, Tr::kMain.bytes, ctx.stream,
+                 kernel)(p, mods, l2, d, dq, dbias_acc, ctx.vec_load);
   FLASHDL_CUDA_CHECK_LAUNCH("fa2 backward kernel launch");
 }
 
@@ -654,8 +658,8 @@ void launch_fa2_bwd(const Params& p, const LaunchContext& ctx) {
                     " (max " + std::to_string(ctx.max_grid_y) + "), batch " +
                     std::to_string(p.batch) + " (max " + std::to_string(ctx.max_grid_z) +
                     "), seqlen_q " + std::to_string(p.seqlen_q));
-  const Fa2BwdWorkspace w =
-      fa2_bwd_workspace(p.batch, p.nheads, p.seqlen_q, Tr::kHeadDim, p.deterministic);
+  const Fa2BwdWorkspace w = fa2_bwd_workspace(p.batch, p.nheads, p.seqlen_q, Tr::kHeadDim,
+                                              p.deterministic);
   StreamWorkspace ws(static_cast<std::size_t>(w.floats() > 0 ? w.floats() : 1) * sizeof(float),
                      ctx.stream);
   float* l2 = ws.get<float>();
@@ -664,8 +668,8 @@ void launch_fa2_bwd(const Params& p, const LaunchContext& ctx) {
   // kernel's paired atomics (atomic_add_pair) need.
   float* dq = w.dq > 0 ? d + w.stats : nullptr;
   if (dq != nullptr)
-    FLASHDL_CUDA_CHECK(cudaMemsetAsync(dq, 0, static_cast<std::size_t>(w.dq) * sizeof(float),
-                                       ctx.stream));
+    FLASHDL_CUDA_CHECK(
+        cudaMemsetAsync(dq, 0, static_cast<std::size_t>(w.dq) * sizeof(float), ctx.stream));
   const auto y = static_cast<unsigned>(p.nheads), z = static_cast<unsigned>(p.batch);
   const ScoreModF mods = call_score_mods(p);
   const bool extras = detail::has_extras(p);
@@ -712,8 +716,8 @@ void launch_fa2_bwd(const Params& p, const LaunchContext& ctx) {
 // does), else a clear error. bwd_plan.hpp sizes both.
 template <typename T, int kHeadDim>
 void launch_fa2_backward(const Params& p, const LaunchContext& ctx) {
-  constexpr bool kHasFallback =
-      fa2_bwd_smem_bytes(kHeadDim, fa2_bwd_config(kHeadDim)) > kFa2SmallestOptin;
+  constexpr bool kHasFallback = fa2_bwd_smem_bytes(kHeadDim, fa2_bwd_config(kHeadDim)) >
+                                kFa2SmallestOptin;
   const Fa2BwdVariant v = pick_fa2_bwd(kHeadDim, ctx.smem_optin);
   if (v == Fa2BwdVariant::standard)
     return launch_fa2_bwd<Fa2BwdStandard<T, kHeadDim>, Fa2BwdDense<T, kHeadDim>>(p, ctx);

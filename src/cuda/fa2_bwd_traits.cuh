@@ -60,17 +60,17 @@ struct Fa2BwdTraits {
 };
 
 template <typename T, int kHeadDim>
-using Fa2BwdStandard = Fa2BwdTraits<T, kHeadDim, fa2_bwd_config(kHeadDim).block_m,
-                                    fa2_bwd_config(kHeadDim).block_n,
-                                    fa2_bwd_config(kHeadDim).stages>;
+using Fa2BwdStandard =
+    Fa2BwdTraits<T, kHeadDim, fa2_bwd_config(kHeadDim).block_m, fa2_bwd_config(kHeadDim).block_n,
+                 fa2_bwd_config(kHeadDim).stages>;
 template <typename T, int kHeadDim>
-using Fa2BwdDense = Fa2BwdTraits<T, kHeadDim, fa2_bwd_dense_config(kHeadDim).block_m,
-                                 fa2_bwd_dense_config(kHeadDim).block_n,
-                                 fa2_bwd_dense_config(kHeadDim).stages,
-                                 fa2_bwd_dense_config(kHeadDim).band_frags>;
+using Fa2BwdDense =
+    Fa2BwdTraits<T, kHeadDim, fa2_bwd_dense_config(kHeadDim).block_m,
+                 fa2_bwd_dense_config(kHeadDim).block_n, fa2_bwd_dense_config(kHeadDim).stages,
+                 fa2_bwd_dense_config(kHeadDim).band_frags>;
 template <typename T, int kHeadDim>
-using Fa2BwdFallback = Fa2BwdTraits<T, kHeadDim, fa2_bwd_fallback(kHeadDim).block_m,
-                                    fa2_bwd_fallback(kHeadDim).block_n,
-                                    fa2_bwd_fallback(kHeadDim).stages>;
+using Fa2BwdFallback =
+    Fa2BwdTraits<T, kHeadDim, fa2_bwd_fallback(kHeadDim).block_m,
+                 fa2_bwd_fallback(kHeadDim).block_n, fa2_bwd_fallback(kHeadDim).stages>;
 
 }  // namespace flashdl::cuda

@@ -72,8 +72,7 @@ __global__ void __launch_bounds__(kCols)
   const int64_t x = blockIdx.x;
   const int64_t bb = x / (p.bias_heads * row_tiles), hh = (x / row_tiles) % p.bias_heads;
   const int64_t r0 = (x % row_tiles) * kRows;  // the tile's first compact row (0: no row axis)
-  const int n_rows =
-      p.bias_rows > 1 ? int(p.bias_rows - r0 < kRows ? p.bias_rows - r0 : kRows) : 1;
+  const int n_rows = p.bias_rows > 1 ? int(p.bias_rows - r0 < kRows ? p.bias_rows - r0 : kRows) : 1;
   const int64_t j0 = int64_t(blockIdx.y) * kCols, j = j0 + t;
   for (int r = 0; r < n_rows; ++r) sAcc[r * kCols + t] = 0.0f;
 
@@ -131,9 +130,8 @@ __global__ void __launch_bounds__(kCols)
           dov = fmaf(to_float(sdO[c]), to_float(sV[t * L::kLd + c]), dov);
         }
         float prob, ds, ds_bias;
-        bwd::prob_and_ds_terms<true>(qk, dov, ws_l2[stat0 + i], ws_d[stat0 + i], i, j,
-                                     mask.diag(i), mask, bm, drop, mod, modded, ex, prob, ds,
-                                     ds_bias);
+        bwd::prob_and_ds_terms<true>(qk, dov, ws_l2[stat0 + i], ws_d[stat0 + i], i, j, mask.diag(i),
+                                     mask, bm, drop, mod, modded, ex, prob, ds, ds_bias);
         sAcc[(p.bias_rows > 1 ? seq.q0 + i - r0 : 0) * kCols + t] += ds_bias;
       }
     }
@@ -155,10 +153,9 @@ void launch(const Params& p, const ScoreModF& mods, const float* ws_l2, const fl
   const int64_t grid_y = detail::ceil_div(p.seqlen_k, int64_t(kCols));
   if (grid_x == 0 || grid_y == 0) return;
   if (grid_x > INT32_MAX || grid_y > ctx.max_grid_y)
-    throw Error(ErrorKind::unsupported,
-                "bias: too large for one deterministic dbias launch (" +
-                    std::to_string(grid_x) + " row tiles, " + std::to_string(grid_y) +
-                    " key tiles)");
+    throw Error(ErrorKind::unsupported, "bias: too large for one deterministic dbias launch (" +
+                                            std::to_string(grid_x) + " row tiles, " +
+                                            std::to_string(grid_y) + " key tiles)");
   if (int(L::kBytes) > ctx.smem_optin)
     throw Error(ErrorKind::unsupported,
                 "q: the deterministic dbias kernel for headdim " + std::to_string(kD) + " needs " +
@@ -182,8 +179,7 @@ void launch_with_stats(const Params& p, const LaunchContext& ctx) {
     throw Error(ErrorKind::unsupported,
                 "q: too large for the deterministic dbias's statistics launch: nheads " +
                     std::to_string(p.nheads) + ", batch " + std::to_string(p.batch));
-  StreamWorkspace ws(static_cast<std::size_t>(rows > 0 ? 2 * rows : 1) * sizeof(float),
-                     ctx.stream);
+  StreamWorkspace ws(static_cast<std::size_t>(rows > 0 ? 2 * rows : 1) * sizeof(float), ctx.stream);
   float* l2 = ws.get<float>();
   float* d = l2 + rows;
   if (rows > 0) {

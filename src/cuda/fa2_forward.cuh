@@ -38,8 +38,8 @@ namespace fa2 {
 
 // S = Q K^T for this warp's 16 rows: sQw (16 x d), sK (kBlockN x d) -> sS (16 x kBlockN, float).
 template <typename Tr>
-__device__ __forceinline__ void compute_scores(const typename Tr::T* sQw,
-                                               const typename Tr::T* sK, float* sS) {
+__device__ __forceinline__ void compute_scores(const typename Tr::T* sQw, const typename Tr::T* sK,
+                                               float* sS) {
   using T = typename Tr::T;
   FragAcc acc[Tr::kFragsN];
 #pragma unroll
@@ -113,8 +113,8 @@ __device__ __noinline__ void apply_score_mods(float* sS, const ScoreModF& mod, b
                                               const Params& p, int64_t batch, int64_t head,
                                               int64_t q0, float pre, int64_t diag, int64_t row_in,
                                               int64_t n0, int64_t seqlen_k) {
-  score_pass<Tr>(sS, mod, modded, head_extras(p, batch, head, q0), pre, diag, row_in, n0,
-                 seqlen_k, 0);
+  score_pass<Tr>(sS, mod, modded, head_extras(p, batch, head, q0), pre, diag, row_in, n0, seqlen_k,
+                 0);
 }
 
 // One online-softmax step in shared memory for the row this lane pair owns (lanes 2r and 2r+1
@@ -278,11 +278,9 @@ __device__ __forceinline__ void accumulate_pv(const typename Tr::T* sP, const ty
 // a kernel at 253 registers (sm_80 float16 d 128: 528 and 164 bytes of spill stores; this form
 // 32). Per lane up to kBlockN x (kFragsD * 8) FMAs.
 template <typename Tr, typename Keys, typename Shown>
-__device__ __forceinline__ void accumulate_pv_visible(float* sS,
-                                                      const FragA<typename Tr::T> (&pa)[Tr::kFragsN],
-                                                      const typename Tr::T* sV,
-                                                      FragAcc (&acc)[Tr::kFragsD], const Keys& keys,
-                                                      const Shown& shown) {
+__device__ __forceinline__ void accumulate_pv_visible(
+    float* sS, const FragA<typename Tr::T> (&pa)[Tr::kFragsN], const typename Tr::T* sV,
+    FragAcc (&acc)[Tr::kFragsD], const Keys& keys, const Shown& shown) {
   using T = typename Tr::T;
   static_assert(FragAcc::num_elements == 8, "the m16n8k16 accumulator layout of acc_row / acc_col");
   const int lane = threadIdx.x % 32, r0 = lane / 4, r1 = r0 + 8;
@@ -378,8 +376,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
   const int n_begin = int(kb.begin), n_end = int(kb.end);
   // The register-only kernel serves calls without a block mask or dropout (the launcher checks):
   // the dense mask and no dropout as constants, so none of their tests is compiled into it.
-  const detail::BlockMask bm =
-      Tr::kRegsOnly ? detail::BlockMask{} : detail::block_mask_of(p, batch, head);
+  const detail::BlockMask bm = Tr::kRegsOnly ? detail::BlockMask{}
+                                             : detail::block_mask_of(p, batch, head);
   auto cover = [&](int n) {
     const int64_t n0 = int64_t(n) * kBlockN;
     return bm.cover(m0, m0 + m_rows, n0, n0 + kBlockN < seqlen_k ? n0 + kBlockN : seqlen_k);
@@ -435,8 +433,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
   fill_layout_tiles(codes_f, codes_t, Tr::kThreads);
   for (int e = threadIdx.x; e < kFrag * kFrag; e += Tr::kThreads) sRows[e] = float(e / kFrag);
   __syncthreads();
-  const detail::Dropout drop =
-      Tr::kRegsOnly ? detail::Dropout{} : detail::dropout_of(p, batch, head);
+  const detail::Dropout drop = Tr::kRegsOnly ? detail::Dropout{}
+                                             : detail::dropout_of(p, batch, head);
   // Whether the head's modifiers change any score (a slope of 0 and no cap do not): only then do
   // they run, on the shared-memory path. Rebuilt per block there, from `mods` and the slope (one
   // cached load): held across the loop they cost registers.
@@ -450,8 +448,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
   // shared-memory path, and it has none to fall back to: a fragment layout other than the one
   // every architecture flashdl compiles for (sm_80, sm_90) checked to hold is a compiler change.
   if (Tr::kRegsOnly && !layout_ok) __trap();
-  const bool in_regs = Tr::kRegsOnly || (layout_ok && !smem_softmax && !drop.on() &&
-                                         bm.dense() && !modded && !has_extras);
+  const bool in_regs = Tr::kRegsOnly || (layout_ok && !smem_softmax && !drop.on() && bm.dense() &&
+                                         !modded && !has_extras);
   const float scale_log2 = prescaled ? 1.0f : float(p.scale_softmax_log2);
   // load_frag's bfloat16 loads (as float16) are those of wmma on every architecture they are
   // compiled for (SASS, sm_80 and sm_90): a failure here is a compiler change, not a fallback.
@@ -563,11 +561,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
           // (not inlined: inlined, it cost this kernel spills; a second, inlined pass for the
           // modifiers alone cost more).
           if (kMods && (modded || has_extras))
-            apply_score_mods<Tr>(sS, head_score_mods(mods, p, batch, head), modded, p, batch,
-                                 head, seq.q0,
-                                 p.bias_ptr != nullptr ? float(p.scale_softmax_log2) : 1.0f,
-                                 mask.diag(row),
-                                 row < seqlen_q ? row : seqlen_q - 1, n0, seqlen_k);
+            apply_score_mods<Tr>(sS, head_score_mods(mods, p, batch, head), modded, p, batch, head,
+                                 seq.q0, p.bias_ptr != nullptr ? float(p.scale_softmax_log2) : 1.0f,
+                                 mask.diag(row), row < seqlen_q ? row : seqlen_q - 1, n0, seqlen_k);
           const int64_t col_lo = mask.col_begin(row), col_hi = mask.col_end(row);
           const int64_t row_in = row < seqlen_q ? row : seqlen_q - 1;
           const float alpha =  // mask, online softmax; P over S in place
@@ -578,8 +574,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
           scale_rows(acc_o[rf], load_rows(sRows), alpha);
           const T* sP = reinterpret_cast<const T*>(sS);
 #pragma unroll
-          for (int kf = 0; kf < kFragsN; ++kf)
-            load_frag(pa[rf][kf], sP + kf * kFrag, Tr::kLdP);
+          for (int kf = 0; kf < kFragsN; ++kf) load_frag(pa[rf][kf], sP + kf * kFrag, Tr::kLdP);
           __syncwarp();  // the next band's scores overwrite P
         }
       }
@@ -707,8 +702,8 @@ void launch_fa2(const Params& p, const LaunchContext& ctx) {
                                           static_cast<int>(Tr::kSmemBytes)));
   const dim3 grid(static_cast<unsigned>(m_blocks), static_cast<unsigned>(p.nheads),
                   static_cast<unsigned>(p.batch));
-  FLASHDL_LAUNCH(grid, Tr::kThreads, Tr::kSmemBytes, ctx.stream, kernel)(
-      p, call_score_mods(p), ctx.vec_load, ctx.vec_store, ctx.fa2_smem_softmax);
+  FLASHDL_LAUNCH(grid, Tr::kThreads, Tr::kSmemBytes, ctx.stream,
+                 kernel)(p, call_score_mods(p), ctx.vec_load, ctx.vec_store, ctx.fa2_smem_softmax);
   FLASHDL_CUDA_CHECK_LAUNCH("fa2 forward kernel launch");
 }
 

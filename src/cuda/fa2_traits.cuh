@@ -18,16 +18,16 @@ struct Fa2Traits {
   using T = T_;
   static constexpr bool kRegsOnly = kRegsOnly_;
   static constexpr Fa2FwdTile kTile{kRowFrags_, kBlockN_};
-  static constexpr Fa2FwdLayout kLayout =
-      fa2_fwd_layout(kHeadDim_, kTile, int(sizeof(T_)), kRegsOnly_);
+  static constexpr Fa2FwdLayout kLayout = fa2_fwd_layout(kHeadDim_, kTile, int(sizeof(T_)),
+                                                         kRegsOnly_);
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockN = kBlockN_;            // keys per K/V block (Bc)
-  static constexpr int kRowFrags = kRowFrags_;        // 16-row fragments per warp
+  static constexpr int kBlockN = kBlockN_;      // keys per K/V block (Bc)
+  static constexpr int kRowFrags = kRowFrags_;  // 16-row fragments per warp
   static constexpr int kNWarps = kFa2Warps;
   static constexpr int kThreads = kFa2Threads;
-  static constexpr int kWarpRows = kRowFrags * kFrag; // query rows owned by one warp
-  static constexpr int kBlockM = kLayout.block_m;     // query rows per CTA (Br)
-  static constexpr int kStages = 2;                   // K/V double buffering
+  static constexpr int kWarpRows = kRowFrags * kFrag;  // query rows owned by one warp
+  static constexpr int kBlockM = kLayout.block_m;      // query rows per CTA (Br)
+  static constexpr int kStages = 2;                    // K/V double buffering
 
   static constexpr int kLdQKV = kLayout.ld_qkv;  // elements of T
   static constexpr int kLdS = kLayout.ld_s;      // floats; P (elements of T) overwrites S in place

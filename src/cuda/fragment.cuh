@@ -22,7 +22,7 @@ namespace wmma = nvcuda::wmma;
 #define FLASHDL_DYNAMIC_SMEM(name) extern __shared__ __align__(128) unsigned char name[]
 #endif
 
-constexpr int kFrag = 16;           // wmma tile: m = n = k = 16
+constexpr int kFrag = 16;  // wmma tile: m = n = k = 16
 constexpr unsigned kFullMask = 0xffffffffu;
 
 template <typename T>

@@ -37,10 +37,10 @@ struct MergeView {
 
 struct MergeArgs {
   int64_t batch, seqlen, nheads, head_dim;
-  int count;                         // parts merged by this launch, in order
-  MergeView part[kMergeMaxParts];    // explicit parts, or the first of equally spaced ones:
+  int count;                               // parts merged by this launch, in order
+  MergeView part[kMergeMaxParts];          // explicit parts, or the first of equally spaced ones:
   int64_t o_part_stride, lse_part_stride;  // non-zero: part i is part[0] moved by i strides
-  MergeView out;                     // written unless carry_out (o and lse cast to writable)
+  MergeView out;                           // written unless carry_out (o and lse cast to writable)
   // Running state between chained launches: Acc values, o (rows x head_dim) then lse (rows),
   // row = (b * seqlen + s) * nheads + h. carry_in: start from it instead of (0, -inf);
   // carry_out: write it instead of out.
@@ -112,8 +112,8 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const __grid_const
         if (a.carry_out)
           carry_o[row * d + c] = acc[v];
         else
-          static_cast<Out*>(const_cast<void*>(a.out.o))[b * a.out.o_batch + s * a.out.o_row +
-                                                        h * a.out.o_head + c] =
+          static_cast<Out*>(const_cast<void*>(
+              a.out.o))[b * a.out.o_batch + s * a.out.o_row + h * a.out.o_head + c] =
               narrow<Out>(acc[v]);
       }
     }
@@ -122,8 +122,9 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const __grid_const
       if (a.carry_out)
         carry_lse[row] = total;
       else
-        const_cast<float*>(a.out.lse)[b * a.out.lse_batch + h * a.out.lse_head +
-                                      s * a.out.lse_row] = static_cast<float>(total);
+        const_cast<float*>(
+            a.out.lse)[b * a.out.lse_batch + h * a.out.lse_head + s * a.out.lse_row] =
+            static_cast<float>(total);
     }
   }
 }

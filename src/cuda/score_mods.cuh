@@ -61,9 +61,10 @@ __device__ __forceinline__ detail::HeadExtras head_extras(const Params& p, int64
                                                           int64_t q0) {
   detail::HeadExtras e = detail::extras_of(p, b, h);
   if (e.bias != nullptr)
-    e.bias = static_cast<const char*>(e.bias) +
-             q0 * e.bias_row *
-                 (e.bias_dtype == DType::float64 ? 8 : e.bias_dtype == DType::float32 ? 4 : 2);
+    e.bias = static_cast<const char*>(e.bias) + q0 * e.bias_row *
+                                                    (e.bias_dtype == DType::float64   ? 8
+                                                     : e.bias_dtype == DType::float32 ? 4
+                                                                                      : 2);
   if (e.keep != nullptr) e.keep += q0 * e.mask_row;
   return e;
 }
