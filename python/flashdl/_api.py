@@ -151,8 +151,6 @@ def attention(
     alibi_slopes : float32 array (nheads,) or (batch, nheads), optional
         ALiBi (BLOOM, MPT): adds ``-slope[h] * |i + seqlen_k - seqlen_q - j|`` to the score of query
         ``i`` at key ``j``, bottom-right aligned like causal. On the device of q; no gradient.
-        Known bug: on CUDA (an H100) the fa2 forward with slopes and a ``block_mask`` gives wrong
-        rows for steep slopes; use ``schedule="fa1"`` there until it is fixed (docs/cuda.md).
     softcap : float, default 0.0
         When > 0, each scaled score ``s`` becomes ``softcap * tanh(s / softcap)`` (Gemma 2, Grok);
         0 is off. Modifiers apply in flash-attn's order: scale, cap, bias, mask.

@@ -132,7 +132,7 @@ def attention(
     Notes
     -----
     Under ``jax.jit`` with q, k, v sharded over batch and/or heads (``NamedSharding``), each
-    device computes its own shard with no collective (docs/jax.md); a sharded sequence axis is
+    device computes its own shard with no collective (docs/howto/jax.md); a sharded sequence axis is
     gathered (use :func:`ring_attention`). With dropout, each shard draws its slice of the
     unsharded call's mask (its batch and head offsets, from ``jax.lax.axis_index``, travel with
     the seed), so a sharded call is bitwise the unsharded one. The CUDA handlers pass their

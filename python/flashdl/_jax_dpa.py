@@ -1,7 +1,7 @@
 """flashdl.jax.dot_product_attention: jax.nn.dot_product_attention's signature and semantics on
 flashdl's custom call.
 
-JAX's semantics, mapped onto the core's features (docs/jax.md says what differs from
+JAX's semantics, mapped onto the core's features (docs/howto/jax.md says what differs from
 flashdl.jax.attention):
 
 - ``is_causal`` and ``local_window_size`` are aligned top-left (key j is visible to query i iff

@@ -10,7 +10,7 @@ custom call on each device's shard: no all-gather, no collective at all, because
 independent across batch entries and across kv-head groups. With dropout the shard's call also
 gets its batch and head offsets in the whole call (traced, from jax.lax.axis_index, appended to
 the seed operand; _sliced_dropout), so each shard draws its slice of the unsharded call's mask
-and the sharded result is bitwise the unsharded one. docs/jax.md says why this and not
+and the sharded result is bitwise the unsharded one. docs/howto/jax.md says why this and not
 an internal shard_map (which would need the mesh at trace time, which jit under automatic
 sharding does not have).
 

@@ -7,8 +7,8 @@ Same layouts as flash-attn: q (batch, seqlen, nheads, headdim), qkv (batch, seql
 headdim), kv (batch, seqlen, 2, nheads_k, headdim); varlen (total, nheads, headdim) with int32
 cu_seqlens; unpad_input and pad_input are flash_attn.bert_padding's, to go between padded batches
 and that layout. flash-attn's own test module runs against this one: tools/flash_attn_upstream.py,
-docs/flash_attn_tests.md. Differences from flash-attn (also in docs/migrating.md, "From
-flash-attn"):
+docs/migrating/flash_attn_tests.md. Differences from flash-attn (also in
+docs/migrating/index.md, "From flash-attn"):
 
 - block_table (paged KV) and seqused_k in flash_attn_varlen_func: forward only (as
   flash-attn). On a GPU, block_table, seqused_k and both cu_seqlens are copied to the host first
@@ -34,7 +34,7 @@ flash-attn"):
   ArgumentError, which is both a ValueError (flashdl's class) and a RuntimeError (what
   flash-attn's C++ checks raise), so handlers written for either catch it. What flashdl accepts
   beyond flash-attn (CPU, float32, any page size, ...) and refuses that flash-attn accepts
-  (non-finite scales, softcaps and slopes) is listed in docs/migrating.md.
+  (non-finite scales, softcaps and slopes) is listed in docs/migrating/index.md.
 
 S_dmask (return_attn_probs=True with dropout; an empty tensor without, as flash-attn) is in
 the scaling of flash-attn's kernel (see _torch_flash_attn.attn_probs): (batch, nheads, seqlen_q, seqlen_k)
@@ -161,7 +161,7 @@ def flash_attn_func(
     deterministic : bool, default False
         Bitwise reproducible dq in the backward on CUDA.
     return_attn_probs : bool, default False
-        Also return ``softmax_lse`` and ``S_dmask`` (testing only; see :doc:`/migrating`).
+        Also return ``softmax_lse`` and ``S_dmask`` (testing only; see :doc:`/migrating/index`).
 
     Returns
     -------

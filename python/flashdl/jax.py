@@ -8,7 +8,7 @@ Each call lowers to an XLA FFI custom call (jax.ffi.ffi_call) whose handler is f
 CPU backend; the CUDA backend on XLA's stream where flashdl and jax both have CUDA): no host round
 trip, no callback. The gradient is a jax.custom_vjp whose backward is flashdl's backward, which
 recomputes the attention matrix from the saved lse. The handlers are registered with XLA on the
-first call; docs/jax.md says how they are built without jax and which XLA FFI versions they fit.
+first call; docs/howto/jax.md says how they are built without jax and which XLA FFI versions they fit.
 
 Also here: attention_with_kvcache (the append a donatable functional update) and merge_states
 (_jax_kvcache), ring_attention for shard_map over a sequence-sharded mesh axis (_jax_ring); the
