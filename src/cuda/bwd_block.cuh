@@ -188,40 +188,49 @@ __device__ __forceinline__ void probs_and_ds_in_registers(
   constexpr int kNGroups = kNTiles / kNPer;
   constexpr int kMWarps = kWarps / (kNGroups > 0 ? kNGroups : 1);
   if constexpr (kNTiles % kNPer == 0 && kWarps % kNGroups == 0 && kMTiles % kMWarps == 0) {
-    constexpr int kMPer = kMTiles / kMWarps;
+    // The warp's query fragments in chunks of at most kChunk (2: a 128-row block keeps a 64-row
+    // block's accumulators live; the K and V fragments are loaded again for each chunk).
+    constexpr int kMPerAll = kMTiles / kMWarps;
+    constexpr int kChunk = kMPerAll < 2 ? kMPerAll : 2;
+    static_assert(kMPerAll % kChunk == 0, "whole chunks of query fragments");
     const int ng = warp % kNGroups, mg = warp / kNGroups;
-    FragAcc s[kMPer][kNPer], dp[kMPer][kNPer];
+#pragma unroll 1
+    for (int c0 = 0; c0 < kMPerAll; c0 += kChunk) {
+      constexpr int kMPer = kChunk;
+      FragAcc s[kMPer][kNPer], dp[kMPer][kNPer];
 #pragma unroll
-    for (int i = 0; i < kMPer; ++i)
+      for (int i = 0; i < kMPer; ++i)
 #pragma unroll
-      for (int j = 0; j < kNPer; ++j) {
-        wmma::fill_fragment(s[i][j], 0.0f);
-        wmma::fill_fragment(dp[i][j], 0.0f);
+        for (int j = 0; j < kNPer; ++j) {
+          wmma::fill_fragment(s[i][j], 0.0f);
+          wmma::fill_fragment(dp[i][j], 0.0f);
+        }
+#pragma unroll
+      for (int kf = 0; kf < kD / kFrag; ++kf) {
+        FragBt<T> bk[kNPer], bv[kNPer];
+#pragma unroll
+        for (int j = 0; j < kNPer; ++j) {
+          load_frag(bk[j], sK + (ng * kNPer + j) * kFrag * ld_qkv + kf * kFrag, ld_qkv);
+          load_frag(bv[j], sV + (ng * kNPer + j) * kFrag * ld_qkv + kf * kFrag, ld_qkv);
+        }
+#pragma unroll
+        for (int i = 0; i < kMPer; ++i) {
+          const int rf = mg + (c0 + i) * kMWarps;
+          FragA<T> a;
+          load_frag(a, sQ + rf * kFrag * ld_qkv + kf * kFrag, ld_qkv);
+#pragma unroll
+          for (int j = 0; j < kNPer; ++j) wmma::mma_sync(s[i][j], a, bk[j], s[i][j]);
+          load_frag(a, sdO + rf * kFrag * ld_qkv + kf * kFrag, ld_qkv);
+#pragma unroll
+          for (int j = 0; j < kNPer; ++j) wmma::mma_sync(dp[i][j], a, bv[j], dp[i][j]);
+        }
       }
 #pragma unroll
-    for (int kf = 0; kf < kD / kFrag; ++kf) {
-      FragBt<T> bk[kNPer], bv[kNPer];
+      for (int i = 0; i < kMPer; ++i)
 #pragma unroll
-      for (int j = 0; j < kNPer; ++j) {
-        load_frag(bk[j], sK + (ng * kNPer + j) * kFrag * ld_qkv + kf * kFrag, ld_qkv);
-        load_frag(bv[j], sV + (ng * kNPer + j) * kFrag * ld_qkv + kf * kFrag, ld_qkv);
-      }
-#pragma unroll
-      for (int i = 0; i < kMPer; ++i) {
-        const int rf = mg + i * kMWarps;
-        FragA<T> a;
-        load_frag(a, sQ + rf * kFrag * ld_qkv + kf * kFrag, ld_qkv);
-#pragma unroll
-        for (int j = 0; j < kNPer; ++j) wmma::mma_sync(s[i][j], a, bk[j], s[i][j]);
-        load_frag(a, sdO + rf * kFrag * ld_qkv + kf * kFrag, ld_qkv);
-#pragma unroll
-        for (int j = 0; j < kNPer; ++j) wmma::mma_sync(dp[i][j], a, bv[j], dp[i][j]);
-      }
+        for (int j = 0; j < kNPer; ++j)
+          finish(mg + (c0 + i) * kMWarps, ng * kNPer + j, s[i][j], dp[i][j]);
     }
-#pragma unroll
-    for (int i = 0; i < kMPer; ++i)
-#pragma unroll
-      for (int j = 0; j < kNPer; ++j) finish(mg + i * kMWarps, ng * kNPer + j, s[i][j], dp[i][j]);
   } else {
     for (int t = warp; t < kMTiles * kNTiles; t += kWarps) {
       const int rf = t / kNTiles, nf = t % kNTiles;

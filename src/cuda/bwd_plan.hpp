@@ -26,6 +26,10 @@ struct Fa2BwdConfig {
   int block_n;  // Bc: keys per CTA
   int stages;   // buffers for the streamed Q, dO, lse, D (2: the next block loads during this one)
   int band_frags = 1;  // 16-key fragments in each warp's band of dK_j / dV_j (1 or 2)
+  // P and dS only, as T, where S and dP go (the main kernel with S/dP in registers): Br x (Bc + 8)
+  // elements of T each instead of Br x (Bc + 4) floats. Not for a layout the deterministic dQ
+  // pass uses (it holds float S and dP there).
+  bool p_only = false;
 };
 
 constexpr std::size_t align128(std::size_t x) { return (x + 127) / 128 * 128; }
@@ -34,6 +38,7 @@ constexpr std::size_t align128(std::size_t x) { return (x + 127) / 128 * 128; }
 struct Fa2BwdLayout {
   int ld_qkv;  // head_dim + 8 elements of T: Q, dO, K, V tiles
   int ld_s;    // Bc + 4 floats: S and dP; P and dS (elements of T) overwrite them in place
+  int ld_p;    // elements of T a row of P and dS: 2 ld_s (in place over S, dP) or Bc + 8 (p_only)
   std::size_t off_k, off_v, off_q, off_do, off_s, off_dp, off_l2, off_d, bytes;
   std::size_t q_stage_bytes, stat_stage_bytes;  // one stage of Q (or dO), of lse2 (or D)
 };
@@ -48,7 +53,9 @@ constexpr Fa2BwdLayout fa2_bwd_layout(int head_dim, Fa2BwdConfig c, int q_stages
   const std::size_t kv = align128(std::size_t(c.block_n) * L.ld_qkv * elem_bytes);
   L.q_stage_bytes = align128(std::size_t(c.block_m) * L.ld_qkv * elem_bytes);
   L.stat_stage_bytes = align128(std::size_t(c.block_m) * sizeof(float));
-  const std::size_t s = align128(std::size_t(c.block_m) * L.ld_s * sizeof(float));
+  L.ld_p = c.p_only ? c.block_n + 8 : 2 * L.ld_s;
+  const std::size_t s = align128(c.p_only ? std::size_t(c.block_m) * L.ld_p * elem_bytes
+                                          : std::size_t(c.block_m) * L.ld_s * sizeof(float));
   L.off_k = 0;
   L.off_v = L.off_k + kv;
   L.off_q = L.off_v + kv;
@@ -83,9 +90,14 @@ constexpr Fa2BwdConfig fa2_bwd_fallback(int head_dim) {
 // per HMMA: d 64 22.1 -> 17.9, d 128 17.3 -> 15.2). Not for the other calls: their per-pair
 // features spill with these tiles (ptxas sm_90 float16 d 128: 255 registers and 3,820 bytes of
 // spill loads with a bias, 1,808 with dropout or a block mask; the dense kernel 254 and none).
-// Head dims above 128 keep the standard tiles.
+// Up to d 64, 128 x 128 (FlashAttention-2's there) with P and dS alone in shared memory (p_only:
+// 178 KiB at d 64; float S and dP would take 245) and each warp's S/dP in two chunks of 64 rows
+// (the registers of 64 x 128): per HMMA half the barriers and per-pair setup again, fewer dQ
+// fragment loads (SASS model, d 64: 16.2 -> 14.8). Head dims above 128 keep the standard tiles.
 constexpr Fa2BwdConfig fa2_bwd_dense_config(int head_dim) {
-  return head_dim <= 128 ? Fa2BwdConfig{64, 128, 2, 2} : fa2_bwd_config(head_dim);
+  return head_dim <= 64    ? Fa2BwdConfig{128, 128, 2, 2, true}
+         : head_dim <= 128 ? Fa2BwdConfig{64, 128, 2, 2}
+                           : fa2_bwd_config(head_dim);
 }
 
 // The warp grid over dK_j / dV_j: Bc / (16 band_frags) key bands; the rest of the 8 warps split

@@ -494,6 +494,7 @@ template <typename Tr, bool kExtras>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     dq_kernel(const __grid_constant__ Params p, const ScoreModF mods, const float* ws_l2,
               const float* ws_d, const bool vec_load) {
+  static_assert(!Tr::kPOnly, "the dQ pass keeps float S and dP");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   __trap();
 #else

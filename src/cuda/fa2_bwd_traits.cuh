@@ -10,7 +10,8 @@ namespace flashdl::cuda {
 // What a backward call has, as far as the main kernel's instantiation goes (fa2_backward.cuh).
 enum class BwdCall { dense, features, extras };
 
-template <typename T_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, int kBandFrags_ = 1>
+template <typename T_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, int kBandFrags_ = 1,
+          bool kPOnly_ = false>
 struct Fa2BwdTraits {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -18,7 +19,8 @@ struct Fa2BwdTraits {
   static constexpr int kBlockN = kBlockN_;  // Bc: keys per CTA of the main kernel
   static constexpr int kStages = kStages_;
   static constexpr int kBandFrags = kBandFrags_;  // 16-key fragments per warp's dK / dV band
-  static constexpr Fa2BwdConfig kConfig{kBlockM, kBlockN, kStages, kBandFrags};
+  static constexpr bool kPOnly = kPOnly_;         // the main kernel's P/dS as T only (Fa2BwdConfig)
+  static constexpr Fa2BwdConfig kConfig{kBlockM, kBlockN, kStages, kBandFrags, kPOnly};
   static constexpr int kNWarps = kBwdWarps;
   static constexpr int kThreads = kBwdThreads;
 
@@ -46,16 +48,23 @@ struct Fa2BwdTraits {
   static constexpr int kDqTilesPerWarp = (kDqTiles + kNWarps - 1) / kNWarps;
 
   static constexpr Fa2BwdLayout kMain = fa2_bwd_layout(kHeadDim, kConfig, kStages);
-  static constexpr Fa2BwdLayout kDqPass = fa2_bwd_layout(kHeadDim, kConfig, 1);
+  // The deterministic dQ pass keeps float S and dP (never a p_only layout; dq_kernel refuses it).
+  static constexpr Fa2BwdLayout kDqPass =
+      fa2_bwd_layout(kHeadDim, Fa2BwdConfig{kBlockM, kBlockN, kStages, kBandFrags, false}, 1);
   static constexpr int kLd = kMain.ld_qkv;
   static constexpr int kLdS = kMain.ld_s;
-  static constexpr int kLdP = 2 * kLdS;  // P and dS (elements of T) over S and dP in place
+  static constexpr int kLdP = kMain.ld_p;  // P and dS (elements of T): over S and dP, or alone
 
   static_assert(sizeof(T) == 2, "float16 or bfloat16 storage");
   static_assert(fa2_bwd_config_valid(kHeadDim, kConfig), "the warp grid must tile dK and dV");
   static_assert(kLd % 8 == 0 && kLdS % 4 == 0 && kLdP % 8 == 0, "wmma ldm rules");
   static_assert(kMain.bytes <= 227 * 1024, "beyond any current GPU's shared memory");
-  static_assert(kDqPass.bytes <= kMain.bytes, "the dQ pass fits wherever the main kernel does");
+  static_assert(kPOnly || kDqPass.bytes <= kMain.bytes,
+                "the dQ pass fits wherever the main kernel does");
+  // The main kernel's start: the accumulator map's float tile (16 rows of kLdS) and, below it, a
+  // 16 x 16 code tile of T, in S's region.
+  static_assert(kMain.off_dp - kMain.off_s >= 16 * kLdS * sizeof(float) + 16 * 16 * sizeof(T),
+                "S's region holds the kernel-start tiles");
   static_assert(kBlockM >= 2 * kFrag, "S holds a fragment-map tile and, below it, a code tile");
 };
 
@@ -67,7 +76,7 @@ template <typename T, int kHeadDim>
 using Fa2BwdDense =
     Fa2BwdTraits<T, kHeadDim, fa2_bwd_dense_config(kHeadDim).block_m,
                  fa2_bwd_dense_config(kHeadDim).block_n, fa2_bwd_dense_config(kHeadDim).stages,
-                 fa2_bwd_dense_config(kHeadDim).band_frags>;
+                 fa2_bwd_dense_config(kHeadDim).band_frags, fa2_bwd_dense_config(kHeadDim).p_only>;
 template <typename T, int kHeadDim>
 using Fa2BwdFallback =
     Fa2BwdTraits<T, kHeadDim, fa2_bwd_fallback(kHeadDim).block_m,

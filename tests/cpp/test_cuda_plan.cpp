@@ -36,7 +36,9 @@ void check_fa2_layout(int d, fc::Fa2BwdConfig c, int q_stages) {
   const fc::Fa2BwdLayout L = fc::fa2_bwd_layout(d, c, q_stages);
   const std::size_t kv = std::size_t(c.block_n) * L.ld_qkv * 2;
   const std::size_t q = std::size_t(c.block_m) * L.ld_qkv * 2;
-  const std::size_t s = std::size_t(c.block_m) * L.ld_s * 4;
+  // S and dP as floats, or (p_only) P and dS alone as 2-byte elements.
+  const std::size_t s = c.p_only ? std::size_t(c.block_m) * L.ld_p * 2
+                                 : std::size_t(c.block_m) * L.ld_s * 4;
   const std::size_t offs[] = {L.off_k, L.off_v,  L.off_q,  L.off_do,
                               L.off_s, L.off_dp, L.off_l2, L.off_d};
   for (std::size_t o : offs) CHECK_EQ(o % 128, std::size_t(0));
@@ -52,7 +54,12 @@ void check_fa2_layout(int d, fc::Fa2BwdConfig c, int q_stages) {
   // wmma: ld a multiple of 8 halves (16 bytes) and of 4 floats; P, dS in place need 2 * ld_s.
   CHECK_EQ(L.ld_qkv % 8, 0);
   CHECK_EQ(L.ld_s % 4, 0);
-  CHECK_EQ((2 * L.ld_s) % 8, 0);
+  CHECK_EQ(L.ld_p % 8, 0);
+  CHECK_EQ(L.ld_p, c.p_only ? c.block_n + 8 : 2 * L.ld_s);
+  CHECK(L.ld_p >= c.block_n);
+  // The main kernel's start: the accumulator map's float tile (16 rows of ld_s) and a 16 x 16
+  // code tile of 2-byte elements below it, in S's region.
+  CHECK(L.off_dp - L.off_s >= std::size_t(16) * L.ld_s * 4 + 16 * 16 * 2);
   // A T row of P (Bc elements) fits in the float row of S it overwrites.
   CHECK(std::size_t(c.block_n) * 2 <= std::size_t(L.ld_s) * 4);
 }
@@ -246,7 +253,7 @@ void test_fa2_backward_configs() {
     const fc::Fa2BwdConfig dense = fc::fa2_bwd_dense_config(d);
     CHECK(fc::fa2_bwd_config_valid(d, dense));
     check_fa2_layout(d, dense, dense.stages);
-    CHECK(dense.block_n >= std_c.block_n && dense.block_m == std_c.block_m);
+    CHECK(dense.block_n >= std_c.block_n && dense.block_m >= std_c.block_m);
     CHECK(fc::fa2_bwd_smem_bytes(d, dense) <= std::size_t(kH100));
     if (d > 128) CHECK(dense.block_n == std_c.block_n && dense.stages == std_c.stages);
     // The warp grid: 8 warps = key bands x head-dim slices, every slice whole 16-column tiles.
@@ -275,15 +282,15 @@ void test_fa2_backward_pair_stores() {
     for (const fc::Fa2BwdConfig c :
          {fc::fa2_bwd_config(d), fc::fa2_bwd_fallback(d), fc::fa2_bwd_dense_config(d)})
       for (int st : {1, 2}) {
-        const int ld_s = fc::fa2_bwd_layout(d, c, st).ld_s;
-        context() = "d=" + std::to_string(d) + " ld_s=" + std::to_string(ld_s);
+        const int ld_w = fc::fa2_bwd_layout(d, c, st).ld_p / 2;  // a row of P in 4-byte words
+        context() = "d=" + std::to_string(d) + " ld_w=" + std::to_string(ld_w);
         for (int rf = 0; rf < c.block_m / 16; ++rf)
           for (int nf = 0; nf < c.block_n / 16; ++nf)
             for (int i = 0; i < 8; i += 2) {
               unsigned banks = 0;
               for (int lane = 0; lane < 32; ++lane) {
                 const int r = rf * 16 + fc::acc_row(lane, i), col = nf * 16 + fc::acc_col(lane, i);
-                const int word = r * ld_s + col / 2;  // (r * 2 ld_s + col) elements of 2 bytes
+                const int word = r * ld_w + col / 2;  // (r * ld_p + col) elements of 2 bytes
                 banks |= 1u << (word % 32);
               }
               CHECK_EQ(banks, 0xffffffffu);

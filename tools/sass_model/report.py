@@ -100,6 +100,7 @@ _BWD_PATH = [
 _BWD_MARKERS = {
     'main_loop': 'for (int stage = 0; it < total; first = false) {',
     'kf_loop': 'for (int kf = 0; kf < Tr::kFragsM; ++kf) {',
+    'chunk_loop': 'for (int c0 = 0; c0 < kMPerAll; c0 += kChunk) {',
     'k_nonfinite': 'k_nonfinite && !(cover(it).all',
     'copy_chunks': 'for (int idx = threadIdx.x; idx < n; idx += kThreads) {',
     # (not the call's own line: ptxas spreads its address arithmetic over other blocks)
@@ -152,7 +153,13 @@ def _fwd(d):
 
 
 def _bwd(d):
-    bm, bn = 64, 128  # bwd_plan.hpp's fa2_bwd_dense_config for d <= 128 (bands of 2 fragments)
+    # bwd_plan.hpp's fa2_bwd_dense_config: 128 x 128 at d <= 64, 64 x 128 up to d 128, 2 stages,
+    # bands of 2 fragments
+    bm, bn, st = (128, 128, 2) if d <= 64 else (64, 128, 2)
+    path = [('take', f'kf_loop={bm // 16 - 1}') if x == ('take', 'kf_loop=3') else x
+            for x in _BWD_PATH]
+    if bm == 128:
+        path.append(('take', 'chunk_loop=1'))  # S/dP in two chunks of 64 query rows
     return {
         'title': f'bwd d{d}', 'fa2': f'bwd_h{d}', 'ftz': False,
         # S, dP, dV, dK and dQ of a bm x bn pair over 8 warps; the next pair's Q and dO copies;
@@ -162,11 +169,10 @@ def _bwd(d):
         'unit': ('#include "fa2_backward.cuh"\nnamespace flashdl::cuda {\n'
                  f'template void launch_fa2_backward<__half, {d}>(const Params&, '
                  'const LaunchContext&);\n}\n'),
-        # the standard tiles (2 stages; not the 99 KiB fallback), dense instantiation
-        # (BwdCall::dense, 0)
-        'function': [r'backward_kernelINS0_12Fa2BwdTraitsI6__halfLi%dELi%dELi%dELi2ELi2EEE'
-                     r'LNS0_7BwdCallE0EEEv' % (d, bm, bn)],
-        'sources': _BWD_SOURCES, 'markers': _BWD_MARKERS, 'path': _BWD_PATH, 'same_cta': True,
+        # the dense instantiation (BwdCall::dense, 0) of the dense tiles
+        'function': [r'backward_kernelINS0_12Fa2BwdTraitsI6__halfLi%dELi%dELi%dELi%dELi2ELb[01]EEE'
+                     r'LNS0_7BwdCallE0EEEv' % (d, bm, bn, st)],
+        'sources': _BWD_SOURCES, 'markers': _BWD_MARKERS, 'path': path, 'same_cta': True,
     }
 
 
