@@ -1,6 +1,6 @@
 // The part of XLA's FFI C ABI (xla/ffi/api/c_api.h, API version 0.1 onward) that flashdl's JAX
 // handlers use, declared here so that the handlers build without jax or jaxlib installed
-// (docs/jax.md says why). The layouts are XLA's, field for field: a versioned, append-only C
+// (docs/howto/jax.md says why). The layouts are XLA's, field for field: a versioned, append-only C
 // ABI in which every struct carries its size. tests/python/test_jax.py compiles this header next
 // to the installed jaxlib's c_api.h and checks every offset, size and enum value against it.
 #pragma once

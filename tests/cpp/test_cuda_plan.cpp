@@ -335,7 +335,8 @@ void test_fa1_plans() {
                                    b.off_s, b.off_dp, b.off_dq, b.off_l2, b.off_d};
           for (unsigned o : offs) CHECK_EQ(o % 128, 0u);
         }
-  // docs/cuda.md's table, H100, long sequences: the forward plan keeps its sizes.
+  // The fa1 table of docs/development/cuda/forward.md, H100, long sequences: the forward plan
+  // keeps its sizes.
   const fc::Fa1Layout h128 = fc::plan_fa1(0, 1 << 20, 1 << 20, 128, 2, kH100);
   CHECK_EQ(h128.Bc, 112);
   CHECK_EQ(h128.Br, 112);
