@@ -1,6 +1,7 @@
 // flashdl._ext: DLPack arrays in, flashdl::TensorView out, one call into the C++ core.
-// Validation lives in the core (src/api.cpp); this file only translates what the core cannot see:
-// DLPack dtype codes and device types, and TensorView's rank limit. No CUDA headers here.
+// Validation lives in the core (src/validate.cpp and the entry points' files); this file only
+// translates what the core cannot see: DLPack dtype codes and device types, and TensorView's rank
+// limit. No CUDA headers here.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>

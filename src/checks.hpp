@@ -53,7 +53,7 @@ using NamedView = std::pair<const char*, const TensorView*>;
 void check_no_overlap(const char* out_name, const TensorView& out, const char* in_name,
                       const TensorView& in);
 // A written array addresses each element through one index only (a sufficient condition, exact
-// for stride 0: see validate.cpp). Otherwise ValueError naming it.
+// for stride 0: see checks.cpp). Otherwise ValueError naming it.
 void check_no_self_overlap(const char* name, const TensorView& t);
 
 }  // namespace flashdl::validate

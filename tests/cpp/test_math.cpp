@@ -588,7 +588,7 @@ void test_dropout_draws() {
   }
   context() = "streams";
   // Every coordinate, both halves of the seed and the offset change the draw (offsets are below
-  // 2^32 by contract: api.cpp rejects larger ones).
+  // 2^32 by contract: validation rejects larger ones).
   const double base = fd::dropout_uniform(7, 11, 2, 3, 4);
   int64_t differ = 0;
   const double variants[] = {

@@ -1,5 +1,5 @@
 // Where key j of sequence b lives in a KV cache, contiguous or paged (host+device; shared by the
-// cache append in src/kvcache.cpp and the kernels that read the cache).
+// CPU backend's cache append, src/cpu/kvcache.cpp, and the kernels that read the cache).
 #pragma once
 
 #include <cstdint>
