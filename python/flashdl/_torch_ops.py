@@ -56,17 +56,39 @@ def _pair(x: List[int]) -> Tuple[int, int]:
     return x[0], x[1]
 
 
+# The options after q, k, v (and the varlen arguments) in every op's schema, in the forward's
+# order, and their names.
+_OPTIONS_SCHEMA = (
+    "bool causal, float? softmax_scale, str schedule, SymInt[] window_size, float dropout_p, "
+    "Tensor? seed, SymInt offset, Tensor? block_mask, SymInt[] block_size, Tensor? alibi_slopes, "
+    "float softcap, bool deterministic, Tensor? bias, Tensor? mask, Tensor? sinks"
+)
+_OPTIONS = tuple(arg.split()[-1] for arg in _OPTIONS_SCHEMA.split(", "))
+# The options with a gradient, in the order the backward ops return them.
+_DIFFERENTIABLE = ("bias", "sinks")
+_VARLEN_SCHEMA = (
+    "Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k"
+)
+_BACKWARD_SCHEMA = "Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse"
+# (out, lse) of a forward op; (dq, dk, dv, dbias, dsinks) of a backward one.
+_FORWARD_RESULTS = "(Tensor, Tensor)"
+_BACKWARD_RESULTS = "(Tensor, Tensor, Tensor, Tensor, Tensor)"
+
 # The forward ops' implementations, by id(op): call runs them directly when nothing would
 # intercept the op (see dispatch_free).
 _EAGER_IMPLS: dict = {}
 
 
-def _forward_op(name):
-    """torch.library.custom_op(name) for a forward op, remembering its implementation."""
+def _op(name, inputs, results):
+    """torch.library.custom_op(name) over an implementation taking inputs (a schema's leading
+    arguments) and then the options (_OPTIONS_SCHEMA), one schema for the options of every op;
+    a forward op's implementation is remembered for call."""
 
     def wrap(fn):
-        op = torch.library.custom_op(name, fn, mutates_args=())
-        _EAGER_IMPLS[id(op)] = fn
+        schema = f"({inputs}, {_OPTIONS_SCHEMA}) -> {results}"
+        op = torch.library.custom_op(name, fn, mutates_args=(), schema=schema)
+        if results == _FORWARD_RESULTS:
+            _EAGER_IMPLS[id(op)] = fn
         return op
 
     return wrap
@@ -94,49 +116,25 @@ def dispatch_free(args) -> bool:
     return True
 
 
-@_forward_op("flashdl::attention_forward")
-def attention_forward_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    causal: bool,
-    softmax_scale: Optional[float],
-    schedule: str,
-    window_size: List[int],
-    dropout_p: float,
-    seed: Optional[torch.Tensor],
-    offset: int,
-    block_mask: Optional[torch.Tensor],
-    block_size: List[int],
-    alibi_slopes: Optional[torch.Tensor],
-    softcap: float,
-    deterministic: bool,
-    bias: Optional[torch.Tensor],
-    mask: Optional[torch.Tensor],
-    sinks: Optional[torch.Tensor],
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of flashdl.attention; deterministic is only for the backward (saved by the
-    autograd formula), it does not change the forward."""
-    return _attention(
-        q,
-        k,
-        v,
-        causal=causal,
-        softmax_scale=softmax_scale,
-        schedule=schedule,
-        window_size=_pair(window_size),
-        dropout_p=dropout_p,
-        seed=seed_int(seed),
-        offset=offset,
-        block_mask=block_mask,
-        block_size=_pair(block_size),
-        alibi_slopes=alibi_slopes,
-        softcap=softcap,
-        bias=bias,
-        mask=mask,
-        sinks=sinks,
-        return_lse=True,
+def _keywords(options, backward: bool) -> dict:
+    """flashdl.attention's (backward: attention_backward's) keywords for an op's options: the
+    pairs as tuples, the seed as an int; deterministic only for the backward (the forward op
+    takes it for the autograd formula to save, it does not change the forward)."""
+    opts = dict(zip(_OPTIONS, options))
+    opts.update(
+        window_size=_pair(opts["window_size"]),
+        block_size=_pair(opts["block_size"]),
+        seed=seed_int(opts["seed"]),
     )
+    if not backward:
+        del opts["deterministic"]
+    return opts
+
+
+@_op("flashdl::attention_forward", "Tensor q, Tensor k, Tensor v", _FORWARD_RESULTS)
+def attention_forward_op(q, k, v, *options):
+    """(out, lse) of flashdl.attention."""
+    return _attention(q, k, v, return_lse=True, **_keywords(options, backward=False))
 
 
 @attention_forward_op.register_fake
@@ -145,56 +143,13 @@ def _attention_forward_fake(q, k, v, *args):
     return q.new_empty(q.shape), q.new_empty(_args.lse_shape(q), dtype=torch.float32)
 
 
-@torch.library.custom_op("flashdl::attention_backward", mutates_args=())
-def attention_backward_op(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    causal: bool,
-    softmax_scale: Optional[float],
-    schedule: str,
-    window_size: List[int],
-    dropout_p: float,
-    seed: Optional[torch.Tensor],
-    offset: int,
-    block_mask: Optional[torch.Tensor],
-    block_size: List[int],
-    alibi_slopes: Optional[torch.Tensor],
-    softcap: float,
-    deterministic: bool,
-    bias: Optional[torch.Tensor],
-    mask: Optional[torch.Tensor],
-    sinks: Optional[torch.Tensor],
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+@_op("flashdl::attention_backward", _BACKWARD_SCHEMA, _BACKWARD_RESULTS)
+def attention_backward_op(dout, q, k, v, out, lse, *options):
     """(dq, dk, dv, dbias, dsinks) of flashdl.attention_backward; dbias, dsinks empty without
     a bias, sinks."""
-    grads = _attention_backward(
-        dout,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        causal=causal,
-        softmax_scale=softmax_scale,
-        schedule=schedule,
-        window_size=_pair(window_size),
-        deterministic=deterministic,
-        dropout_p=dropout_p,
-        seed=seed_int(seed),
-        offset=offset,
-        block_mask=block_mask,
-        block_size=_pair(block_size),
-        alibi_slopes=alibi_slopes,
-        softcap=softcap,
-        bias=bias,
-        mask=mask,
-        sinks=sinks,
-    )
-    return _with_extra_grads(q, grads, bias, sinks)
+    opts = _keywords(options, backward=True)
+    grads = _attention_backward(dout, q, k, v, out, lse, **opts)
+    return _with_extra_grads(q, grads, opts["bias"], opts["sinks"])
 
 
 def _with_extra_grads(q, grads, bias, sinks):
@@ -206,40 +161,19 @@ def _with_extra_grads(q, grads, bias, sinks):
     return dq, dk, dv, dbias, dsinks
 
 
-def _extra_grads_fake(q, bias, sinks):
+def _backward_fake(dout, q, k, v, *args):
+    """The backward ops' fake results (args end with the options: bias, mask, sinks)."""
+    bias, sinks = args[-3], args[-1]
     return (
+        q.new_empty(q.shape),
+        k.new_empty(k.shape),
+        v.new_empty(v.shape),
         bias.new_empty(bias.shape) if bias is not None else q.new_empty((0,)),
         q.new_empty(tuple(sinks.shape) if sinks is not None else (0,), dtype=torch.float32),
     )
 
 
-@attention_backward_op.register_fake
-def _attention_backward_fake(dout, q, k, v, *args):
-    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)) + _extra_grads_fake(
-        q, args[-3], args[-1]
-    )
-
-
-# The options after q, k, v (and the varlen arguments) in both schemas, in the forward's order.
-_OPTIONS = (
-    "causal",
-    "softmax_scale",
-    "schedule",
-    "window_size",
-    "dropout_p",
-    "seed",
-    "offset",
-    "block_mask",
-    "block_size",
-    "alibi_slopes",
-    "softcap",
-    "deterministic",
-    "bias",
-    "mask",
-    "sinks",
-)
-# The options with a gradient, in the order the backward ops return them.
-_DIFFERENTIABLE = ("bias", "sinks")
+attention_backward_op.register_fake(_backward_fake)
 
 
 def _save(ctx, tensors, out, lse, options):
@@ -307,56 +241,15 @@ def _attention_grad(ctx, dout, _dlse):
 attention_forward_op.register_autograd(_attention_grad, setup_context=_attention_setup)
 
 
-@_forward_op("flashdl::attention_varlen_forward")
-def varlen_forward_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    causal: bool,
-    softmax_scale: Optional[float],
-    schedule: str,
-    window_size: List[int],
-    dropout_p: float,
-    seed: Optional[torch.Tensor],
-    offset: int,
-    block_mask: Optional[torch.Tensor],
-    block_size: List[int],
-    alibi_slopes: Optional[torch.Tensor],
-    softcap: float,
-    deterministic: bool,
-    bias: Optional[torch.Tensor],
-    mask: Optional[torch.Tensor],
-    sinks: Optional[torch.Tensor],
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of flashdl.attention_varlen; deterministic only for the backward."""
-    return _attention_varlen(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        causal=causal,
-        softmax_scale=softmax_scale,
-        schedule=schedule,
-        window_size=_pair(window_size),
-        dropout_p=dropout_p,
-        seed=seed_int(seed),
-        offset=offset,
-        block_mask=block_mask,
-        block_size=_pair(block_size),
-        alibi_slopes=alibi_slopes,
-        softcap=softcap,
-        bias=bias,
-        mask=mask,
-        sinks=sinks,
-        return_lse=True,
-    )
+@_op(
+    "flashdl::attention_varlen_forward",
+    f"Tensor q, Tensor k, Tensor v, {_VARLEN_SCHEMA}",
+    _FORWARD_RESULTS,
+)
+def varlen_forward_op(q, k, v, cu_q, cu_k, max_q, max_k, *options):
+    """(out, lse) of flashdl.attention_varlen."""
+    opts = _keywords(options, backward=False)
+    return _attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, return_lse=True, **opts)
 
 
 @varlen_forward_op.register_fake
@@ -364,71 +257,20 @@ def _attention_varlen_forward_fake(q, k, v, *args):
     return q.new_empty(q.shape), q.new_empty(_args.varlen_lse_shape(q), dtype=torch.float32)
 
 
-@torch.library.custom_op("flashdl::attention_varlen_backward", mutates_args=())
-def varlen_backward_op(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    causal: bool,
-    softmax_scale: Optional[float],
-    schedule: str,
-    window_size: List[int],
-    dropout_p: float,
-    seed: Optional[torch.Tensor],
-    offset: int,
-    block_mask: Optional[torch.Tensor],
-    block_size: List[int],
-    alibi_slopes: Optional[torch.Tensor],
-    softcap: float,
-    deterministic: bool,
-    bias: Optional[torch.Tensor],
-    mask: Optional[torch.Tensor],
-    sinks: Optional[torch.Tensor],
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+@_op(
+    "flashdl::attention_varlen_backward",
+    f"{_BACKWARD_SCHEMA}, {_VARLEN_SCHEMA}",
+    _BACKWARD_RESULTS,
+)
+def varlen_backward_op(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *options):
     """(dq, dk, dv, dbias, dsinks) of flashdl.attention_varlen_backward (empty when not
     given)."""
-    grads = _attention_varlen_backward(
-        dout,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        causal=causal,
-        softmax_scale=softmax_scale,
-        schedule=schedule,
-        window_size=_pair(window_size),
-        deterministic=deterministic,
-        dropout_p=dropout_p,
-        seed=seed_int(seed),
-        offset=offset,
-        block_mask=block_mask,
-        block_size=_pair(block_size),
-        alibi_slopes=alibi_slopes,
-        softcap=softcap,
-        bias=bias,
-        mask=mask,
-        sinks=sinks,
-    )
-    return _with_extra_grads(q, grads, bias, sinks)
+    opts = _keywords(options, backward=True)
+    grads = _attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, **opts)
+    return _with_extra_grads(q, grads, opts["bias"], opts["sinks"])
 
 
-@varlen_backward_op.register_fake
-def _attention_varlen_backward_fake(dout, q, k, v, *args):
-    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)) + _extra_grads_fake(
-        q, args[-3], args[-1]
-    )
+varlen_backward_op.register_fake(_backward_fake)
 
 
 def _attention_varlen_setup(ctx, inputs, output):
