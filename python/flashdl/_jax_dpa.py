@@ -216,28 +216,8 @@ def dot_product_attention(
             f"implementation: expected None (flashdl), 'xla' or 'cudnn' (JAX's own), "
             f"got {implementation!r}"
         )
-    if implementation is not None:
-        # (implementation checked above; JAX's overloads take return_residual as a literal)
-        return jax.nn.dot_product_attention(  # type: ignore[call-overload]
-            query,
-            key,
-            value,
-            bias,
-            mask,
-            scale=scale,
-            is_causal=is_causal,
-            query_seq_lengths=query_seq_lengths,
-            key_value_seq_lengths=key_value_seq_lengths,
-            local_window_size=local_window_size,
-            implementation=implementation,
-            return_residual=return_residual,
-        )
-    return attend(
-        query,
-        key,
-        value,
-        bias,
-        mask,
+    # The same arguments for JAX's own implementation and for flashdl's.
+    arguments = dict(
         scale=scale,
         is_causal=is_causal,
         query_seq_lengths=query_seq_lengths,
@@ -245,6 +225,12 @@ def dot_product_attention(
         local_window_size=local_window_size,
         return_residual=return_residual,
     )
+    if implementation is not None:
+        # (implementation checked above; JAX's overloads take return_residual as a literal)
+        return jax.nn.dot_product_attention(  # type: ignore[call-overload]
+            query, key, value, bias, mask, implementation=implementation, **arguments
+        )
+    return attend(query, key, value, bias, mask, **arguments)
 
 
 def attend(
