@@ -231,33 +231,24 @@ def attention_mask_interface(
     if mask_function is None:
         mask_function = masking.causal_mask_function
     q_offset, kv_offset = int(q_offset), int(kv_offset)
-    kind = _pattern(
-        masking,
-        batch_size,
-        q_length,
-        kv_length,
-        q_offset,
-        kv_offset,
-        mask_function,
-        local_size,
-        use_vmap,
-        device,
+    # transformers' sdpa_mask arguments for this grid: the 4-D mask below, and _pattern's probes.
+    grid = dict(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=mask_function,
+        attention_mask=attention_mask,
+        local_size=local_size,
+        allow_is_causal_skip=False,
+        allow_is_bidirectional_skip=False,
+        use_vmap=use_vmap,
+        device=device,
     )
+    kind = _pattern(masking, grid)
     if kind is None:
-        return masking.sdpa_mask(
-            batch_size=batch_size,
-            q_length=q_length,
-            kv_length=kv_length,
-            q_offset=q_offset,
-            kv_offset=kv_offset,
-            mask_function=mask_function,
-            attention_mask=attention_mask,
-            local_size=local_size,
-            allow_is_causal_skip=False,
-            allow_is_bidirectional_skip=False,
-            use_vmap=use_vmap,
-            device=device,
-        )
+        return masking.sdpa_mask(**grid)
     # Key slots that exist: a causal layer's queries are its last slots (a StaticCache's keys
     # beyond them are unused, as they are masked for "sdpa"); bidirectional layers keep all.
     n = kv_length
@@ -290,43 +281,26 @@ def attention_mask_interface(
     return padding
 
 
-def _pattern(
-    masking,
-    batch_size,
-    q_length,
-    kv_length,
-    q_offset,
-    kv_offset,
-    mask_function,
-    local_size,
-    use_vmap,
-    device,
-):
+def _pattern(masking, grid):
     """'causal' or 'bidirectional' when mask_function is that pattern (with the window local_size
-    where given) over this grid, else None. transformers' own two plain patterns are known by
-    identity; any other is evaluated, a block of rows at a time, and compared entry by entry."""
+    where given) over this grid (sdpa_mask's arguments), else None. transformers' own two plain
+    patterns are known by identity; any other is evaluated, a block of rows at a time, without
+    padding or window, and compared entry by entry."""
+    mask_function, local_size = grid["mask_function"], grid["local_size"]
     if local_size is None and mask_function is masking.causal_mask_function:
         return "causal"
     if local_size is None and mask_function is masking.bidirectional_mask_function:
         return "bidirectional"
+    batch_size, q_length, kv_length = grid["batch_size"], grid["q_length"], grid["kv_length"]
+    q_offset, kv_offset, device = grid["q_offset"], grid["kv_offset"], grid["device"]
+    probe = {n: x for n, x in grid.items() if n != "local_size"}
+    probe["attention_mask"] = None
     candidates = {"causal": True, "bidirectional": True}
     rows = max(1, _CHECK_ELEMENTS // max(1, batch_size * kv_length))
     kv = torch.arange(kv_length, device=device)[None, :] + kv_offset
     for r0 in range(0, q_length, rows):
         r1 = min(q_length, r0 + rows)
-        got = masking.sdpa_mask(
-            batch_size=batch_size,
-            q_length=r1 - r0,
-            kv_length=kv_length,
-            q_offset=q_offset + r0,
-            kv_offset=kv_offset,
-            mask_function=mask_function,
-            attention_mask=None,
-            allow_is_causal_skip=False,
-            allow_is_bidirectional_skip=False,
-            use_vmap=use_vmap,
-            device=device,
-        )
+        got = masking.sdpa_mask(**dict(probe, q_length=r1 - r0, q_offset=q_offset + r0))
         q = torch.arange(r0, r1, device=device)[:, None] + q_offset
         expected = {"causal": kv <= q, "bidirectional": torch.ones_like(kv <= q)}
         if local_size is not None:
