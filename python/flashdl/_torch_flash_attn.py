@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from typing import Any, Callable, Dict, Tuple, TypeVar, Union
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple, TypeVar, Union
 
 import torch
 
@@ -213,128 +213,94 @@ def empty_probs(q):
     return torch.empty(0, dtype=q.dtype, device=q.device)
 
 
-def dense(
-    fn,
-    q,
-    k,
-    v,
-    dropout_p,
-    softmax_scale,
-    causal,
-    window_size,
-    softcap,
-    alibi_slopes,
-    deterministic,
-    return_attn_probs,
-):
+class Options(NamedTuple):
+    """flash-attn's options after the arrays, in the order its functions take them."""
+
+    dropout_p: float
+    softmax_scale: Optional[float]
+    causal: bool
+    window_size: Tuple[int, int]
+    softcap: float
+    alibi_slopes: Optional[torch.Tensor]
+    deterministic: bool
+    return_attn_probs: bool
+
+
+def _prepare(fn, q, k, v, o: Options):
+    """What the dense and varlen calls share before flashdl.torch: q, k and v checked and made
+    contiguous where flash-attn would copy them, and flashdl.torch's keywords for the options
+    (return_lse=True: flash-attn's results with return_attn_probs need lse)."""
     check_tensors(fn, q=q, k=k, v=v)
-    mods = score_mods(softcap, alibi_slopes)
+    mods = score_mods(o.softcap, o.alibi_slopes)
     q, k, v = (maybe_contiguous(x) for x in (q, k, v))
-    window = window_pair(window_size)
-    seed = seed_for(q, dropout_p, return_attn_probs)
-    out, lse = _fdl.attention(
-        q,
-        k,
-        v,
-        causal=causal,
-        softmax_scale=softmax_scale,
-        window_size=window,
-        dropout_p=dropout_p,
-        seed=seed,
-        deterministic=deterministic,
+    keywords: Dict[str, Any] = dict(
+        causal=o.causal,
+        softmax_scale=o.softmax_scale,
+        window_size=window_pair(o.window_size),
+        dropout_p=o.dropout_p,
+        seed=seed_for(q, o.dropout_p, o.return_attn_probs),
+        deterministic=o.deterministic,
         return_lse=True,
         **mods,
     )
-    if not return_attn_probs:
+    return q, k, v, keywords
+
+
+def _probs_args(kw, headdim):
+    """attn_probs' arguments after q, k and keep for flashdl.torch's keywords kw: the scale
+    (1/sqrt(headdim) where None), causal, the window, softcap and the slopes."""
+    scale = kw["softmax_scale"]
+    scale = 1.0 / math.sqrt(headdim) if scale is None else float(scale)
+    return scale, kw["causal"], kw["window_size"], kw["softcap"], kw["alibi_slopes"]
+
+
+def dense(fn, q, k, v, *options):
+    """flash_attn_func and its packed forms over flashdl.torch.attention; options: Options."""
+    o = Options(*options)
+    q, k, v, kw = _prepare(fn, q, k, v, o)
+    out, lse = _fdl.attention(q, k, v, **kw)
+    if not o.return_attn_probs:
         return out
-    if not dropout_p > 0:
+    if not o.dropout_p > 0:
         return out, lse, empty_probs(q)
     b, sq, h, d = q.shape
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    keep = _dropout_mask(b, h, sq, k.shape[1], dropout_p, seed)
+    scale, causal, window, softcap, slopes = _probs_args(kw, d)
+    keep = _dropout_mask(b, h, sq, k.shape[1], o.dropout_p, kw["seed"])
     with torch.no_grad():
-        probs = attn_probs(
-            q.detach(),
-            k.detach(),
-            scale,
-            causal,
-            window,
-            keep,
-            mods["softcap"],
-            mods["alibi_slopes"],
-        )
+        probs = attn_probs(q.detach(), k.detach(), scale, causal, window, keep, softcap, slopes)
     return out, lse, probs
 
 
-def varlen(
-    fn,
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    dropout_p,
-    softmax_scale,
-    causal,
-    window_size,
-    softcap,
-    alibi_slopes,
-    deterministic,
-    return_attn_probs,
-    block_table=None,
-    seqused_k=None,
-):
-    check_tensors(fn, q=q, k=k, v=v)
-    mods = score_mods(softcap, alibi_slopes)
-    q, k, v = (maybe_contiguous(x) for x in (q, k, v))
-    window = window_pair(window_size)
-    seed = seed_for(q, dropout_p, return_attn_probs)
-    paged: Dict[str, Any] = {}
-    if block_table is not None or seqused_k is not None:
+def varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *options, **paged):
+    """flash_attn_varlen_func and its packed forms over flashdl.torch.attention_varlen; options:
+    Options; paged: block_table and seqused_k (flash_attn_varlen_func's)."""
+    o = Options(*options)
+    q, k, v, kw = _prepare(fn, q, k, v, o)
+    if any(x is not None for x in paged.values()):
         # flash-attn takes these on the GPU; flashdl checks them on the host, with the offsets.
-        paged = {
-            n: x.cpu() if isinstance(x, torch.Tensor) else x
-            for n, x in (("block_table", block_table), ("seqused_k", seqused_k))
-        }
+        kw.update((n, x.cpu() if isinstance(x, torch.Tensor) else x) for n, x in paged.items())
         cu_seqlens_q, cu_seqlens_k = (
             c.cpu() if isinstance(c, torch.Tensor) else c for c in (cu_seqlens_q, cu_seqlens_k)
         )
-        if return_attn_probs and dropout_p > 0:
+        if o.return_attn_probs and o.dropout_p > 0:
             raise NotImplementedError(
                 "block_table: return_attn_probs with dropout and paged "
                 "keys is not implemented (use return_attn_probs=False)"
             )
     out, lse = _fdl.attention_varlen(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        causal=causal,
-        softmax_scale=softmax_scale,
-        window_size=window,
-        dropout_p=dropout_p,
-        seed=seed,
-        deterministic=deterministic,
-        return_lse=True,
-        **mods,
-        **paged,
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kw
     )
-    if not return_attn_probs:
+    if not o.return_attn_probs:
         return out
-    if not dropout_p > 0:
+    if not o.dropout_p > 0:
         return out, lse, empty_probs(q)
     # Sequence b gets dense batch b's dropout mask (flashdl.attention_varlen), so its S_dmask sits
     # in the top-left corner of plane b, zeros elsewhere, as in flash-attn's layout; its key
     # blocks start at its own first key, as in flash-attn's kernel.
     cq, ck = (torch.as_tensor(c).tolist() for c in (cu_seqlens_q, cu_seqlens_k))
     batch, h, d = len(cq) - 1, q.shape[1], q.shape[2]
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    keep = _dropout_mask(batch, h, max_seqlen_q, max_seqlen_k, dropout_p, seed)
+    scale, causal, window, softcap, slopes = _probs_args(kw, d)
+    keep = _dropout_mask(batch, h, max_seqlen_q, max_seqlen_k, o.dropout_p, kw["seed"])
     probs = torch.zeros(batch, h, max_seqlen_q, max_seqlen_k, dtype=q.dtype, device=q.device)
     with torch.no_grad():
         for b in range(batch):
@@ -346,7 +312,7 @@ def varlen(
                 causal,
                 window,
                 keep[b : b + 1, :, :sq, :sk],
-                mods["softcap"],
-                slopes_row(mods["alibi_slopes"], b),
+                softcap,
+                slopes_row(slopes, b),
             )[0]
     return out, lse, probs

@@ -134,8 +134,8 @@ def flash_attn_varlen_func(
         alibi_slopes,
         deterministic,
         return_attn_probs,
-        block_table,
-        seqused_k,
+        block_table=block_table,
+        seqused_k=seqused_k,
     )
 
 
