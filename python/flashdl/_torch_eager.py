@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from . import _args, _checks, _ext
-from ._torch_ops import last_dim_contiguous, seed_int
+from ._torch_ops import seed_int
 
 # What would intercept an op (looked up once: a tiny call's fast-path check runs them each call).
 dispatch_modes = torch._C._len_torch_dispatch_stack
@@ -29,7 +29,7 @@ TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 is_tracing = torch._C._get_tracing_state
 _grad_enabled = torch.is_grad_enabled
 _to_dlpack = torch.utils.dlpack.to_dlpack
-_empty, _empty_like = torch.empty, torch.empty_like
+_empty, _empty_like, _zeros_like = torch.empty, torch.empty_like, torch.zeros_like
 _float32, _contiguous = torch.float32, torch.contiguous_format
 # Tests set this False to run the ops where the eager path would run.
 EAGER_PATH = True
@@ -81,17 +81,12 @@ def _capsule(x):
     return _to_dlpack(x) if x.__class__ is _Tensor and x.is_cpu else x
 
 
-def _contiguous_like(x):
-    """A contiguous uninitialised tensor shaped and typed like x (Frame.empty)."""
-    return _empty_like(x) if x.is_contiguous() else _empty_like(x, memory_format=_contiguous)
-
-
 class _EagerCall:
     """One attention call's options as the extension's keywords (as _api.attention and
     attention_backward make them from the ops' arguments), made once for its forward and its
     backward; `plain`: every option at its default but causal (forward_default's call)."""
 
-    __slots__ = ("arrays", "bhsd", "kw", "bias", "sinks", "deterministic", "plain")
+    __slots__ = ("arrays", "bhsd", "kw", "bias", "sinks", "deterministic", "plain", "cpu")
 
     def __init__(self, arrays, bhsd, options):
         (
@@ -143,27 +138,33 @@ class _EagerCall:
 
     def forward(self, q, k, v):
         """(out, lse) of tensors that need no grad (the Function detaches them)."""
-        out = _contiguous_like(q)
-        lse = _empty(_args.lse_shape(q), dtype=_float32, device=q.device)
+        # (Frame.empty's layout: contiguous; empty_like keeps a contiguous q's, a third cheaper)
+        out = _empty_like(q) if q.is_contiguous() else _empty_like(q, memory_format=_contiguous)
+        s = q.shape
+        # A wrongly ranked q gets a placeholder lse (_args.lse_shape); the core then reports q.
+        shape = (s[0], s[2], s[1]) if len(s) == 4 else (0, 0, 0)
+        # CPU tensors are exported here (as Frame does), skipping _capsule's tests; others go to
+        # the extension as they are.
+        self.cpu = cpu = q.is_cpu and k.is_cpu and v.is_cpu
+        export = _to_dlpack if cpu else _capsule
+        if cpu:
+            lse = _empty(shape, dtype=_float32)
+        else:
+            lse = _empty(shape, dtype=_float32, device=q.device)
         try:
             if q.is_neg() or k.is_neg() or v.is_neg():  # to_dlpack would drop the sign
                 raise ValueError("a negative-bit view")
-            if self.plain and q.is_cpu:
+            if self.plain and cpu:
                 _ext.forward_default(
-                    _capsule(q),
-                    _capsule(k),
-                    _capsule(v),
-                    _capsule(out),
-                    _capsule(lse),
-                    self.kw["causal"],
+                    export(q), export(k), export(v), export(out), export(lse), self.kw["causal"]
                 )
             else:
                 _ext.forward(
-                    _capsule(q),
-                    _capsule(k),
-                    _capsule(v),
-                    _capsule(out),
-                    _capsule(lse),
+                    export(q),
+                    export(k),
+                    export(v),
+                    export(out),
+                    export(lse),
                     stream=_stream(q),
                     **self.kw,
                 )
@@ -174,11 +175,17 @@ class _EagerCall:
     def backward(self, dout, q, k, v, out, lse):
         """(dq, dk, dv, dbias or None, dsinks or None) as the backward op computes them, from
         tensors that need no grad."""
-        dout = last_dim_contiguous(dout)
-        dq, dk, dv = _contiguous_like(q), _contiguous_like(k), _contiguous_like(v)
+        # Autograd often hands over broadcast gradients (of .sum(): every stride 0); the kernels
+        # need a contiguous last dimension (last_dim_contiguous).
+        if dout.stride(-1) != 1 and dout.shape[-1] > 1:
+            dout = dout.contiguous()
+        dq = _empty_like(q) if q.is_contiguous() else _empty_like(q, memory_format=_contiguous)
+        dk = _empty_like(k) if k.is_contiguous() else _empty_like(k, memory_format=_contiguous)
+        dv = _empty_like(v) if v.is_contiguous() else _empty_like(v, memory_format=_contiguous)
         kw = self.kw
         dbias = dsinks = None
-        if self.bias is not None or self.sinks is not None or q.is_cuda or self.deterministic:
+        cpu = self.cpu
+        if self.bias is not None or self.sinks is not None or not cpu or self.deterministic:
             kw = dict(kw, stream=_stream(q), deterministic=self.deterministic)
             if self.bias is not None:
                 dbias = _empty(self.bias.shape, dtype=self.bias.dtype, device=q.device)
@@ -191,16 +198,17 @@ class _EagerCall:
                 raise ValueError("a negative-bit view")
             if dout.requires_grad:  # (create_graph)
                 dout = dout.detach()
+            export = _to_dlpack if cpu else _capsule
             _ext.backward(
                 _capsule(dout),
-                _capsule(q),
-                _capsule(k),
-                _capsule(v),
-                _capsule(out),
-                _capsule(lse),
-                _capsule(dq),
-                _capsule(dk),
-                _capsule(dv),
+                export(q),
+                export(k),
+                export(v),
+                export(out),
+                export(lse),
+                export(dq),
+                export(dk),
+                export(dv),
                 **kw,
             )
         except Exception as err:  # noqa: BLE001 - re-raised, worded as the full path words it
@@ -222,15 +230,21 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, bias, sinks, call):
+        # No zeros made for lse's gradient, which is never read (backward makes out's if needed).
+        ctx.set_materialize_grads(False)
         q, k, v = q.detach(), k.detach(), v.detach()
         if call.bhsd:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         out, lse = call.forward(q, k, v)
-        ctx.save_for_backward(q, k, v, out, lse, bias, sinks)
         ctx.call = call
         # lse is returned for callers that want it (return_lse=True); no gradient flows into it.
         ctx.mark_non_differentiable(lse)
-        return (out.transpose(1, 2) if call.bhsd else out.view_as(out)), lse
+        if call.bhsd:
+            ctx.save_for_backward(q, k, v, out, lse, bias, sinks)
+            return out.transpose(1, 2), lse
+        # out itself is returned (no view made), saved detached (its version counter shared)
+        ctx.save_for_backward(q, k, v, out.detach(), lse, bias, sinks)
+        return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
@@ -238,11 +252,15 @@ class _EagerAttention(torch.autograd.Function):
             return _EagerAttention._once_backward(ctx, dout, _dlse)
         q, k, v, out, lse, _bias, _sinks = ctx.saved_tensors
         call = ctx.call
-        dq, dk, dv, dbias, dsinks = call.backward(
-            dout.transpose(1, 2) if call.bhsd else dout, q, k, v, out, lse
-        )
+        if dout is None:  # out's gradient undefined: zeros, as the ops' autograd makes them
+            dout = _zeros_like(out)
+        elif call.bhsd:
+            dout = dout.transpose(1, 2)
+        dq, dk, dv, dbias, dsinks = call.backward(dout, q, k, v, out, lse)
         if call.bhsd:
             dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+        if dbias is None and dsinks is None:
+            return dq, dk, dv, None, None, None
         needs = ctx.needs_input_grad
         return (dq, dk, dv, dbias if needs[3] else None, dsinks if needs[4] else None, None)
 

@@ -353,6 +353,33 @@ def test_eager_path_autograd_rules():
         flashdl.torch.attention(torch._neg_view(q.detach()), k, v, softcap=2.0)
 
 
+def test_eager_path_undefined_out_gradient(monkeypatch):
+    """A gradient of out that autograd leaves undefined (a Function downstream returns None) gives
+    zero gradients on the eager path, as the ops' autograd gives them (not None)."""
+    from flashdl import _torch_eager
+
+    class Cut(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return None
+
+    for layout in ("bshd", "bhsd"):
+        got = []
+        for eager in (True, False):
+            monkeypatch.setattr(_torch_eager, "EAGER_PATH", eager)
+            q, k, v = (randn(1, 6, 2, 8, seed=s, requires_grad=True) for s in range(3))
+            out = flashdl.torch.attention(q, k, v, causal=True, layout=layout)
+            loss = Cut.apply(out).sum() + q.sum()
+            got.append(torch.autograd.grad(loss, (q, k, v), allow_unused=True))
+        for a, b in zip(*got):
+            assert a is not None and b is not None and torch.equal(a, b)
+        assert torch.equal(got[0][1], torch.zeros_like(got[0][1]))
+
+
 def test_compile_export_and_modes_take_the_ops():
     """torch.compile, torch.export, make_fx and dispatch modes see the custom ops (forward and
     backward), not the eager path's Function."""
