@@ -373,23 +373,12 @@ def attention_backward(
             _args.as_bshd(n, x)
             for n, x in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out))
         )
-    opts = _args.backward_options(
-        causal,
-        softmax_scale,
-        schedule,
-        window_size,
-        frame,
-        dropout_p,
-        seed,
-        offset,
-        block_mask,
-        block_size,
-        alibi_slopes,
-        softcap,
-        sinks,
-        bias,
-        mask,
-    )
+    # The forward's options (as attention composes them) and the seed it used.
+    opts = _args.options(causal, softmax_scale, schedule, window_size, frame)
+    opts.update(_args.block_sparse(block_mask, block_size))
+    opts.update(_args.score_mods(alibi_slopes, softcap))
+    opts.update(_args.extras(sinks, bias, mask, for_grad=True))
+    opts.update(_args.backward_dropout(dropout_p, seed, offset))
     opts.update(_dropout_slice(dropout_batch_offset, dropout_head_offset, dropout_nheads_total))
     (dq, dq_view), (dk, dk_view), (dv, dv_view) = (
         _args.output_like(frame, x, bhsd) for x in (q, k, v)

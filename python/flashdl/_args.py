@@ -504,31 +504,9 @@ def in_shape_of(dbias, bias):
     return expand(*shape) if callable(expand) else dbias
 
 
-def backward_options(
-    causal,
-    softmax_scale,
-    schedule,
-    window_size,
-    frame,
-    dropout_p,
-    seed,
-    offset,
-    block_mask,
-    block_size,
-    alibi_slopes,
-    softcap,
-    sinks=None,
-    bias=None,
-    mask=None,
-    rank=4,
-):
-    """The backward's options: the forward's, with the dropout seed it used (never drawn here)."""
-    opts = options(causal, softmax_scale, schedule, window_size, frame)
-    opts.update(block_sparse(block_mask, block_size))
-    opts.update(score_mods(alibi_slopes, softcap))
-    opts.update(extras(sinks, bias, mask, rank=rank, for_grad=True))
+def backward_dropout(dropout_p, seed, offset):
+    """The backward's dropout keywords: the seed the forward used (never drawn here)."""
     if seed is None:
         raise TypeError("seed: expected the int seed the forward used, got None")
     dropout_p, seed, offset = dropout_args(dropout_p, seed, offset)
-    opts.update(dropout_p=dropout_p, seed=seed, offset=offset)
-    return opts
+    return dict(dropout_p=dropout_p, seed=seed, offset=offset)

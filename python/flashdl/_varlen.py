@@ -303,24 +303,12 @@ def attention_varlen_backward(
             _args.as_bshd(n, x, rank=3)
             for n, x in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out))
         )
-    opts = _args.backward_options(
-        causal,
-        softmax_scale,
-        schedule,
-        window_size,
-        frame,
-        dropout_p,
-        seed,
-        offset,
-        block_mask,
-        block_size,
-        alibi_slopes,
-        softcap,
-        sinks,
-        bias,
-        mask,
-        rank=3,
-    )
+    # The forward's options (as attention composes them) and the seed it used.
+    opts = _args.options(causal, softmax_scale, schedule, window_size, frame)
+    opts.update(_args.block_sparse(block_mask, block_size))
+    opts.update(_args.score_mods(alibi_slopes, softcap))
+    opts.update(_args.extras(sinks, bias, mask, rank=3, for_grad=True))
+    opts.update(_args.backward_dropout(dropout_p, seed, offset))
     cu_q, cu_k = (
         _args.cu_seqlens("cu_seqlens_q", cu_seqlens_q),
         _args.cu_seqlens("cu_seqlens_k", cu_seqlens_k),
