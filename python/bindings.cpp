@@ -138,15 +138,6 @@ void set_dropout_slice(flashdl::Options& o, int64_t batch_offset, int64_t head_o
   o.dropout_nheads_total = nheads_total;
 }
 
-// The block-sparse options: a bool mask array (None: dense) over blocks of (block_size_q,
-// block_size_k); the core checks its shape, dtype and device.
-void set_block_mask(flashdl::Options& o, const std::optional<InArray>& block_mask,
-                    int64_t block_size_q, int64_t block_size_k) {
-  if (block_mask) o.block_mask = to_view("block_mask", *block_mask, Override::none, false, "bool");
-  o.block_size_q = block_size_q;
-  o.block_size_k = block_size_k;
-}
-
 // The score modifiers: ALiBi slopes (None: off; the core checks float32, shape and device) and
 // softcap (0: off).
 void set_score_mods(flashdl::Options& o, const std::optional<InArray>& alibi_slopes,
@@ -154,6 +145,28 @@ void set_score_mods(flashdl::Options& o, const std::optional<InArray>& alibi_slo
   if (alibi_slopes)
     o.alibi_slopes = to_view("alibi_slopes", *alibi_slopes, Override::none, false, "float32");
   o.softcap = softcap;
+}
+
+// The options the attention entry points (dense and varlen, forward and backward) take alike:
+// make_options' scalars, the block-sparse mask (a bool array over blocks of (block_size_q,
+// block_size_k); None: dense; the core checks its shape, dtype and device) and the score
+// modifiers.
+flashdl::Options attention_options(std::optional<double> softmax_scale, bool causal,
+                                   int64_t window_left, int64_t window_right,
+                                   const std::string& schedule, double dropout_p, uint64_t seed,
+                                   uint64_t offset, uintptr_t stream, int64_t sram_bytes,
+                                   int num_threads, bool deterministic,
+                                   const std::optional<InArray>& block_mask, int64_t block_size_q,
+                                   int64_t block_size_k, const std::optional<InArray>& alibi_slopes,
+                                   double softcap) {
+  flashdl::Options o = make_options(softmax_scale, causal, window_left, window_right, schedule,
+                                    dropout_p, seed, offset, stream, sram_bytes, num_threads,
+                                    deterministic);
+  if (block_mask) o.block_mask = to_view("block_mask", *block_mask, Override::none, false, "bool");
+  o.block_size_q = block_size_q;
+  o.block_size_k = block_size_k;
+  set_score_mods(o, alibi_slopes, softcap);
+  return o;
 }
 
 // Attention sinks (None: none) and, in the backward, the array for their gradient (None: not
@@ -180,12 +193,11 @@ void forward(const InArray& q, const InArray& k, const InArray& v, const OutArra
              const std::optional<InArray>& mask, int64_t dropout_batch_offset,
              int64_t dropout_head_offset, int64_t dropout_nheads_total) {
   const Override ov = parse_override(dtype);
-  flashdl::Options o = make_options(softmax_scale, causal, window_left, window_right, schedule,
-                                    dropout_p, seed, offset, stream, sram_bytes, num_threads,
-                                    false);
+  flashdl::Options o = attention_options(softmax_scale, causal, window_left, window_right, schedule,
+                                         dropout_p, seed, offset, stream, sram_bytes, num_threads,
+                                         false, block_mask, block_size_q, block_size_k,
+                                         alibi_slopes, softcap);
   set_dropout_slice(o, dropout_batch_offset, dropout_head_offset, dropout_nheads_total);
-  set_block_mask(o, block_mask, block_size_q, block_size_k);
-  set_score_mods(o, alibi_slopes, softcap);
   set_extras(o, ov, bias, mask, sinks, std::nullopt, std::nullopt);
   o.validate_only = validate_only;
   const auto tq = to_view("q", q, ov, true), tk = to_view("k", k, ov, true),
@@ -238,12 +250,11 @@ void backward(const InArray& dout, const InArray& q, const InArray& k, const InA
               const std::optional<OutArray>& dbias, int64_t dropout_batch_offset,
               int64_t dropout_head_offset, int64_t dropout_nheads_total) {
   const Override ov = parse_override(dtype);
-  flashdl::Options o = make_options(softmax_scale, causal, window_left, window_right, schedule,
-                                    dropout_p, seed, offset, stream, sram_bytes, num_threads,
-                                    deterministic);
+  flashdl::Options o = attention_options(softmax_scale, causal, window_left, window_right, schedule,
+                                         dropout_p, seed, offset, stream, sram_bytes, num_threads,
+                                         deterministic, block_mask, block_size_q, block_size_k,
+                                         alibi_slopes, softcap);
   set_dropout_slice(o, dropout_batch_offset, dropout_head_offset, dropout_nheads_total);
-  set_block_mask(o, block_mask, block_size_q, block_size_k);
-  set_score_mods(o, alibi_slopes, softcap);
   set_extras(o, ov, bias, mask, sinks, dbias, dsinks);
   const auto tdo = to_view("dout", dout, ov, true), tq = to_view("q", q, ov, true),
              tk = to_view("k", k, ov, true), tv = to_view("v", v, ov, true),
@@ -272,11 +283,10 @@ void forward_varlen(const InArray& q, const InArray& k, const InArray& v,
                     const std::optional<InArray>& seqused_k, const std::optional<InArray>& sinks,
                     const std::optional<InArray>& bias, const std::optional<InArray>& mask) {
   const Override ov = parse_override(dtype);
-  flashdl::Options o = make_options(softmax_scale, causal, window_left, window_right, schedule,
-                                    dropout_p, seed, offset, stream, sram_bytes, num_threads,
-                                    false);
-  set_block_mask(o, block_mask, block_size_q, block_size_k);
-  set_score_mods(o, alibi_slopes, softcap);
+  flashdl::Options o = attention_options(softmax_scale, causal, window_left, window_right, schedule,
+                                         dropout_p, seed, offset, stream, sram_bytes, num_threads,
+                                         false, block_mask, block_size_q, block_size_k,
+                                         alibi_slopes, softcap);
   set_extras(o, ov, bias, mask, sinks, std::nullopt, std::nullopt);
   o.validate_only = validate_only;
   const auto tq = to_view("q", q, ov, true), tk = to_view("k", k, ov, true),
@@ -305,11 +315,10 @@ void backward_varlen(const InArray& dout, const InArray& q, const InArray& k, co
                      const std::optional<OutArray>& dsinks, const std::optional<InArray>& bias,
                      const std::optional<InArray>& mask, const std::optional<OutArray>& dbias) {
   const Override ov = parse_override(dtype);
-  flashdl::Options o = make_options(softmax_scale, causal, window_left, window_right, schedule,
-                                    dropout_p, seed, offset, stream, sram_bytes, num_threads,
-                                    deterministic);
-  set_block_mask(o, block_mask, block_size_q, block_size_k);
-  set_score_mods(o, alibi_slopes, softcap);
+  flashdl::Options o = attention_options(softmax_scale, causal, window_left, window_right, schedule,
+                                         dropout_p, seed, offset, stream, sram_bytes, num_threads,
+                                         deterministic, block_mask, block_size_q, block_size_k,
+                                         alibi_slopes, softcap);
   set_extras(o, ov, bias, mask, sinks, dbias, dsinks);
   const auto tdo = to_view("dout", dout, ov, true), tq = to_view("q", q, ov, true),
              tk = to_view("k", k, ov, true), tv = to_view("v", v, ov, true),
