@@ -86,7 +86,7 @@ class _EagerCall:
     attention_backward make them from the ops' arguments), made once for its forward and its
     backward; `plain`: every option at its default but causal (forward_default's call)."""
 
-    __slots__ = ("arrays", "bhsd", "kw", "bias", "sinks", "deterministic", "plain", "cpu")
+    __slots__ = ("arrays", "bhsd", "kw", "bias", "sinks", "deterministic", "plain", "cpu", "lse")
 
     def __init__(self, arrays, bhsd, options):
         (
@@ -232,32 +232,33 @@ def _stream(x) -> int:
 
 class _EagerAttention(torch.autograd.Function):
     """attention's autograd outside compilation: call (an _EagerCall) runs the forward and the
-    backward; bias and sinks are inputs for their gradients. q, k, v, out and the gradients are
-    in the caller's layout, transposed here for a heads-first call (views, no autograd nodes of
-    their own: four fewer nodes a call). The saved tensors' version counters catch an in-place
-    change before the backward."""
+    backward; bias and sinks are inputs for their gradients (passed only where one is given: a
+    call of q, k, v and call alone pays for four inputs). q, k, v, out and the gradients are in
+    the caller's layout, transposed here for a heads-first call (views, no autograd nodes of their
+    own: four fewer nodes a call). The one output is out: lse, which has no gradient, is left in
+    call.lse (a tensor made here, without autograd history; not an output to mark
+    non-differentiable). The saved tensors' version counters catch an in-place change before the
+    backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, sinks, call):
-        # No zeros made for lse's gradient, which is never read (backward makes out's if needed).
+    def forward(ctx, q, k, v, call, bias=None, sinks=None):
+        # No zeros made for an undefined gradient of out until backward needs them.
         ctx.set_materialize_grads(False)
         if call.bhsd:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        out, lse = call.forward(q, k, v)
+        out, call.lse = call.forward(q, k, v)
         ctx.call = call
-        # lse is returned for callers that want it (return_lse=True); no gradient flows into it.
-        ctx.mark_non_differentiable(lse)
         if call.bhsd:
-            ctx.save_for_backward(q, k, v, out, lse, bias, sinks)
-            return out.transpose(1, 2), lse
+            ctx.save_for_backward(q, k, v, out, call.lse, bias, sinks)
+            return out.transpose(1, 2)
         # out itself is returned (no view made), saved detached (its version counter shared)
-        ctx.save_for_backward(q, k, v, out.detach(), lse, bias, sinks)
-        return out, lse
+        ctx.save_for_backward(q, k, v, out.detach(), call.lse, bias, sinks)
+        return out
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout):
         if _grad_enabled():  # create_graph=True: no double backward
-            return _EagerAttention._once_backward(ctx, dout, _dlse)
+            return _EagerAttention._once_backward(ctx, dout)
         q, k, v, out, lse, _bias, _sinks = ctx.saved_tensors
         call = ctx.call
         if dout is None:  # out's gradient undefined: zeros, as the ops' autograd makes them
@@ -268,14 +269,15 @@ class _EagerAttention(torch.autograd.Function):
         if call.bhsd:
             dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
         if dbias is None and dsinks is None:
+            # (the gradients past the inputs given are None, which autograd allows)
             return dq, dk, dv, None, None, None
         needs = ctx.needs_input_grad
-        return (dq, dk, dv, dbias if needs[3] else None, dsinks if needs[4] else None, None)
+        return (dq, dk, dv, None, dbias if needs[4] else None, dsinks if needs[5] else None)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def _once_backward(ctx, dout, _dlse):
-        return _EagerAttention.backward(ctx, dout, _dlse)
+    def _once_backward(ctx, dout):
+        return _EagerAttention.backward(ctx, dout)
 
 
 # autograd.Function.apply without its Python wrapper (a fifth of the eager forward's own time
@@ -298,14 +300,19 @@ def eager_attention(arrays, bhsd, options):
         or (bias is not None and bias.requires_grad)
         or (sinks is not None and sinks.requires_grad)
     ):
-        return _function_apply(
-            _unwrap_if_dead(q),
-            _unwrap_if_dead(k),
-            _unwrap_if_dead(v),
-            None if bias is None else _unwrap_if_dead(bias),
-            None if sinks is None else _unwrap_if_dead(sinks),
-            call,
-        )
+        if bias is None and sinks is None:
+            out = _function_apply(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v), call)
+        else:
+            out = _function_apply(
+                _unwrap_if_dead(q),
+                _unwrap_if_dead(k),
+                _unwrap_if_dead(v),
+                call,
+                None if bias is None else _unwrap_if_dead(bias),
+                None if sinks is None else _unwrap_if_dead(sinks),
+            )
+        lse, call.lse = call.lse, None  # (the graph keeps call: not lse past the backward)
+        return out, lse
     if not bhsd:
         return call.forward(q, k, v)
     out, lse = call.forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
