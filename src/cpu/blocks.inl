@@ -778,6 +778,53 @@ struct BackwardProducts {
   }
 };
 
+// S (t.rows x t.np, ld) = the transpose of ST (keys x query rows, ldst): whole blocks of W
+// query rows in registers (t.np is a whole number of vectors: a block's columns past t.cols, from
+// its zero rows, stay in the tile's padding), the rest by element; columns [t.cols, t.np) zero.
+template <typename T>
+void transpose_scores(const T* ST, int64_t ldst, const TilePair& t, T* S, int64_t ld) {
+  constexpr int64_t W = Simd<T>::W;
+  const int64_t rw = t.rows / W * W;
+  for (int64_t r0 = 0; r0 < rw; r0 += W)
+    for (int64_t j0 = 0; j0 < t.cols; j0 += W)
+      transpose_block(ST + j0 * ldst + r0, ldst, std::min(W, t.cols - j0), S + r0 * ld + j0, ld);
+  for (int64_t r = 0; r < t.rows; ++r) {
+    T* s = S + r * ld;
+    if (r >= rw)
+      for (int64_t j = 0; j < t.cols; ++j) s[j] = ST[j * ldst + r];
+    std::fill(s + t.cols, s + t.np, T(0));
+  }
+}
+
+// The backward's products where a head has few query rows (scores_by_keys in fa2.inl): S and dP
+// as the transposes of S^T = K Q^T and dP^T = V dO^T, on the key tile's K and V rows as loaded
+// (KeyBlock::load_rows_only) and Q^T, dO^T transposed once per query tile (qn columns), instead
+// of K^T and V^T packed for every key tile: with 16 query rows over 2,048 keys those two
+// transposes were a fifth of the backward. Every score and dP entry is the same sum in the same
+// order (bitwise the same backward). ST: Bcp x qn scratch.
+template <typename T>
+struct BackwardProductsByKeys {
+  const T *Q, *dO, *Qt, *dOt, *K, *V;
+  int64_t qn;
+  T* ST;
+  void transposed(const Geometry<T>& g, const TilePair& t, const T* A, const T* Bt, T* X) const {
+    gemm<T, false, false>(t.nm, qn, g.d, A, g.dp, Bt, qn, ST, qn);
+    transpose_scores(ST, qn, t, X, g.Bcp);
+    std::fill(X + t.rows * g.Bcp, X + t.mp * g.Bcp, T(0));  // as Q's (dO's) zero padding rows give
+  }
+  void scores(const Geometry<T>& g, const TilePair& t, T* S) const { transposed(g, t, K, Qt, S); }
+  void dp(const Geometry<T>& g, const TilePair& t, T* dP) const { transposed(g, t, V, dOt, dP); }
+  void dv(const Geometry<T>& g, const TilePair& t, const T* Pd, T* dV) const {
+    BackwardProducts<T>{Q, dO, K, nullptr, nullptr}.dv(g, t, Pd, dV);
+  }
+  void dk(const Geometry<T>& g, const TilePair& t, const T* dS, T* dK) const {
+    BackwardProducts<T>{Q, dO, K, nullptr, nullptr}.dk(g, t, dS, dK);
+  }
+  void dq(const Geometry<T>& g, const TilePair& t, const T* dS, T* dQ) const {
+    BackwardProducts<T>{Q, dO, K, nullptr, nullptr}.dq(g, t, dS, dQ);
+  }
+};
+
 // One step of Algorithm 4 for the tile pair t (query rows of head (b, h), keys of its kv head):
 //   P = exp2(scores - L2); dV += (P*Z)^T dO; dP = (dO V^T)*Z; dS = P*(dP - D);
 //   dK += dS^T Q; dQ += dS K           (dK and dQ without the softmax scale; callers apply it)
@@ -891,30 +938,44 @@ void backward_block(const Geometry<T>& g, const Params& p, const Mask& mask, int
 // The bfloat16 products' pairing reads all Bcp.
 template <typename T>
 struct KeyBlock {
-  Buffer<T> K, Kt, Vt, scratch;
+  Buffer<T> K, Kt, Vt, V, scratch;
   void load(const Params& p, const Geometry<T>& g, int64_t b, int64_t hk, int64_t j0, int64_t cols,
             int64_t pad = -1) {
     if (pad < 0) pad = g.Bcp;
-    load_rows(element(p.k_ptr, p.dtype, k_offset(p, b, j0, hk)), p.dtype, p.k_row_stride, cols, g.d,
-              K.get(g.Bcp * g.dp), g.dp, pad);
-    load_rows_transposed(element(p.k_ptr, p.dtype, k_offset(p, b, j0, hk)), p.dtype, p.k_row_stride,
-                         cols, g.d, Kt.get(g.d * g.Bcp), g.Bcp, scratch.get(kTransposeRows * g.dp),
-                         pad);
-    load_rows_transposed(element(p.v_ptr, p.dtype, v_offset(p, b, j0, hk)), p.dtype, p.v_row_stride,
-                         cols, g.d, Vt.get(g.d * g.Bcp), g.Bcp, scratch.get(kTransposeRows * g.dp),
-                         pad);
+    const void* k = element(p.k_ptr, p.dtype, k_offset(p, b, j0, hk));
+    const void* v = element(p.v_ptr, p.dtype, v_offset(p, b, j0, hk));
+    const auto es = static_cast<int64_t>(dtype_size(p.dtype));
+    prefetch_rows(k, p.k_row_stride * es, cols, g.d * es);
+    prefetch_rows(v, p.v_row_stride * es, cols, g.d * es);
+    load_rows(k, p.dtype, p.k_row_stride, cols, g.d, K.get(g.Bcp * g.dp), g.dp, pad);
+    load_rows_transposed(k, p.dtype, p.k_row_stride, cols, g.d, Kt.get(g.d * g.Bcp), g.Bcp,
+                         scratch.get(kTransposeRows * g.dp), pad);
+    load_rows_transposed(v, p.dtype, p.v_row_stride, cols, g.d, Vt.get(g.d * g.Bcp), g.Bcp,
+                         scratch.get(kTransposeRows * g.dp), pad);
+  }
+  // K and V (Bcp x dp) alone, zero-padded to `pad` rows, for BackwardProductsByKeys.
+  void load_rows_only(const Params& p, const Geometry<T>& g, int64_t b, int64_t hk, int64_t j0,
+                      int64_t cols, int64_t pad) {
+    const void* k = element(p.k_ptr, p.dtype, k_offset(p, b, j0, hk));
+    const void* v = element(p.v_ptr, p.dtype, v_offset(p, b, j0, hk));
+    const auto es = static_cast<int64_t>(dtype_size(p.dtype));
+    prefetch_rows(k, p.k_row_stride * es, cols, g.d * es);
+    prefetch_rows(v, p.v_row_stride * es, cols, g.d * es);
+    load_rows(k, p.dtype, p.k_row_stride, cols, g.d, K.get(g.Bcp * g.dp), g.dp, pad);
+    load_rows(v, p.dtype, p.v_row_stride, cols, g.d, V.get(g.Bcp * g.dp), g.dp, pad);
   }
 };
 
 template <typename T>
 void store_key_grads(const Params& p, const Geometry<T>& g, int64_t b, int64_t hk, int64_t j0,
                      int64_t cols, const T* dK, const T* dV) {
-  store_rows(dK, g.dp, cols, g.d, static_cast<T>(p.scale_softmax),
-             element(p.dk_ptr, p.dtype,
-                     b * p.dk_batch_stride + j0 * p.dk_row_stride + hk * p.dk_head_stride),
-             p.dtype, p.dk_row_stride);
-  store_rows(dV, g.dp, cols, g.d, T(1),
-             element(p.dv_ptr, p.dtype,
-                     b * p.dv_batch_stride + j0 * p.dv_row_stride + hk * p.dv_head_stride),
-             p.dtype, p.dv_row_stride);
+  void* dk = element(p.dk_ptr, p.dtype,
+                     b * p.dk_batch_stride + j0 * p.dk_row_stride + hk * p.dk_head_stride);
+  void* dv = element(p.dv_ptr, p.dtype,
+                     b * p.dv_batch_stride + j0 * p.dv_row_stride + hk * p.dv_head_stride);
+  const auto es = static_cast<int64_t>(dtype_size(p.dtype));
+  prefetch_rows<true>(dk, p.dk_row_stride * es, cols, g.d * es);
+  prefetch_rows<true>(dv, p.dv_row_stride * es, cols, g.d * es);
+  store_rows(dK, g.dp, cols, g.d, static_cast<T>(p.scale_softmax), dk, p.dtype, p.dk_row_stride);
+  store_rows(dV, g.dp, cols, g.d, T(1), dv, p.dtype, p.dv_row_stride);
 }

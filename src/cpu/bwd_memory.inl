@@ -14,8 +14,10 @@
 template <typename T>
 struct BackwardRows {
   RawBuffer<T> Q, dO, L2, D;  // every row written by load_query_tile before it is read
+  RawBuffer<T> Qt, dOt;       // their transposes, where the products take them
   size_t size() const {
-    return Q.data.capacity() + dO.data.capacity() + L2.data.capacity() + D.data.capacity();
+    return Q.data.capacity() + dO.data.capacity() + L2.data.capacity() + D.data.capacity() +
+           Qt.data.capacity() + dOt.data.capacity();
   }
 };
 
@@ -82,7 +84,7 @@ template <typename T>
 struct BackwardTiles {
   KeyBlock<T> kb;
   std::vector<KeyBlock<T>> slots;  // fa2_backward_by_queries' kept key tiles
-  RawBuffer<T> dk, dv, q, dout, l2, d, o, dq, acc;
+  RawBuffer<T> dk, dv, q, dout, l2, d, o, dq, acc, st;
   BackwardScratch<T> scratch;
 #if FLASHDL_HAVE_BF16_DOT
   Bf16BackwardProducts bprod;
@@ -95,7 +97,7 @@ struct BackwardTiles {
     constexpr int64_t kKeptSlotBytes = int64_t{8} << 20;
     size_t n = 0;
     for (const auto& s : slots)
-      n += s.K.data.capacity() + s.Kt.data.capacity() + s.Vt.data.capacity();
+      n += s.K.data.capacity() + s.Kt.data.capacity() + s.Vt.data.capacity() + s.V.data.capacity();
     if (static_cast<int64_t>(n * sizeof(T)) > kKeptSlotBytes) {
       slots = std::vector<KeyBlock<T>>();
 #if FLASHDL_HAVE_BF16_DOT

@@ -164,20 +164,7 @@ struct Products {
     }
     T* ST = stbuf.get(g.Bcp * qn);
     gemm<T, false, false>(m, qn, g.d, K, ldk, qtbuf.data.data(), qn, ST, qn);
-    // Whole blocks of W query rows in registers (t.np is a whole number of vectors: a block's
-    // columns past t.cols, from its zero rows, stay in the tile's padding); the rest by element.
-    constexpr int64_t W = Simd<T>::W;
-    const int64_t rw = t.rows / W * W;
-    for (int64_t r0 = 0; r0 < rw; r0 += W)
-      for (int64_t j0 = 0; j0 < t.cols; j0 += W)
-        transpose_block(ST + j0 * qn + r0, qn, std::min(W, t.cols - j0), S + r0 * g.Bcp + j0,
-                        g.Bcp);
-    for (int64_t r = 0; r < t.rows; ++r) {
-      T* s = S + r * g.Bcp;
-      if (r >= rw)
-        for (int64_t j = 0; j < t.cols; ++j) s[j] = ST[j * qn + r];
-      std::fill(s + t.cols, s + t.np, T(0));
-    }
+    transpose_scores(ST, qn, t, S, g.Bcp);
   }
   // O += P V for the key tile of the last scores() call; fresh: O = P V (O not read).
   void accumulate(const Geometry<T>& g, const TilePair& t, const T* P, T* O, bool fresh) {
@@ -495,6 +482,9 @@ struct BackwardInputs {
   // by prepare_backward_inputs (zero-filling them first doubled the memory traffic, which
   // dominated long-query, few-key backward passes; benchmarks/results/cpu_tuning.md).
   T *Q = nullptr, *dO = nullptr, *L2 = nullptr, *D = nullptr;
+  // Q^T and dO^T of each query tile (dp x qn_max, the tile's rows padded to a vector as
+  // columns), where the products take them (scores_by_keys); else null.
+  T *Qt = nullptr, *dOt = nullptr;
   int64_t rows_alloc = 0;
   int64_t bh0 = 0;  // the first (batch, head) held: every one, or one kv head's group (by_keys)
 
@@ -502,33 +492,60 @@ struct BackwardInputs {
   T* dout(int64_t bh, int64_t i) { return dO + ((bh - bh0) * rows_alloc + i) * dp_; }
   T* l2(int64_t bh, int64_t i) { return L2 + (bh - bh0) * rows_alloc + i; }
   T* d(int64_t bh, int64_t i) { return D + (bh - bh0) * rows_alloc + i; }
-  int64_t dp_ = 0;
+  T* qt(int64_t bh, int64_t tile) { return Qt == nullptr ? nullptr : Qt + t_slot(bh, tile); }
+  T* dout_t(int64_t bh, int64_t tile) { return dOt == nullptr ? nullptr : dOt + t_slot(bh, tile); }
+  int64_t dp_ = 0, nqb_ = 0, qn_max = 0;
+
+ private:
+  int64_t t_slot(int64_t bh, int64_t tile) const {
+    return ((bh - bh0) * nqb_ + tile) * dp_ * qn_max;
+  }
 };
+
+// The columns of a query tile's Q^T: its rows, padded to a whole vector.
+template <typename T>
+int64_t transposed_rows(int64_t rows) {
+  return detail::round_up(rows, static_cast<int64_t>(Simd<T>::W));
+}
 
 // Query tile qt of head (b, h) as the backward reads it: Q and dO converted to T (Brp rows of dp,
 // padding rows zero: Q = dO = 0 there makes their dS and dV terms 0), lse in the exp2 domain and
 // D = rowsum(dO * O) (Brp entries, zero past the tile's rows). O: scratch of Brp x dp.
 template <typename T>
 void load_query_tile(const Params& p, const Geometry<T>& g, int64_t b, int64_t h, int64_t qt, T* Q,
-                     T* dO, T* L2, T* D, T* O) {
+                     T* dO, T* L2, T* D, T* O, T* Qt = nullptr, T* dOt = nullptr) {
   const int64_t i0 = g.qt.start(qt), rows = g.qt.size(qt);
-  load_rows(element(p.q_ptr, p.dtype, q_offset(p, b, i0, h)), p.dtype, p.q_row_stride, rows, g.d, Q,
-            g.dp, g.Brp);
-  load_rows(element(p.do_ptr, p.dtype, do_offset(p, b, i0, h)), p.dtype, p.do_row_stride, rows, g.d,
-            dO, g.dp, g.Brp);
-  load_rows(element(p.o_ptr, p.dtype, o_offset(p, b, i0, h)), p.dtype, p.o_row_stride, rows, g.d, O,
-            g.dp, rows);
+  const void* q = element(p.q_ptr, p.dtype, q_offset(p, b, i0, h));
+  const void* dout = element(p.do_ptr, p.dtype, do_offset(p, b, i0, h));
+  const void* out = element(p.o_ptr, p.dtype, o_offset(p, b, i0, h));
+  // Every row's lines requested before the first is copied (prefetch_rows says why).
+  const auto es = static_cast<int64_t>(dtype_size(p.dtype));
+  prefetch_rows(q, p.q_row_stride * es, rows, g.d * es);
+  prefetch_rows(dout, p.do_row_stride * es, rows, g.d * es);
+  prefetch_rows(out, p.o_row_stride * es, rows, g.d * es);
+  load_rows(q, p.dtype, p.q_row_stride, rows, g.d, Q, g.dp, g.Brp);
+  load_rows(dout, p.dtype, p.do_row_stride, rows, g.d, dO, g.dp, g.Brp);
+  load_rows(out, p.dtype, p.o_row_stride, rows, g.d, O, g.dp, rows);
   for (int64_t r = 0; r < g.Brp; ++r) {
     const bool in_tile = r < rows;
     D[r] = in_tile ? row_dot(dO + r * g.dp, O + r * g.dp, g.dp) : T(0);
     L2[r] = in_tile ? static_cast<T>(lse_at(p, b, h, i0 + r)) * static_cast<T>(detail::kLog2e)
                     : T(0);
   }
+  if (Qt == nullptr) return;
+  // Q^T and dO^T (dp x qn, columns past the tile's rows zero) for BackwardProductsByKeys.
+  constexpr int64_t W = Simd<T>::W;
+  const int64_t qn = transposed_rows<T>(rows);
+  for (int64_t r0 = 0; r0 < rows; r0 += W)
+    for (int64_t c = 0; c < g.dp; c += W) {
+      transpose_block(Q + r0 * g.dp + c, g.dp, std::min(W, rows - r0), Qt + c * qn + r0, qn);
+      transpose_block(dO + r0 * g.dp + c, g.dp, std::min(W, rows - r0), dOt + c * qn + r0, qn);
+    }
 }
 
 template <typename T>
 void attach_inputs(const Geometry<T>& g, int64_t bh0, int64_t heads, BackwardRows<T>& rows,
-                   BackwardInputs<T>& in) {
+                   BackwardInputs<T>& in, bool transposed = false) {
   in.dp_ = g.dp;
   in.rows_alloc = padded_rows(g);
   in.bh0 = bh0;
@@ -537,12 +554,17 @@ void attach_inputs(const Geometry<T>& g, int64_t bh0, int64_t heads, BackwardRow
   in.dO = rows.dO.get(rows_all * g.dp);
   in.L2 = rows.L2.get(rows_all);
   in.D = rows.D.get(rows_all);
+  in.nqb_ = g.nqb;
+  in.qn_max = transposed_rows<T>(g.Br);
+  const int64_t t_all = transposed ? heads * g.nqb * g.dp * in.qn_max : 0;
+  in.Qt = transposed ? rows.Qt.get(t_all) : nullptr;
+  in.dOt = transposed ? rows.dOt.get(t_all) : nullptr;
 }
 
 template <typename T>
 void prepare_backward_inputs(const Params& p, const Geometry<T>& g, int threads,
-                             BackwardWorkspace<T>& ws, BackwardInputs<T>& in) {
-  attach_inputs(g, 0, p.batch * p.nheads, ws.all, in);
+                             BackwardWorkspace<T>& ws, BackwardInputs<T>& in, bool transposed) {
+  attach_inputs(g, 0, p.batch * p.nheads, ws.all, in, transposed);
   parallel_tasks(p.batch * p.nheads * g.nqb, threads, [&](Tasks& tasks, int) {
     T* O = backward_tiles<T>().o.get(g.Brp * g.dp);
     for (int64_t task = 0; tasks.next(task);) {
@@ -551,8 +573,8 @@ void prepare_backward_inputs(const Params& p, const Geometry<T>& g, int threads,
       const int64_t b = task / (g.nqb * p.nheads), qt = task / p.nheads % g.nqb;
       const int64_t h = task % p.nheads, bh = b * p.nheads + h;
       const int64_t t0 = tile_row(g, qt);
-      load_query_tile(p, g, b, h, qt, in.q(bh, t0), in.dout(bh, t0), in.l2(bh, t0), in.d(bh, t0),
-                      O);
+      load_query_tile(p, g, b, h, qt, in.q(bh, t0), in.dout(bh, t0), in.l2(bh, t0), in.d(bh, t0), O,
+                      in.qt(bh, qt), in.dout_t(bh, qt));
     }
   });
 }
@@ -621,8 +643,15 @@ void fa2_backward_by_keys(const Params& p, const Geometry<T>& g, const Mask& mas
       by_tile || (p.nheads_kv > 1 && g.nkb >= kManyKeyTiles &&
                   p.batch * p.nheads * head_elems * static_cast<int64_t>(sizeof(T)) <= kSmallDq);
   const bool one_region = !key_major;
+#if FLASHDL_HAVE_BF16_DOT
+  const bool bf16_pairs = std::is_same_v<T, float> && p.dtype == DType::bfloat16;
+#else
+  const bool bf16_pairs = false;
+#endif
+  // Few query rows a head: the products on K and V rows as loaded (BackwardProductsByKeys).
+  const bool transposed = scores_by_keys(p) && !bf16_pairs;
   BackwardInputs<T> all;  // Q and dO of every head, converted before the tasks (key-tile-major)
-  if (!one_region) prepare_backward_inputs(p, g, threads, *ws, all);
+  if (!one_region) prepare_backward_inputs(p, g, threads, *ws, all, transposed);
   auto task_of = [&](int64_t task, int64_t& bhk, int64_t& index) {
     bhk = key_major ? task % nbhk : task / g.nkb;
     index = key_major ? task / nbhk : task % g.nkb;
@@ -671,13 +700,13 @@ void fa2_backward_by_keys(const Params& p, const Geometry<T>& g, const Mask& mas
       task_of(task, bhk, index);
       const int64_t b = bhk / p.nheads_kv, hk = bhk % p.nheads_kv;
       if (one_region && bhk != held) {
-        attach_inputs(g, bhk * group, group, ws->own[t], own);
+        attach_inputs(g, bhk * group, group, ws->own[t], own, transposed);
         T* O = tiles.o.get(g.Brp * g.dp);
         for (int64_t hg = 0; hg < group; ++hg)
           for (int64_t qt = 0; qt < g.nqb; ++qt) {
             const int64_t bh = bhk * group + hg, t0 = tile_row(g, qt);
             load_query_tile(p, g, b, hk * group + hg, qt, own.q(bh, t0), own.dout(bh, t0),
-                            own.l2(bh, t0), own.d(bh, t0), O);
+                            own.l2(bh, t0), own.d(bh, t0), O, own.qt(bh, qt), own.dout_t(bh, qt));
           }
         held = bhk;
       }
@@ -699,6 +728,10 @@ void fa2_backward_by_keys(const Params& p, const Geometry<T>& g, const Mask& mas
         for (int64_t qt = g.qt.tile_of(i_begin); qt < g.nqb && g.qt.start(qt) < i_end; ++qt) {
           if (!pair_in_mask(g, bm, qt, kt)) continue;  // a zero block: never loaded or computed
           if (mask_tile_empty(&ex, g.qt.start(qt), g.qt.size(qt), j0, cols)) continue;
+          if (!kv_loaded && transposed) {
+            kb_bufs.load_rows_only(p, g, b, hk, j0, cols, std::max(np, nm));
+            kv_loaded = true;
+          }
           if (!kv_loaded) {
             kb_bufs.load(p, g, b, hk, j0, cols, key_pad(p, g, np));
 #if FLASHDL_HAVE_BF16_DOT
@@ -724,6 +757,19 @@ void fa2_backward_by_keys(const Params& p, const Geometry<T>& g, const Mask& mas
             }
           }
 #endif
+          if (transposed) {
+            const BackwardProductsByKeys<T> prod{in.q(bh, t0),
+                                                 in.dout(bh, t0),
+                                                 in.qt(bh, qt),
+                                                 in.dout_t(bh, qt),
+                                                 kb_bufs.K.data.data(),
+                                                 kb_bufs.V.data.data(),
+                                                 transposed_rows<T>(tp.rows),
+                                                 tiles.st.get(g.Bcp * in.qn_max)};
+            backward_block(g, p, mask, b, h, tp, in.l2(bh, t0), in.d(bh, t0), prod, dK, dV,
+                           dq_head + t0 * g.dp, scratch);
+            continue;
+          }
           backward_block(g, p, mask, b, h, tp, in.q(bh, t0), in.dout(bh, t0), in.l2(bh, t0),
                          in.d(bh, t0), kb_bufs.K.data.data(), kb_bufs.Kt.data.data(),
                          kb_bufs.Vt.data.data(), dK, dV, dq_head + t0 * g.dp, scratch);
@@ -892,12 +938,13 @@ void fa2_backward_by_queries(const Params& p, const Geometry<T>& g, const Mask& 
         backward_block(g, p, mask, b, h, tp, Q, dO, L2, D, kb_bufs.K.data.data(),
                        kb_bufs.Kt.data.data(), kb_bufs.Vt.data.data(), dK, dV, dQ, scratch);
       }
+      void* dq = element(p.dq_ptr, p.dtype,
+                         b * p.dq_batch_stride + i0 * p.dq_row_stride + h * p.dq_head_stride);
+      const auto es = static_cast<int64_t>(dtype_size(p.dtype));
+      prefetch_rows<true>(dq, p.dq_row_stride * es, rows, g.d * es);
       for (int64_t r = 0; r < rows; ++r)
         convert_row_out(dQ + r * g.dp, static_cast<T>(p.scale_softmax), g.d,
-                        element(p.dq_ptr, p.dtype,
-                                b * p.dq_batch_stride + (i0 + r) * p.dq_row_stride +
-                                    h * p.dq_head_stride),
-                        p.dtype);
+                        element(dq, p.dtype, r * p.dq_row_stride), p.dtype);
     }
     tiles.release_slots_if_over();
   });
