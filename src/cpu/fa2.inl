@@ -579,6 +579,14 @@ void prepare_backward_inputs(const Params& p, const Geometry<T>& g, int threads,
   });
 }
 
+// The backward's key columns of a tile are a whole number of these: the bfloat16 products' pair
+// width (kNR), else one vector, as in the forward (a 16-key tile computed 32 columns of S and dP,
+// half of them padding).
+template <typename T>
+int64_t backward_key_align(const Params& p) {
+  return std::is_same_v<T, float> && p.dtype == DType::bfloat16 ? kNR<T> : Simd<T>::W;
+}
+
 // How far KeyBlock::load zero-pads a key tile of np product columns: np, or Bcp for the
 // bfloat16 products (their pairing reads all Bcp).
 template <typename T>
@@ -715,7 +723,8 @@ void fa2_backward_by_keys(const Params& p, const Geometry<T>& g, const Mask& mas
       const int64_t j0 = g.kt.start(kt), cols = g.kt.size(kt);
       // The products touch nm = round_up(cols, kMR) rows of dK and dV, read np keys of K, K^T
       // and V^T (the bfloat16 pairing all Bcp).
-      const int64_t nm = detail::round_up(cols, kMR), np = detail::round_up(cols, kNR<T>);
+      const int64_t nm = detail::round_up(cols, kMR);
+      const int64_t np = detail::round_up(cols, backward_key_align<T>(p));
       std::fill(dK, dK + nm * g.dp, T(0));
       std::fill(dV, dV + nm * g.dp, T(0));
       const int64_t i_begin = mask.row_begin(j0), i_end = mask.row_end(j0 + cols - 1);
@@ -742,7 +751,7 @@ void fa2_backward_by_keys(const Params& p, const Geometry<T>& g, const Mask& mas
 #endif
             kv_loaded = true;
           }
-          const TilePair tp = tile_pair(g, qt, kt);
+          const TilePair tp = tile_pair(g, qt, kt, backward_key_align<T>(p));
           const int64_t t0 = tile_row(g, qt);
           if (qt + 1 < g.nqb)  // the next pair's bias (and dBias) rows, a step ahead
             prefetch_extras_tile(&ex, p, b, h, g.qt.start(qt + 1), g.qt.size(qt + 1), j0, cols,
@@ -896,7 +905,7 @@ void fa2_backward_by_queries(const Params& p, const Geometry<T>& g, const Mask& 
       for (int64_t kt = g.kt.tile_of(j_begin);
            j_begin < j_end && kt < g.nkb && g.kt.start(kt) < j_end; ++kt) {
         if (!pair_in_mask(g, bm, qt, kt)) continue;  // a zero block: never loaded or computed
-        const TilePair tp = tile_pair(g, qt, kt);
+        const TilePair tp = tile_pair(g, qt, kt, backward_key_align<T>(p));
         if (mask_tile_empty(&ex, tp.i0, tp.rows, tp.j0, tp.cols)) continue;
         const auto slot = static_cast<size_t>(heads_inner ? hk : keep_tiles ? kt : 0);
         KeyBlock<T>& kb_bufs = kb_slots[slot];
