@@ -108,6 +108,55 @@ def test_jax_vmap_and_varlen_on_gpu():
         start += n
 
 
+def test_jax_eager_calls_on_gpu():
+    """flashdl.jax outside jax.jit on GPU arrays: JAX dispatches the same custom call eagerly,
+    compiled once per configuration and cached, bitwise the jitted call's results (forward,
+    gradients, dot_product_attention), on the arrays' GPU."""
+    jax, gpu = _jax_gpu()
+    import jax.numpy as jnp
+
+    import flashdl.jax as fj
+
+    host = _inputs([(2, 70, 4, 64), (2, 90, 2, 64), (2, 90, 2, 64), (2, 70, 4, 64)], "float16", 7)
+    q, k, v, w = (jax.device_put(jnp.asarray(x, jnp.float16), gpu) for x in host)
+    compiles = []
+
+    def listen(key, _duration, **_kw):
+        if key.endswith("backend_compile_duration"):
+            compiles.append(key)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        counts, outs = [], []
+        for _ in range(3):
+            del compiles[:]
+            outs.append(jax.block_until_ready(fj.attention(q, k, v, causal=True,
+                                                           softmax_scale=0.123)))
+            counts.append(len(compiles))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert counts[0] > 0 and counts[1:] == [0, 0], counts
+    jitted = jax.jit(lambda q, k, v: fj.attention(q, k, v, causal=True, softmax_scale=0.123))
+    for out in outs:
+        assert out.devices() == {gpu}
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(jitted(q, k, v)))
+
+    def loss(q, k, v):
+        return (fj.attention(q, k, v, causal=True).astype(jnp.float32) * w).sum()
+    eager = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    for a, b in zip(eager, compiled):
+        assert a.devices() == {gpu}
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    # (2, 4, 70, 90): a bias per (batch, head, query), broadcast over the keys
+    bias = jax.device_put(jnp.asarray(host[3][..., :1].transpose(0, 2, 1, 3).repeat(90, -1),
+                                      jnp.float16), gpu)
+    dpa = fj.dot_product_attention(q, k, v, bias, is_causal=True)
+    dpa_jit = jax.jit(lambda q, k, v, b: fj.dot_product_attention(q, k, v, b, is_causal=True))
+    assert dpa.devices() == {gpu}
+    np.testing.assert_array_equal(np.asarray(dpa), np.asarray(dpa_jit(q, k, v, bias)))
+
+
 def test_torch_compile_on_cuda_tensors():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
