@@ -202,9 +202,12 @@ def attention(
             and v.__class__ in TENSOR_TYPES
             and q.dim() == k.dim() == v.dim() == 4
         ):
-            if bhsd:
-                q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            result = _fast_path.forward_torch(q, k, v, causal, return_lse)
+            if q.requires_grad:  # forward_torch declines it: no transposed views made for it
+                result = None
+            else:
+                if bhsd:
+                    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+                result = _fast_path.forward_torch(q, k, v, causal, return_lse)
             if result is not None:
                 if not bhsd:
                     return result
