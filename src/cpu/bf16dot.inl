@@ -102,6 +102,57 @@ inline void pair_rows(const float* X, int64_t ldx, int64_t rows, int64_t pairs, 
   }
 }
 
+// K^T-style pairs along the head dim of bfloat16 rows: dst[w * ld + j] = row j's elements 2w
+// and 2w + 1 (low half first; an odd head dim's last element with 0), for w < ceil(d / 2) and
+// j < ld; zeros past `rows` rows. A row's pairs are its own bytes (row_pairs), so blocks of W
+// rows by W pairs are W x W transposes of 32-bit words in registers (transpose_lanes moves bits,
+// whatever they mean as floats); pairs past the last whole block word by word. (A row copy per
+// key and a store per pair were most of a pack.)
+inline void pack_pairs_by_dim(const uint16_t* src, int64_t stride, int64_t rows, int64_t d,
+                              uint32_t* dst, int64_t ld) {
+  constexpr int64_t W = Simd<float>::W;
+  std::fill(dst, dst + (d + 1) / 2 * ld, 0u);
+  const int64_t whole = d / 2, wb = whole / W * W;  // pairs read as words; those in blocks
+  for (int64_t j0 = 0; j0 < rows; j0 += W) {
+    const int64_t nr = std::min(W, rows - j0);
+    for (int64_t w0 = 0; w0 < wb; w0 += W) {
+      vec_t<float> r[W];
+      for (int64_t i = 0; i < W; ++i)
+        r[i] = i < nr ? vload(reinterpret_cast<const float*>(src + (j0 + i) * stride + 2 * w0))
+                      : vec_t<float>{};
+      transpose_lanes<float>(r);
+      for (int64_t c = 0; c < W; ++c)
+        vstore(reinterpret_cast<float*>(dst + (w0 + c) * ld + j0), r[c]);
+    }
+  }
+  for (int64_t j = 0; j < rows; ++j) {
+    const uint16_t* row = src + j * stride;
+    for (int64_t w = wb; w < whole; ++w) std::memcpy(dst + w * ld + j, row + 2 * w, 4);
+    if (d % 2) dst[whole * ld + j] = row[d - 1];
+  }
+}
+
+// Pairs of bfloat16 rows: dst[pr * ld + c] = (row 2 pr, row 2 pr + 1) at element c (low half
+// first), for pr < pairs and c < ld; zeros past `rows` rows and d columns.
+inline void pack_pairs_by_rows(const uint16_t* src, int64_t stride, int64_t rows, int64_t d,
+                               int64_t pairs, uint32_t* dst, int64_t ld) {
+  for (int64_t pr = 0; pr < pairs; ++pr) {
+    uint32_t* row = dst + pr * ld;
+    const int64_t j = 2 * pr;
+    if (j + 1 < rows) {
+      const uint16_t* v0 = src + j * stride;
+      const uint16_t* v1 = v0 + stride;
+      for (int64_t c = 0; c < d; ++c) row[c] = uint32_t{v0[c]} | (uint32_t{v1[c]} << 16);
+    } else if (j < rows) {
+      const uint16_t* v0 = src + j * stride;
+      for (int64_t c = 0; c < d; ++c) row[c] = v0[c];
+    } else {
+      std::fill(row, row + d, 0u);
+    }
+    std::fill(row + d, row + ld, 0u);
+  }
+}
+
 // The backward's products (BackwardProducts in blocks.inl) for bfloat16 inputs: S = Q K^T and
 // dP = dO V^T on the inputs' own values (exact), dV += P^T dO, dK += dS^T Q and dQ += dS K with P
 // and dS rounded to bfloat16, as GPU kernels do. keys() converts a key tile once, queries() the
@@ -111,13 +162,20 @@ struct Bf16BackwardProducts {
   mutable Buffer<uint32_t> ktw, vtw, ki, qw, dow, qi, doi, a;
   int64_t kd = 0, dw = 0;
 
-  // K (Bcp x dp), K^T and V^T (d x Bcp) of the key tile, as KeyBlock holds them.
-  void keys(const Geometry<float>& g, const float* K, const float* Kt, const float* Vt) {
+  // Keys [j0, j0 + cols) of (b, hk), packed from the caller's bfloat16 rows: K^T and V^T as pairs
+  // along the head dim, K as pairs of keys (as the forward packs K^T and V; converting to float
+  // K, K^T and V^T first and pairing those was a sixth of a 16 x 2,048 backward).
+  void keys(const Params& p, const Geometry<float>& g, int64_t b, int64_t hk, int64_t j0,
+            int64_t cols) {
     kd = (g.d + 1) / 2;
     dw = g.dp / 2;
-    pair_rows(Kt, g.Bcp, g.d, kd, g.Bcp, ktw.get(kd * g.Bcp), g.Bcp);
-    pair_rows(Vt, g.Bcp, g.d, kd, g.Bcp, vtw.get(kd * g.Bcp), g.Bcp);
-    pair_rows(K, g.dp, g.Bcp, g.Bcp / 2, g.dp, ki.get(g.Bcp / 2 * g.dp), g.dp);
+    const auto* k = static_cast<const uint16_t*>(p.k_ptr) + k_offset(p, b, j0, hk);
+    const auto* v = static_cast<const uint16_t*>(p.v_ptr) + v_offset(p, b, j0, hk);
+    prefetch_rows(k, p.k_row_stride * 2, cols, g.d * 2);
+    prefetch_rows(v, p.v_row_stride * 2, cols, g.d * 2);
+    pack_pairs_by_dim(k, p.k_row_stride, cols, g.d, ktw.get(kd * g.Bcp), g.Bcp);
+    pack_pairs_by_dim(v, p.v_row_stride, cols, g.d, vtw.get(kd * g.Bcp), g.Bcp);
+    pack_pairs_by_rows(k, p.k_row_stride, cols, g.d, g.Bcp / 2, ki.get(g.Bcp / 2 * g.dp), g.dp);
   }
   // Q and dO, t.mp rows of dp (zeros past the tile's rows).
   void queries(const Geometry<float>& g, const TilePair& t, const float* Q, const float* dO) {
@@ -233,46 +291,8 @@ struct Bf16Products {
     const auto* v = static_cast<const uint16_t*>(p.v_ptr) + v_offset(p, b, j0, hk);
     prefetch_rows(k, p.k_row_stride * 2, cols, g.d * 2);
     prefetch_rows(v, p.v_row_stride * 2, cols, g.d * 2);
-    std::fill(Kt, Kt + kd(g) * g.Bcp, 0u);
-    // K^T: a key row's pairs are its own bytes (row_pairs), so blocks of W keys by W pairs are
-    // W x W transposes of 32-bit words in registers (transpose_lanes moves bits, whatever they
-    // mean as floats); pairs past the last whole block word by word, an odd head dim's last
-    // element as a pair with 0. (A row copy per key and a store per pair were most of a pack.)
-    constexpr int64_t W = Simd<float>::W;
-    const int64_t whole = g.d / 2, wb = whole / W * W;  // pairs read as words; those in blocks
-    for (int64_t j0 = 0; j0 < cols; j0 += W) {
-      const int64_t nr = std::min(W, cols - j0);
-      for (int64_t w0 = 0; w0 < wb; w0 += W) {
-        vec_t<float> r[W];
-        for (int64_t i = 0; i < W; ++i)
-          r[i] = i < nr
-                     ? vload(reinterpret_cast<const float*>(k + (j0 + i) * p.k_row_stride + 2 * w0))
-                     : vec_t<float>{};
-        transpose_lanes<float>(r);
-        for (int64_t c = 0; c < W; ++c)
-          vstore(reinterpret_cast<float*>(Kt + (w0 + c) * g.Bcp + j0), r[c]);
-      }
-    }
-    for (int64_t j = 0; j < cols; ++j) {
-      const uint16_t* row = k + j * p.k_row_stride;
-      for (int64_t w = wb; w < whole; ++w) std::memcpy(Kt + w * g.Bcp + j, row + 2 * w, 4);
-      if (g.d % 2) Kt[whole * g.Bcp + j] = row[g.d - 1];
-    }
-    for (int64_t pr = 0; pr < g.Bcp / 2; ++pr) {
-      uint32_t* row = Vp + pr * g.dp;
-      const int64_t j = 2 * pr;
-      if (j + 1 < cols) {
-        const uint16_t* v0 = v + j * p.v_row_stride;
-        const uint16_t* v1 = v0 + p.v_row_stride;
-        for (int64_t c = 0; c < g.d; ++c) row[c] = uint32_t{v0[c]} | (uint32_t{v1[c]} << 16);
-      } else if (j < cols) {
-        const uint16_t* v0 = v + j * p.v_row_stride;
-        for (int64_t c = 0; c < g.d; ++c) row[c] = v0[c];
-      } else {
-        std::fill(row, row + g.d, 0u);
-      }
-      std::fill(row + g.d, row + g.dp, 0u);
-    }
+    pack_pairs_by_dim(k, p.k_row_stride, cols, g.d, Kt, g.Bcp);
+    pack_pairs_by_rows(v, p.v_row_stride, cols, g.d, g.Bcp / 2, Vp, g.dp);
     cur->packed[kt] = 1;
   }
 

@@ -933,9 +933,8 @@ void backward_block(const Geometry<T>& g, const Params& p, const Mask& mask, int
 }
 
 // K (Bcp x dp), K^T and V^T (d x Bcp) of keys [j0, j0 + cols) of (b, hk), zero-padded to `pad`
-// keys (-1: Bcp). The products read np = round_up(cols, kNR) keys of each: a short tile (16 keys
-// of a 96-key Bcp) padded to Bcp spent most of its load writing zeros.
-// The bfloat16 products' pairing reads all Bcp.
+// keys (-1: Bcp). The products read np keys of each (a whole number of vectors): a short tile
+// (16 keys of a 96-key Bcp) padded to Bcp spent most of its load writing zeros.
 template <typename T>
 struct KeyBlock {
   Buffer<T> K, Kt, Vt, V, scratch;

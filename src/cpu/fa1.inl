@@ -153,11 +153,13 @@ void fa1_backward_impl(const Params& p, int threads, int64_t sram_bytes) {
             if (!pair_in_mask(g, bm, qt, kt)) continue;  // a zero block: never loaded or computed
             if (mask_tile_empty(&ex, g.qt.start(qt), g.qt.size(qt), j0, cols)) continue;
             if (!kv_loaded) {
-              kv.load(p, g, b, hk, j0, cols);  // line 7
+              // Line 7 (bfloat16: packed as the pair products take them).
 #if FLASHDL_HAVE_BF16_DOT
               if constexpr (std::is_same_v<T, float>)
-                if (bf16) bprod.keys(g, kv.K.data.data(), kv.Kt.data.data(), kv.Vt.data.data());
+                if (bf16) bprod.keys(p, g, b, hk, j0, cols);
+              if (!bf16)
 #endif
+                kv.load(p, g, b, hk, j0, cols);
               kv_loaded = true;
             }
             const TilePair t = tile_pair(g, qt, kt);

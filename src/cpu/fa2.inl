@@ -584,14 +584,10 @@ void prepare_backward_inputs(const Params& p, const Geometry<T>& g, int threads,
 // half of them padding).
 template <typename T>
 int64_t backward_key_align(const Params& p) {
-  return std::is_same_v<T, float> && p.dtype == DType::bfloat16 ? kNR<T> : Simd<T>::W;
-}
-
-// How far KeyBlock::load zero-pads a key tile of np product columns: np, or Bcp for the
-// bfloat16 products (their pairing reads all Bcp).
-template <typename T>
-int64_t key_pad(const Params& p, const Geometry<T>& g, int64_t np) {
-  return std::is_same_v<T, float> && p.dtype == DType::bfloat16 ? g.Bcp : np;
+#if FLASHDL_HAVE_BF16_DOT
+  if (std::is_same_v<T, float> && p.dtype == DType::bfloat16) return kNR<T>;
+#endif
+  return Simd<T>::W;
 }
 
 // dQ of head (b, h), every row: scale times the sum of the partials parts[0..n) (a head's rows of
@@ -722,7 +718,7 @@ void fa2_backward_by_keys(const Params& p, const Geometry<T>& g, const Mask& mas
       if (by_tile) dbias_tiles.task(t, index, kt, p, g, scratch);
       const int64_t j0 = g.kt.start(kt), cols = g.kt.size(kt);
       // The products touch nm = round_up(cols, kMR) rows of dK and dV, read np keys of K, K^T
-      // and V^T (the bfloat16 pairing all Bcp).
+      // and V^T (or of K and V, transposed; the bfloat16 pairs are packed from the inputs).
       const int64_t nm = detail::round_up(cols, kMR);
       const int64_t np = detail::round_up(cols, backward_key_align<T>(p));
       std::fill(dK, dK + nm * g.dp, T(0));
@@ -737,17 +733,14 @@ void fa2_backward_by_keys(const Params& p, const Geometry<T>& g, const Mask& mas
         for (int64_t qt = g.qt.tile_of(i_begin); qt < g.nqb && g.qt.start(qt) < i_end; ++qt) {
           if (!pair_in_mask(g, bm, qt, kt)) continue;  // a zero block: never loaded or computed
           if (mask_tile_empty(&ex, g.qt.start(qt), g.qt.size(qt), j0, cols)) continue;
-          if (!kv_loaded && transposed) {
-            kb_bufs.load_rows_only(p, g, b, hk, j0, cols, std::max(np, nm));
-            kv_loaded = true;
-          }
           if (!kv_loaded) {
-            kb_bufs.load(p, g, b, hk, j0, cols, key_pad(p, g, np));
+            if (transposed)
+              kb_bufs.load_rows_only(p, g, b, hk, j0, cols, std::max(np, nm));
+            else if (!bf16_pairs)
+              kb_bufs.load(p, g, b, hk, j0, cols, np);
 #if FLASHDL_HAVE_BF16_DOT
             if constexpr (std::is_same_v<T, float>)
-              if (bf16)
-                bprod.keys(g, kb_bufs.K.data.data(), kb_bufs.Kt.data.data(),
-                           kb_bufs.Vt.data.data());
+              if (bf16) bprod.keys(p, g, b, hk, j0, cols);
 #endif
             kv_loaded = true;
           }
@@ -923,12 +916,12 @@ void fa2_backward_by_queries(const Params& p, const Geometry<T>& g, const Mask& 
         }
 #endif
         if (loaded[slot] != bhk * g.nkb + kt) {
-          kb_bufs.load(p, g, b, hk, tp.j0, tp.cols, key_pad(p, g, tp.np));
 #if FLASHDL_HAVE_BF16_DOT
           if constexpr (std::is_same_v<T, float>)
-            if (bf16)
-              bp->keys(g, kb_bufs.K.data.data(), kb_bufs.Kt.data.data(), kb_bufs.Vt.data.data());
+            if (bf16) bp->keys(p, g, b, hk, tp.j0, tp.cols);
+          if (!bf16)
 #endif
+            kb_bufs.load(p, g, b, hk, tp.j0, tp.cols, tp.np);
           loaded[slot] = bhk * g.nkb + kt;
         }
         T* dK = dK_head + kt * g.Bcp * g.dp;
