@@ -427,6 +427,12 @@ void apply_dropout(const Geometry<T>& g, const Params& p, int64_t b, int64_t h, 
   }
 }
 
+// The DType whose elements are T (products in T read such inputs in place).
+template <typename T>
+constexpr DType dtype_of() {
+  return std::is_same_v<T, double> ? DType::float64 : DType::float32;
+}
+
 // Offsets of row i of head h in batch b, in elements.
 inline int64_t q_offset(const Params& p, int64_t b, int64_t i, int64_t h) {
   return b * p.q_batch_stride + i * p.q_row_stride + h * p.q_head_stride;
@@ -805,23 +811,28 @@ void transpose_scores(const T* ST, int64_t ldst, const TilePair& t, T* S, int64_
 template <typename T>
 struct BackwardProductsByKeys {
   const T *Q, *dO, *Qt, *dOt, *K, *V;
-  int64_t qn;
+  int64_t ldk, ldv, qn;  // K's and V's row strides, Q^T's and dO^T's columns
   T* ST;
-  void transposed(const Geometry<T>& g, const TilePair& t, const T* A, const T* Bt, T* X) const {
-    gemm<T, false, false>(t.nm, qn, g.d, A, g.dp, Bt, qn, ST, qn);
+  void transposed(const Geometry<T>& g, const TilePair& t, const T* A, int64_t lda, const T* Bt,
+                  T* X) const {
+    gemm<T, false, false>(t.nm, qn, g.d, A, lda, Bt, qn, ST, qn);
     transpose_scores(ST, qn, t, X, g.Bcp);
     std::fill(X + t.rows * g.Bcp, X + t.mp * g.Bcp, T(0));  // as Q's (dO's) zero padding rows give
   }
-  void scores(const Geometry<T>& g, const TilePair& t, T* S) const { transposed(g, t, K, Qt, S); }
-  void dp(const Geometry<T>& g, const TilePair& t, T* dP) const { transposed(g, t, V, dOt, dP); }
+  void scores(const Geometry<T>& g, const TilePair& t, T* S) const {
+    transposed(g, t, K, ldk, Qt, S);
+  }
+  void dp(const Geometry<T>& g, const TilePair& t, T* dP) const {
+    transposed(g, t, V, ldv, dOt, dP);
+  }
   void dv(const Geometry<T>& g, const TilePair& t, const T* Pd, T* dV) const {
     BackwardProducts<T>{Q, dO, K, nullptr, nullptr}.dv(g, t, Pd, dV);
   }
   void dk(const Geometry<T>& g, const TilePair& t, const T* dS, T* dK) const {
     BackwardProducts<T>{Q, dO, K, nullptr, nullptr}.dk(g, t, dS, dK);
   }
-  void dq(const Geometry<T>& g, const TilePair& t, const T* dS, T* dQ) const {
-    BackwardProducts<T>{Q, dO, K, nullptr, nullptr}.dq(g, t, dS, dQ);
+  void dq(const Geometry<T>& g, const TilePair& t, const T* dS, T* dQ) const {  // dQ += dS K
+    gemm<T, false, true>(t.mp, g.dp, t.np, dS, g.Bcp, K, ldk, dQ, g.dp);
   }
 };
 
@@ -952,7 +963,12 @@ struct KeyBlock {
     load_rows_transposed(v, p.dtype, p.v_row_stride, cols, g.d, Vt.get(g.d * g.Bcp), g.Bcp,
                          scratch.get(kTransposeRows * g.dp), pad);
   }
-  // K and V (Bcp x dp) alone, zero-padded to `pad` rows, for BackwardProductsByKeys.
+  // K and V alone for BackwardProductsByKeys, at k_rows and v_rows (rows k_ld and v_ld apart):
+  // the caller's rows in place where they are T already, need no padding (pad == cols: the
+  // products read `pad` keys) and hold whole vectors (d == dp: dQ's product reads dp columns);
+  // else converted into K and V (Bcp x dp), zero-padded to `pad` rows.
+  const T *k_rows = nullptr, *v_rows = nullptr;
+  int64_t k_ld = 0, v_ld = 0;
   void load_rows_only(const Params& p, const Geometry<T>& g, int64_t b, int64_t hk, int64_t j0,
                       int64_t cols, int64_t pad) {
     const void* k = element(p.k_ptr, p.dtype, k_offset(p, b, j0, hk));
@@ -960,8 +976,18 @@ struct KeyBlock {
     const auto es = static_cast<int64_t>(dtype_size(p.dtype));
     prefetch_rows(k, p.k_row_stride * es, cols, g.d * es);
     prefetch_rows(v, p.v_row_stride * es, cols, g.d * es);
+    if (p.dtype == dtype_of<T>() && pad == cols && g.d == g.dp) {
+      k_rows = static_cast<const T*>(k);
+      v_rows = static_cast<const T*>(v);
+      k_ld = p.k_row_stride;
+      v_ld = p.v_row_stride;
+      return;
+    }
     load_rows(k, p.dtype, p.k_row_stride, cols, g.d, K.get(g.Bcp * g.dp), g.dp, pad);
     load_rows(v, p.dtype, p.v_row_stride, cols, g.d, V.get(g.Bcp * g.dp), g.dp, pad);
+    k_rows = K.data.data();
+    v_rows = V.data.data();
+    k_ld = v_ld = g.dp;
   }
 };
 

@@ -103,12 +103,6 @@ struct PackedKV {
 // than about half the head dim.
 inline bool scores_by_keys(const Params& p) { return 2 * p.seqlen_q <= p.headdim; }
 
-// The DType whose elements are T (products in T read such inputs in place).
-template <typename T>
-constexpr DType dtype_of() {
-  return std::is_same_v<T, double> ? DType::float64 : DType::float32;
-}
-
 // The forward's two products in T: S = Q K^T and O += P V on the tiles converted to T (every
 // dtype's path; bfloat16 has a faster one where the CPU multiplies bfloat16 pairs, bf16dot.inl).
 template <typename T>
@@ -764,8 +758,10 @@ void fa2_backward_by_keys(const Params& p, const Geometry<T>& g, const Mask& mas
                                                  in.dout(bh, t0),
                                                  in.qt(bh, qt),
                                                  in.dout_t(bh, qt),
-                                                 kb_bufs.K.data.data(),
-                                                 kb_bufs.V.data.data(),
+                                                 kb_bufs.k_rows,
+                                                 kb_bufs.v_rows,
+                                                 kb_bufs.k_ld,
+                                                 kb_bufs.v_ld,
                                                  transposed_rows<T>(tp.rows),
                                                  tiles.st.get(g.Bcp * in.qn_max)};
             backward_block(g, p, mask, b, h, tp, in.l2(bh, t0), in.d(bh, t0), prod, dK, dV,

@@ -42,6 +42,12 @@ std::vector<Case> cases() {
   c = Case{}; c.name = "large scores (scale 8)"; c.sq = c.sk = 40; c.scale = 8.0; add(c);
   c = Case{}; c.name = "dropout 0.3 GQA"; c.sq = 60; c.sk = 70; c.h = 4; c.hk = 2; c.dropout = 0.3f;
   c.seed = 99; c.offset = 5; add(c);
+  // seqlen_q <= d / 2: S and dP from K and V rows, whole key tiles read in place (float32, 64).
+  c = Case{}; c.name = "few queries, K and V in place, GQA"; c.b = 2; c.sq = 20; c.sk = 250;
+  c.h = 4; c.hk = 2; c.d = 64; add(c);
+  c = Case{}; c.name = "few queries, K and V in place, strided causal"; c.sq = 24; c.sk = 200;
+  c.h = 2; c.hk = 2; c.d = 64; c.kl.reverse = 1; c.vl.pad = 3; c.causal = true; c.dropout = 0.2f;
+  c.seed = 3; add(c);
   c = Case{}; c.name = "seqlen_k 0"; c.sq = 5; c.sk = 0; c.h = 2; c.hk = 1; add(c);
   c = Case{}; c.name = "seqlen_q 0"; c.sq = 0; c.sk = 9; c.h = 2; c.hk = 1; add(c);
   c = Case{}; c.name = "seqlen 400 causal d64"; c.sq = c.sk = 400; c.d = 64; c.causal = true;
