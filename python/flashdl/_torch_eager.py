@@ -4,6 +4,8 @@ over the extension, with the custom ops' results bit for bit.
 
 from __future__ import annotations
 
+from typing import Any, Callable, Optional
+
 import torch
 
 from . import _args, _checks, _ext
@@ -87,6 +89,7 @@ class _EagerCall:
     backward; `plain`: every option at its default but causal (forward_default's call)."""
 
     __slots__ = ("arrays", "bhsd", "kw", "bias", "sinks", "deterministic", "plain", "cpu", "lse")
+    lse: Optional[torch.Tensor]  # the forward's lse, until eager_attention hands it back
 
     def __init__(self, arrays, bhsd, options):
         (
@@ -149,6 +152,7 @@ class _EagerCall:
         # exports a tensor that requires grad as it is (no detach: 0.28 us a tensor). Others go to
         # the extension as they are, detached: their __dlpack__ refuses one that requires grad.
         self.cpu = cpu = q.is_cpu and k.is_cpu and v.is_cpu
+        export: Callable[..., Any]
         if cpu:
             export = _to_dlpack
             lse = _empty(b, h, sq, dtype=_float32)
@@ -203,6 +207,7 @@ class _EagerCall:
                 raise ValueError("a negative-bit view")
             if dout.requires_grad:  # (create_graph)
                 dout = dout.detach()
+            export: Callable[..., Any]
             if cpu:
                 export = _to_dlpack
             else:
@@ -283,7 +288,7 @@ _function_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, _EagerA
 # The engine runs the backward node's `apply`, which torch's node class (BackwardCFunction)
 # spends 0.5 us a call on (looking the backward up, checking vjp and boxed gradients): the
 # node class of this Function calls its backward directly.
-_EagerAttention._backward_cls.apply = _EagerAttention.backward
+_EagerAttention._backward_cls.apply = _EagerAttention.backward  # type: ignore[attr-defined]
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
 
