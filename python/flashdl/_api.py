@@ -13,7 +13,9 @@ import numpy as np
 
 from . import _args, _checks, _ext
 from ._args import ArrayLike, BlockSize
+from ._fast_path import backward as _fast_backward
 from ._fast_path import forward as _fast_forward
+from ._fast_path import int_pair as _int_pair
 from ._frameworks import Frame
 
 if TYPE_CHECKING:
@@ -217,18 +219,14 @@ def attention(
         and sinks is None
         and schedule == "auto"
         and layout == "bshd"
-        and window_size.__class__ is tuple
-        and window_size == (-1, -1)
+        and _int_pair(window_size, -1)
         and dropout_p.__class__ is float
         and dropout_p == 0.0
         and softcap.__class__ is float
         and softcap == 0.0
         and offset.__class__ is int
         and offset == 0
-        and (
-            (block_size.__class__ is int and block_size == 128)
-            or (block_size.__class__ is tuple and block_size == (128, 128))
-        )
+        and ((block_size.__class__ is int and block_size == 128) or _int_pair(block_size, 128))
         and dropout_batch_offset.__class__ is int
         and dropout_batch_offset == 0
         and dropout_head_offset.__class__ is int
@@ -365,6 +363,24 @@ def attention_backward(
     >>> dq.shape == q.shape and dk.shape == k.shape
     True
     """
+    if (
+        (causal is False or causal is True)
+        and layout == "bshd"
+        and schedule == "auto"
+        and deterministic is False
+        and softmax_scale is block_mask is alibi_slopes is bias is mask is sinks is None
+        and _int_pair(window_size, -1)
+        and dropout_p.__class__ is softcap.__class__ is float
+        and dropout_p == softcap == 0.0
+        and seed.__class__ is offset.__class__ is dropout_batch_offset.__class__ is int
+        and dropout_head_offset.__class__ is dropout_nheads_total.__class__ is int
+        and seed == offset == dropout_batch_offset == dropout_head_offset == 0
+        and dropout_nheads_total == 0
+        and ((block_size.__class__ is int and block_size == 128) or _int_pair(block_size, 128))
+    ):
+        fast = _fast_backward(dout, q, k, v, out, lse, causal)
+        if fast is not None:
+            return fast
     bhsd = _args.is_heads_first(layout)
     frame = Frame({"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}, _args.FLOATS_BWD)
     errors = _args.LayoutErrors((q, k, v), bhsd)

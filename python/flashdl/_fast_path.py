@@ -1,6 +1,7 @@
-"""The common eager forward, fast: a tiny call's time is mostly Python, and this path skips the
+"""The common eager calls, fast: a tiny call's time is mostly Python, and this path skips the
 argument layer for the calls that need none of it (flashdl.attention and flashdl.torch.attention
-with every option at its default but causal and return_lse)."""
+with every option at its default but causal and return_lse; flashdl.attention_backward with every
+option at its default but causal)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,12 @@ _NDARRAY = np.ndarray
 
 
 _FAST_DTYPES = frozenset(np.dtype(t) for t in (np.float16, np.float32, np.float64))
+
+
+def int_pair(x, value):
+    """Whether x is the tuple (value, value) of ints: == alone also takes (-1.0, -1.0) or
+    (True, True), which the full path refuses (a TypeError naming the argument)."""
+    return x.__class__ is tuple and x == (value, value) and x[0].__class__ is x[1].__class__ is int
 
 
 def forward(q, k, v, causal, return_lse):
@@ -50,6 +57,37 @@ def forward(q, k, v, causal, return_lse):
     except Exception:  # noqa: BLE001 - re-raised, worded, by the full path
         return None
     return (out, lse) if return_lse else out
+
+
+def backward(dout, q, k, v, out, lse, causal):
+    """attention_backward's (dq, dk, dv) on NumPy arrays as forward takes them (and lse, which
+    the core checks as the full path's call would), or None: the full path (and its errors)."""
+    if not (
+        type(q) is _NDARRAY
+        and type(k) is _NDARRAY
+        and type(v) is _NDARRAY
+        and type(dout) is _NDARRAY
+        and type(out) is _NDARRAY
+        and type(lse) is _NDARRAY
+        and q.dtype in _FAST_DTYPES
+        and k.dtype is v.dtype is dout.dtype is out.dtype is q.dtype
+        and q.flags.aligned
+        and k.flags.aligned
+        and v.flags.aligned
+        and dout.flags.aligned
+        and out.flags.aligned
+        and lse.flags.aligned
+    ):
+        return None
+    dq, dk, dv = np.empty(q.shape, q.dtype), np.empty(k.shape, k.dtype), np.empty(v.shape, v.dtype)
+    try:
+        if causal:
+            _ext.backward(dout, q, k, v, out, lse, dq, dk, dv, causal=True)
+        else:
+            _ext.backward(dout, q, k, v, out, lse, dq, dk, dv)
+    except Exception:  # noqa: BLE001 - re-raised, worded, by the full path
+        return None
+    return dq, dk, dv
 
 
 _TORCH_FAST: Optional[tuple] = None  # the torch names forward_torch uses, looked up once

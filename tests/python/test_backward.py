@@ -140,3 +140,63 @@ def test_fa2_backward_loop_orders(shape, dtype, window, mods):
         np.testing.assert_array_equal(g, a, err_msg=f"{name}: not reproducible")
         assert_rule(g, e, lo, dtype, factor=3.0, what=name, ulps=u, grad=True,
                     magnitude=grad_magnitude(exact))
+
+
+def test_backward_fast_path_is_the_full_path(monkeypatch):
+    """flashdl.attention_backward on aligned NumPy float16/32/64 arrays with default options
+    (causal aside) skips the Python frame (at 16 x 16 the full path's Python was half the call):
+    the full path's gradients bit for bit, no Frame built, the full path for any other option,
+    mixed types or dtypes, and its errors, worded the same; the caller's arrays untouched."""
+    from flashdl import _api
+
+    rng = np.random.default_rng(11)
+    full_path = lambda *a: None  # noqa: E731 - _fast_backward declining: the full path
+    for dtype in (np.float16, np.float32, np.float64):
+        for b, sq, sk, h, hk in ((2, 9, 11, 4, 2), (1, 16, 16, 8, 8), (1, 0, 5, 2, 1)):
+            q, k, v = make_qkv(rng, b, sq, sk, h, hk, 16, dtype)
+            dout = rng.standard_normal(q.shape).astype(dtype)
+            for causal in (False, True):
+                out, lse = flashdl.attention(q, k, v, causal=causal, return_lse=True)
+                before = [x.copy() for x in (dout, q, k, v, out, lse)]
+                fast = flashdl.attention_backward(dout, q, k, v, out, lse, causal=causal)
+                with monkeypatch.context() as m:
+                    m.setattr(_api, "_fast_backward", full_path)
+                    full = flashdl.attention_backward(dout, q, k, v, out, lse, causal=causal)
+                for a, c in zip(fast, full):
+                    assert type(a) is np.ndarray and a.dtype == c.dtype and a.shape == c.shape
+                    np.testing.assert_array_equal(a, c)
+                for x, y in zip(before, (dout, q, k, v, out, lse)):
+                    np.testing.assert_array_equal(x, y)
+
+    q = rng.standard_normal((1, 5, 2, 8)).astype(np.float32)
+    out, lse = flashdl.attention(q, q, q, return_lse=True)
+
+    def no_frame(*args, **kwargs):
+        raise AssertionError("the full path ran")
+
+    with monkeypatch.context() as m:
+        m.setattr(_api, "Frame", no_frame)
+        flashdl.attention_backward(q, q, q, q, out, lse)  # fast: no Frame
+        flashdl.attention_backward(q, q, q, q, out, lse, causal=True, seed=0, block_size=(128, 128))
+        for kwargs in ({"softmax_scale": 0.5}, {"window_size": (2, 0)}, {"schedule": "fa2"},
+                       {"dropout_p": 0.1, "seed": 1}, {"softcap": 1.0}, {"seed": 3},
+                       {"deterministic": True}, {"block_size": 64}, {"dropout_p": 0},
+                       {"window_size": (-1.0, -1.0)}, {"block_size": (128, 128.0)},
+                       {"block_size": np.array([128, 128])}):
+            with pytest.raises(AssertionError, match="the full path ran"):
+                flashdl.attention_backward(q, q, q, q, out, lse, **kwargs)
+        for args in ((q, q.astype(np.float64), q, q, out, lse), (q.tolist(), q, q, q, out, lse),
+                     (q, q, q, q, out, lse.tolist())):
+            with pytest.raises(AssertionError, match="the full path ran"):
+                flashdl.attention_backward(*args)  # mixed dtypes or types: the full path's checks
+    bad = [(q, q, q, q, out, lse[:, :1]), (q, q, q[:, :3], q, out, lse), (q[:, :4], q, q, q, out, lse),
+           (q, q, q, q, out, lse.astype(np.float64)), (q, q, q, q, out[0], lse)]
+    for args in bad:
+        with pytest.raises((ValueError, TypeError)) as fast_error:
+            flashdl.attention_backward(*args)
+        with monkeypatch.context() as m:
+            m.setattr(_api, "_fast_backward", full_path)
+            with pytest.raises((ValueError, TypeError)) as full_error:
+                flashdl.attention_backward(*args)
+        assert type(fast_error.value) is type(full_error.value)
+        assert str(fast_error.value) == str(full_error.value)

@@ -328,7 +328,8 @@ def test_fast_path_is_the_full_path(monkeypatch):
         flashdl.attention(tb, tb, tb, return_lse=True)
         for kwargs in ({"softmax_scale": 0.5}, {"window_size": (2, 0)}, {"schedule": "fa2"},
                        {"dropout_p": 0.1}, {"softcap": 1.0}, {"layout": "bhsd"}, {"seed": 3},
-                       {"block_size": 64}):
+                       {"block_size": 64}, {"window_size": (-1.0, -1.0)},
+                       {"block_size": (128, 128.0)}, {"block_size": 128.0}):
             for x in (q, t):
                 with pytest.raises(AssertionError, match="the full path ran"):
                     flashdl.attention(x, x, x, **kwargs)
