@@ -483,9 +483,7 @@ void redo_nonfinite_rows(const Geometry<T>& g, const Mask& mask, const TilePair&
   T* sum_row = nullptr;
   for (int64_t r = 0; r < t.rows; ++r) {
     T* c = C + r * g.dp;
-    T sum = T(0);
-    for (int64_t e = 0; e < g.d; ++e) sum += c[e] * T(0);  // NaN iff some c[e] is NaN or Inf
-    if (sum == T(0)) continue;
+    if (row_finite(c, g.d)) continue;
     if (x == nullptr) {
       x = xrow.get(2 * g.dp);
       sum_row = x + g.dp;

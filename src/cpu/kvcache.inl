@@ -440,9 +440,7 @@ void redo_cut_rows(const Params& p, int64_t b, int64_t sq, int64_t group, int64_
   const int64_t d = p.headdim;
   for (int64_t r = 0; r < rows; ++r) {
     T* o = O + r * dp;
-    T sum = T(0);
-    for (int64_t e = 0; e < d; ++e) sum += o[e] * T(0);  // NaN iff some o[e] is NaN or Inf
-    if (sum == T(0)) continue;
+    if (row_finite(o, d)) continue;
     T* x = xrow.get(dp);
     std::copy(O0 + r * dp, O0 + (r + 1) * dp, o);
     const int64_t hk = (r0 + r) / sq / group;
@@ -560,9 +558,7 @@ void kvcache_forward_impl(const Params& p, int threads) {
         } else {
           for (int64_t r = 0; cut && r < rows; ++r) {
             T* o = O + r * dp;
-            T sum = T(0);
-            for (int64_t e = 0; e < dp; ++e) sum += o[e] * T(0);  // NaN iff some o[e] is not finite
-            if (sum == T(0)) continue;
+            if (row_finite(o, dp)) continue;
             std::copy(O0 + r * dp, O0 + (r + 1) * dp, o);
             products.accumulate_seen(p, tile, Sc, Bt, r, lo[r] - t0, std::min(hi[r] - t0, cols),
                                      keep[r], o);

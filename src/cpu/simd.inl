@@ -321,3 +321,18 @@ inline T row_dot(const T* x, const T* y, int64_t n) {
   for (int64_t j = 0; j < n; j += W) acc += vload(x + j) * vload(y + j);
   return hsum<T>(acc);
 }
+
+// Whether x[0..n) are all finite: x * 0 is 0 for a finite x and NaN for NaN or +-Inf, so the sum
+// of the products is 0 iff every x is finite (in any order: one vector of lanes at a time, where a
+// scalar chain of n dependent adds was a sixth of a causal 16 x 16 forward).
+template <typename T>
+inline bool row_finite(const T* x, int64_t n) {
+  constexpr int W = Simd<T>::W;
+  const vec_t<T> zero = vec_t<T>{};
+  vec_t<T> acc = zero;
+  int64_t e = 0;
+  for (; e + W <= n; e += W) acc += vload(x + e) * zero;
+  T sum = hsum<T>(acc);
+  for (; e < n; ++e) sum += x[e] * T(0);
+  return sum == T(0);
+}
