@@ -180,10 +180,7 @@ def attention(
         and deterministic is False
         and (schedule is _AUTO or schedule == _AUTO)
         and (layout is _BSHD or layout is _BHSD or layout == _BSHD or layout == _BHSD)
-        and (
-            window_size is _NO_WINDOW
-            or (window_size.__class__ is tuple and window_size == _NO_WINDOW)
-        )
+        and (window_size is _NO_WINDOW or _fast_path.int_pair(window_size, -1))
         and (dropout_p is _ZERO or (dropout_p.__class__ is float and dropout_p == 0.0))
         and (softcap is _ZERO or (softcap.__class__ is float and softcap == 0.0))
         and offset is _NO_OFFSET

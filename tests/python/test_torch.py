@@ -163,6 +163,8 @@ def test_fast_path_default_options(monkeypatch):
                       layout="".join(["bs", "hd"]), deterministic=False, return_lse=False)
         with pytest.raises(TypeError, match="causal"):  # not a bool: the full path's refusal
             fdt.attention(q, k, v, causal=1)
+        with pytest.raises(TypeError, match="window_size"):  # == (-1, -1), but not ints
+            fdt.attention(q, k, v, window_size=(-1.0, -1.0))
         with pytest.raises(AssertionError, match="the op ran"):
             torch.func.vmap(lambda x: fdt.attention(x, k, v))(torch.stack([q, q]))
         with torch.no_grad():  # no autograd needed, but the fast path wants no grad flags at all
