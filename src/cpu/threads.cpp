@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <cstdlib>
 #include <exception>
 #include <mutex>
@@ -74,13 +75,29 @@ class Pool {
     error_ = nullptr;
     pending_.store(threads - 1, std::memory_order_relaxed);
     caller_cpu_.store(current_cpu(), std::memory_order_relaxed);
+    const uint64_t generation = (region_.load(std::memory_order_relaxed) >> 16) + 1;
+    for (int t = 1; t < threads; ++t)
+      slots_[static_cast<size_t>(t - 1)].claim.store(open_claim(generation),
+                                                     std::memory_order_relaxed);
     {
       std::lock_guard<std::mutex> lock(mu_);  // a worker checks region_ under mu_ before sleeping
-      const uint64_t next = ((region_.load(std::memory_order_relaxed) >> 16) + 1) << 16;
-      region_.store(next | static_cast<uint64_t>(threads), std::memory_order_release);
+      region_.store(generation << 16 | static_cast<uint64_t>(threads), std::memory_order_release);
       if (sleepers_ > 0) cv_.notify_all();
     }
     run_slice(0);
+    // A worker that has not claimed its slice by now started later than a whole slice's time
+    // (its core held by another process's threads: an OpenMP runtime spinning after its region,
+    // as torch's does between a training step's ops): the caller runs the slice itself rather
+    // than wait for the scheduler to give the worker a turn (for parallel_tasks the slice finds
+    // its tasks taken already). Slices depend on their index, not on the thread that runs them.
+    for (int t = 1; t < threads; ++t) {
+      uint64_t open = open_claim(generation);
+      if (slots_[static_cast<size_t>(t - 1)].claim.compare_exchange_strong(
+              open, open | kByCaller, std::memory_order_acq_rel)) {
+        run_slice(t);
+        pending_.fetch_sub(1, std::memory_order_acq_rel);
+      }
+    }
     const auto until = std::chrono::steady_clock::now() + kCallerSpin;
     while (pending_.load(std::memory_order_acquire) != 0 &&
            std::chrono::steady_clock::now() < until)
@@ -103,9 +120,22 @@ class Pool {
   void ensure_workers(int count) {
     while (static_cast<int>(workers_.size()) < count) {
       const int index = static_cast<int>(workers_.size()) + 1;
-      workers_.emplace_back([this, index] { worker(index); });
+      // A deque: a running worker's slot stays where it is as slots are added; the worker keeps
+      // its address (only run() touches the deque itself).
+      Slot* slot = &slots_.emplace_back();
+      workers_.emplace_back([this, index, slot] { worker(index, *slot); });
     }
   }
+
+  // Who runs worker slice t of a region: its claim word, generation << 2 | kOpen (set by the
+  // caller before the region is published), kByWorker or kByCaller, whichever side's
+  // compare-exchange comes first. The generation keeps a worker that saw an earlier region from
+  // claiming a slice of a later one.
+  static constexpr uint64_t kOpen = 0, kByWorker = 1, kByCaller = 2;
+  static constexpr uint64_t open_claim(uint64_t generation) { return generation << 2 | kOpen; }
+  struct Slot {
+    std::atomic<uint64_t> claim{0};
+  };
 
   void run_slice(int t) {
     int64_t b, e;
@@ -143,12 +173,15 @@ class Pool {
     return region_.load(std::memory_order_acquire);
   }
 
-  void worker(int index) {
+  void worker(int index, Slot& slot) {
     uint64_t seen = 0;
     for (;;) {
       seen = wait_for_region(seen);
       if (stop_.load()) return;
       if (index >= static_cast<int>(seen & 0xffff)) continue;  // not part of this region
+      uint64_t open = open_claim(seen >> 16);
+      if (!slot.claim.compare_exchange_strong(open, open | kByWorker, std::memory_order_acq_rel))
+        continue;  // the caller ran this slice (and counted it)
       run_slice(index);
       if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
         std::lock_guard<std::mutex> lock(mu_);  // the caller may be asleep on done_cv_
@@ -161,6 +194,7 @@ class Pool {
   std::mutex mu_;
   std::condition_variable cv_, done_cv_;
   std::vector<std::thread> workers_;
+  std::deque<Slot> slots_;  // slots_[t - 1]: worker t's
   const std::function<void(int64_t, int64_t, int)>* fn_ = nullptr;
   int64_t n_ = 0;
   int threads_ = 1;

@@ -133,6 +133,33 @@ void test_changing_thread_counts() {
   CHECK(all_once);
 }
 
+// Regions of tiny slices back to back: the caller, done with its own slice, runs a worker's
+// slice that no worker has claimed yet (a worker whose core is busy elsewhere), and a worker
+// that claims it first runs it: either way every slice exactly once, with its own index.
+void test_caller_runs_unclaimed_slices() {
+  const auto caller = std::this_thread::get_id();
+  bool all_once = true, right_slices = true;
+  int by_caller = 0, by_worker = 0;
+  for (int it = 0; it < 20000; ++it) {
+    const int threads = 2 + it % 2;
+    std::vector<std::atomic<int>> runs(static_cast<size_t>(threads));
+    std::vector<std::atomic<int>> on_caller(static_cast<size_t>(threads));
+    fc::parallel_for(threads, threads, [&](int64_t b, int64_t e, int t) {
+      if (b != t || e != t + 1) right_slices = false;
+      runs[static_cast<size_t>(t)]++;
+      if (std::this_thread::get_id() == caller) on_caller[static_cast<size_t>(t)]++;
+    });
+    for (int t = 0; t < threads; ++t) {
+      all_once = all_once && runs[static_cast<size_t>(t)].load() == 1;
+      if (t > 0) (on_caller[static_cast<size_t>(t)].load() ? by_caller : by_worker)++;
+    }
+  }
+  context() = "worker slices run by the caller " + std::to_string(by_caller) + ", by workers " +
+              std::to_string(by_worker);
+  CHECK(all_once);
+  CHECK(right_slices);
+}
+
 void test_exceptions() {
   // Task 1 is in thread 0's slice, task 6 in thread 1's (whichever thread ends up running it).
   for (int64_t bad : {1, 6}) {
@@ -166,6 +193,8 @@ int main() {
   run_test("threads: a stalled thread's tasks are taken from its slice's end",
            test_parallel_tasks_steal);
   run_test("threads: regions with changing thread counts", test_changing_thread_counts);
+  run_test("threads: the caller runs slices no worker has claimed",
+           test_caller_runs_unclaimed_slices);
   run_test("threads: exceptions reach the caller", test_exceptions);
   return finish();
 }
