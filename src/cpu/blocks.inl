@@ -952,9 +952,8 @@ struct KeyBlock {
     if (pad < 0) pad = g.Bcp;
     const void* k = element(p.k_ptr, p.dtype, k_offset(p, b, j0, hk));
     const void* v = element(p.v_ptr, p.dtype, v_offset(p, b, j0, hk));
-    const auto es = static_cast<int64_t>(dtype_size(p.dtype));
-    prefetch_rows(k, p.k_row_stride * es, cols, g.d * es);
-    prefetch_rows(v, p.v_row_stride * es, cols, g.d * es);
+    prefetch_elements(k, p.dtype, p.k_row_stride, cols, g.d);
+    prefetch_elements(v, p.dtype, p.v_row_stride, cols, g.d);
     load_rows(k, p.dtype, p.k_row_stride, cols, g.d, K.get(g.Bcp * g.dp), g.dp, pad);
     load_rows_transposed(k, p.dtype, p.k_row_stride, cols, g.d, Kt.get(g.d * g.Bcp), g.Bcp,
                          scratch.get(kTransposeRows * g.dp), pad);
@@ -971,9 +970,8 @@ struct KeyBlock {
                       int64_t cols, int64_t pad) {
     const void* k = element(p.k_ptr, p.dtype, k_offset(p, b, j0, hk));
     const void* v = element(p.v_ptr, p.dtype, v_offset(p, b, j0, hk));
-    const auto es = static_cast<int64_t>(dtype_size(p.dtype));
-    prefetch_rows(k, p.k_row_stride * es, cols, g.d * es);
-    prefetch_rows(v, p.v_row_stride * es, cols, g.d * es);
+    prefetch_elements(k, p.dtype, p.k_row_stride, cols, g.d);
+    prefetch_elements(v, p.dtype, p.v_row_stride, cols, g.d);
     if (p.dtype == dtype_of<T>() && pad == cols && g.d == g.dp) {
       k_rows = static_cast<const T*>(k);
       v_rows = static_cast<const T*>(v);
@@ -996,9 +994,8 @@ void store_key_grads(const Params& p, const Geometry<T>& g, int64_t b, int64_t h
                      b * p.dk_batch_stride + j0 * p.dk_row_stride + hk * p.dk_head_stride);
   void* dv = element(p.dv_ptr, p.dtype,
                      b * p.dv_batch_stride + j0 * p.dv_row_stride + hk * p.dv_head_stride);
-  const auto es = static_cast<int64_t>(dtype_size(p.dtype));
-  prefetch_rows<true>(dk, p.dk_row_stride * es, cols, g.d * es);
-  prefetch_rows<true>(dv, p.dv_row_stride * es, cols, g.d * es);
+  prefetch_elements<true>(dk, p.dtype, p.dk_row_stride, cols, g.d);
+  prefetch_elements<true>(dv, p.dtype, p.dv_row_stride, cols, g.d);
   store_rows(dK, g.dp, cols, g.d, static_cast<T>(p.scale_softmax), dk, p.dtype, p.dk_row_stride);
   store_rows(dV, g.dp, cols, g.d, T(1), dv, p.dtype, p.dv_row_stride);
 }

@@ -513,10 +513,9 @@ void load_query_tile(const Params& p, const Geometry<T>& g, int64_t b, int64_t h
   const void* dout = element(p.do_ptr, p.dtype, do_offset(p, b, i0, h));
   const void* out = element(p.o_ptr, p.dtype, o_offset(p, b, i0, h));
   // Every row's lines requested before the first is copied (prefetch_rows says why).
-  const auto es = static_cast<int64_t>(dtype_size(p.dtype));
-  prefetch_rows(q, p.q_row_stride * es, rows, g.d * es);
-  prefetch_rows(dout, p.do_row_stride * es, rows, g.d * es);
-  prefetch_rows(out, p.o_row_stride * es, rows, g.d * es);
+  prefetch_elements(q, p.dtype, p.q_row_stride, rows, g.d);
+  prefetch_elements(dout, p.dtype, p.do_row_stride, rows, g.d);
+  prefetch_elements(out, p.dtype, p.o_row_stride, rows, g.d);
   load_rows(q, p.dtype, p.q_row_stride, rows, g.d, Q, g.dp, g.Brp);
   load_rows(dout, p.dtype, p.do_row_stride, rows, g.d, dO, g.dp, g.Brp);
   load_rows(out, p.dtype, p.o_row_stride, rows, g.d, O, g.dp, rows);
@@ -938,8 +937,7 @@ void fa2_backward_by_queries(const Params& p, const Geometry<T>& g, const Mask& 
       }
       void* dq = element(p.dq_ptr, p.dtype,
                          b * p.dq_batch_stride + i0 * p.dq_row_stride + h * p.dq_head_stride);
-      const auto es = static_cast<int64_t>(dtype_size(p.dtype));
-      prefetch_rows<true>(dq, p.dq_row_stride * es, rows, g.d * es);
+      prefetch_elements<true>(dq, p.dtype, p.dq_row_stride, rows, g.d);
       for (int64_t r = 0; r < rows; ++r)
         convert_row_out(dQ + r * g.dp, static_cast<T>(p.scale_softmax), g.d,
                         element(dq, p.dtype, r * p.dq_row_stride), p.dtype);

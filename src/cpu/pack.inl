@@ -110,6 +110,15 @@ inline void prefetch_rows(const void* base, int64_t stride, int64_t rows, int64_
   }
 }
 
+// prefetch_rows over rows counted in elements of dt, as load_rows and store_rows take them:
+// `rows` rows of `cols` elements, row_stride elements apart.
+template <bool Write = false>
+inline void prefetch_elements(const void* base, DType dt, int64_t row_stride, int64_t rows,
+                              int64_t cols) {
+  const auto es = static_cast<int64_t>(dtype_size(dt));
+  prefetch_rows<Write>(base, row_stride * es, rows, cols * es);
+}
+
 // Rows [0, rows) of a strided source into dst (ld columns, `cols` used), zero-filling columns
 // [cols, ld) and rows [rows, rows_pad).
 template <typename T>
