@@ -187,9 +187,10 @@ __device__ __forceinline__ float softmax_step(float* sS, detail::OnlineSoftmax<f
 // The online-softmax step of the warp's kRowFrags x 16 rows on the score accumulators themselves
 // (the acc_row / acc_col layout, checked at kernel start): lane l holds, of each 16-row band, rows
 // l / 4 and l / 4 + 8 (elements with (i / 2) % 2 = 0, 1), 4 of their columns per fragment; the 4
-// lanes of a quad hold a row between them, so its max and sum take two shuffles. The scores become
-// P = exp2(fma(s, scale_log2, -m)) in place (0 for masked keys); alpha gets each row's rescale
-// factor. kMasked: keys outside [lo, hi) of a row, relative to the block, are masked.
+// lanes of a quad hold a row between them, so its max takes two shuffles; its sum l stays split
+// over them (each lane's share) until quad_row_sums. The scores become P = exp2(fma(s,
+// scale_log2, -m)) in place (0 for masked keys); alpha gets each row's rescale factor. kMasked:
+// keys outside [lo, hi) of a row, relative to the block, are masked. scale_log2 > 0.
 template <typename Tr, bool kMasked>
 __device__ __forceinline__ void softmax_regs(FragAcc (&s)[Tr::kRowFrags][Tr::kFragsN],
                                              detail::OnlineSoftmax<float> (&sm)[Tr::kRowFrags][2],
@@ -201,6 +202,9 @@ __device__ __forceinline__ void softmax_regs(FragAcc (&s)[Tr::kRowFrags][Tr::kFr
   for (int rf = 0; rf < Tr::kRowFrags; ++rf) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
+      // The max of the raw scores, then scaled: with scale_log2 > 0 (the caller's condition)
+      // rounding is monotone, so this is the max of the scaled scores bit for bit, without a
+      // multiply before each compare.
       float block_max = -INFINITY;
 #pragma unroll
       for (int nf = 0; nf < Tr::kFragsN; ++nf)
@@ -209,10 +213,10 @@ __device__ __forceinline__ void softmax_regs(FragAcc (&s)[Tr::kRowFrags][Tr::kFr
           const int i = (j / 2) * 4 + h * 2 + j % 2;  // the elements of row half h
           const int c = nf * kFrag + acc_col(lane, i);
           if (!kMasked || (c >= lo[rf][h] && c < hi[rf][h]))
-            block_max = fmaxf(block_max, s[rf][nf].x[i] * scale_log2);
+            block_max = fmaxf(block_max, s[rf][nf].x[i]);
         }
       block_max = fmaxf(block_max, __shfl_xor_sync(kFullMask, block_max, 1));
-      block_max = fmaxf(block_max, __shfl_xor_sync(kFullMask, block_max, 2));
+      block_max = fmaxf(block_max, __shfl_xor_sync(kFullMask, block_max, 2)) * scale_log2;
       alpha[rf][h] = sm[rf][h].rescale_factor(block_max);
       const float neg_ref = -sm[rf][h].reference();
       float block_sum = 0.0f;
@@ -227,11 +231,24 @@ __device__ __forceinline__ void softmax_regs(FragAcc (&s)[Tr::kRowFrags][Tr::kFr
           s[rf][nf].x[i] = pk;
           block_sum += pk;
         }
-      block_sum += __shfl_xor_sync(kFullMask, block_sum, 1);
-      block_sum += __shfl_xor_sync(kFullMask, block_sum, 2);
+      // This lane's share of the row sum: the quad's four shares are added once, after the
+      // last block (quad_row_sums), not in every block.
       sm[rf][h].accumulate(alpha[rf][h], block_sum);
     }
   }
+}
+
+// After softmax_regs' last block: each row's l, summed over the four lanes of its quad (each
+// held the sum over its own columns, all rescaled by the row's common factors).
+template <int kRowFrags>
+__device__ __forceinline__ void quad_row_sums(detail::OnlineSoftmax<float> (&sm)[kRowFrags][2]) {
+#pragma unroll
+  for (int rf = 0; rf < kRowFrags; ++rf)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      sm[rf][h].l += __shfl_xor_sync(kFullMask, sm[rf][h].l, 1);
+      sm[rf][h].l += __shfl_xor_sync(kFullMask, sm[rf][h].l, 2);
+    }
 }
 
 // Multiplies every output accumulator element by the factor of its row. Lane 2r holds row r's
@@ -448,9 +465,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
   // shared-memory path, and it has none to fall back to: a fragment layout other than the one
   // every architecture flashdl compiles for (sm_80, sm_90) checked to hold is a compiler change.
   if (Tr::kRegsOnly && !layout_ok) __trap();
-  const bool in_regs = Tr::kRegsOnly || (layout_ok && !smem_softmax && !drop.on() && bm.dense() &&
-                                         !modded && !has_extras);
   const float scale_log2 = prescaled ? 1.0f : float(p.scale_softmax_log2);
+  // (softmax_regs takes the max of raw scores: a scale of 0 or below, which a caller may give,
+  // takes the shared-memory path; the launcher sends such calls to the general kernel)
+  const bool in_regs = Tr::kRegsOnly || (layout_ok && !smem_softmax && !drop.on() && bm.dense() &&
+                                         !modded && !has_extras && scale_log2 > 0.0f);
   // load_frag's bfloat16 loads (as float16) are those of wmma on every architecture they are
   // compiled for (SASS, sm_80 and sm_90): a failure here is a compiler change, not a fallback.
   if (!twin_loads_hold<T>(codes_t)) __trap();
@@ -465,6 +484,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
   // The K/V loop, instantiated once per softmax path (the choice is made per CTA, before the
   // loop): one loop with a run-time branch inside kept the registers of both paths live at once
   // and spilled (float16 d = 128 with modifiers on sm_80: 180 bytes).
+  // The blocks every row of this Q block sees whole (mask.block_fully_visible of each block, as a
+  // range: a row's visible keys are an interval whose ends never decrease with the row), counted
+  // once rather than per block.
+  const int n_full_lo = int((mask.col_begin(m0 + m_rows - 1) + kBlockN - 1) / kBlockN);
+  const int n_full_hi = int(mask.col_end(m0) / kBlockN);
   auto kv_loop = [&](auto regs) {
     constexpr bool kRegs = decltype(regs)::value;
     for (int stage = 0; n < n_end; stage ^= 1) {
@@ -473,20 +497,24 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
       __pipeline_wait_prior(0);
       __syncthreads();
       const int next = next_block(n + 1);
-      if (next < n_end) {
-        load_kv(next, stage ^ 1);
-        __pipeline_commit();
-      }
       const T* sKn = sK + stage * kBlockN * kLd;
       const T* sVn = sV + stage * kBlockN * kLd;
       const int64_t n0 = int64_t(n) * kBlockN;
-      const bool full = mask.block_fully_visible(m0, m0 + m_rows, n0, n0 + kBlockN) &&
-                        cover(n).all && !(kMods && p.mask_ptr != nullptr);
-      // A masked block whose V holds a NaN or Inf takes the slow P V (accumulate_pv_visible); the
-      // vote is a second barrier, in masked blocks only (full is the same in every thread).
-      const bool nonfinite_v =
-          !full && __syncthreads_or(tile_has_nonfinite<kD, Tr::kThreads>(sVn, kLd, kBlockN));
-
+      const bool full = n >= n_full_lo && n < n_full_hi && cover(n).all &&
+                        !(kMods && p.mask_ptr != nullptr);
+      // O += P V with P's A operands pa: each V fragment feeds R products.
+      auto accumulate_pv_regs = [&](FragA<T>(&pa)[R][kFragsN]) {
+#pragma unroll
+        for (int kf = 0; kf < kFragsN; ++kf)
+#pragma unroll
+          for (int df = 0; df < kFragsD; ++df) {
+            FragB<T> b;
+            load_frag(b, sVn + kf * kFrag * kLd + df * kFrag, kLd);
+#pragma unroll
+            for (int rf = 0; rf < R; ++rf)
+              wmma::mma_sync(acc_o[rf][df], pa[rf][kf], b, acc_o[rf][df]);
+          }
+      };
       // S = Q K^T for the warp's R bands: each K fragment feeds R products.
       FragAcc acc_s[R][kFragsN];
 #pragma unroll
@@ -508,7 +536,46 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
         }
       }
 
+      // The next block's copies, issued between the products on shared memory (S above, P V
+      // below) and the softmax, which reads none.
+      if (next < n_end) {
+        load_kv(next, stage ^ 1);
+        __pipeline_commit();
+      }
       FragA<T> pa[R][kFragsN];  // P, the A operands of P V
+      if (kRegs && full) {
+        // A whole block: the softmax, the rescale and P V with none of the masked path's
+        // branches between them (its windows, the non-finite-V vote, the slow P V), so that ptxas
+        // may start P V's products while the softmax's exponentials are still issuing (SASS
+        // model: -4% cycles at d 128, benchmarks/results/sass_model_changes.md).
+        const int none[R][2] = {};
+        float alpha[R][2];
+        softmax_regs<Tr, false>(acc_s, sm, scale_log2, none, none, alpha);
+        bool moved = false;
+#pragma unroll
+        for (int rf = 0; rf < R; ++rf)
+          moved = moved || alpha[rf][0] != 1.0f || alpha[rf][1] != 1.0f;
+        if (__any_sync(kFullMask, moved)) {
+#pragma unroll
+          for (int rf = 0; rf < R; ++rf)
+#pragma unroll
+            for (int df = 0; df < kFragsD; ++df)
+#pragma unroll
+              for (int i = 0; i < FragAcc::num_elements; ++i)
+                acc_o[rf][df].x[i] *= alpha[rf][(i / 2) % 2];
+        }
+#pragma unroll
+        for (int rf = 0; rf < R; ++rf)
+#pragma unroll
+          for (int kf = 0; kf < kFragsN; ++kf) to_a_operand(pa[rf][kf], acc_s[rf][kf]);
+        accumulate_pv_regs(pa);
+        n = next;
+        continue;
+      }
+      // A masked block whose V holds a NaN or Inf takes the slow P V (accumulate_pv_visible); the
+      // vote is a second barrier, in masked blocks only (full is the same in every thread).
+      const bool nonfinite_v =
+          !full && __syncthreads_or(tile_has_nonfinite<kD, Tr::kThreads>(sVn, kLd, kBlockN));
       if constexpr (kRegs) {
         float alpha[R][2];
         if (full) {
@@ -599,16 +666,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
           accumulate_pv_visible<Tr>(sS, pa[rf], sVn, acc_o[rf], keys, shown);
         }
       } else {
-#pragma unroll
-        for (int kf = 0; kf < kFragsN; ++kf)
-#pragma unroll
-          for (int df = 0; df < kFragsD; ++df) {
-            FragB<T> b;
-            load_frag(b, sVn + kf * kFrag * kLd + df * kFrag, kLd);
-#pragma unroll
-            for (int rf = 0; rf < R; ++rf)
-              wmma::mma_sync(acc_o[rf][df], pa[rf][kf], b, acc_o[rf][df]);
-          }
+        accumulate_pv_regs(pa);
       }
       n = next;
     }
@@ -643,6 +701,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
                 (seq.q0 + row) * p.lse_row_stride] = lse;
   };
   if (in_regs) {
+    quad_row_sums(sm);
     if (lane % 4 == 0)
 #pragma unroll
       for (int rf = 0; rf < R; ++rf)
@@ -682,7 +741,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
 // Whether a call can run the register-only kernel: nothing that needs the shared-memory softmax.
 inline bool fa2_regs_only_call(const Params& p, const LaunchContext& ctx) {
   return !(p.p_dropout > 0.0f) && p.block_mask_ptr == nullptr && !detail::has_score_mod(p) &&
-         !detail::has_extras(p) && !ctx.fa2_smem_softmax;
+         !detail::has_extras(p) && !ctx.fa2_smem_softmax && float(p.scale_softmax_log2) > 0.0f;
 }
 
 template <typename Tr>

@@ -401,12 +401,12 @@ struct ScoreMods {
   }
 };
 
-// mods: the score modifiers, or null for plain attention.
+// mods: the score modifiers, or null for plain attention; softmax_scale: NaN for 1 / sqrt(d).
 inline void naive_lowp(const Shape& s, const std::vector<float>& q, const std::vector<float>& k,
                        const std::vector<float>& v, flashdl::DType dt, std::vector<double>& out,
-                       const ScoreMods* mods = nullptr) {
+                       const ScoreMods* mods = nullptr, float softmax_scale = NAN) {
   out.assign(size_t(s.b * s.sq * s.h * s.d), 0.0);
-  const float scale = 1.0f / std::sqrt(float(s.d));
+  const float scale = std::isnan(softmax_scale) ? 1.0f / std::sqrt(float(s.d)) : softmax_scale;
   std::vector<float> p(size_t(s.sk)), acc(size_t(s.d));
   for (int64_t bi = 0; bi < s.b; ++bi)
     for (int64_t hi = 0; hi < s.h; ++hi) {

@@ -38,7 +38,8 @@ struct Case {
   int64_t left, right;  // window as passed; causal adds right = 0
   Kind kind;
   bool strided_lse;
-  bool fa1_small_sram;  // also run fa1 with an 8 KiB budget: many K/V and Q blocks
+  bool fa1_small_sram;          // also run fa1 with an 8 KiB budget: many K/V and Q blocks
+  double scale = std::nan("");  // softmax_scale (NaN: 1 / sqrt(d))
 };
 
 const Case kCases[] = {
@@ -68,6 +69,7 @@ flashdl::Options options_of(const Case& c) {
   o.causal = c.causal;
   o.window_left = c.left;
   o.window_right = c.right;
+  o.softmax_scale = c.scale;
   return o;
 }
 
@@ -491,6 +493,44 @@ int run_negative_scores(const Target& t, const Cli& cli) {
   return failures;
 }
 
+// ---- softmax_scale of any sign ------------------------------------------------------------------
+// A caller may give a softmax_scale of 0 or below. The fa2 forward's register softmax takes the max
+// of the raw scores and scales it after, which is the max of the scaled scores only for a scale
+// above 0: other scales take the shared-memory softmax (the general kernel). Against the reference
+// with the same scale, both schedules, both dtypes.
+int run_scales(const Target& t, const Cli& cli) {
+  int failures = 0;
+  const Case bases[] = {{1, 150, 200, 2, 1, false, -1, -1, Kind::contiguous, false, false},
+                        {1, 130, 130, 2, 2, true, -1, -1, Kind::padded, false, false}};
+  for (size_t ci = 0; ci < std::size(bases); ++ci)
+    for (const int d : {64, 128})
+      for (const double scale : {-0.3, 0.0, 0.05}) {
+        if (cli.quick && (ci != 0 || d != 64 || scale > 0.0)) continue;
+        Case c = bases[ci];
+        c.scale = scale;
+        const Shape s = shape_of(c, d);
+        std::mt19937 rng(uint32_t(7907 * ci + size_t(d)));
+        const auto hq = random_values(s.b * s.sq * s.h * d, rng);
+        const auto hk = random_values(s.b * s.sk * s.hk * d, rng);
+        const auto hv = random_values(s.b * s.sk * s.hk * d, rng);
+        const Oracle ref = reference(c, s, hq, hk, hv);
+        for (const DType dt : kDtypes) {
+          std::vector<double> lowp;
+          naive_lowp(s, hq, hk, hv, dt, lowp, nullptr, float(scale));
+          const GpuInputs in(t, c, s, dt, hq, hk, hv);
+          for (const Schedule sched : {Schedule::fa1, Schedule::fa2}) {
+            const std::string label = "softmax_scale " + std::to_string(scale) + ": " +
+                                      label_of(c, d, dt, sched, 0);
+            if (!cli.selected(label)) continue;
+            failures += run_case(label, [&, sched = sched] {
+              return check(label, ref, lowp, run_gpu(t, c, s, dt, in, sched, 0), dt);
+            });
+          }
+        }
+      }
+  return failures;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -503,6 +543,7 @@ int main(int argc, char** argv) {
     failures += run_score_mods(t, cli);
     failures += run_planted(t, cli);
     failures += run_negative_scores(t, cli);
+    failures += run_scales(t, cli);
     return failures;
   });
 }
