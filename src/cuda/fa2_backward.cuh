@@ -143,47 +143,62 @@ __device__ __forceinline__ void add_dq_tiles(const typename Tr::T* sdS, const ty
                                              const FragMap& map, bool mma_layout, float* gdq,
                                              int rows, int warp) {
   using T = typename Tr::T;
-  if constexpr (Tr::kNWarps % Tr::kFragsD == 0 && Tr::kDqTiles % Tr::kNWarps == 0) {
-    constexpr int kPer = Tr::kDqTilesPerWarp;
-    const int df = warp % Tr::kFragsD;
-    FragAcc acc[kPer];
+  // A warp's tiles: kRows query fragments (rg, rg + kRowStep, ...) by kCols column fragments
+  // (cg * kCols, ...): per key fragment kCols K and kRows dS fragment loads feed kRows x kCols
+  // products (2 x 2: 4 loads for 4 products, against 5 for 4 with one column of 4).
+  constexpr int kPer = Tr::kDqTilesPerWarp;
+  constexpr int kCols = kPer % 2 == 0 && Tr::kFragsD % 2 == 0 ? 2 : 1, kRows = kPer / kCols;
+  constexpr int kColGroups = Tr::kFragsD / kCols, kRowStep = Tr::kNWarps / kColGroups;
+  if constexpr (Tr::kNWarps % kColGroups == 0 && Tr::kDqTiles % Tr::kNWarps == 0 &&
+                kRowStep * kRows == Tr::kFragsM) {
+    const int cg = warp % kColGroups, rg = warp / kColGroups;
+    FragAcc acc[kRows][kCols];
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) wmma::fill_fragment(acc[i], 0.0f);
+    for (int i = 0; i < kRows; ++i)
+#pragma unroll
+      for (int j = 0; j < kCols; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
 #pragma unroll
     for (int kf = 0; kf < Tr::kFragsN; ++kf) {
-      FragB<T> b;
-      load_frag(b, sK + kf * kFrag * Tr::kLd + df * kFrag, Tr::kLd);
+      FragB<T> b[kCols];
 #pragma unroll
-      for (int i = 0; i < kPer; ++i) {
-        const int rf = (warp + i * Tr::kNWarps) / Tr::kFragsD;
+      for (int j = 0; j < kCols; ++j)
+        load_frag(b[j], sK + kf * kFrag * Tr::kLd + (cg * kCols + j) * kFrag, Tr::kLd);
+#pragma unroll
+      for (int i = 0; i < kRows; ++i) {
         FragA<T> a;
-        load_frag(a, sdS + rf * kFrag * Tr::kLdP + kf * kFrag, Tr::kLdP);
-        wmma::mma_sync(acc[i], a, b, acc[i]);
+        load_frag(a, sdS + (rg + i * kRowStep) * kFrag * Tr::kLdP + kf * kFrag, Tr::kLdP);
+#pragma unroll
+        for (int j = 0; j < kCols; ++j) wmma::mma_sync(acc[i][j], a, b[j], acc[i][j]);
       }
     }
-    float* col = gdq + df * kFrag;
+    float* corner = gdq + cg * kCols * kFrag + rg * kFrag * Tr::kHeadDim;
     if (rows >= Tr::kBlockM && mma_layout) {  // offsets known at compile time, no bounds test
       const int lane = threadIdx.x % 32;
-      float* base = col + acc_row(lane, 0) * Tr::kHeadDim + acc_col(lane, 0);
+      float* base = corner + acc_row(lane, 0) * Tr::kHeadDim + acc_col(lane, 0);
 #pragma unroll
-      for (int i = 0; i < kPer; ++i) {
-        float* tile = base + (warp + i * Tr::kNWarps) / Tr::kFragsD * kFrag * Tr::kHeadDim;
+      for (int i = 0; i < kRows; ++i)
 #pragma unroll
-        for (int e = 0; e < FragAcc::num_elements; e += 2)  // (e, e + 1): columns c, c + 1
-          atomic_add_pair(tile + (acc_row(lane, e) - acc_row(lane, 0)) * Tr::kHeadDim +
-                              (acc_col(lane, e) - acc_col(lane, 0)),
-                          acc[i].x[e], acc[i].x[e + 1]);
-      }
+        for (int j = 0; j < kCols; ++j) {
+          float* tile = base + i * kRowStep * kFrag * Tr::kHeadDim + j * kFrag;
+#pragma unroll
+          for (int e = 0; e < FragAcc::num_elements; e += 2)  // (e, e + 1): columns c, c + 1
+            atomic_add_pair(tile + (acc_row(lane, e) - acc_row(lane, 0)) * Tr::kHeadDim +
+                                (acc_col(lane, e) - acc_col(lane, 0)),
+                            acc[i][j].x[e], acc[i][j].x[e + 1]);
+        }
     } else {
 #pragma unroll
-      for (int i = 0; i < kPer; ++i) {
-        const int r0 = (warp + i * Tr::kNWarps) / Tr::kFragsD * kFrag;
+      for (int i = 0; i < kRows; ++i)
 #pragma unroll
-        for (int e = 0; e < FragAcc::num_elements; ++e) {
-          const int r = r0 + map.r[e];
-          if (r < rows) atomicAdd(col + r * Tr::kHeadDim + map.c[e], acc[i].x[e]);
+        for (int j = 0; j < kCols; ++j) {
+          const int r0 = (rg + i * kRowStep) * kFrag;
+          float* col = gdq + (cg * kCols + j) * kFrag;
+#pragma unroll
+          for (int e = 0; e < FragAcc::num_elements; ++e) {
+            const int r = r0 + map.r[e];
+            if (r < rows) atomicAdd(col + r * Tr::kHeadDim + map.c[e], acc[i][j].x[e]);
+          }
         }
-      }
     }
   } else {
     for (int t = warp; t < Tr::kDqTiles; t += Tr::kNWarps) {
@@ -376,8 +391,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     if constexpr (Tr::kStages == 2) {
       __pipeline_wait_prior(0);  // this pair's block has landed: the only copy in flight
       __syncthreads();
-      if (next < total) load_q(at_next, stage ^ 1);  // prefetch into the previous pair's stage
-      __pipeline_commit();
     } else {
       if (!first) {
         __syncthreads();  // every warp done with the previous pair's block
@@ -408,6 +421,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                          kDense ? detail::Dropout{} : detail::dropout_of(p, batch, h), mod,
                          kExtras ? head_extras(p, batch, h, seq.q0) : detail::HeadExtras{},
                          kExtras ? head_dbias(p, dbias_acc, batch, h, seq.q0) : DBiasAcc{});
+    // The next pair's prefetch into the previous pair's stage, which every warp finished with
+    // before this pair's first barrier: issued here, after the products on this stage's Q and dO
+    // have started, rather than ahead of them.
+    if constexpr (Tr::kStages == 2) {
+      if (next < total) load_q(at_next, stage ^ 1);
+      __pipeline_commit();
+    }
     const T* sP = reinterpret_cast<const T*>(sS);
     const T* sdS = reinterpret_cast<const T*>(sdP);
 

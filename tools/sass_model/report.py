@@ -110,8 +110,8 @@ _BWD_MARKERS = {
                   'const T* gdO = static_cast<const T*>(p.do_ptr) + batch * p.do_batch_stride +',
                   'const int64_t row0 = (batch * p.nheads + h) * p.seqlen_q;'],
     'dq': ['if (ws_dq != nullptr) {', 'const bool slow_dq =', 'add_dq_tiles<Tr>(sdS, sK, map,',
-           'load_frag(a, sdS + rf * kFrag * Tr::kLdP + kf * kFrag, Tr::kLdP);',
-           'float* col = gdq + df * kFrag;'],
+           'load_frag(a, sdS + (rg + i * kRowStep) * kFrag * Tr::kLdP + kf * kFrag, Tr::kLdP);',
+           'float* corner = gdq + cg * kCols * kFrag + rg * kFrag * Tr::kHeadDim;'],
     'cp_async': _FWD_MARKERS['cp_async'],
     'paired': ['store_pair(sP + at, p[e], p[e + 1]);', 'store_pair(sdS + at, ds[e], ds[e + 1]);'],
     'dq_fast': 'atomic_add_pair(tile + (acc_row(lane, e) - acc_row(lane, 0)) * Tr::kHeadDim +',
@@ -126,7 +126,7 @@ _BWD_MARKERS = {
                  "__syncthreads();  // every warp done with K's scores",
                  '__syncthreads();  // every warp done with the zeroed K'],
     'unpaired': ['sP[at] = from_float<T>(p[e]);', 'sdS[at] = from_float<T>(ds[e]);'],
-    'dq_bounds': 'if (r < rows) atomicAdd(col + r * Tr::kHeadDim + map.c[e], acc[i].x[e]);',
+    'dq_bounds': 'if (r < rows) atomicAdd(col + r * Tr::kHeadDim + map.c[e], acc[i][j].x[e]);',
     'mask_blocks': _FWD_MARKERS['mask_blocks'],
     'window': ['const int64_t b = diag(i) - left;', 'const int64_t e = diag(i) + right + 1;'],
 }
@@ -152,14 +152,36 @@ def _fwd(d):
     }
 
 
+def _kf_unroll():
+    """The unroll factor of the backward's dV/dK loop (its `#pragma unroll N`, 1 without one)."""
+    with open(os.path.join(ROOT, 'src', 'cuda', 'fa2_backward.cuh')) as f:
+        text = f.read()
+    m = re.search(r'#pragma unroll (\d+)\s*\n\s*' + re.escape(_BWD_MARKERS['kf_loop']), text)
+    return int(m.group(1)) if m else 1
+
+
+def _chunk_cap():
+    """The most query fragments a warp's S/dP products take at once (kChunk's cap, bwd_block.cuh)."""
+    with open(os.path.join(ROOT, 'src', 'cuda', 'bwd_block.cuh')) as f:
+        m = re.search(r'constexpr int kChunk = kMPerAll < (\d+) \? kMPerAll : (\d+);', f.read())
+    if not m:
+        raise ReportError('bwd_block.cuh: kChunk\'s definition not found: update report.py')
+    return int(m.group(1))
+
+
 def _bwd(d):
     # bwd_plan.hpp's fa2_bwd_dense_config: 128 x 128 at d <= 64, 64 x 128 up to d 128, 2 stages,
     # bands of 2 fragments
     bm, bn, st = (128, 128, 2) if d <= 64 else (64, 128, 2)
-    path = [('take', f'kf_loop={bm // 16 - 1}') if x == ('take', 'kf_loop=3') else x
+    # the dV/dK loop's back edge: bm / 16 trips, unrolled as the source's pragma says
+    trips = bm // 16 // _kf_unroll()
+    path = [('take', f'kf_loop={trips - 1}') if x == ('take', 'kf_loop=3') else x
             for x in _BWD_PATH]
-    if bm == 128:
-        path.append(('take', 'chunk_loop=1'))  # S/dP in two chunks of 64 query rows
+    # the S/dP chunk loop's back edge: kMPerAll query fragments a warp, kChunk at a time
+    m_per_all = bm // 16 // 2
+    chunks = m_per_all // min(m_per_all, _chunk_cap())
+    if chunks > 1:
+        path.append(('take', f'chunk_loop={chunks - 1}'))
     return {
         'title': f'bwd d{d}', 'fa2': f'bwd_h{d}', 'ftz': False,
         # S, dP, dV, dK and dQ of a bm x bn pair over 8 warps; the next pair's Q and dO copies;
