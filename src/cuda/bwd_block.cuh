@@ -150,20 +150,33 @@ __device__ __forceinline__ void probs_and_ds_in_registers(
   const bool modded = modifies(mod) || ex.any();
   // No modifier, bias, mask, dropout or dBias (the same in every thread): plain_prob_and_ds.
   const bool plain = !modded && !drop.on() && dbias.base == nullptr;
+  // lse2 and D of the rows of query fragment rf's elements, read before any of its tiles' P and
+  // dS are stored (stores the compiler cannot tell from these loads: read inside finish, they
+  // were read again for each tile).
+  struct RowStats {
+    float l2[FragAcc::num_elements], d[FragAcc::num_elements];
+  };
+  auto stats_of = [&](int rf) {
+    RowStats st;
+#pragma unroll
+    for (int e = 0; e < FragAcc::num_elements; ++e) {
+      st.l2[e] = sL2[rf * kFrag + map.r[e]];
+      st.d[e] = sD[rf * kFrag + map.r[e]];
+    }
+    return st;
+  };
   // P and dS of tile (rf, nf) from its accumulators, stored as T.
-  auto finish = [&](int rf, int nf, const FragAcc& s, const FragAcc& dp) {
+  auto finish = [&](int rf, int nf, const FragAcc& s, const FragAcc& dp, const RowStats& st) {
     float p[FragAcc::num_elements], ds[FragAcc::num_elements];
     if (!kMasked && plain) {
 #pragma unroll
-      for (int e = 0; e < FragAcc::num_elements; ++e) {
-        const int r = rf * kFrag + map.r[e];
-        plain_prob_and_ds(s.x[e], dp.x[e], sL2[r], sD[r], mod.qk_scale, p[e], ds[e]);
-      }
+      for (int e = 0; e < FragAcc::num_elements; ++e)
+        plain_prob_and_ds(s.x[e], dp.x[e], st.l2[e], st.d[e], mod.qk_scale, p[e], ds[e]);
     } else {
 #pragma unroll
       for (int e = 0; e < FragAcc::num_elements; ++e) {
         const int r = rf * kFrag + map.r[e], c = nf * kFrag + map.c[e];
-        prob_and_ds<kMasked>(s.x[e], dp.x[e], sL2[r], sD[r], i0 + r, j0 + c, mask.diag(i0 + r),
+        prob_and_ds<kMasked>(s.x[e], dp.x[e], st.l2[e], st.d[e], i0 + r, j0 + c, mask.diag(i0 + r),
                              mask, bm, drop, mod, modded, ex, dbias, p[e], ds[e]);
       }
     }
@@ -227,10 +240,12 @@ __device__ __forceinline__ void probs_and_ds_in_registers(
         }
       }
 #pragma unroll
-      for (int i = 0; i < kMPer; ++i)
+      for (int i = 0; i < kMPer; ++i) {
+        const int rf = mg + (c0 + i) * kMWarps;
+        const RowStats st = stats_of(rf);
 #pragma unroll
-        for (int j = 0; j < kNPer; ++j)
-          finish(mg + (c0 + i) * kMWarps, ng * kNPer + j, s[i][j], dp[i][j]);
+        for (int j = 0; j < kNPer; ++j) finish(rf, ng * kNPer + j, s[i][j], dp[i][j], st);
+      }
     }
   } else {
     for (int t = warp; t < kMTiles * kNTiles; t += kWarps) {
@@ -249,7 +264,7 @@ __device__ __forceinline__ void probs_and_ds_in_registers(
         load_frag(b, sV + nf * kFrag * ld_qkv + kf * kFrag, ld_qkv);
         wmma::mma_sync(dp, a, b, dp);
       }
-      finish(rf, nf, s, dp);
+      finish(rf, nf, s, dp, stats_of(rf));
     }
   }
 }

@@ -476,7 +476,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                                     static_cast<const T*>(p.k_ptr) + batch * p.k_batch_stride +
                                         kv_head * p.k_head_stride + (seq.k0 + n0) * p.k_row_stride,
                                     p.k_row_stride, kN, kv_rows, false);
-        __syncthreads();
+        __syncthreads();  // K whole again for the next pairs' scores
       }
     }
     it = next;
