@@ -189,52 +189,94 @@ __device__ __forceinline__ float softmax_step(float* sS, detail::OnlineSoftmax<f
 // l / 4 and l / 4 + 8 (elements with (i / 2) % 2 = 0, 1), 4 of their columns per fragment; the 4
 // lanes of a quad hold a row between them, so its max takes two shuffles; its sum l stays split
 // over them (each lane's share) until quad_row_sums. The scores become P = exp2(fma(s,
-// scale_log2, -m)) in place (0 for masked keys); alpha gets each row's rescale factor. kMasked:
-// keys outside [lo, hi) of a row, relative to the block, are masked. scale_log2 > 0.
+// scale_log2, -m)) in place (0 for masked keys), and the output accumulators acc_o are rescaled
+// by each row's factor. kMasked: keys outside [lo, hi) of a row, relative to the block, are
+// masked. scale_log2 > 0.
 template <typename Tr, bool kMasked>
 __device__ __forceinline__ void softmax_regs(FragAcc (&s)[Tr::kRowFrags][Tr::kFragsN],
                                              detail::OnlineSoftmax<float> (&sm)[Tr::kRowFrags][2],
                                              float scale_log2, const int (&lo)[Tr::kRowFrags][2],
                                              const int (&hi)[Tr::kRowFrags][2],
-                                             float (&alpha)[Tr::kRowFrags][2]) {
+                                             FragAcc (&acc_o)[Tr::kRowFrags][Tr::kFragsD]) {
   const int lane = threadIdx.x % 32;
+  float alpha[Tr::kRowFrags][2];
+  bool moved = false;
+  auto row_max = [&](int rf, int h) {
+    // The max of the raw scores, then scaled: with scale_log2 > 0 (the callers' condition)
+    // rounding is monotone, so this is the max of the scaled scores bit for bit, without a
+    // multiply before each compare.
+    float block_max = -INFINITY;
 #pragma unroll
-  for (int rf = 0; rf < Tr::kRowFrags; ++rf) {
+    for (int nf = 0; nf < Tr::kFragsN; ++nf)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      // The max of the raw scores, then scaled: with scale_log2 > 0 (the caller's condition)
-      // rounding is monotone, so this is the max of the scaled scores bit for bit, without a
-      // multiply before each compare.
-      float block_max = -INFINITY;
+      for (int j = 0; j < 4; ++j) {
+        const int i = (j / 2) * 4 + h * 2 + j % 2;  // the elements of row half h
+        const int c = nf * kFrag + acc_col(lane, i);
+        if (!kMasked || (c >= lo[rf][h] && c < hi[rf][h]))
+          block_max = fmaxf(block_max, s[rf][nf].x[i]);
+      }
+    block_max = fmaxf(block_max, __shfl_xor_sync(kFullMask, block_max, 1));
+    block_max = fmaxf(block_max, __shfl_xor_sync(kFullMask, block_max, 2)) * scale_log2;
+    alpha[rf][h] = sm[rf][h].rescale_factor(block_max);
+    moved = moved || alpha[rf][h] != 1.0f;
+  };
+  auto row_exps = [&](int rf, int h) {
+    const float neg_ref = -sm[rf][h].reference();
+    float block_sum = 0.0f;
 #pragma unroll
-      for (int nf = 0; nf < Tr::kFragsN; ++nf)
+    for (int nf = 0; nf < Tr::kFragsN; ++nf)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int i = (j / 2) * 4 + h * 2 + j % 2;  // the elements of row half h
-          const int c = nf * kFrag + acc_col(lane, i);
-          if (!kMasked || (c >= lo[rf][h] && c < hi[rf][h]))
-            block_max = fmaxf(block_max, s[rf][nf].x[i]);
-        }
-      block_max = fmaxf(block_max, __shfl_xor_sync(kFullMask, block_max, 1));
-      block_max = fmaxf(block_max, __shfl_xor_sync(kFullMask, block_max, 2)) * scale_log2;
-      alpha[rf][h] = sm[rf][h].rescale_factor(block_max);
-      const float neg_ref = -sm[rf][h].reference();
-      float block_sum = 0.0f;
+      for (int j = 0; j < 4; ++j) {
+        const int i = (j / 2) * 4 + h * 2 + j % 2;
+        const int c = nf * kFrag + acc_col(lane, i);
+        const bool in = !kMasked || (c >= lo[rf][h] && c < hi[rf][h]);
+        const float pk = in ? exp2f(fmaf(s[rf][nf].x[i], scale_log2, neg_ref)) : 0.0f;
+        s[rf][nf].x[i] = pk;
+        block_sum += pk;
+      }
+    // This lane's share of the row sum: the quad's four shares are added once, after the last
+    // block (quad_row_sums), not in every block.
+    sm[rf][h].accumulate(alpha[rf][h], block_sum);
+  };
+  // The output's rescale, skipped where no row of the warp has a new max (every alpha 1: the
+  // products would be exact, so the result is the same bit for bit). Past the first blocks a row's
+  // max rarely moves; the rescale was an eighth of the instructions the d 128 forward issued on
+  // the H100 (source-level profile, 2026-11-27).
+  auto rescale = [&] {
+    if (__any_sync(kFullMask, moved)) {
 #pragma unroll
-      for (int nf = 0; nf < Tr::kFragsN; ++nf)
+      for (int rf = 0; rf < Tr::kRowFrags; ++rf)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int i = (j / 2) * 4 + h * 2 + j % 2;
-          const int c = nf * kFrag + acc_col(lane, i);
-          const bool in = !kMasked || (c >= lo[rf][h] && c < hi[rf][h]);
-          const float pk = in ? exp2f(fmaf(s[rf][nf].x[i], scale_log2, neg_ref)) : 0.0f;
-          s[rf][nf].x[i] = pk;
-          block_sum += pk;
-        }
-      // This lane's share of the row sum: the quad's four shares are added once, after the
-      // last block (quad_row_sums), not in every block.
-      sm[rf][h].accumulate(alpha[rf][h], block_sum);
+        for (int df = 0; df < Tr::kFragsD; ++df)
+#pragma unroll
+          for (int i = 0; i < FragAcc::num_elements; ++i)
+            acc_o[rf][df].x[i] *= alpha[rf][(i / 2) % 2];
     }
+  };
+  if constexpr (Tr::kRegsOnly) {
+    // Every max, then the rescale, then every exponential: nothing branches between the
+    // exponentials and the caller's P V, which ptxas may then start while the last of them issue
+    // (SASS model: -8% cycles at d 64, -2% at d 128; benchmarks/results/sass_model_changes.md).
+#pragma unroll
+    for (int rf = 0; rf < Tr::kRowFrags; ++rf)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) row_max(rf, h);
+    rescale();
+#pragma unroll
+    for (int rf = 0; rf < Tr::kRowFrags; ++rf)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) row_exps(rf, h);
+  } else {
+    // The general kernels: each row half's max and exponentials in turn, then the rescale (in the
+    // order above, ptxas sm_90 spilled more there: float16 d 128, 96 / 184 bytes against 48 / 120).
+#pragma unroll
+    for (int rf = 0; rf < Tr::kRowFrags; ++rf)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        row_max(rf, h);
+        row_exps(rf, h);
+      }
+    rescale();
   }
 }
 
@@ -551,26 +593,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
       if (kRegs) copy_next();
       FragA<T> pa[R][kFragsN];  // P, the A operands of P V
       if (kRegs && full) {
-        // A whole block: the softmax, the rescale and P V with none of the masked path's
-        // branches between them (its windows, the non-finite-V vote, the slow P V), so that ptxas
-        // may start P V's products while the softmax's exponentials are still issuing (SASS
-        // model: -4% cycles at d 128, benchmarks/results/sass_model_changes.md).
+        // A whole block: the softmax and P V with none of the masked path's branches between
+        // them (its windows, the non-finite-V vote, the slow P V), so that ptxas may start P V's
+        // products while the softmax's exponentials are still issuing.
         const int none[R][2] = {};
-        float alpha[R][2];
-        softmax_regs<Tr, false>(acc_s, sm, scale_log2, none, none, alpha);
-        bool moved = false;
-#pragma unroll
-        for (int rf = 0; rf < R; ++rf)
-          moved = moved || alpha[rf][0] != 1.0f || alpha[rf][1] != 1.0f;
-        if (__any_sync(kFullMask, moved)) {
-#pragma unroll
-          for (int rf = 0; rf < R; ++rf)
-#pragma unroll
-            for (int df = 0; df < kFragsD; ++df)
-#pragma unroll
-              for (int i = 0; i < FragAcc::num_elements; ++i)
-                acc_o[rf][df].x[i] *= alpha[rf][(i / 2) % 2];
-        }
+        softmax_regs<Tr, false>(acc_s, sm, scale_log2, none, none, acc_o);
 #pragma unroll
         for (int rf = 0; rf < R; ++rf)
 #pragma unroll
@@ -583,41 +610,18 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
       // vote is a second barrier, in masked blocks only (full is the same in every thread).
       const bool nonfinite_v =
           !full && __syncthreads_or(tile_has_nonfinite<kD, Tr::kThreads>(sVn, kLd, kBlockN));
-      if constexpr (kRegs) {
-        float alpha[R][2];
-        if (full) {
-          const int none[R][2] = {};
-          softmax_regs<Tr, false>(acc_s, sm, scale_log2, none, none, alpha);
-        } else {  // the window of each row, relative to the block, clamped to [0, kBlockN]
-          int lo[R][2], hi[R][2];
-#pragma unroll
-          for (int rf = 0; rf < R; ++rf)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const int64_t row = m0 + w0 + rf * kFrag + h * 8 + lane / 4;
-              const int64_t b = mask.col_begin(row) - n0, e = mask.col_end(row) - n0;
-              lo[rf][h] = int(b < 0 ? 0 : b > kBlockN ? kBlockN : b);
-              hi[rf][h] = int(e < 0 ? 0 : e > kBlockN ? kBlockN : e);
-            }
-          softmax_regs<Tr, true>(acc_s, sm, scale_log2, lo, hi, alpha);
-        }
-        // The output's rescale, skipped where no row of the warp has a new max (every alpha 1:
-        // the products would be exact, so the result is the same bit for bit). Past the first
-        // blocks a row's max rarely moves; the rescale was an eighth of the instructions the
-        // d 128 forward issued on the H100 (source-level profile, 2026-11-27).
-        bool moved = false;
+      if constexpr (kRegs) {     // (a masked block: whole ones took the path above)
+        int lo[R][2], hi[R][2];  // the window of each row, relative to the block, in [0, kBlockN]
 #pragma unroll
         for (int rf = 0; rf < R; ++rf)
-          moved = moved || alpha[rf][0] != 1.0f || alpha[rf][1] != 1.0f;
-        if (__any_sync(kFullMask, moved)) {
 #pragma unroll
-          for (int rf = 0; rf < R; ++rf)
-#pragma unroll
-            for (int df = 0; df < kFragsD; ++df)
-#pragma unroll
-              for (int i = 0; i < FragAcc::num_elements; ++i)
-                acc_o[rf][df].x[i] *= alpha[rf][(i / 2) % 2];
-        }
+          for (int h = 0; h < 2; ++h) {
+            const int64_t row = m0 + w0 + rf * kFrag + h * 8 + lane / 4;
+            const int64_t b = mask.col_begin(row) - n0, e = mask.col_end(row) - n0;
+            lo[rf][h] = int(b < 0 ? 0 : b > kBlockN ? kBlockN : b);
+            hi[rf][h] = int(e < 0 ? 0 : e > kBlockN ? kBlockN : e);
+          }
+        softmax_regs<Tr, true>(acc_s, sm, scale_log2, lo, hi, acc_o);
 #pragma unroll
         for (int rf = 0; rf < R; ++rf)
 #pragma unroll

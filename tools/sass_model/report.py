@@ -61,7 +61,7 @@ _FWD_MARKERS = {
                  '__pipeline_memcpy_async(sp + it * kStepRows * ld_s, gp, 16);',
                  'const T* gp = g + r0 * g_stride + c0;', 'T* sp = s + r0 * ld_s + c0;',
                  'const int64_t g_step = int64_t(kStepRows) * g_stride;'],
-    'whole_softmax': 'softmax_regs<Tr, false>(acc_s, sm, scale_log2, none, none, alpha);',
+    'whole_softmax': 'softmax_regs<Tr, false>(acc_s, sm, scale_log2, none, none, acc_o);',
     'plain_loads': 'for (int e = 0; e < 8; ++e) dst[e] = src[e];',
     # the loader's per-chunk path, for a partial tile (its whole-tile copies have none of it)
     'partial_tile': ['const int r = r0 + it * kQ + cc / kChunks, c = (cc % kChunks) * 8;',
