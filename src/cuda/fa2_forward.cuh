@@ -587,9 +587,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
 
       // The register softmax's loop issues the next block's copies here, between the products
       // on shared memory (S above, P V below) and the softmax, which reads none (SASS model:
-      // -4% at d 128); the shared-memory softmax's loop at the top of the block (issued here too,
-      // the general kernels spilled more: ptxas sm_90 float16 d 64 with modifiers, 240 bytes of
-      // spill stores against 60).
+      // -4% at d 128); the shared-memory softmax's loop at the top of the block (issued here in
+      // both loops, the general kernels spilled more: ptxas sm_90 float16 d 256, 124 bytes of
+      // spill stores against 68).
       if (kRegs) copy_next();
       FragA<T> pa[R][kFragsN];  // P, the A operands of P V
       if (kRegs && full) {
