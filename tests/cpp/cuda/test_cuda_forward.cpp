@@ -94,6 +94,21 @@ Oracle reference(const Case& c, const Shape& s, const std::vector<float>& q,
   return r;
 }
 
+// Random q, k, v of a case (values drawn from rng) and the float64 reference on them.
+struct CaseInputs {
+  std::vector<float> q, k, v;
+  Oracle ref;
+};
+
+CaseInputs random_inputs(const Case& c, const Shape& s, std::mt19937& rng) {
+  CaseInputs in;
+  in.q = random_values(s.b * s.sq * s.h * s.d, rng);
+  in.k = random_values(s.b * s.sk * s.hk * s.d, rng);
+  in.v = random_values(s.b * s.sk * s.hk * s.d, rng);
+  in.ref = reference(c, s, in.q, in.k, in.v);
+  return in;
+}
+
 struct GpuResult {
   std::vector<double> out;  // logical (b, sq, h, d)
   std::vector<float> lse;   // logical (b, h, sq)
@@ -220,10 +235,9 @@ int run_accuracy(const Target& t, const Cli& cli) {
       const Shape s = shape_of(c, d);
       // Seeded per (case, head dim): a --filter run sees the same values as the full run.
       std::mt19937 rng(uint32_t(7919 * pi + size_t(d)));
-      const auto hq = random_values(s.b * s.sq * s.h * d, rng);
-      const auto hk = random_values(s.b * s.sk * s.hk * d, rng);
-      const auto hv = random_values(s.b * s.sk * s.hk * d, rng);
-      const Oracle ref = reference(c, s, hq, hk, hv);
+      const CaseInputs data = random_inputs(c, s, rng);
+      const auto &hq = data.q, &hk = data.k, &hv = data.v;
+      const Oracle& ref = data.ref;
       for (const DType dt : kDtypes) {
         if (!selected(dt)) continue;
         std::vector<double> lowp;
@@ -510,14 +524,12 @@ int run_scales(const Target& t, const Cli& cli) {
         c.scale = scale;
         const Shape s = shape_of(c, d);
         std::mt19937 rng(uint32_t(7907 * ci + size_t(d)));
-        const auto hq = random_values(s.b * s.sq * s.h * d, rng);
-        const auto hk = random_values(s.b * s.sk * s.hk * d, rng);
-        const auto hv = random_values(s.b * s.sk * s.hk * d, rng);
-        const Oracle ref = reference(c, s, hq, hk, hv);
+        const CaseInputs data = random_inputs(c, s, rng);
+        const Oracle& ref = data.ref;
         for (const DType dt : kDtypes) {
           std::vector<double> lowp;
-          naive_lowp(s, hq, hk, hv, dt, lowp, nullptr, float(scale));
-          const GpuInputs in(t, c, s, dt, hq, hk, hv);
+          naive_lowp(s, data.q, data.k, data.v, dt, lowp, nullptr, float(scale));
+          const GpuInputs in(t, c, s, dt, data.q, data.k, data.v);
           for (const Schedule sched : {Schedule::fa1, Schedule::fa2}) {
             const std::string label = "softmax_scale " + std::to_string(scale) + ": " +
                                       label_of(c, d, dt, sched, 0);
