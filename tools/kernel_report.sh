@@ -23,7 +23,7 @@ trap 'rm -rf "$WORK"' EXIT
 compile() {  # one generated translation unit -> object + ptxas log
   local name ftz=
   name=$(basename "$1" .cu)
-  case "$name" in fwd_*) ftz=-ftz=true ;; esac  # as src/cuda/CMakeLists.txt compiles them
+  case "$name" in fwd_* | bwd_*) ftz=-ftz=true ;; esac  # as src/cuda/CMakeLists.txt compiles them
   nvcc $ftz -DFLASHDL_CUDA_ARCHS=\""$ARCH"\" -Iinclude -Isrc -Isrc/cuda -O3 -DNDEBUG -std=c++17 \
     --expt-relaxed-constexpr --generate-code=arch=compute_"$ARCH",code=sm_"$ARCH" \
     -Xptxas -v -c "$1" -o "$WORK/$name.o" 2> "$WORK/$name.log"

@@ -19,6 +19,8 @@
 //    recomputing two of the five products.
 // 4. dBias of a bias broadcast over an axis with deterministic=True: fa2_dbias.cuh, after the
 //    main kernel (which then adds none by atomics).
+// The translation units are compiled with -ftz=true (src/cuda/CMakeLists.txt): exp2f is one
+// MUFU.EX2.
 #pragma once
 
 #include <cuda_pipeline.h>

@@ -19,6 +19,9 @@
 #include <sys/mman.h>
 #include <ucontext.h>
 #include <unistd.h>
+#if defined(__SSE2__)
+#include <xmmintrin.h>  // _mm_getcsr / _mm_setcsr: the float modes of a launch
+#endif
 
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/common_interface_defs.h>
@@ -442,6 +445,30 @@ void pipeline_wait_prior(std::size_t prior) {
 }
 
 // ---- launches ---------------------------------------------------------------------------------------
+// The host thread's float modes for one launch: flush-to-zero and denormals-are-zero where the
+// launch asks for them (x86's MXCSR bits 15 and 6), the thread's own modes back at the end.
+class FloatModes {
+ public:
+  explicit FloatModes(bool ftz) {
+#if defined(__SSE2__)
+    saved_ = _mm_getcsr();
+    if (ftz) _mm_setcsr(saved_ | 0x8040u);
+#else
+    (void)ftz;
+#endif
+  }
+  ~FloatModes() {
+#if defined(__SSE2__)
+    _mm_setcsr(saved_);
+#endif
+  }
+  FloatModes(const FloatModes&) = delete;
+  FloatModes& operator=(const FloatModes&) = delete;
+
+ private:
+  unsigned saved_ = 0;
+};
+
 void launch(const LaunchConfig& cfg, void (*body)(void*), void* ctx) {
   const std::uint64_t threads = std::uint64_t(cfg.block.x) * cfg.block.y * cfg.block.z;
   if (threads == 0 || threads > 1024 || cfg.block.z > 64 || cfg.grid.x == 0 || cfg.grid.y == 0 ||
@@ -473,6 +500,7 @@ void launch(const LaunchConfig& cfg, void (*body)(void*), void* ctx) {
   }
   std::atomic<std::uint64_t> next{0};
   auto worker = [&] {
+    const FloatModes modes(cfg.ftz);  // each fiber's context is taken on this thread, with these
     Scheduler& s = scheduler();
     s.reserve(threads);
     s.launch = &state;

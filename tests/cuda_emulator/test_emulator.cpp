@@ -226,6 +226,42 @@ void check_conversions() {
   expect(bok, "bfloat16: round trip and ties to even");
 }
 
+// ---- float modes --------------------------------------------------------------------------------------
+// out[0] = a denormal product, out[1] = a denormal input times 1 (read from memory: not folded).
+void float_modes_kernel(const float* in, float* out) {
+  out[0] = in[0] * in[1];
+  out[1] = in[2] * in[3];
+}
+
+void check_float_modes() {
+  float *in, *plain, *flushed;
+  cudaMalloc(reinterpret_cast<void**>(&in), 4 * sizeof(float));
+  cudaMalloc(reinterpret_cast<void**>(&plain), 2 * sizeof(float));
+  cudaMalloc(reinterpret_cast<void**>(&flushed), 2 * sizeof(float));
+  in[0] = in[1] = std::ldexp(1.0f, -70);
+  in[2] = std::ldexp(1.0f, -130);
+  in[3] = 1.0f;
+  FLASHDL_EMU_LAUNCH(1, 1, 0, nullptr, float_modes_kernel)(in, plain);
+  // As in a translation unit compiled with FLASHDL_EMU_FTZ=1 (nvcc's -ftz=true).
+#undef FLASHDL_EMU_FTZ
+#define FLASHDL_EMU_FTZ 1
+  FLASHDL_EMU_LAUNCH(1, 1, 0, nullptr, float_modes_kernel)(in, flushed);
+#undef FLASHDL_EMU_FTZ
+#define FLASHDL_EMU_FTZ 0
+  const volatile float a = in[0], b = in[1];
+  const float host = a * b;
+  expect(plain[0] == std::ldexp(1.0f, -140) && plain[1] == std::ldexp(1.0f, -130),
+         "float modes: a plain launch keeps denormal results and inputs");
+#if defined(__SSE2__)
+  expect(flushed[0] == 0.0f && flushed[1] == 0.0f,
+         "float modes: an FLASHDL_EMU_FTZ launch flushes denormal results and inputs to 0");
+#endif
+  expect(host == std::ldexp(1.0f, -140), "float modes: the caller's own modes after the launch");
+  cudaFree(in);
+  cudaFree(plain);
+  cudaFree(flushed);
+}
+
 // ---- what aborts --------------------------------------------------------------------------------------
 void divergent_barrier_kernel() {
   if (threadIdx.x < 32) __syncthreads();  // warp 1 exits; warp 0 waits at a barrier... (allowed)
@@ -303,6 +339,7 @@ int main() {
   check_threads();
   check_launches();
   check_conversions();
+  check_float_modes();
   check_aborts();
   std::printf("%d failure(s)\n", failures);
   return failures == 0 ? 0 : 1;

@@ -3,8 +3,8 @@
 The report itself compiles the CUDA kernels (a command a person runs after a kernel change);
 these tests check what it is built from: the FA2 fixtures' counts and model figures reproduce the
 stored ones, the walker's prefer/avoid rules pick the side of a branch by the work behind it, a
-marker that left the source is an error naming it, and the report's table ends with the worst
-ratio.
+marker that left the source is an error naming it, the -ftz variant of FA2's paths drops exactly
+exp2f's range fix-ups, and the report's table ends with the worst ratios.
 """
 import json
 import os
@@ -33,6 +33,19 @@ def test_fa2_fixture_reproduces_its_figures(key):
     assert r["model"]["cycles_per_hmma"] == pytest.approx(stored["model"]["cycles_per_hmma"],
                                                           abs=1e-3)
     assert r["model"]["issue_use"] == pytest.approx(stored["model"]["issue_use"], abs=1e-3)
+    # torch's FA2 build is not -ftz: three fix-up instructions around every exp2 (MUFU.EX2)
+    assert r["fixups"] == 3 * r["counts"]["opcodes"]["MUFU"]
+    assert r["model_ftz"]["cycles_per_hmma"] <= r["model"]["cycles_per_hmma"] + 0.01
+
+
+def test_exp2_fixup_is_the_range_fixup_alone():
+    fixup = ["FSETP.GEU.AND P3, PT, R8, -126, PT", "@!P1 FMUL R0, R0, 0.5",
+             "@!P0 FMUL R221, R221, R221"]
+    other = ["FSETP.GEU.AND P3, PT, R8, -12, PT", "FMUL R0, R0, 0.5", "@P0 FMUL R1, R1, R1",
+             "@!P0 FMUL R1, R2, R3", "@!P0 FMUL R1, R1, 0.25", "MUFU.EX2 R1, R0",
+             "FSETP.GEU.AND P3, PT, R8, -126.5, PT"]
+    assert all(report.exp2_fixup(_ins(0, t, 1)) for t in fixup)
+    assert not any(report.exp2_fixup(_ins(0, t, 1)) for t in other)
 
 
 def _ins(addr, text, line, target=None):
@@ -94,8 +107,12 @@ def test_report_table_ends_with_the_worst_ratio():
 
     results = {"fwd_h128": fig(5.0, 12.0), "bwd_h64": fig(9.0, 30.0)}
     fa2 = {"fwd_h128": fig(4.77, 10.0), "bwd_h64": fig(4.26, 12.0)}
-    lines, worst = report.table(results, fa2)
-    assert worst == pytest.approx(2.5)
-    assert any("| fwd d128 | 5.00 (4.77) | 12.00 | 10.00 | 1.20 |" in line for line in lines)
-    text = report.render(results, fa2, "90")
-    assert text.rstrip().splitlines()[-1] == "worst model ratio to FA2: 2.50"
+    fa2["fwd_h128"]["model_ftz"] = {"cycles_per_hmma": 8.0}
+    fa2["bwd_h64"]["model_ftz"] = {"cycles_per_hmma": 10.0}
+    lines, worst, worst_ftz = report.table(results, fa2)
+    assert worst == pytest.approx(2.5) and worst_ftz == pytest.approx(3.0)
+    assert any("| fwd d128 | 5.00 (4.77) | 12.00 | 10.00 | 1.20 | 8.00 | 1.50 |" in line
+               for line in lines)
+    text = report.render(results, fa2, "90").rstrip().splitlines()
+    assert text[-3] == "worst model ratio to FA2 built with -ftz=true: 3.00"
+    assert text[-1] == "worst model ratio to FA2: 2.50"

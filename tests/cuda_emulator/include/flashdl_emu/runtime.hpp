@@ -14,6 +14,11 @@
 // filled with 0xff bytes (NaN in every float type) and sits just before an inaccessible page, as
 // does every cudaMalloc allocation, so reads of unwritten shared memory show and overruns fault.
 //
+// A launch written in a translation unit compiled with FLASHDL_EMU_FTZ=1 (the ones nvcc compiles
+// with -ftz=true) runs with the host's flush-to-zero and denormals-are-zero modes on (x86's MXCSR;
+// elsewhere the flag is ignored), so float denormals flush as the GPU's -ftz=true arithmetic
+// flushes them; the caller's modes are restored when the grid is done.
+//
 // What it does not model: timing, the tensor cores' accumulation order (products are summed in
 // float in k order), memory-model subtleties beyond barriers, and the true register layout of
 // wmma fragments (it uses the PTX ISA's m16n8k16 layout, the one flashdl's kernels check for).
@@ -160,6 +165,7 @@ struct LaunchConfig {
   dim3 grid, block;
   std::size_t smem;
   const void* func;
+  bool ftz;  // float denormals flushed (the launching translation unit's FLASHDL_EMU_FTZ)
 };
 void launch(const LaunchConfig& cfg, void (*body)(void* ctx), void* ctx);
 
@@ -185,9 +191,9 @@ struct Launcher {
 };
 template <typename... Ps>
 Launcher<Ps...> launcher(void (*kernel)(Ps...), dim3 grid, dim3 block, std::size_t smem,
-                         cudaStream_t) {
-  return Launcher<Ps...>{kernel,
-                         LaunchConfig{grid, block, smem, reinterpret_cast<const void*>(kernel)}};
+                         cudaStream_t, bool ftz) {
+  return Launcher<Ps...>{kernel, LaunchConfig{grid, block, smem,
+                                              reinterpret_cast<const void*>(kernel), ftz}};
 }
 
 template <typename T>
@@ -237,9 +243,13 @@ inline unsigned ballot(unsigned mask, int pred) {
 }  // namespace flashdl_emu
 
 // Kernel launches are written FLASHDL_LAUNCH(grid, block, smem, stream, kernel)(args...) in
-// flashdl's sources (kernel<<<...>>>(args...) under nvcc).
+// flashdl's sources (kernel<<<...>>>(args...) under nvcc). FLASHDL_EMU_FTZ is read where the
+// launch is written, so each translation unit's launches carry its own flag.
+#ifndef FLASHDL_EMU_FTZ
+#define FLASHDL_EMU_FTZ 0
+#endif
 #define FLASHDL_EMU_LAUNCH(grid, block, smem, stream, ...) \
-  ::flashdl_emu::launcher(__VA_ARGS__, grid, block, smem, stream)
+  ::flashdl_emu::launcher(__VA_ARGS__, grid, block, smem, stream, FLASHDL_EMU_FTZ != 0)
 
 // ---- device builtins -------------------------------------------------------------------------------
 #define threadIdx (::flashdl_emu::thread_idx())
