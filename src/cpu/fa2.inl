@@ -518,10 +518,18 @@ void load_query_tile(const Params& p, const Geometry<T>& g, int64_t b, int64_t h
   prefetch_elements(out, p.dtype, p.o_row_stride, rows, g.d);
   load_rows(q, p.dtype, p.q_row_stride, rows, g.d, Q, g.dp, g.Brp);
   load_rows(dout, p.dtype, p.do_row_stride, rows, g.d, dO, g.dp, g.Brp);
-  load_rows(out, p.dtype, p.o_row_stride, rows, g.d, O, g.dp, rows);
+  // O is read once, by D's dot products: in place where its rows are T already and hold whole
+  // vectors (no zero columns to add), else converted into the scratch first.
+  const T* o_rows = static_cast<const T*>(out);
+  int64_t o_ld = p.o_row_stride;
+  if (p.dtype != dtype_of<T>() || g.d != g.dp) {
+    load_rows(out, p.dtype, p.o_row_stride, rows, g.d, O, g.dp, rows);
+    o_rows = O;
+    o_ld = g.dp;
+  }
   for (int64_t r = 0; r < g.Brp; ++r) {
     const bool in_tile = r < rows;
-    D[r] = in_tile ? row_dot(dO + r * g.dp, O + r * g.dp, g.dp) : T(0);
+    D[r] = in_tile ? row_dot(dO + r * g.dp, o_rows + r * o_ld, g.dp) : T(0);
     L2[r] = in_tile ? static_cast<T>(lse_at(p, b, h, i0 + r)) * static_cast<T>(detail::kLog2e)
                     : T(0);
   }
@@ -677,7 +685,26 @@ void fa2_backward_by_keys(const Params& p, const Geometry<T>& g, const Mask& mas
   parallel_for(ntasks, nthreads, [&](int64_t begin, int64_t end, int t) {
     if (by_tile) dbias_tiles.open(t, begin / nbhk, (end - 1) / nbhk);
     std::vector<T>& part = dq_part[t];
-    part.assign(static_cast<size_t>((last_bhk[t] - first_bhk[t] + 1) * group * head_elems), T(0));
+    const auto part_elems = static_cast<size_t>((last_bhk[t] - first_bhk[t] + 1) * group *
+                                                head_elems);
+    // one_region: each kv head group's partials are zeroed when the thread takes up the group and
+    // stored (those of heads no other thread touches) when it moves on, while they are in its
+    // cache, instead of all zeroed at the start and stored at the end (a 16 x 16 backward's
+    // partials, 36 KiB, left L1 in between; cpu_tuning.md section 48).
+    if (one_region) {
+      if (part.size() < part_elems) part.resize(part_elems);
+    } else {
+      part.assign(part_elems, T(0));
+    }
+    std::vector<const T*> parts(static_cast<size_t>(nthreads));
+    T* acc = backward_tiles<T>().acc.get(g.dp);
+    // dQ of the heads of group bhk that only this thread touches.
+    auto store_private_dq = [&](int64_t bhk) {
+      for (int64_t hg = 0; hg < group; ++hg)
+        if (partials_of(bhk, hg, parts.data()) == 1)
+          store_dq_head(p, g, bhk / p.nheads_kv, bhk % p.nheads_kv * group + hg, parts.data(), 1,
+                        acc);
+    };
     BackwardTiles<T>& tiles = backward_tiles<T>();
     KeyBlock<T>& kb_bufs = tiles.kb;
     BackwardScratch<T>& scratch = tiles.scratch;
@@ -697,6 +724,9 @@ void fa2_backward_by_keys(const Params& p, const Geometry<T>& g, const Mask& mas
       task_of(task, bhk, index);
       const int64_t b = bhk / p.nheads_kv, hk = bhk % p.nheads_kv;
       if (one_region && bhk != held) {
+        if (held >= 0) store_private_dq(held);
+        T* group_part = part.data() + (bhk - first_bhk[t]) * group * head_elems;
+        std::fill(group_part, group_part + group * head_elems, T(0));
         attach_inputs(g, bhk * group, group, ws->own[t], own, transposed);
         T* O = tiles.o.get(g.Brp * g.dp);
         for (int64_t hg = 0; hg < group; ++hg)
@@ -776,15 +806,10 @@ void fa2_backward_by_keys(const Params& p, const Geometry<T>& g, const Mask& mas
     }
     if (by_tile) dbias_tiles.close(t, p, g);
     if (!one_region) return;
-    // dQ of the heads only this thread touched; the last thread to get here also stores the
-    // shared ones (its acquire sees every other thread's partials, released by their add).
-    std::vector<const T*> parts(static_cast<size_t>(nthreads));
-    T* acc = tiles.acc.get(g.dp);
-    for (int64_t bhk = first_bhk[t]; bhk <= last_bhk[t]; ++bhk)
-      for (int64_t hg = 0; hg < group; ++hg)
-        if (partials_of(bhk, hg, parts.data()) == 1)
-          store_dq_head(p, g, bhk / p.nheads_kv, bhk % p.nheads_kv * group + hg, parts.data(), 1,
-                        acc);
+    // dQ of the last group's heads only this thread touched (the earlier groups' were stored as
+    // the thread moved on); the last thread to get here also stores the shared ones (its acquire
+    // sees every other thread's partials, released by their add).
+    if (held >= 0) store_private_dq(held);
     if (finished.fetch_add(1, std::memory_order_acq_rel) + 1 != nthreads) return;
     int64_t done = -1;  // first_bhk[0], last_bhk[0], first_bhk[1], ... never decrease
     for (int u = 0; u < nthreads; ++u)
