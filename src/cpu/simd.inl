@@ -220,8 +220,11 @@ inline T row_max_of(const T* s, int64_t n) {
 }
 
 // Same, with the keys outside [lo, hi) set to -inf (a row's visible range within the tile).
+// Kept out of line: inlined into mask_scores (as GCC chose after unrelated changes to the
+// backward in the same file), its horizontal max came out as scalar shuffles and mask_scores
+// went from 2% to 11% of a causal 16 x 16 forward (cpu_tuning.md section 48).
 template <typename T>
-inline T row_scale_range_max(T* s, int64_t n, T c, int64_t lo, int64_t hi) {
+__attribute__((noinline)) T row_scale_range_max(T* s, int64_t n, T c, int64_t lo, int64_t hi) {
   constexpr int W = Simd<T>::W;
   using I = std::conditional_t<sizeof(T) == 4, int32_t, int64_t>;
   typedef I ivec __attribute__((vector_size(FLASHDL_VEC_BYTES)));
