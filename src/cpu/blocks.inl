@@ -806,22 +806,29 @@ void transpose_scores(const T* ST, int64_t ldst, const TilePair& t, T* S, int64_
 // of K^T and V^T packed for every key tile: with 16 query rows over 2,048 keys those two
 // transposes were a fifth of the backward. Every score and dP entry is the same sum in the same
 // order (bitwise the same backward). ST: Bcp x qn scratch.
+// S^T and dP^T take K's and V's rows [0, m0) (m0 = t.cols rounded down to kMR) at K and V, and
+// the last partial strip's rows [m0, t.nm) at K_tail and V_tail (dp apart): a row of a
+// micro-kernel's result is its own A row's products, so the two calls give the one call's sums,
+// and K and V can be the caller's rows in place with only the rows past m0 copied
+// (KeyBlock::load_rows_only).
 template <typename T>
 struct BackwardProductsByKeys {
-  const T *Q, *dO, *Qt, *dOt, *K, *V;
+  const T *Q, *dO, *Qt, *dOt, *K, *V, *K_tail, *V_tail;
   int64_t ldk, ldv, qn;  // K's and V's row strides, Q^T's and dO^T's columns
   T* ST;
-  void transposed(const Geometry<T>& g, const TilePair& t, const T* A, int64_t lda, const T* Bt,
-                  T* X) const {
-    gemm<T, false, false>(t.nm, qn, g.d, A, lda, Bt, qn, ST, qn);
+  void transposed(const Geometry<T>& g, const TilePair& t, const T* A, int64_t lda, const T* A_tail,
+                  const T* Bt, T* X) const {
+    const int64_t m0 = t.cols / kMR * kMR;
+    gemm<T, false, false>(m0, qn, g.d, A, lda, Bt, qn, ST, qn);
+    gemm<T, false, false>(t.nm - m0, qn, g.d, A_tail, g.dp, Bt, qn, ST + m0 * qn, qn);
     transpose_scores(ST, qn, t, X, g.Bcp);
     std::fill(X + t.rows * g.Bcp, X + t.mp * g.Bcp, T(0));  // as Q's (dO's) zero padding rows give
   }
   void scores(const Geometry<T>& g, const TilePair& t, T* S) const {
-    transposed(g, t, K, ldk, Qt, S);
+    transposed(g, t, K, ldk, K_tail, Qt, S);
   }
   void dp(const Geometry<T>& g, const TilePair& t, T* dP) const {
-    transposed(g, t, V, ldv, dOt, dP);
+    transposed(g, t, V, ldv, V_tail, dOt, dP);
   }
   void dv(const Geometry<T>& g, const TilePair& t, const T* Pd, T* dV) const {
     BackwardProducts<T>{Q, dO, K, nullptr, nullptr}.dv(g, t, Pd, dV);
@@ -960,30 +967,44 @@ struct KeyBlock {
     load_rows_transposed(v, p.dtype, p.v_row_stride, cols, g.d, Vt.get(g.d * g.Bcp), g.Bcp,
                          scratch.get(kTransposeRows * g.dp), pad);
   }
-  // K and V alone for BackwardProductsByKeys, at k_rows and v_rows (rows k_ld and v_ld apart):
-  // the caller's rows in place where they are T already, need no padding (pad == cols: the
-  // products read `pad` keys) and hold whole vectors (d == dp: dQ's product reads dp columns);
-  // else converted into K and V (Bcp x dp), zero-padded to `pad` rows.
-  const T *k_rows = nullptr, *v_rows = nullptr;
+  // K and V alone for BackwardProductsByKeys: rows [0, cols) at k_rows and v_rows (k_ld and v_ld
+  // apart), and the S^T and dP^T products' last partial strip, rows [m0, nm) (m0 and nm: cols
+  // rounded down and up to kMR; zero past cols), at k_tail and v_tail (dp apart). The caller's
+  // rows are read in place where they are T already, hold whole vectors (d == dp: dQ's product
+  // reads dp columns) and need no zero rows for dQ's product (np == cols: it reads np keys), only
+  // the tail's cols - m0 rows copied (a 16-key tile's 16 rows of K and of V were copied because
+  // the products read 18: cpu_tuning.md section 49); else all converted into K and V (Bcp x dp,
+  // zero-padded to max(np, nm) rows), the tails pointing into them.
+  const T *k_rows = nullptr, *v_rows = nullptr, *k_tail = nullptr, *v_tail = nullptr;
   int64_t k_ld = 0, v_ld = 0;
   void load_rows_only(const Params& p, const Geometry<T>& g, int64_t b, int64_t hk, int64_t j0,
-                      int64_t cols, int64_t pad) {
+                      int64_t cols, int64_t np) {
     const void* k = element(p.k_ptr, p.dtype, k_offset(p, b, j0, hk));
     const void* v = element(p.v_ptr, p.dtype, v_offset(p, b, j0, hk));
     prefetch_elements(k, p.dtype, p.k_row_stride, cols, g.d);
     prefetch_elements(v, p.dtype, p.v_row_stride, cols, g.d);
-    if (p.dtype == dtype_of<T>() && pad == cols && g.d == g.dp) {
+    const int64_t m0 = cols / kMR * kMR, nm = detail::round_up(cols, kMR);
+    if (p.dtype == dtype_of<T>() && np == cols && g.d == g.dp) {
       k_rows = static_cast<const T*>(k);
       v_rows = static_cast<const T*>(v);
       k_ld = p.k_row_stride;
       v_ld = p.v_row_stride;
+      load_rows(element(k, p.dtype, m0 * p.k_row_stride), p.dtype, p.k_row_stride, cols - m0, g.d,
+                K.get(kMR * g.dp), g.dp, nm - m0);
+      load_rows(element(v, p.dtype, m0 * p.v_row_stride), p.dtype, p.v_row_stride, cols - m0, g.d,
+                V.get(kMR * g.dp), g.dp, nm - m0);
+      k_tail = K.data.data();
+      v_tail = V.data.data();
       return;
     }
+    const int64_t pad = std::max(np, nm);
     load_rows(k, p.dtype, p.k_row_stride, cols, g.d, K.get(g.Bcp * g.dp), g.dp, pad);
     load_rows(v, p.dtype, p.v_row_stride, cols, g.d, V.get(g.Bcp * g.dp), g.dp, pad);
     k_rows = K.data.data();
     v_rows = V.data.data();
     k_ld = v_ld = g.dp;
+    k_tail = k_rows + m0 * g.dp;
+    v_tail = v_rows + m0 * g.dp;
   }
 };
 

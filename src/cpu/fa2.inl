@@ -758,7 +758,7 @@ void fa2_backward_by_keys(const Params& p, const Geometry<T>& g, const Mask& mas
           if (mask_tile_empty(&ex, g.qt.start(qt), g.qt.size(qt), j0, cols)) continue;
           if (!kv_loaded) {
             if (transposed)
-              kb_bufs.load_rows_only(p, g, b, hk, j0, cols, std::max(np, nm));
+              kb_bufs.load_rows_only(p, g, b, hk, j0, cols, np);
             else if (!bf16_pairs)
               kb_bufs.load(p, g, b, hk, j0, cols, np);
 #if FLASHDL_HAVE_BF16_DOT
@@ -789,6 +789,8 @@ void fa2_backward_by_keys(const Params& p, const Geometry<T>& g, const Mask& mas
                                                  in.dout_t(bh, qt),
                                                  kb_bufs.k_rows,
                                                  kb_bufs.v_rows,
+                                                 kb_bufs.k_tail,
+                                                 kb_bufs.v_tail,
                                                  kb_bufs.k_ld,
                                                  kb_bufs.v_ld,
                                                  transposed_rows<T>(tp.rows),
