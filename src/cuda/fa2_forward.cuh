@@ -443,6 +443,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
   const int m_rows = int(seqlen_q - m0 < kBlockM ? seqlen_q - m0 : kBlockM);
   const T* gQ = static_cast<const T*>(p.q_ptr) + batch * p.q_batch_stride + head * p.q_head_stride +
                 seq.q0 * p.q_row_stride;
+  // The register-only kernel rebuilds the K/V rows' addresses for each block's copies, and the
+  // mask for each masked block, from the parameters (constant memory), blockIdx and this 32-bit
+  // kv head (< nheads_kv <= 65535, the grid's y extent), instead of holding them across the K/V
+  // loop: held, ptxas kept them in local memory and reloaded them every block (SASS model, step
+  // 20 of benchmarks/results/sass_model_changes.md: float16 sm_90 d 64 no local access left).
+  const int kv_head32 = int(kv_head);
   const T* gK = static_cast<const T*>(p.k_ptr) + batch * p.k_batch_stride +
                 kv_head * p.k_head_stride + seq.k0 * p.k_row_stride;
   const T* gV = static_cast<const T*>(p.v_ptr) + batch * p.v_batch_stride +
@@ -457,6 +463,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
   // the dense mask and no dropout as constants, so none of their tests is compiled into it.
   const detail::BlockMask bm = Tr::kRegsOnly ? detail::BlockMask{}
                                              : detail::block_mask_of(p, batch, head);
+  auto block_mask_rows = [&] {  // the mask, where a masked block needs it (see kv_head32)
+    if constexpr (Tr::kRegsOnly) {
+      const detail::Sequence s = detail::sequence_of(p, blockIdx.z);
+      return detail::make_mask(s.sq, s.sk, p.window_left, p.window_right);
+    } else {
+      return mask;
+    }
+  };
   auto cover = [&](int n) {
     const int64_t n0 = int64_t(n) * kBlockN;
     return bm.cover(m0, m0 + m_rows, n0, n0 + kBlockN < seqlen_k ? n0 + kBlockN : seqlen_k);
@@ -494,8 +508,18 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
       else
         load_tile_rows<kBlockN, kD, Tr::kThreads>(dst, kLd, src, stride, rows, vec_load, keep);
     };
-    load(sK + stage * kBlockN * kLd, gK + n0 * p.k_row_stride, p.k_row_stride);
-    load(sV + stage * kBlockN * kLd, gV + n0 * p.v_row_stride, p.v_row_stride);
+    if constexpr (Tr::kRegsOnly) {  // (rebuilt: see kv_head32)
+      const int64_t bz = blockIdx.z, kh = kv_head32;
+      const T* k = static_cast<const T*>(p.k_ptr) + bz * p.k_batch_stride + kh * p.k_head_stride +
+                   (seq.k0 + n0) * p.k_row_stride;
+      const T* v = static_cast<const T*>(p.v_ptr) + bz * p.v_batch_stride + kh * p.v_head_stride +
+                   (seq.k0 + n0) * p.v_row_stride;
+      load(sK + stage * kBlockN * kLd, k, p.k_row_stride);
+      load(sV + stage * kBlockN * kLd, v, p.v_row_stride);
+    } else {
+      load(sK + stage * kBlockN * kLd, gK + n0 * p.k_row_stride, p.k_row_stride);
+      load(sV + stage * kBlockN * kLd, gV + n0 * p.v_row_stride, p.v_row_stride);
+    }
   };
 
   // Load Q (once) and the first K/V block (stage 0).
@@ -630,14 +654,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
       // vote is a second barrier, in masked blocks only (full is the same in every thread).
       const bool nonfinite_v =
           !full && __syncthreads_or(tile_has_nonfinite<kD, Tr::kThreads>(sVn, kLd, kBlockN));
-      if constexpr (kRegs) {     // (a masked block: whole ones took the path above)
+      if constexpr (kRegs) {  // (a masked block: whole ones took the path above)
+        const detail::Mask mk = block_mask_rows();
+        const int64_t mq0 = Tr::kRegsOnly ? int64_t(blockIdx.x) * kBlockM : m0;
         int lo[R][2], hi[R][2];  // the window of each row, relative to the block, in [0, kBlockN]
 #pragma unroll
         for (int rf = 0; rf < R; ++rf)
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            const int64_t row = m0 + w0 + rf * kFrag + h * 8 + lane / 4;
-            const int64_t b = mask.col_begin(row) - n0, e = mask.col_end(row) - n0;
+            const int64_t row = mq0 + w0 + rf * kFrag + h * 8 + lane / 4;
+            const int64_t b = mk.col_begin(row) - n0, e = mk.col_end(row) - n0;
             lo[rf][h] = int(b < 0 ? 0 : b > kBlockN ? kBlockN : b);
             hi[rf][h] = int(e < 0 ? 0 : e > kBlockN ? kBlockN : e);
           }
