@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "flashdl/api.hpp"
+#include "host_values.hpp"
 
 using namespace flashdl;
 
@@ -22,16 +23,6 @@ uint64_t fnv(const void* p, size_t n, uint64_t h) {
   const auto* b = static_cast<const unsigned char*>(p);
   for (size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 1099511628211ull;
   return h;
-}
-void store(std::vector<char>& b, size_t i, float x, bool bf16) {
-  if (bf16) {
-    uint32_t u;
-    std::memcpy(&u, &x, 4);
-    const auto h = static_cast<uint16_t>(u >> 16);
-    std::memcpy(b.data() + 2 * i, &h, 2);
-  } else {
-    std::memcpy(b.data() + 4 * i, &x, 4);
-  }
 }
 }  // namespace
 
@@ -59,14 +50,15 @@ int main() {
                   std::vector<float> lse(static_cast<size_t>(b * h * sq));
                   std::mt19937 rng(static_cast<unsigned>(configs));
                   std::normal_distribution<float> dist;
-                  for (size_t i = 0; i < nq; ++i) store(q, i, dist(rng) * (special ? 4 : 1), bf16);
-                  for (size_t i = 0; i < nq; ++i) store(dout, i, dist(rng), bf16);
-                  for (size_t i = 0; i < nk; ++i) store(k, i, dist(rng), bf16);
-                  for (size_t i = 0; i < nk; ++i) store(v, i, dist(rng), bf16);
+                  for (size_t i = 0; i < nq; ++i)
+                    store_value(q, i, dist(rng) * (special ? 4 : 1), bf16);
+                  for (size_t i = 0; i < nq; ++i) store_value(dout, i, dist(rng), bf16);
+                  for (size_t i = 0; i < nk; ++i) store_value(k, i, dist(rng), bf16);
+                  for (size_t i = 0; i < nk; ++i) store_value(v, i, dist(rng), bf16);
                   if (special && sk > 2) {  // the last key of head 0: Inf key, NaN value
                     const size_t at = static_cast<size_t>((sk - 1) * hk * d);
-                    store(k, at, INFINITY, bf16);
-                    store(v, at + 1, NAN, bf16);
+                    store_value(k, at, INFINITY, bf16);
+                    store_value(v, at + 1, NAN, bf16);
                   }
                   auto qv = [&](std::vector<char>& x) {
                     return make_view(x.data(), dt, {b, sq, h, d});

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "flashdl/api.hpp"
+#include "host_values.hpp"
 
 using namespace flashdl;
 
@@ -41,17 +42,7 @@ int main(int argc, char** argv) {
   std::mt19937 rng(0);
   std::normal_distribution<float> dist;
   for (int a : {0, 1, 2, 4})  // q, k, v, dout
-    for (size_t i = 0; i < n; ++i) {
-      const float x = dist(rng);
-      if (bf16) {
-        uint32_t u;
-        std::memcpy(&u, &x, 4);
-        const auto hbits = static_cast<uint16_t>(u >> 16);
-        std::memcpy(buf[a].data() + 2 * i, &hbits, 2);
-      } else {
-        std::memcpy(buf[a].data() + 4 * i, &x, 4);
-      }
-    }
+    for (size_t i = 0; i < n; ++i) store_value(buf[a], i, dist(rng), bf16);
   auto view = [&](int a) {
     const bool keys = a == 1 || a == 2 || a == 6 || a == 7;
     return make_view(buf[a].data(), dt, {1, keys ? sk : s, h, d});

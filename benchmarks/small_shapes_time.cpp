@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "flashdl/api.hpp"
+#include "host_values.hpp"
 
 using namespace flashdl;
 
@@ -30,17 +31,7 @@ struct Cell {
 
 void fill(std::vector<char>& b, size_t n, bool bf16, std::mt19937& rng) {
   std::normal_distribution<float> dist;
-  for (size_t i = 0; i < n; ++i) {
-    const float x = dist(rng);
-    if (bf16) {
-      uint32_t u;
-      std::memcpy(&u, &x, 4);
-      const auto h = static_cast<uint16_t>(u >> 16);
-      std::memcpy(b.data() + 2 * i, &h, 2);
-    } else {
-      std::memcpy(b.data() + 4 * i, &x, 4);
-    }
-  }
+  for (size_t i = 0; i < n; ++i) store_value(b, i, dist(rng), bf16);
 }
 }  // namespace
 
