@@ -447,7 +447,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
   // mask for each masked block, from the parameters (constant memory), blockIdx and this 32-bit
   // kv head (< nheads_kv <= 65535, the grid's y extent), instead of holding them across the K/V
   // loop: held, ptxas kept them in local memory and reloaded them every block (SASS model, step
-  // 20 of benchmarks/results/sass_model_changes.md: float16 sm_90 d 64 no local access left).
+  // 20 of benchmarks/results/sass_model_changes.md: float16 sm_90, 6 -> 4 local accesses a block
+  // at d 64 and d 128, -5.6% and -4.4% cycles).
   const int kv_head32 = int(kv_head);
   const T* gK = static_cast<const T*>(p.k_ptr) + batch * p.k_batch_stride +
                 kv_head * p.k_head_stride + seq.k0 * p.k_row_stride;
@@ -463,7 +464,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
   // the dense mask and no dropout as constants, so none of their tests is compiled into it.
   const detail::BlockMask bm = Tr::kRegsOnly ? detail::BlockMask{}
                                              : detail::block_mask_of(p, batch, head);
-  auto block_mask_rows = [&] {  // the mask, where a masked block needs it (see kv_head32)
+  auto window_mask = [&] {  // the causal/window mask, where a masked block needs it (see kv_head32)
     if constexpr (Tr::kRegsOnly) {
       const detail::Sequence s = detail::sequence_of(p, blockIdx.z);
       return detail::make_mask(s.sq, s.sk, p.window_left, p.window_right);
@@ -655,7 +656,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
       const bool nonfinite_v =
           !full && __syncthreads_or(tile_has_nonfinite<kD, Tr::kThreads>(sVn, kLd, kBlockN));
       if constexpr (kRegs) {  // (a masked block: whole ones took the path above)
-        const detail::Mask mk = block_mask_rows();
+        const detail::Mask mk = window_mask();
         const int64_t mq0 = Tr::kRegsOnly ? int64_t(blockIdx.x) * kBlockM : m0;
         int lo[R][2], hi[R][2];  // the window of each row, relative to the block, in [0, kBlockN]
 #pragma unroll
